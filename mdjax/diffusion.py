@@ -1,0 +1,345 @@
+"""Masked (absorbing-state) diffusion core: schedules, forward masking, losses.
+
+Everything here is a pure function of arrays and static values, safe under
+`jax.jit`, `jax.vmap` and `jax.grad`.
+
+Time runs from t = 0 (clean data) to t = 1 (everything masked). A schedule
+gives the probability alpha(t) that a token is still visible at time t.
+
+The denoiser contract used by the losses and every sampler:
+
+    apply_fn(params, tokens_BxL, t_B) -> logits_BxLxV
+
+where V is the real vocabulary size and the mask id is V (never predicted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+ApplyFn = Callable[[Any, Array, Array], Array]
+
+LN2 = math.log(2.0)
+
+
+# ----------------------------------------------------------------------------
+# Masking schedules.
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Schedule:
+  """A masking schedule alpha(t) with alpha(0) = 1 and alpha(1) = eps.
+
+  Subclasses define the base schedule through `_one_minus_alpha_base` (1 -
+  alpha, computed directly so it stays accurate near t = 0) and
+  `_weight_base` (-alpha'/(1 - alpha), computed in closed form so it stays
+  finite and accurate near both ends). The optional clamp `eps` keeps a
+  fraction eps of tokens visible at t = 1 (MDLM's convention):
+  1 - alpha(t) = (1 - eps) * (1 - alpha_base(t)). The clamp cancels in the
+  loss weight, so w(t) is the base schedule's.
+  """
+
+  eps: float = 0.0
+
+  def __post_init__(self):
+    if not 0.0 <= self.eps < 1.0:
+      raise ValueError(f"eps={self.eps!r} must lie in [0, 1).")
+
+  # Base schedule (eps = 0); subclasses override.
+  def _one_minus_alpha_base(self, t):
+    raise NotImplementedError
+
+  def _dalpha_base(self, t):
+    raise NotImplementedError
+
+  def _weight_base(self, t):
+    return -self._dalpha_base(t) / self._one_minus_alpha_base(t)
+
+  def one_minus_alpha(self, t) -> Array:
+    """1 - alpha(t): the probability that a token is masked at time t."""
+    t = jnp.asarray(t, jnp.result_type(float))
+    return (1.0 - self.eps) * self._one_minus_alpha_base(t)
+
+  def alpha(self, t) -> Array:
+    """alpha(t): the probability that a token is still visible at time t."""
+    return 1.0 - self.one_minus_alpha(t)
+
+  def dalpha(self, t) -> Array:
+    """alpha'(t) (non-positive)."""
+    t = jnp.asarray(t, jnp.result_type(float))
+    return (1.0 - self.eps) * self._dalpha_base(t)
+
+  def weight(self, t) -> Array:
+    """Loss weight w(t) = -alpha'(t) / (1 - alpha(t)) >= 0."""
+    t = jnp.asarray(t, jnp.result_type(float))
+    return self._weight_base(t)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinearSchedule(Schedule):
+  """alpha(t) = 1 - t; w(t) = 1/t."""
+
+  def _one_minus_alpha_base(self, t):
+    return t
+
+  def _dalpha_base(self, t):
+    return -jnp.ones_like(t)
+
+  def _weight_base(self, t):
+    return 1.0 / t
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CosineSchedule(Schedule):
+  """alpha(t) = 1 - cos(pi/2 (1 - t)) = 1 - sin(pi t / 2)."""
+
+  def _one_minus_alpha_base(self, t):
+    return jnp.sin(0.5 * jnp.pi * t)
+
+  def _dalpha_base(self, t):
+    # cos(pi t/2) written as sin(pi (1-t)/2), so it is exactly 0 at t = 1.
+    return -0.5 * jnp.pi * jnp.sin(0.5 * jnp.pi * (1.0 - t))
+
+  def _weight_base(self, t):
+    return 0.5 * jnp.pi * jnp.sin(0.5 * jnp.pi * (1.0 - t)) / jnp.sin(0.5 * jnp.pi * t)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PolynomialSchedule(Schedule):
+  """alpha(t) = 1 - t**power; w(t) = power / t."""
+
+  power: float = 2.0
+
+  def __post_init__(self):
+    super().__post_init__()
+    if not self.power > 0:
+      raise ValueError(f"power={self.power!r} must be > 0.")
+
+  def _one_minus_alpha_base(self, t):
+    return t**self.power
+
+  def _dalpha_base(self, t):
+    return -self.power * t ** (self.power - 1.0)
+
+  def _weight_base(self, t):
+    return self.power / t
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LogLinearSchedule(LinearSchedule):
+  """MDLM's log-linear noise: sigma(t) = -log(1 - (1 - eps) t), alpha = e^-sigma.
+
+  This is alpha(t) = 1 - (1 - eps) t: the linear schedule with MDLM's default
+  clamp eps = 1e-3 (a fraction eps of tokens stays visible at t = 1).
+  """
+
+  eps: float = 1e-3
+
+
+SCHEDULES: dict[str, type[Schedule]] = {
+    "linear": LinearSchedule,
+    "cosine": CosineSchedule,
+    "polynomial": PolynomialSchedule,
+    "loglinear": LogLinearSchedule,
+}
+
+
+def get_schedule(name: str, **kwargs) -> Schedule:
+  """Builds a schedule by name, e.g. `get_schedule('polynomial', power=3)`."""
+  if name not in SCHEDULES:
+    raise ValueError(
+        f"schedule={name!r} is unknown; known schedules: {sorted(SCHEDULES)}."
+    )
+  return SCHEDULES[name](**kwargs)
+
+
+# ----------------------------------------------------------------------------
+# Forward process q(z_t | x).
+# ----------------------------------------------------------------------------
+
+
+def forward_mask(
+    key: Array,
+    x_BxL: Array,
+    alpha_B: Array,
+    mask_id: int,
+    maskable_BxL: Array | None = None,
+) -> Array:
+  """Draws z_t ~ q(z_t | x): each maskable position kept with prob alpha(t)."""
+  keep_BxL = jax.random.uniform(key, x_BxL.shape) < alpha_B[:, None]
+  if maskable_BxL is not None:
+    keep_BxL = keep_BxL | ~maskable_BxL
+  return jnp.where(keep_BxL, x_BxL, mask_id)
+
+
+def stratified_times(key: Array, batch: int, t_min: float = 1e-5) -> Array:
+  """Antithetic times t_b = (u + b/B) mod 1, mapped into [t_min, 1]."""
+  u = jax.random.uniform(key, ())
+  t_B = jnp.mod(u + jnp.arange(batch) / batch, 1.0)
+  return t_min + (1.0 - t_min) * t_B
+
+
+def _token_nll(logits_BxLxV: Array, x_BxL: Array) -> Array:
+  """-log p(x_i) at every position; logits may hold -inf for impossible ids."""
+  logp_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
+  return -jnp.take_along_axis(logp_BxLxV, x_BxL[..., None], axis=-1)[..., 0]
+
+
+def nelbo_loss(
+    apply_fn: ApplyFn,
+    params: Any,
+    key: Array,
+    x_BxL: Array,
+    *,
+    schedule: Schedule,
+    mask_id: int,
+    maskable_BxL: Array | None = None,
+    num_steps: int = 0,
+    t_min: float = 1e-5,
+) -> tuple[Array, dict[str, Array]]:
+  """MD4 negative ELBO of a batch, in nats per sequence.
+
+  Continuous time (`num_steps=0`): E_t[w(t) sum_{masked i} -log p(x_i | z_t)]
+  with antithetic t across the batch. Discrete time (`num_steps=T`): t is the
+  end of one of T equal intervals [s, t], drawn stratified, and the weight is
+  T (alpha(s) - alpha(t)) / (1 - alpha(t)), an unbiased estimate of the sum
+  of the T interval terms. Visible positions contribute nothing (SUBS).
+
+  Returns (loss, aux): loss is the batch-mean NELBO in nats per sequence; aux
+  holds `nelbo_nats` (same), `nelbo_nats_B` (per sequence, for error bars),
+  `bits_per_token` and `masked_fraction` (of maskable positions).
+  """
+  batch, _ = x_BxL.shape
+  if maskable_BxL is None:
+    maskable_BxL = jnp.ones(x_BxL.shape, bool)
+  time_key, mask_key = jax.random.split(key)
+  u_B = stratified_times(time_key, batch, t_min)
+  if num_steps:
+    # Interval index i in {1..T}: t = i/T, s = (i-1)/T.
+    i_B = jnp.clip(jnp.ceil(u_B * num_steps), 1, num_steps)
+    t_B, s_B = i_B / num_steps, (i_B - 1) / num_steps
+    oma_t, oma_s = schedule.one_minus_alpha(t_B), schedule.one_minus_alpha(s_B)
+    weight_B = num_steps * (oma_t - oma_s) / oma_t
+  else:
+    t_B = u_B
+    weight_B = schedule.weight(t_B)
+  z_BxL = forward_mask(mask_key, x_BxL, schedule.alpha(t_B), mask_id, maskable_BxL)
+  logits_BxLxV = apply_fn(params, z_BxL, t_B)
+  masked_BxL = z_BxL == mask_id
+  nll_BxL = jnp.where(masked_BxL, _token_nll(logits_BxLxV, x_BxL), 0.0)
+  nelbo_B = weight_B * nll_BxL.sum(axis=-1)
+  loss = nelbo_B.mean()
+  tokens = jnp.maximum(maskable_BxL.sum(), 1)
+  aux = {
+      "nelbo_nats": loss,
+      "nelbo_nats_B": nelbo_B,
+      "bits_per_token": nelbo_B.sum() / tokens / LN2,
+      "masked_fraction": masked_BxL.sum() / tokens,
+  }
+  return loss, aux
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MlmCorruption:
+  """Knobs of the BERT-style MLM corruption objective.
+
+  Per example a ratio r ~ U[0, 1] of the maskable positions is selected. Of
+  the selected positions `mask_prob` become the mask id, `random_prob` a
+  uniformly random token and the rest stay unchanged; an example is eligible
+  for random tokens with probability `random_eligible_prob` (otherwise its
+  random share is masked too); with probability `full_mask_prob` an example is
+  fully masked (r = 1, every selected position masked).
+  """
+
+  mask_prob: float = 0.8
+  random_prob: float = 0.1
+  random_eligible_prob: float = 0.5
+  full_mask_prob: float = 0.1
+
+  def __post_init__(self):
+    for name in ("mask_prob", "random_prob", "random_eligible_prob", "full_mask_prob"):
+      value = getattr(self, name)
+      if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name}={value!r} must lie in [0, 1].")
+    if self.mask_prob + self.random_prob > 1.0:
+      raise ValueError(
+          f"mask_prob + random_prob = {self.mask_prob + self.random_prob!r} "
+          "must be at most 1."
+      )
+
+
+def mlm_corrupt(
+    key: Array,
+    x_BxL: Array,
+    *,
+    vocab_size: int,
+    mask_id: int,
+    corruption: MlmCorruption = MlmCorruption(),
+    maskable_BxL: Array | None = None,
+) -> tuple[Array, Array]:
+  """Returns (corrupted tokens, selected positions) of the MLM objective."""
+  batch, length = x_BxL.shape
+  if maskable_BxL is None:
+    maskable_BxL = jnp.ones(x_BxL.shape, bool)
+  k_ratio, k_full, k_elig, k_sel, k_kind, k_rand = jax.random.split(key, 6)
+  full_B = jax.random.uniform(k_full, (batch,)) < corruption.full_mask_prob
+  ratio_B = jnp.where(full_B, 1.0, jax.random.uniform(k_ratio, (batch,)))
+  selected_BxL = maskable_BxL & (
+      jax.random.uniform(k_sel, (batch, length)) < ratio_B[:, None]
+  )
+  eligible_B = (jax.random.uniform(k_elig, (batch,)) < corruption.random_eligible_prob) & ~full_B
+  kind_BxL = jax.random.uniform(k_kind, (batch, length))
+  to_random_BxL = (
+      eligible_B[:, None]
+      & (kind_BxL >= corruption.mask_prob)
+      & (kind_BxL < corruption.mask_prob + corruption.random_prob)
+  )
+  # Non-eligible (and fully masked) examples mask their random share too.
+  keep_share = 1.0 - corruption.mask_prob - corruption.random_prob
+  to_mask_BxL = (kind_BxL < 1.0 - keep_share) & ~to_random_BxL
+  to_mask_BxL = to_mask_BxL | full_B[:, None]
+  random_BxL = jax.random.randint(k_rand, x_BxL.shape, 0, vocab_size, x_BxL.dtype)
+  z_BxL = jnp.where(selected_BxL & to_mask_BxL, mask_id, x_BxL)
+  z_BxL = jnp.where(selected_BxL & to_random_BxL, random_BxL, z_BxL)
+  return z_BxL, selected_BxL
+
+
+def mlm_loss(
+    apply_fn: ApplyFn,
+    params: Any,
+    key: Array,
+    x_BxL: Array,
+    *,
+    vocab_size: int,
+    mask_id: int,
+    corruption: MlmCorruption = MlmCorruption(),
+    maskable_BxL: Array | None = None,
+) -> tuple[Array, dict[str, Array]]:
+  """MLM corruption objective: mean cross-entropy over the selected positions.
+
+  The denoiser is called with t = the per-example selected fraction.
+  """
+  z_BxL, selected_BxL = mlm_corrupt(
+      key, x_BxL, vocab_size=vocab_size, mask_id=mask_id,
+      corruption=corruption, maskable_BxL=maskable_BxL,
+  )
+  if maskable_BxL is None:
+    maskable_BxL = jnp.ones(x_BxL.shape, bool)
+  t_B = selected_BxL.sum(-1) / jnp.maximum(maskable_BxL.sum(-1), 1)
+  logits_BxLxV = apply_fn(params, z_BxL, t_B)
+  nll_BxL = _token_nll(logits_BxLxV, x_BxL)
+  count = jnp.maximum(selected_BxL.sum(), 1)
+  loss = jnp.where(selected_BxL, nll_BxL, 0.0).sum() / count
+  aux = {
+      "mlm_nats_per_token": loss,
+      "selected_fraction": selected_BxL.sum() / jnp.maximum(maskable_BxL.sum(), 1),
+      "masked_fraction": (z_BxL == mask_id).sum() / jnp.maximum(maskable_BxL.sum(), 1),
+  }
+  return loss, aux
