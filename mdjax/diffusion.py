@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 ApplyFn = Callable[[Any, Array, Array], Array]
@@ -36,6 +37,9 @@ LN2 = math.log(2.0)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Schedule:
   """A masking schedule alpha(t) with alpha(0) = 1 and alpha(1) = eps.
+
+  Methods take jax arrays (traced or not) or numpy / Python numbers; the
+  latter are computed in float64 with numpy, for plans made before tracing.
 
   Subclasses define the base schedule through `_one_minus_alpha_base` (1 -
   alpha, computed directly so it stays accurate near t = 0) and
@@ -53,19 +57,19 @@ class Schedule:
       raise ValueError(f"eps={self.eps!r} must lie in [0, 1).")
 
   # Base schedule (eps = 0); subclasses override.
-  def _one_minus_alpha_base(self, t):
+  def _one_minus_alpha_base(self, t, xp):
     raise NotImplementedError
 
-  def _dalpha_base(self, t):
+  def _dalpha_base(self, t, xp):
     raise NotImplementedError
 
-  def _weight_base(self, t):
-    return -self._dalpha_base(t) / self._one_minus_alpha_base(t)
+  def _weight_base(self, t, xp):
+    return -self._dalpha_base(t, xp) / self._one_minus_alpha_base(t, xp)
 
   def one_minus_alpha(self, t) -> Array:
     """1 - alpha(t): the probability that a token is masked at time t."""
-    t = jnp.asarray(t, jnp.result_type(float))
-    return (1.0 - self.eps) * self._one_minus_alpha_base(t)
+    t, xp = _as_time(t)
+    return (1.0 - self.eps) * self._one_minus_alpha_base(t, xp)
 
   def alpha(self, t) -> Array:
     """alpha(t): the probability that a token is still visible at time t."""
@@ -73,26 +77,33 @@ class Schedule:
 
   def dalpha(self, t) -> Array:
     """alpha'(t) (non-positive)."""
-    t = jnp.asarray(t, jnp.result_type(float))
-    return (1.0 - self.eps) * self._dalpha_base(t)
+    t, xp = _as_time(t)
+    return (1.0 - self.eps) * self._dalpha_base(t, xp)
 
   def weight(self, t) -> Array:
     """Loss weight w(t) = -alpha'(t) / (1 - alpha(t)) >= 0."""
-    t = jnp.asarray(t, jnp.result_type(float))
-    return self._weight_base(t)
+    t, xp = _as_time(t)
+    return self._weight_base(t, xp)
+
+
+def _as_time(t):
+  """Times as float arrays: numpy float64 for host plans, else jax arrays."""
+  if isinstance(t, (np.ndarray, np.floating, float, int)):
+    return np.asarray(t, np.float64), np
+  return jnp.asarray(t, jnp.result_type(float)), jnp
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LinearSchedule(Schedule):
   """alpha(t) = 1 - t; w(t) = 1/t."""
 
-  def _one_minus_alpha_base(self, t):
+  def _one_minus_alpha_base(self, t, xp):
     return t
 
-  def _dalpha_base(self, t):
-    return -jnp.ones_like(t)
+  def _dalpha_base(self, t, xp):
+    return -xp.ones_like(t)
 
-  def _weight_base(self, t):
+  def _weight_base(self, t, xp):
     return 1.0 / t
 
 
@@ -100,15 +111,15 @@ class LinearSchedule(Schedule):
 class CosineSchedule(Schedule):
   """alpha(t) = 1 - cos(pi/2 (1 - t)) = 1 - sin(pi t / 2)."""
 
-  def _one_minus_alpha_base(self, t):
-    return jnp.sin(0.5 * jnp.pi * t)
+  def _one_minus_alpha_base(self, t, xp):
+    return xp.sin(0.5 * xp.pi * t)
 
-  def _dalpha_base(self, t):
+  def _dalpha_base(self, t, xp):
     # cos(pi t/2) written as sin(pi (1-t)/2), so it is exactly 0 at t = 1.
-    return -0.5 * jnp.pi * jnp.sin(0.5 * jnp.pi * (1.0 - t))
+    return -0.5 * xp.pi * xp.sin(0.5 * xp.pi * (1.0 - t))
 
-  def _weight_base(self, t):
-    return 0.5 * jnp.pi * jnp.sin(0.5 * jnp.pi * (1.0 - t)) / jnp.sin(0.5 * jnp.pi * t)
+  def _weight_base(self, t, xp):
+    return 0.5 * xp.pi * xp.sin(0.5 * xp.pi * (1.0 - t)) / xp.sin(0.5 * xp.pi * t)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -122,13 +133,13 @@ class PolynomialSchedule(Schedule):
     if not self.power > 0:
       raise ValueError(f"power={self.power!r} must be > 0.")
 
-  def _one_minus_alpha_base(self, t):
+  def _one_minus_alpha_base(self, t, xp):
     return t**self.power
 
-  def _dalpha_base(self, t):
+  def _dalpha_base(self, t, xp):
     return -self.power * t ** (self.power - 1.0)
 
-  def _weight_base(self, t):
+  def _weight_base(self, t, xp):
     return self.power / t
 
 

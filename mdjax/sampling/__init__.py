@@ -1,0 +1,24 @@
+"""Samplers for masked diffusion: one jitted `sample` for every family.
+
+Families (each a frozen spec): AncestralSpec (exact MD4/MDLM reverse kernel),
+ConfidenceSpec (MaskGIT/LLaDA), RemaskSpec (ReMDM), OrderedSpec (fixed write
+orders) and RandomOrderSpec (exact chain rule in a random order). Blocks
+(semi-autoregressive decoding) are the `block_length` knob of the first two.
+"""
+
+from mdjax.sampling.driver import SampleResult, num_steps, row_keys, sample
+from mdjax.sampling.specs import (
+    AncestralSpec,
+    ConfidenceSpec,
+    OrderedSpec,
+    RandomOrderSpec,
+    RemaskSpec,
+    SamplerSpec,
+    time_grid,
+)
+from mdjax.sampling.transforms import SCORES
+
+__all__ = [
+    "AncestralSpec", "ConfidenceSpec", "OrderedSpec", "RandomOrderSpec", "RemaskSpec",
+    "SCORES", "SampleResult", "SamplerSpec", "num_steps", "row_keys", "sample", "time_grid",
+]

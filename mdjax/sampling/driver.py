@@ -1,0 +1,240 @@
+"""`sample`: any sampler family, the whole reverse trajectory in one lax.scan."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from mdjax.sampling import ancestral, confidence, ordered
+from mdjax.sampling import specs as specs_lib
+from mdjax.sampling.state import Context, State
+
+Array = jax.Array
+
+# Stream of the per-row keys used once before the loop (the random order);
+# step i uses fold_in(row_key, i) with i < this.
+_INIT_STREAM = 0x7FFFFFFF
+
+
+@struct.dataclass
+class SampleResult:
+  """What `sample` returns.
+
+  tokens_BxL: the final canvas. write_step_BxL: the step at which each position
+  last received its value (-1 for positions never written). nfe: denoiser
+  evaluations made; saved_calls: steps whose evaluation was skipped.
+  reopened_B: committed tokens returned to the mask (remasking).
+  trajectory_KxBxL: the canvas after each step, if the spec records it.
+  """
+
+  tokens_BxL: Array
+  write_step_BxL: Array
+  nfe: Array
+  saved_calls: Array
+  reopened_B: Array
+  trajectory_KxBxL: Array | None = None
+
+
+def num_steps(spec: specs_lib.SamplerSpec, length: int) -> int:
+  """The static number of scan steps a spec takes on a length-L canvas."""
+  if isinstance(spec, specs_lib.RandomOrderSpec):
+    return length
+  return spec.steps
+
+
+def _is_key_batch(key: Array) -> bool:
+  if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return key.ndim == 1
+  return key.ndim == 2
+
+
+def row_keys(key: Array, batch: int) -> Array:
+  """Per-row keys: a batch of keys as given, or `split(key, B)` of one key."""
+  if _is_key_batch(key):
+    if key.shape[0] != batch:
+      raise ValueError(f"key holds {key.shape[0]} row keys; tokens_BxL has B={batch} rows.")
+    return key
+  return jax.random.split(key, batch)
+
+
+def _block_ids(editable_BxL: Array, block_length: int | None) -> Array:
+  if block_length is None:
+    return jnp.zeros(editable_BxL.shape, jnp.int32)
+  rank_BxL = jnp.cumsum(editable_BxL, axis=-1) - 1
+  return jnp.where(editable_BxL, rank_BxL // block_length, -1).astype(jnp.int32)
+
+
+def _host_values(*arrays) -> list[np.ndarray] | None:
+  """The arrays as numpy, or None when any is a tracer (sample called in jit)."""
+  try:
+    return [np.asarray(a) for a in arrays]
+  except jax.errors.TracerArrayConversionError:
+    return None
+
+
+def _num_blocks(spec, editable: np.ndarray | None, length: int) -> int:
+  """Checks block_length against the generation length; returns the block count."""
+  block_length = getattr(spec, "block_length", None)
+  if block_length is None:
+    return 1
+  if editable is None:
+    raise ValueError("block_length needs concrete tokens_BxL / fixed_BxL to count the "
+                     "generation length; call sample outside jit.")
+  if isinstance(spec, specs_lib.AncestralSpec) and not isinstance(spec.grid, str):
+    raise ValueError(f"grid={spec.grid!r}: with block_length use a named grid {specs_lib.GRIDS}.")
+  gen_lengths = np.unique(editable.sum(-1))
+  if len(gen_lengths) != 1:
+    raise ValueError(f"block_length={block_length} needs the same generation length in every "
+                     f"row; rows have {gen_lengths.tolist()} editable positions.")
+  gen_length = int(gen_lengths[0])
+  if gen_length % block_length:
+    raise ValueError(f"block_length={block_length} must divide the generation length "
+                     f"{gen_length}.")
+  num_blocks = gen_length // block_length
+  if spec.steps % num_blocks:
+    raise ValueError(f"steps={spec.steps} must be divisible by the number of blocks "
+                     f"{num_blocks} (generation length {gen_length} / block_length "
+                     f"{block_length}).")
+  return num_blocks
+
+
+def _validate_data(spec, tokens: np.ndarray, fixed: np.ndarray, mask_id: int):
+  if tokens.min() < 0 or tokens.max() > mask_id:
+    bad = tokens[(tokens < 0) | (tokens > mask_id)][0]
+    raise ValueError(f"tokens_BxL holds {bad}; token ids must lie in [0, {mask_id}] "
+                     f"({mask_id} being the mask id).")
+  if (fixed & (tokens == mask_id)).any():
+    row, pos = np.argwhere(fixed & (tokens == mask_id))[0]
+    raise ValueError(f"fixed_BxL marks position {pos} of row {row} as fixed, but it holds "
+                     f"the mask id {mask_id}; fixed positions need a token.")
+  if isinstance(spec, specs_lib.OrderedSpec):
+    length = tokens.shape[1]
+    covered = np.zeros(length, bool)
+    flat = [p for g in spec.groups for p in g]
+    if max(flat) >= length:
+      raise ValueError(f"groups name position {max(flat)}; the canvas has L={length}.")
+    covered[flat] = True
+    missed = np.flatnonzero((~fixed & (tokens == mask_id)).any(0) & ~covered)
+    if missed.size:
+      raise ValueError(f"groups miss masked positions {missed.tolist()}; every generated "
+                       "position must be in exactly one group.")
+
+
+def sample(apply_fn, params: Any, key: Array, tokens_BxL: Array,
+           spec: specs_lib.SamplerSpec, fixed_BxL: Array | None = None, *,
+           mask_id: int | None = None) -> SampleResult:
+  """Samples with any family; the whole trajectory is one compiled program.
+
+  Args:
+    apply_fn: the denoiser, `apply_fn(params, tokens_BxL, t_B) -> logits_BxLxV`.
+    params: its parameters (traced, never baked into the program).
+    key: one PRNG key (split into B row keys), or a batch of B row keys.
+    tokens_BxL: the starting canvas: the mask id where generation happens.
+    spec: the sampler and its knobs (a frozen spec from `mdjax.sampling`).
+    fixed_BxL: positions that never change; default: every visible position.
+    mask_id: the mask id V; inferred from the denoiser's output when None.
+  """
+  if not isinstance(spec, specs_lib.SamplerSpec):
+    raise ValueError(f"spec={spec!r} must be a sampler spec from mdjax.sampling.")
+  tokens_BxL = jnp.asarray(tokens_BxL)
+  if tokens_BxL.ndim != 2 or not jnp.issubdtype(tokens_BxL.dtype, jnp.integer):
+    raise ValueError(f"tokens_BxL has shape {tokens_BxL.shape} and dtype {tokens_BxL.dtype}; "
+                     "it must be a 2-D integer array.")
+  batch, length = tokens_BxL.shape
+  if mask_id is None:
+    out = jax.eval_shape(apply_fn, params, tokens_BxL, jnp.zeros((batch,)))
+    mask_id = int(out.shape[-1])
+  if fixed_BxL is None:
+    fixed_BxL = tokens_BxL != mask_id
+  fixed_BxL = jnp.asarray(fixed_BxL, bool)
+  if fixed_BxL.shape != tokens_BxL.shape:
+    raise ValueError(f"fixed_BxL has shape {fixed_BxL.shape}; tokens_BxL has "
+                     f"{tokens_BxL.shape}.")
+  editable = None
+  host = _host_values(tokens_BxL, fixed_BxL)
+  if host is not None:
+    tokens, fixed = host
+    _validate_data(spec, tokens, fixed, mask_id)
+    editable = ~fixed
+  num_blocks = _num_blocks(spec, editable, length)
+  keys_B = row_keys(key, batch)
+  return _sample_jit(apply_fn, params, keys_B, tokens_BxL.astype(jnp.int32), fixed_BxL,
+                     spec=spec, mask_id=mask_id, num_blocks=num_blocks)
+
+
+def _plan(spec, length: int, num_blocks: int) -> tuple[Any, dict[str, np.ndarray]]:
+  """The family's update function and its per-step arrays (fed as scan xs)."""
+  if isinstance(spec, specs_lib.AncestralSpec):
+    return ancestral.update, ancestral.plan_ancestral(spec, num_blocks)
+  if isinstance(spec, specs_lib.RemaskSpec):
+    return ancestral.update, ancestral.plan_remask(spec)
+  if isinstance(spec, specs_lib.ConfidenceSpec):
+    return confidence.update, confidence.plan(spec, num_blocks)
+  return ordered.update, ordered.plan(spec, length)
+
+
+@functools.partial(jax.jit, static_argnames=("apply_fn", "spec", "mask_id", "num_blocks"))
+def _sample_jit(apply_fn, params, keys_B, tokens_BxL, fixed_BxL, *, spec, mask_id,
+                num_blocks) -> SampleResult:
+  batch, length = tokens_BxL.shape
+  update, xs = _plan(spec, length, num_blocks)
+  xs = {name: jnp.asarray(value) for name, value in xs.items()}
+  xs["step"] = jnp.arange(num_steps(spec, length), dtype=jnp.int32)
+  editable_BxL = ~fixed_BxL
+  init_keys_B = jax.vmap(jax.random.fold_in, (0, None))(keys_B, _INIT_STREAM)
+  order_rank_BxL = (ordered.random_order_rank(init_keys_B, editable_BxL)
+                    if isinstance(spec, specs_lib.RandomOrderSpec)
+                    else jnp.zeros((batch, length), jnp.int32))
+  block_length = getattr(spec, "block_length", None)
+  ctx = Context(mask_id=mask_id, editable_BxL=editable_BxL,
+                block_id_BxL=_block_ids(editable_BxL, block_length),
+                order_rank_BxL=order_rank_BxL)
+  zero = jnp.zeros((), jnp.int32)
+  state = State(
+      tokens_BxL=tokens_BxL,
+      write_step_BxL=jnp.full((batch, length), -1, jnp.int32),
+      write_conf_BxL=jnp.ones((batch, length), jnp.float32),
+      reopened_B=jnp.zeros((batch,), jnp.int32),
+      block_count_B=jnp.zeros((batch,), jnp.int32),
+      nfe=zero, saved_calls=zero,
+  )
+  out = jax.eval_shape(apply_fn, params, tokens_BxL, jnp.zeros((batch,)))
+  if out.shape != (batch, length, mask_id):
+    raise ValueError(f"apply_fn returns logits of shape {out.shape}; expected "
+                     f"(B, L, V) = {(batch, length, mask_id)} with V = mask id.")
+  cache = getattr(spec, "cache", False)
+  if cache:
+    state = state.replace(last_tokens_BxL=jnp.full_like(tokens_BxL, -1),
+                          last_logits_BxLxV=jnp.zeros(out.shape, out.dtype))
+  remasks = isinstance(spec, specs_lib.RemaskSpec)
+
+  def step_fn(state: State, x):
+    step_keys_B = jax.vmap(jax.random.fold_in, (0, None))(keys_B, x["step"])
+    t_B = jnp.full((batch,), x["t"], jnp.float32)
+    call = lambda: apply_fn(params, state.tokens_BxL, t_B)
+    if cache:
+      # MDLM's cache: the same canvas gives the same logits (t-free denoiser).
+      need = jnp.any(state.tokens_BxL != state.last_tokens_BxL)
+      logits = jax.lax.cond(need, call, lambda: state.last_logits_BxLxV)
+      state = state.replace(last_tokens_BxL=state.tokens_BxL, last_logits_BxLxV=logits)
+    elif remasks:
+      need = jnp.array(True)
+      logits = call()
+    else:
+      # Nothing left to write in this block: skip the denoiser.
+      need = jnp.any((state.tokens_BxL == mask_id) & editable_BxL
+                     & (ctx.block_id_BxL == x["block"]))
+      logits = jax.lax.cond(need, call, lambda: jnp.zeros(out.shape, out.dtype))
+    state = state.replace(nfe=state.nfe + need, saved_calls=state.saved_calls + (~need))
+    state = update(spec, state, ctx, x, logits, step_keys_B)
+    return state, (state.tokens_BxL if spec.record_trajectory else None)
+
+  state, trajectory = jax.lax.scan(step_fn, state, xs)
+  return SampleResult(tokens_BxL=state.tokens_BxL, write_step_BxL=state.write_step_BxL,
+                      nfe=state.nfe, saved_calls=state.saved_calls,
+                      reopened_B=state.reopened_B, trajectory_KxBxL=trajectory)

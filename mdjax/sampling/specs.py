@@ -1,0 +1,219 @@
+"""Sampler specs: frozen, hashable dataclasses, static under jit.
+
+A spec names a sampler family and all its knobs. Everything a spec implies
+(step count, time grid, per-step counts) is fixed before tracing; bad values
+raise a `ValueError` naming the field, its value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Union
+
+import numpy as np
+
+from mdjax import diffusion
+from mdjax.sampling import transforms
+
+Grid = Union[str, tuple[float, ...]]
+GRIDS = ("uniform", "cosine")
+SIGMAS = ("cap", "rescale", "conf")
+
+
+def _check(condition: bool, field: str, value, allowed: str):
+  if not condition:
+    raise ValueError(f"{field}={value!r} is invalid: {allowed}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplerSpec:
+  """Knobs shared by every family: the value transform and recording.
+
+  temperature: softmax(logits / T); T = 0 takes the argmax (no division).
+  top_k: keep the k most likely values (None: all). top_p: nucleus mass.
+  record_trajectory: also return the canvas after every step (K x B x L).
+  """
+
+  temperature: float = 1.0
+  top_k: int | None = None
+  top_p: float = 1.0
+  record_trajectory: bool = False
+
+  def __post_init__(self):
+    _check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
+    _check(self.top_k is None or (isinstance(self.top_k, int) and self.top_k >= 1),
+           "top_k", self.top_k, "must be None or an integer >= 1")
+    _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must lie in (0, 1]")
+
+  @property
+  def transform(self) -> dict:
+    return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+
+def _check_steps(steps):
+  _check(isinstance(steps, (int, np.integer)) and steps >= 1, "steps", steps,
+         "must be an integer >= 1")
+
+
+def _check_block_length(block_length):
+  if block_length is None:
+    return
+  _check(isinstance(block_length, (int, np.integer)) and block_length >= 1,
+         "block_length", block_length, "must be None or an integer >= 1")
+
+
+def time_grid(grid: Grid, steps: int) -> np.ndarray:
+  """The decreasing grid 1 = t_0 > t_1 > ... > t_K = 0 as float64."""
+  if isinstance(grid, str):
+    _check(grid in GRIDS, "grid", grid, f"must be one of {GRIDS} or a tuple of times")
+    i = np.arange(steps + 1) / steps
+    times = 1.0 - i if grid == "uniform" else np.cos(0.5 * np.pi * i)
+    times[0], times[-1] = 1.0, 0.0
+    return times
+  times = np.asarray(grid, np.float64)
+  _check(times.ndim == 1 and len(times) == steps + 1, "grid", grid,
+         f"must hold steps + 1 = {steps + 1} times")
+  _check(times[0] == 1.0 and times[-1] == 0.0 and np.all(np.diff(times) < 0), "grid",
+         grid, "must decrease strictly from 1 to 0")
+  return times
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AncestralSpec(SamplerSpec):
+  """The exact reverse kernel of MD4 / MDLM on a time grid.
+
+  Each masked position is revealed with probability
+  (alpha(s) - alpha(t)) / (1 - alpha(t)) and its value drawn from the
+  denoiser's categorical at the current state. `cache` skips the denoiser
+  when nothing changed since its last call (valid for denoisers that ignore
+  t). `block_length` decodes semi-autoregressively, each block on its own
+  grid with steps / num_blocks steps.
+  """
+
+  steps: int
+  schedule: diffusion.Schedule = diffusion.LinearSchedule()
+  grid: Grid = "uniform"
+  cache: bool = False
+  block_length: int | None = None
+
+  def __post_init__(self):
+    super().__post_init__()
+    _check_steps(self.steps)
+    _check_block_length(self.block_length)
+    if not isinstance(self.grid, str):
+      object.__setattr__(self, "grid", tuple(float(t) for t in self.grid))
+    time_grid(self.grid, self.steps)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConfidenceSpec(SamplerSpec):
+  """Confidence-ordered decoding (MaskGIT / LLaDA).
+
+  Each step proposes a value for every masked position, scores the proposals
+  (`score` in transforms.SCORES, read from the untransformed softmax) and
+  commits the k_i best; the rest stay masked. After step i of K a fraction
+  1 - alpha(1 - (i+1)/K) of the row's (block's) masked positions remains, for
+  `count_schedule` alpha (linear; cosine is MaskGIT's). Ties go to the lower
+  position. `gumbel_temperature` > 0 ranks by log(score) + c_i * Gumbel with
+  c_i annealed linearly to 0 (MaskGIT's choice temperature). `threshold`
+  instead commits every proposal scoring at least it (always at least one,
+  everything at the last step), with `steps` as the bound.
+  """
+
+  steps: int
+  score: str = "max_prob"
+  count_schedule: diffusion.Schedule = diffusion.LinearSchedule()
+  gumbel_temperature: float = 0.0
+  threshold: float | None = None
+  block_length: int | None = None
+
+  def __post_init__(self):
+    super().__post_init__()
+    _check_steps(self.steps)
+    _check_block_length(self.block_length)
+    _check(self.score in transforms.SCORES, "score", self.score,
+           f"must be one of {transforms.SCORES}")
+    _check(self.gumbel_temperature >= 0.0, "gumbel_temperature",
+           self.gumbel_temperature, "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RemaskSpec(SamplerSpec):
+  """ReMDM: committed tokens may return to the mask with probability sigma_t.
+
+  Masked positions are revealed with probability
+  (alpha(s) - (1 - sigma) alpha(t)) / (1 - alpha(t)), which keeps the
+  marginal schedule. sigma schedules with sigma_max = min(1, (1-alpha_s)/alpha_t):
+  `cap` min(eta, sigma_max); `rescale` eta * sigma_max; `conf` sigma_max
+  spread over committed tokens by softmax(-confidence when written).
+  With `loop_t_on` > `loop_t_off`, sigma is 0 outside [loop_t_off, loop_t_on]
+  and alpha is held at alpha(loop_t_on) inside it (ReMDM-loop); below
+  loop_t_off the schedule resumes, compressed onto [0, loop_t_off].
+  eta = 0 reproduces AncestralSpec token for token.
+  """
+
+  steps: int
+  schedule: diffusion.Schedule = diffusion.LinearSchedule()
+  grid: Grid = "uniform"
+  sigma: str = "cap"
+  eta: float = 0.05
+  loop_t_on: float | None = None
+  loop_t_off: float | None = None
+
+  def __post_init__(self):
+    super().__post_init__()
+    _check_steps(self.steps)
+    _check(self.sigma in SIGMAS, "sigma", self.sigma, f"must be one of {SIGMAS}")
+    _check(0.0 <= self.eta <= 1.0, "eta", self.eta, "must lie in [0, 1]")
+    if not isinstance(self.grid, str):
+      object.__setattr__(self, "grid", tuple(float(t) for t in self.grid))
+    time_grid(self.grid, self.steps)
+    if (self.loop_t_on is None) != (self.loop_t_off is None):
+      raise ValueError(
+          f"loop_t_on={self.loop_t_on!r} and loop_t_off={self.loop_t_off!r} must be "
+          "given together.")
+    if self.loop_t_on is not None:
+      _check(0.0 < self.loop_t_off < self.loop_t_on < 1.0, "loop_t_on",
+             (self.loop_t_on, self.loop_t_off), "need 0 < loop_t_off < loop_t_on < 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OrderedSpec(SamplerSpec):
+  """A fixed write order: `groups[i]` is the set of positions written at step i.
+
+  Values within a group are drawn independently from the current
+  conditionals. One position per group is the exact chain-rule sampler.
+  The groups must cover every generated position exactly once.
+  """
+
+  groups: tuple[tuple[int, ...], ...]
+
+  def __post_init__(self):
+    super().__post_init__()
+    groups = tuple(tuple(int(p) for p in g) for g in self.groups)
+    object.__setattr__(self, "groups", groups)
+    _check(len(groups) >= 1, "steps", len(groups), "must be an integer >= 1 (one group a step)")
+    flat = [p for g in groups for p in g]
+    _check(all(len(g) >= 1 for g in groups), "groups", groups, "every group needs a position")
+    _check(min(flat) >= 0, "groups", min(flat), "positions must be >= 0")
+    repeated = sorted({p for p in flat if flat.count(p) > 1})
+    _check(not repeated, "groups", repeated, "a position may appear in one group only")
+
+  @classmethod
+  def left_to_right(cls, length: int, **kwargs) -> "OrderedSpec":
+    """One position per step, left to right: the autoregressive chain rule."""
+    return cls(groups=tuple((i,) for i in range(length)), **kwargs)
+
+  @property
+  def steps(self) -> int:
+    return len(self.groups)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RandomOrderSpec(SamplerSpec):
+  """One position per step in a uniformly random order drawn per row.
+
+  The exact chain-rule sampler (exact for an exact denoiser): it takes as
+  many steps as the sequence is long, skipping the denoiser once a row set
+  has nothing left to write.
+  """

@@ -1,0 +1,110 @@
+"""Value transforms, categorical draws and confidence scores.
+
+Randomness is drawn per row from that row's key (`fold_in(row_key, tag)`), so a
+batch of B rows equals B single-row calls with the same per-row keys.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+# Tags that separate the random streams of one step.
+REVEAL, VALUES, REMASK, SELECT, SCORE, ORDER = range(6)
+
+
+def noise_dtype():
+  """Gumbel / uniform noise in float64 when x64 is on, else float32.
+
+  Low-precision Gumbel noise is known to distort categorical draws, so noise
+  is never drawn in a reduced precision.
+  """
+  return jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+
+
+def row_uniform(keys_B: Array, tag: int, shape: tuple[int, ...]) -> Array:
+  """U[0, 1) noise of `shape` per row, from each row's own key."""
+  dtype = noise_dtype()
+  return jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, tag), shape, dtype))(keys_B)
+
+
+def row_gumbel(keys_B: Array, tag: int, shape: tuple[int, ...]) -> Array:
+  """Standard Gumbel noise of `shape` per row, from each row's own key."""
+  dtype = noise_dtype()
+  return jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, tag), shape, dtype))(keys_B)
+
+
+def transform_logits(logits_BxLxV: Array, temperature: float, top_k: int | None,
+                     top_p: float) -> Array:
+  """softmax(logits / T) restricted to the top-k and to the top-p nucleus.
+
+  Returns logits (-inf outside the kept set). Ties at a cut-off are all kept.
+  `temperature` must be > 0 here; T = 0 is the argmax branch of `draw_values`.
+  """
+  x = logits_BxLxV.astype(noise_dtype()) / temperature
+  if top_k is not None and top_k < x.shape[-1]:
+    kth = jax.lax.top_k(x, top_k)[0][..., -1:]
+    x = jnp.where(x < kth, -jnp.inf, x)
+  if top_p < 1.0:
+    sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
+    sorted_p = jax.nn.softmax(sorted_x, axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first always).
+    mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
+    num_keep = jnp.maximum((mass_before < top_p).sum(-1, keepdims=True), 1)
+    cut = jnp.take_along_axis(sorted_x, num_keep - 1, axis=-1)
+    x = jnp.where(x < cut, -jnp.inf, x)
+  return x
+
+
+def draw_values(keys_B: Array, logits_BxLxV: Array, *, temperature: float,
+                top_k: int | None, top_p: float) -> Array:
+  """One categorical draw per position (Gumbel-max); T = 0 is argmax."""
+  if temperature == 0.0:
+    return jnp.argmax(logits_BxLxV, axis=-1).astype(jnp.int32)
+  x = transform_logits(logits_BxLxV, temperature, top_k, top_p)
+  gumbel_BxLxV = row_gumbel(keys_B, VALUES, x.shape[1:])
+  return jnp.argmax(x + gumbel_BxLxV, axis=-1).astype(jnp.int32)
+
+
+SCORES = ("prob", "max_prob", "margin", "neg_entropy", "random")
+
+
+def confidence_score(name: str, probs_BxLxV: Array, values_BxL: Array,
+                     keys_B: Array) -> Array:
+  """Confidence of each proposal, read from the untransformed softmax.
+
+  prob: p(proposal); max_prob: max_v p(v); margin: top-1 minus top-2
+  probability; neg_entropy: sum_v p log p; random: U[0, 1) noise.
+  """
+  if name == "prob":
+    return jnp.take_along_axis(probs_BxLxV, values_BxL[..., None], axis=-1)[..., 0]
+  if name == "max_prob":
+    return probs_BxLxV.max(-1)
+  if name == "margin":
+    top2 = jax.lax.top_k(probs_BxLxV, 2)[0]
+    return top2[..., 0] - top2[..., 1]
+  if name == "neg_entropy":
+    plogp = jnp.where(probs_BxLxV > 0, probs_BxLxV * jnp.log(probs_BxLxV), 0.0)
+    return plogp.sum(-1)
+  if name == "random":
+    return row_uniform(keys_B, SCORE, values_BxL.shape[1:]).astype(probs_BxLxV.dtype)
+  raise ValueError(f"score={name!r} is unknown; known scores: {SCORES}.")
+
+
+def rank_descending(score_BxL: Array, candidates_BxL: Array) -> Array:
+  """Rank of each candidate by descending score, ties to the lower index.
+
+  Non-candidates get rank L (never selected).
+  """
+  length = score_BxL.shape[-1]
+  key_BxL = jnp.where(candidates_BxL, -score_BxL, jnp.inf)
+  order_BxL = jnp.argsort(key_BxL, axis=-1, stable=True)
+  rank_BxL = jnp.argsort(order_BxL, axis=-1, stable=True)
+  return jnp.where(candidates_BxL, rank_BxL, length)
+
+
+def select_top_k(score_BxL: Array, candidates_BxL: Array, k_B: Array) -> Array:
+  """The k_B highest-scoring candidates of each row (a rank mask, no loops)."""
+  return rank_descending(score_BxL, candidates_BxL) < k_B[:, None]
