@@ -14,11 +14,13 @@ from mdjax.sampling.specs import (
     RandomOrderSpec,
     RemaskSpec,
     SamplerSpec,
+    make_spec,
     time_grid,
 )
 from mdjax.sampling.transforms import SCORES
 
 __all__ = [
     "AncestralSpec", "ConfidenceSpec", "OrderedSpec", "RandomOrderSpec", "RemaskSpec",
-    "SCORES", "SampleResult", "SamplerSpec", "num_steps", "row_keys", "sample", "time_grid",
+    "SCORES", "SampleResult", "SamplerSpec", "make_spec", "num_steps", "row_keys", "sample",
+    "time_grid",
 ]

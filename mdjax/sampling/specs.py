@@ -217,3 +217,31 @@ class RandomOrderSpec(SamplerSpec):
   many steps as the sequence is long, skipping the denoiser once a row set
   has nothing left to write.
   """
+
+
+FAMILIES = {
+    "ancestral": AncestralSpec,
+    "confidence": ConfidenceSpec,
+    "remask": RemaskSpec,
+    "random_order": RandomOrderSpec,
+}
+
+
+def make_spec(family: str, length: int | None = None, **knobs) -> SamplerSpec:
+  """A spec by family name, for configs and command lines.
+
+  `left_to_right` (one position per step, needs `length`) is the ordered
+  family's chain rule; knobs that are None are left at their defaults.
+  """
+  knobs = {k: v for k, v in knobs.items() if v is not None}
+  if family == "left_to_right":
+    _check(length is not None, "length", length, "left_to_right needs the canvas length")
+    knobs.pop("steps", None)
+    return OrderedSpec.left_to_right(length, **knobs)
+  _check(family in FAMILIES, "sampler", family,
+         f"must be one of {sorted(FAMILIES) + ['left_to_right']}")
+  cls = FAMILIES[family]
+  fields = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(knobs) - fields)
+  _check(not unknown, "knobs", unknown, f"{family} takes {sorted(fields)}")
+  return cls(**knobs)

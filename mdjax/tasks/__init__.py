@@ -1,5 +1,12 @@
-"""Synthetic tasks with known joint laws, their exact denoisers and checks."""
+"""Synthetic tasks with known joint laws, their exact denoisers and checks.
+
+Each task module offers LENGTH, VOCAB_SIZE, MASK_ID, `sample_data`,
+`exact_denoiser` (the denoiser contract), `empty_canvas`, `decode` and
+`sample_metrics`.
+"""
 
 from mdjax.tasks import two_color
 
-__all__ = ["two_color"]
+TASKS = {"two_color": two_color}
+
+__all__ = ["TASKS", "two_color"]

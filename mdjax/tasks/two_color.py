@@ -48,3 +48,17 @@ def invalid_fraction(tokens_BxL: jax.Array) -> jax.Array:
   """Fraction of rows whose two colors differ (or that hold a mask)."""
   invalid_B = (tokens_BxL[:, 0] != tokens_BxL[:, 1]) | (tokens_BxL == MASK_ID).any(-1)
   return invalid_B.mean()
+
+
+def empty_canvas(batch: int) -> jax.Array:
+  """An all-masked canvas of `batch` rows."""
+  return jnp.full((batch, LENGTH), MASK_ID, jnp.int32)
+
+
+def decode(tokens_L) -> str:
+  return " ".join({RED: "red", BLUE: "blue", MASK_ID: "?"}[int(t)] for t in tokens_L)
+
+
+def sample_metrics(tokens_BxL: jax.Array) -> dict[str, float]:
+  """Per-set metrics: the invalid fraction (exact samplers give 0)."""
+  return {"invalid_fraction": float(invalid_fraction(tokens_BxL))}
