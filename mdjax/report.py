@@ -1,0 +1,51 @@
+"""Writing experiment results: JSON, a markdown table and a PNG figure."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Sequence
+
+
+def write_json(path: str, data: Any) -> None:
+  """Writes `data` as indented JSON, atomically (a temp file, then rename)."""
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(data, f, indent=2)
+    f.write("\n")
+  os.replace(tmp, path)
+
+
+def _cell(value) -> str:
+  if isinstance(value, float):
+    return f"{value:.4g}"
+  return str(value)
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+  """A GitHub markdown table of `rows` restricted to `columns`."""
+  lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+  for row in rows:
+    lines.append("| " + " | ".join(_cell(row.get(c, "")) for c in columns) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def write_text(path: str, text: str) -> None:
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with open(path, "w") as f:
+    f.write(text)
+
+
+def new_figure(**kwargs):
+  """A matplotlib figure and axes with a non-interactive backend."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt.subplots(**kwargs)
+
+
+def save_figure(fig, path: str) -> None:
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
