@@ -5,8 +5,8 @@ Each task module offers LENGTH, VOCAB_SIZE, MASK_ID, `sample_data`,
 `sample_metrics`.
 """
 
-from mdjax.tasks import two_color
+from mdjax.tasks import scan_and_add, two_color
 
-TASKS = {"two_color": two_color}
+TASKS = {"two_color": two_color, "scan_and_add": scan_and_add}
 
-__all__ = ["TASKS", "two_color"]
+__all__ = ["TASKS", "scan_and_add", "two_color"]

@@ -1,0 +1,26 @@
+"""Defaults every config starts from; task configs override what they need."""
+
+import ml_collections
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.task = "two_color"
+  c.seed = 0
+  c.batch_size = 64
+  c.objective = "nelbo"  # or "mlm"
+  c.schedule = "linear"  # masking schedule of the NELBO and of evaluation
+  c.num_devices = 0  # 0: all local devices
+  c.log_every = 50
+  c.eval_every = 0  # 0: evaluate only at the end
+  c.eval_batches = 4
+  c.num_eval_samples = 200
+  c.model = ml_collections.ConfigDict(dict(
+      d_model=64, num_layers=2, num_heads=4, d_ff=256, positions="rope", norm="rms",
+      mlp="swiglu", time_conditioning=False, causal=False, dtype="float32"))
+  c.train = ml_collections.ConfigDict(dict(
+      num_steps=1000, lr=1e-3, lr_floor=0.1, warmup_steps=100, b1=0.9, b2=0.99,
+      weight_decay=0.0, grad_clip=1.0, ema_decay=0.0, fsdp=False))
+  c.checkpoint = ml_collections.ConfigDict(dict(every=500, keep=3))
+  c.sampler = ml_collections.ConfigDict(dict(family="ancestral", steps=32))
+  return c

@@ -1,0 +1,339 @@
+"""Training: a pure train step, optax, orbax checkpoints, data-parallel sharding.
+
+`train(config, workdir)` runs a whole job and resumes from the newest good
+checkpoint in `workdir`. The batch a step sees is a function of
+(seed, step), so a resumed run sees exactly what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mdjax import diffusion, models, sampling, tasks
+
+Array = jax.Array
+_EVAL_STREAM = 1 << 30  # data stream of held-out batches: never a training step
+
+
+@struct.dataclass
+class TrainState:
+  step: Array
+  params: Any
+  opt_state: Any
+  ema_params: Any
+
+
+# ----------------------------------------------------------------------------
+# Building blocks from the config.
+# ----------------------------------------------------------------------------
+
+
+def model_config(config) -> models.TransformerConfig:
+  task = tasks.TASKS[config.task]
+  return models.TransformerConfig(vocab_size=task.VOCAB_SIZE, max_len=task.LENGTH,
+                                  **config.model.to_dict())
+
+
+def make_optimizer(cfg) -> optax.GradientTransformation:
+  """AdamW, linear warmup then cosine decay to `lr_floor * lr`, clipping."""
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
+      decay_steps=max(cfg.num_steps, cfg.warmup_steps + 1), end_value=cfg.lr * cfg.lr_floor)
+  return optax.chain(
+      optax.clip_by_global_norm(cfg.grad_clip),
+      optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
+
+
+def make_loss_fn(config, apply_fn) -> Callable:
+  """loss_fn(params, key, x_BxL) -> (loss, aux) for the configured objective."""
+  task = tasks.TASKS[config.task]
+  if config.objective == "nelbo":
+    schedule = diffusion.get_schedule(config.schedule)
+    return functools.partial(diffusion.nelbo_loss, apply_fn, schedule=schedule,
+                             mask_id=task.MASK_ID)
+  if config.objective == "mlm":
+    corruption = diffusion.MlmCorruption(**config.get("mlm", ml_collections.ConfigDict()).to_dict())
+    return functools.partial(diffusion.mlm_loss, apply_fn, vocab_size=task.VOCAB_SIZE,
+                             mask_id=task.MASK_ID, corruption=corruption)
+  raise ValueError(f"objective={config.objective!r} must be 'nelbo' or 'mlm'.")
+
+
+def batch_for_step(config, step: int) -> np.ndarray:
+  """The training batch of a step: a pure function of (seed, step)."""
+  task = tasks.TASKS[config.task]
+  key = jax.random.fold_in(jax.random.key(config.seed), step)
+  return task.sample_data(key, config.batch_size)
+
+
+def make_mesh(num_devices: int | None = None) -> Mesh:
+  """A 1-D mesh over the local devices with the batch axis 'data'."""
+  devices = np.array(jax.devices()[:num_devices] if num_devices else jax.devices())
+  return Mesh(devices, ("data",))
+
+
+def param_sharding(mesh: Mesh, params, fsdp: bool):
+  """Replicated parameters, or (FSDP) each split on its first divisible axis."""
+  size = mesh.shape["data"]
+
+  def spec(x):
+    if fsdp:
+      for axis, dim in enumerate(x.shape):
+        if dim % size == 0 and dim >= size:
+          return NamedSharding(mesh, PartitionSpec(*([None] * axis + ["data"])))
+    return NamedSharding(mesh, PartitionSpec())
+
+  return jax.tree.map(spec, params)
+
+
+# ----------------------------------------------------------------------------
+# The train step.
+# ----------------------------------------------------------------------------
+
+
+def train_step(state: TrainState, x_BxL: Array, *, loss_fn, optimizer, ema_decay: float,
+               seed: int) -> tuple[TrainState, dict]:
+  """value_and_grad of the loss -> optax -> metrics. Pure."""
+  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 1 << 29), state.step)
+  (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, key, x_BxL)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  ema = state.ema_params
+  if ema_decay > 0:
+    ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, ema, params)
+  metrics = {k: v for k, v in aux.items() if jnp.ndim(v) == 0}
+  metrics.update(loss=loss, grad_norm=optax.tree.norm(grads))
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                    ema_params=ema), metrics
+
+
+def init_state(config, mesh: Mesh):
+  """Fresh state, sharded on the mesh; returns (state, graphdef, apply_fn, shardings)."""
+  graphdef, params, apply_fn = models.init(model_config(config), seed=config.seed)
+  params = nnx.to_pure_dict(params)
+  optimizer = make_optimizer(config.train)
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                     opt_state=optimizer.init(params),
+                     ema_params=params if config.train.ema_decay > 0 else None)
+  shardings = state_sharding(mesh, state, config.train.fsdp)
+  return jax.device_put(state, shardings), graphdef, apply_fn, shardings
+
+
+def state_sharding(mesh: Mesh, state: TrainState, fsdp: bool):
+  replicated = NamedSharding(mesh, PartitionSpec())
+  by_shape = {}
+  for leaf, sh in zip(jax.tree.leaves(state.params),
+                      jax.tree.leaves(param_sharding(mesh, state.params, fsdp))):
+    by_shape.setdefault(leaf.shape, sh)
+  # Optimizer moments follow the parameter of their shape; scalars replicate.
+  return jax.tree.map(lambda x: by_shape.get(jnp.shape(x), replicated) if fsdp else replicated,
+                      state)
+
+
+# ----------------------------------------------------------------------------
+# Checkpoints.
+# ----------------------------------------------------------------------------
+
+
+def checkpoint_manager(workdir: str, config) -> ocp.CheckpointManager:
+  options = ocp.CheckpointManagerOptions(
+      max_to_keep=config.checkpoint.keep, create=True, enable_async_checkpointing=False)
+  return ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
+                               options=options)
+
+
+def save(manager: ocp.CheckpointManager, state: TrainState, config) -> None:
+  """Saves state and config; orbax writes to a temporary dir, then renames."""
+  step = int(state.step)
+  manager.save(step, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict())), force=True)
+  manager.wait_until_finished()
+
+
+def _check_model_matches(saved: dict, config, step: int) -> None:
+  saved_model, model = saved.get("model", {}), config.model.to_dict()
+  diffs = {k: (saved_model.get(k), v) for k, v in model.items() if saved_model.get(k) != v}
+  if saved.get("task") != config.task or diffs:
+    raise ValueError(
+        f"checkpoint step {step} holds a model of another shape: (saved, requested) = "
+        f"{diffs or {'task': (saved.get('task'), config.task)}}. Use another workdir or the "
+        "saved config.")
+
+
+def restore_latest(manager: ocp.CheckpointManager, abstract_state: TrainState, config,
+                   log=print) -> TrainState | None:
+  """The newest restorable checkpoint, falling back past corrupt ones."""
+  for step in sorted(manager.all_steps(), reverse=True):
+    try:
+      saved_config = manager.restore(step, args=ocp.args.Composite(
+          config=ocp.args.JsonRestore()))["config"]
+    except Exception as error:  # a truncated or corrupt checkpoint
+      log(f"checkpoint step {step} is unreadable ({type(error).__name__}: {error}); "
+          "trying the previous one.")
+      continue
+    _check_model_matches(saved_config, config, step)
+    try:
+      restored = manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state)))["state"]
+    except ValueError as error:
+      if "shape" in str(error).lower():
+        raise ValueError(f"checkpoint step {step} does not fit the model: {error}") from error
+      log(f"checkpoint step {step} is unreadable ({error}); trying the previous one.")
+      continue
+    except Exception as error:
+      log(f"checkpoint step {step} is unreadable ({type(error).__name__}: {error}); "
+          "trying the previous one.")
+      continue
+    return restored
+  return None
+
+
+def load_for_sampling(workdir: str, step: int | None = None):
+  """(config, apply_fn, params) of a trained workdir (EMA params when kept)."""
+  manager = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
+                                  options=ocp.CheckpointManagerOptions(read_only=True))
+  steps = manager.all_steps()
+  if not steps:
+    raise ValueError(f"workdir={workdir!r} holds no checkpoint.")
+  step = max(steps) if step is None else step
+  if step not in steps:
+    raise ValueError(f"step={step} is not saved in {workdir!r}; saved steps: {sorted(steps)}.")
+  config = ml_collections.ConfigDict(manager.restore(step, args=ocp.args.Composite(
+      config=ocp.args.JsonRestore()))["config"])
+  mesh = make_mesh(1)
+  abstract, graphdef, apply_fn, _ = init_state(config, mesh)
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract)
+  state = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract)))["state"]
+  params = state.ema_params if state.ema_params is not None else state.params
+  return config, apply_fn, params, step
+
+
+# ----------------------------------------------------------------------------
+# The loop.
+# ----------------------------------------------------------------------------
+
+
+class _Progress:
+  """A one-line progress report with rate and ETA."""
+
+  def __init__(self, total: int, start_step: int):
+    self.total, self.start_step, self.t0 = total, start_step, time.perf_counter()
+
+  def line(self, step: int, loss: float) -> str:
+    done = step - self.start_step
+    rate = done / max(time.perf_counter() - self.t0, 1e-9)
+    eta = (self.total - step) / max(rate, 1e-9)
+    width = 24
+    filled = int(width * step / self.total)
+    return (f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total} "
+            f"loss {loss:.4f} | {rate:.1f} steps/s | ETA {eta:.0f}s")
+
+
+def evaluate(config, apply_fn, params, loss_fn_eval) -> dict:
+  """Held-out NELBO in bits per token over `eval_batches` fresh batches."""
+  values = []
+  for i in range(config.eval_batches):
+    x = batch_for_step(config, _EVAL_STREAM + i)
+    key = jax.random.fold_in(jax.random.key(config.seed + 1), i)
+    values.append(float(loss_fn_eval(params, key, x)))
+  return {"eval_bits_per_token": float(np.mean(values))}
+
+
+def sample_and_score(config, apply_fn, params) -> dict:
+  task = tasks.TASKS[config.task]
+  spec = sampling.make_spec(config.sampler.family, length=task.LENGTH,
+                            **{k: v for k, v in config.sampler.to_dict().items() if k != "family"})
+  out = sampling.sample(apply_fn, params, jax.random.key(config.seed + 2),
+                        task.empty_canvas(config.num_eval_samples), spec, mask_id=task.MASK_ID)
+  return {f"sample_{k}": v for k, v in task.sample_metrics(np.asarray(out.tokens_BxL)).items()}
+
+
+def train(config, workdir: str, log=print) -> TrainState:
+  """Trains (or resumes) the configured job in `workdir`; returns the final state."""
+  os.makedirs(workdir, exist_ok=True)
+  mesh = make_mesh(config.get("num_devices") or None)
+  if config.batch_size % mesh.shape["data"]:
+    raise ValueError(f"batch_size={config.batch_size} must be divisible by the "
+                     f"{mesh.shape['data']} devices of the mesh.")
+  state, graphdef, apply_fn, shardings = init_state(config, mesh)
+  log(f"model: {models.count_params(state.params):,} parameters; devices: {mesh.shape['data']}")
+  manager = checkpoint_manager(workdir, config)
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+  restored = restore_latest(manager, abstract, config, log)
+  if restored is not None:
+    state = jax.device_put(restored, shardings)
+    log(f"resumed from step {int(state.step)}")
+  loss_fn = make_loss_fn(config, apply_fn)
+  optimizer = make_optimizer(config.train)
+  step_fn = jax.jit(
+      functools.partial(train_step, loss_fn=loss_fn, optimizer=optimizer,
+                        ema_decay=config.train.ema_decay, seed=config.seed),
+      in_shardings=(shardings, NamedSharding(mesh, PartitionSpec("data"))),
+      out_shardings=(shardings, None), donate_argnums=0)
+  eval_schedule = diffusion.get_schedule(config.schedule)
+  task = tasks.TASKS[config.task]
+  eval_loss = jax.jit(lambda p, k, x: diffusion.nelbo_loss(
+      apply_fn, p, k, x, schedule=eval_schedule, mask_id=task.MASK_ID)[1]["bits_per_token"])
+  num_steps = config.train.num_steps
+  progress = _Progress(num_steps, int(state.step))
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  pending = None  # metrics of the previous step: fetched one step late (async dispatch)
+  tty = sys.stdout.isatty()
+
+  def flush(step_metrics, step):
+    host = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+    if not all(math.isfinite(v) for v in host.values()):
+      raise FloatingPointError(
+          f"non-finite loss at step {step}: {host}; stopping. The last good checkpoint is "
+          f"kept in {workdir}/checkpoints.")
+    return host
+
+  def report(step_metrics, step):
+    host = flush(step_metrics, step)
+    if step % config.log_every == 0 or step == num_steps:
+      metrics_file.write(json.dumps({"step": step, **host}) + "\n")
+      line = progress.line(step, host["loss"])
+      print("\r" + line if tty else line, end="" if tty else "\n", flush=True)
+
+  with open(metrics_path, "a") as metrics_file:
+    step = int(state.step)
+    while step < num_steps:
+      x = jax.device_put(batch_for_step(config, step), NamedSharding(mesh, PartitionSpec("data")))
+      state, step_metrics = step_fn(state, x)
+      if pending is not None:
+        report(*pending)
+      step += 1
+      pending = (step_metrics, step)
+      save_now = step % config.checkpoint.every == 0 or step == num_steps
+      eval_now = step == num_steps or bool(config.eval_every and step % config.eval_every == 0)
+      if save_now or eval_now:
+        flush(*pending)  # never save a state whose loss was not finite
+      if save_now:
+        save(manager, state, config)
+      if eval_now:
+        params = state.ema_params if state.ema_params is not None else state.params
+        record = {"step": step, **evaluate(config, apply_fn, params, eval_loss),
+                  **sample_and_score(config, apply_fn, params)}
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
+        log(("\n" if tty else "") + "eval " + " ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+    if pending is not None:
+      report(*pending)
+  return state

@@ -1,0 +1,155 @@
+"""Tests of training: learning, checkpoints, fault tolerance, sharding, bad input."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from configs import two_color as two_color_config
+from mdjax import train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _config(**train_overrides):
+  config = two_color_config.get_config()
+  config.train.update(**train_overrides)
+  config.num_eval_samples = 500
+  return config
+
+
+def _quiet(*args, **kwargs):
+  pass
+
+
+def test_two_color_learns_toward_the_entropy(tmp_path):
+  config = _config(num_steps=300)
+  train.train(config, str(tmp_path), log=_quiet)
+  records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  final = [r for r in records if "eval_bits_per_token" in r][-1]
+  # Optimum: ln 2 nats per sequence = 0.5 bits per token; uniform: 1 bit.
+  assert final["eval_bits_per_token"] < 0.65, final
+  assert final["sample_invalid_fraction"] < 0.05, final
+  losses = [r["loss"] for r in records if "loss" in r]
+  assert losses[-1] < losses[0]
+
+
+def test_restore_into_another_shape_is_a_clear_error(tmp_path):
+  train.train(_config(num_steps=20), str(tmp_path), log=_quiet)
+  other = _config(num_steps=40)
+  other.model.d_model = 64
+  with pytest.raises(ValueError, match=r"another shape.*d_model.*\(32, 64\)"):
+    train.train(other, str(tmp_path), log=_quiet)
+
+
+def test_corrupt_newest_checkpoint_falls_back(tmp_path):
+  config = _config(num_steps=30)
+  config.checkpoint.every = 10
+  train.train(config, str(tmp_path), log=_quiet)
+  newest = tmp_path / "checkpoints" / "30" / "state"
+  for root, _, files in os.walk(newest):  # truncate every data file
+    for name in files:
+      open(os.path.join(root, name), "w").close()
+  messages = []
+  mesh = train.make_mesh(1)
+  state, *_ = train.init_state(config, mesh)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  restored = train.restore_latest(train.checkpoint_manager(str(tmp_path), config), abstract,
+                                  config, log=messages.append)
+  assert int(restored.step) == 20
+  assert any("step 30 is unreadable" in m for m in messages), messages
+
+
+def test_nan_loss_stops_with_a_clear_message_and_keeps_good_checkpoints(tmp_path):
+  config = _config(num_steps=200, lr=1e38, warmup_steps=1, grad_clip=1e38)
+  config.checkpoint.every = 1
+  with pytest.raises(FloatingPointError, match="non-finite loss at step"):
+    train.train(config, str(tmp_path), log=_quiet)
+  steps = sorted(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit())
+  manager = train.checkpoint_manager(str(tmp_path), config)
+  mesh = train.make_mesh(1)
+  state, *_ = train.init_state(config, mesh)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  for step in steps:  # every kept checkpoint holds finite parameters
+    restored = manager.restore(step, args=train.ocp.args.Composite(
+        state=train.ocp.args.StandardRestore(abstract)))["state"]
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(restored.params))
+
+
+def _train_command(workdir, steps=400):
+  return [sys.executable, os.path.join(REPO, "train.py"), "--config",
+          os.path.join(REPO, "configs", "two_color.py"), f"--workdir={workdir}",
+          f"--config.train.num_steps={steps}", "--config.checkpoint.every=50",
+          "--config.num_eval_samples=100"]
+
+
+def _final_params(workdir):
+  _, _, params, step = train.load_for_sampling(str(workdir))
+  return step, params
+
+
+def test_sigkill_mid_run_then_restart_matches_uninterrupted(tmp_path):
+  env = dict(os.environ, PYTHONPATH=REPO)
+  reference = tmp_path / "reference"
+  subprocess.run(_train_command(reference), check=True, env=env, capture_output=True)
+  killed = tmp_path / "killed"
+  proc = subprocess.Popen(_train_command(killed), env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  deadline = time.time() + 120
+  while not (killed / "checkpoints" / "150").exists() and time.time() < deadline:
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  saved = [int(s) for s in os.listdir(killed / "checkpoints") if s.isdigit()]
+  assert max(saved) < 400, "the run was killed before it finished"
+  subprocess.run(_train_command(killed), check=True, env=env, capture_output=True)
+  (step_a, params_a), (step_b, params_b) = _final_params(reference), _final_params(killed)
+  assert step_a == step_b == 400
+  for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+_FOUR_DEVICES = """
+import jax, json
+from configs import two_color
+from mdjax import train
+out = {}
+for name, n, fsdp in (("1", 1, False), ("4", 4, False), ("4fsdp", 4, True)):
+  c = two_color.get_config()
+  c.num_devices = n
+  c.train.fsdp = fsdp
+  c.train.num_steps = 5
+  c.checkpoint.every = 1000
+  c.eval_every = 0
+  state, _, apply_fn, sh = train.init_state(c, train.make_mesh(n))
+  loss_fn = train.make_loss_fn(c, apply_fn)
+  opt = train.make_optimizer(c.train)
+  step = jax.jit(lambda s, x: train.train_step(s, x, loss_fn=loss_fn, optimizer=opt,
+                                               ema_decay=0.0, seed=c.seed))
+  mesh = train.make_mesh(n)
+  losses = []
+  for i in range(5):
+    x = jax.device_put(train.batch_for_step(c, i), jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec("data")))
+    state, m = step(state, x)
+    losses.append(float(m["loss"]))
+  out[name] = losses
+print(json.dumps({"devices": jax.device_count(), "losses": out}))
+"""
+
+
+def test_four_simulated_devices_match_one():
+  env = dict(os.environ, PYTHONPATH=REPO, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  proc = subprocess.run([sys.executable, "-c", _FOUR_DEVICES], env=env, capture_output=True,
+                        text=True, check=True, cwd=REPO)
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert result["devices"] == 4
+  np.testing.assert_allclose(result["losses"]["4"], result["losses"]["1"], rtol=1e-4)
+  np.testing.assert_allclose(result["losses"]["4fsdp"], result["losses"]["1"], rtol=1e-4)
