@@ -109,6 +109,7 @@ def answer_digits(total):
   return total // 100 % 10, total // 10 % 10, total % 10
 
 
+@functools.partial(jax.jit, static_argnames=("batch", "params"))
 def sample_data(key: jax.Array, batch: int, params: Params = DEFAULT) -> jax.Array:
   """Draws `batch` sequences from the data law."""
   k_val, k_arr, k_id = jax.random.split(key, 3)

@@ -8,6 +8,7 @@ produces an invalid pair ("red blue" or "blue red") half of the time.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -20,6 +21,7 @@ LENGTH = 2
 ENTROPY_NATS = math.log(2.0)
 
 
+@functools.partial(jax.jit, static_argnames="batch")
 def sample_data(key: jax.Array, batch: int) -> jax.Array:
   """Draws `batch` sequences from the data law."""
   color_B = jax.random.bernoulli(key, 0.5, (batch,)).astype(jnp.int32)
