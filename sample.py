@@ -1,5 +1,6 @@
-"""Samples from a task's exact oracle denoiser and prints the task's metrics.
+"""Samples from a trained workdir or a task's exact oracle; prints the task's metrics.
 
+  python sample.py --workdir=/tmp/quickstart --sampler=confidence --steps=25
   python sample.py --task=two_color --oracle --sampler=ancestral --steps=8
 """
 
@@ -14,8 +15,12 @@ import numpy as np
 
 from mdjax import sampling, tasks
 
-_TASK = flags.DEFINE_enum("task", "two_color", sorted(tasks.TASKS), "Task to sample.")
-_ORACLE = flags.DEFINE_bool("oracle", True, "Use the task's exact denoiser.")
+_TASK = flags.DEFINE_enum("task", "two_color", sorted(tasks.TASKS), "Task (with --oracle).")
+_ORACLE = flags.DEFINE_bool("oracle", False, "Use the task's exact denoiser (no --workdir).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "A train.py workdir to sample from.")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+_BATCH = flags.DEFINE_integer("batch_size", 1000, "Rows per sampler call.")
+_PROMPT = flags.DEFINE_string("prompt", None, "Comma-separated token ids fixed at the start.")
 _SAMPLER = flags.DEFINE_string(
     "sampler", "ancestral",
     "ancestral | confidence | remask | random_order | left_to_right.")
@@ -32,9 +37,20 @@ _OUT = flags.DEFINE_string("out", None, "Directory for samples.jsonl and metrics
 
 def main(argv):
   del argv
-  if not _ORACLE.value:
-    raise app.UsageError("--nooracle needs a trained checkpoint; only --oracle is available.")
-  task = tasks.TASKS[_TASK.value]
+  if bool(_WORKDIR.value) == _ORACLE.value:
+    raise app.UsageError("give exactly one of --workdir=DIR and --oracle.")
+  if _WORKDIR.value:
+    from mdjax import train
+    try:
+      config, apply_fn, params, step = train.load_for_sampling(_WORKDIR.value, _STEP.value)
+    except ValueError as error:
+      raise app.UsageError(str(error)) from error
+    task_name = config.task
+    print(f"workdir={_WORKDIR.value} step={step}")
+  else:
+    task_name = _TASK.value
+    apply_fn, params = tasks.TASKS[task_name].exact_denoiser, None
+  task = tasks.TASKS[task_name]
   knobs = dict(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value)
   if _SAMPLER.value not in ("random_order", "left_to_right"):
     knobs["steps"] = _STEPS.value
@@ -46,16 +62,35 @@ def main(argv):
     spec = sampling.make_spec(_SAMPLER.value, length=task.LENGTH, **knobs)
   except (ValueError, TypeError) as error:
     raise app.UsageError(str(error)) from error
-  if _NUM_SAMPLES.value < 1:
-    raise app.UsageError(f"--num_samples={_NUM_SAMPLES.value} must be >= 1.")
-  print(f"task={_TASK.value} sampler={spec}")
+  for name, value in (("num_samples", _NUM_SAMPLES.value), ("batch_size", _BATCH.value)):
+    if value < 1:
+      raise app.UsageError(f"--{name}={value} must be >= 1.")
+  canvas = np.asarray(task.empty_canvas(_BATCH.value))
+  if _PROMPT.value:
+    try:
+      prompt = [int(t) for t in _PROMPT.value.split(",")]
+    except ValueError as error:
+      raise app.UsageError(f"--prompt={_PROMPT.value!r} must be comma-separated ids.") from error
+    if len(prompt) > task.LENGTH or min(prompt) < 0 or max(prompt) >= task.MASK_ID:
+      raise app.UsageError(f"--prompt={_PROMPT.value!r}: at most {task.LENGTH} ids in "
+                           f"[0, {task.MASK_ID - 1}].")
+    canvas[:, :len(prompt)] = prompt
+  print(f"task={task_name} sampler={spec}")
   start = time.perf_counter()
-  result = sampling.sample(task.exact_denoiser, None, jax.random.key(_SEED.value),
-                           task.empty_canvas(_NUM_SAMPLES.value), spec)
-  tokens = np.asarray(result.tokens_BxL)
+  batches, nfe = [], 0
+  num_batches = -(-_NUM_SAMPLES.value // _BATCH.value)
+  for i in range(num_batches):
+    result = sampling.sample(apply_fn, params, jax.random.fold_in(jax.random.key(_SEED.value), i),
+                             canvas, spec, mask_id=task.MASK_ID)
+    batches.append(np.asarray(result.tokens_BxL))
+    nfe += int(result.nfe)
+    print(f"\rbatch {i + 1}/{num_batches} [{time.perf_counter() - start:.1f}s]", end="",
+          flush=True)
+  print()
+  tokens = np.concatenate(batches)[:_NUM_SAMPLES.value]
   elapsed = time.perf_counter() - start
   metrics = task.sample_metrics(tokens)
-  metrics.update(nfe=int(result.nfe), seconds=round(elapsed, 3))
+  metrics.update(nfe_per_batch=nfe // num_batches, seconds=round(elapsed, 3))
   for row in tokens[:5]:
     print("  ", task.decode(row))
   width = max(map(len, metrics))

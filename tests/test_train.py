@@ -39,6 +39,21 @@ def test_two_color_learns_toward_the_entropy(tmp_path):
   assert final["sample_invalid_fraction"] < 0.05, final
   losses = [r["loss"] for r in records if "loss" in r]
   assert losses[-1] < losses[0]
+  # sample.py reads the workdir, writes samples and metrics.
+  out = tmp_path / "samples"
+  env = dict(os.environ, PYTHONPATH=REPO)
+  run = lambda *flags: subprocess.run(
+      [sys.executable, os.path.join(REPO, "sample.py"), f"--workdir={tmp_path}", *flags],
+      env=env, capture_output=True, text=True)
+  proc = run("--sampler=random_order", "--num_samples=300", "--batch_size=128", f"--out={out}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  metrics = json.loads((out / "metrics.json").read_text())
+  assert metrics["invalid_fraction"] < 0.05
+  assert len((out / "samples.jsonl").read_text().splitlines()) == 300
+  bad = run("--sampler=ancestral", "--steps=0")
+  assert bad.returncode != 0 and "steps=0" in bad.stderr
+  bad = run("--step=7")
+  assert bad.returncode != 0 and "step=7 is not saved" in bad.stderr
 
 
 def test_restore_into_another_shape_is_a_clear_error(tmp_path):
