@@ -6,7 +6,6 @@ Writes results/scan_and_add_oracle.{json,md,png}; fixed seeds, regenerated
 from scratch by this one command.
 """
 
-import argparse
 import math
 import time
 
@@ -198,14 +197,7 @@ def write(results: dict, out: str) -> None:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--n", type=int, default=2000, help="samples per sampler")
-  parser.add_argument("--out", default="results", help="output directory")
-  args = parser.parse_args()
-  if args.n < 1:
-    parser.error(f"--n={args.n} must be >= 1")
-  write(run(args.n), args.out)
-  print(open(f"{args.out}/scan_and_add_oracle.md").read())
+  report.experiment_main(__doc__, run, write, "scan_and_add_oracle.md", default_n=2000)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ Writes results/two_color_oracle.{json,md,png}; fixed seed, regenerated from
 scratch by this one command.
 """
 
-import argparse
 import math
 
 import jax
@@ -62,15 +61,7 @@ def write(results: dict, out: str) -> None:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--n", type=int, default=20_000, help="samples per point")
-  parser.add_argument("--out", default="results", help="output directory")
-  args = parser.parse_args()
-  if args.n < 1:
-    parser.error(f"--n={args.n} must be >= 1")
-  results = run(args.n)
-  write(results, args.out)
-  print(open(f"{args.out}/two_color_oracle.md").read())
+  report.experiment_main(__doc__, run, write, "two_color_oracle.md", default_n=20_000)
 
 
 if __name__ == "__main__":

@@ -49,3 +49,17 @@ def save_figure(fig, path: str) -> None:
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
+
+
+def experiment_main(doc: str, run, write, markdown_name: str, default_n: int) -> None:
+  """The command line every experiment shares: --n samples, --out directory."""
+  import argparse
+  parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+  parser.add_argument("--n", type=int, default=default_n, help="samples per point")
+  parser.add_argument("--out", default="results", help="output directory")
+  args = parser.parse_args()
+  if args.n < 1:
+    parser.error(f"--n={args.n} must be >= 1")
+  write(run(args.n), args.out)
+  with open(os.path.join(args.out, markdown_name)) as f:
+    print(f.read())
