@@ -10,6 +10,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.batch_size = 64
   c.objective = "nelbo"  # or "mlm"
   c.schedule = "linear"  # masking schedule of the NELBO and of evaluation
+  c.schedule_kwargs = ml_collections.ConfigDict()  # e.g. power=3 for "polynomial"
   c.num_devices = 0  # 0: all local devices
   c.log_every = 50
   c.eval_every = 0  # 0: evaluate only at the end

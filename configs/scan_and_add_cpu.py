@@ -11,5 +11,4 @@ def get_config():
   c.checkpoint.update(every=1000, keep=3)
   c.log_every = 200
   c.eval_every = 1000
-  c.sampler.update(family="random_order", steps=None, temperature=None)
   return c

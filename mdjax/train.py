@@ -60,12 +60,17 @@ def make_optimizer(cfg) -> optax.GradientTransformation:
       optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
 
 
+def masking_schedule(config) -> diffusion.Schedule:
+  """The configured masking schedule, e.g. schedule='polynomial', schedule_kwargs.power=3."""
+  kwargs = config.get("schedule_kwargs", ml_collections.ConfigDict()).to_dict()
+  return diffusion.get_schedule(config.schedule, **kwargs)
+
+
 def make_loss_fn(config, apply_fn) -> Callable:
   """loss_fn(params, key, x_BxL) -> (loss, aux) for the configured objective."""
   task = tasks.TASKS[config.task]
   if config.objective == "nelbo":
-    schedule = diffusion.get_schedule(config.schedule)
-    return functools.partial(diffusion.nelbo_loss, apply_fn, schedule=schedule,
+    return functools.partial(diffusion.nelbo_loss, apply_fn, schedule=masking_schedule(config),
                              mask_id=task.MASK_ID)
   if config.objective == "mlm":
     corruption = diffusion.MlmCorruption(**config.get("mlm", ml_collections.ConfigDict()).to_dict())
@@ -286,7 +291,7 @@ def train(config, workdir: str, log=print) -> TrainState:
                         ema_decay=config.train.ema_decay, seed=config.seed),
       in_shardings=(shardings, NamedSharding(mesh, PartitionSpec("data"))),
       out_shardings=(shardings, None), donate_argnums=0)
-  eval_schedule = diffusion.get_schedule(config.schedule)
+  eval_schedule = masking_schedule(config)
   task = tasks.TASKS[config.task]
   eval_loss = jax.jit(lambda p, k, x: diffusion.nelbo_loss(
       apply_fn, p, k, x, schedule=eval_schedule, mask_id=task.MASK_ID)[1]["bits_per_token"])

@@ -262,6 +262,27 @@ def test_batch_equals_single_rows_and_key_determinism(spec):
     np.testing.assert_array_equal(single.tokens_BxL[0], batched.tokens_BxL[b])
 
 
+@pytest.mark.parametrize("spec", [s for s in ALL_SPECS if not s.record_trajectory],
+                         ids=lambda s: type(s).__name__)
+def test_python_loop_equals_the_single_program(spec):
+  # The benchmark's reference implementation runs the same kernel step by step.
+  params = stubs.stub_params(VOCAB, LENGTH)
+  tokens = _prompted_canvas(batch=6)
+  scan = sampling.sample(stubs.stub_denoiser, params, jax.random.key(5), tokens, spec)
+  loop = sampling.sample_python_loop(stubs.stub_denoiser, params, jax.random.key(5), tokens, spec)
+  for name in ("tokens_BxL", "write_step_BxL", "nfe", "saved_calls", "reopened_B"):
+    np.testing.assert_array_equal(getattr(loop, name), getattr(scan, name), err_msg=name)
+
+
+def test_lowered_program_is_the_sampler():
+  params = stubs.stub_params(VOCAB, LENGTH)
+  tokens = _prompted_canvas(batch=4)
+  spec = sampling.ConfidenceSpec(steps=4)
+  lowered, args = sampling.lower(stubs.stub_denoiser, params, jax.random.key(2), tokens, spec)
+  direct = sampling.sample(stubs.stub_denoiser, params, jax.random.key(2), tokens, spec)
+  np.testing.assert_array_equal(lowered.compile()(*args).tokens_BxL, direct.tokens_BxL)
+
+
 def _count_calls(jaxpr, name):
   """Denoiser calls in a jaxpr: summed over equations, max over cond branches."""
   total = 0

@@ -6,7 +6,8 @@ orders) and RandomOrderSpec (exact chain rule in a random order). Blocks
 (semi-autoregressive decoding) are the `block_length` knob of the first two.
 """
 
-from mdjax.sampling.driver import SampleResult, num_steps, row_keys, sample
+from mdjax.sampling.driver import (SampleResult, lower, num_steps, row_keys, sample,
+                                   sample_python_loop)
 from mdjax.sampling.specs import (
     AncestralSpec,
     ConfidenceSpec,
@@ -21,6 +22,6 @@ from mdjax.sampling.transforms import SCORES
 
 __all__ = [
     "AncestralSpec", "ConfidenceSpec", "OrderedSpec", "RandomOrderSpec", "RemaskSpec",
-    "SCORES", "SampleResult", "SamplerSpec", "make_spec", "num_steps", "row_keys", "sample",
-    "time_grid",
+    "SCORES", "SampleResult", "SamplerSpec", "lower", "make_spec", "num_steps", "row_keys",
+    "sample", "sample_python_loop", "time_grid",
 ]

@@ -139,6 +139,12 @@ def sample(apply_fn, params: Any, key: Array, tokens_BxL: Array,
     fixed_BxL: positions that never change; default: every visible position.
     mask_id: the mask id V; inferred from the denoiser's output when None.
   """
+  args, static = _checked_args(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id)
+  return _sample_jit(apply_fn, *args, **static)
+
+
+def _checked_args(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id):
+  """Validates the call on the host; returns (traced args, static args)."""
   if not isinstance(spec, specs_lib.SamplerSpec):
     raise ValueError(f"spec={spec!r} must be a sampler spec from mdjax.sampling.")
   tokens_BxL = jnp.asarray(tokens_BxL)
@@ -163,26 +169,35 @@ def sample(apply_fn, params: Any, key: Array, tokens_BxL: Array,
     editable = ~fixed
   num_blocks = _num_blocks(spec, editable, length)
   keys_B = row_keys(key, batch)
-  return _sample_jit(apply_fn, params, keys_B, tokens_BxL.astype(jnp.int32), fixed_BxL,
-                     spec=spec, mask_id=mask_id, num_blocks=num_blocks)
+  return ((params, keys_B, tokens_BxL.astype(jnp.int32), fixed_BxL),
+          dict(spec=spec, mask_id=mask_id, num_blocks=num_blocks))
 
 
-def _plan(spec, length: int, num_blocks: int) -> tuple[Any, dict[str, np.ndarray]]:
-  """The family's update function and its per-step arrays (fed as scan xs)."""
-  if isinstance(spec, specs_lib.AncestralSpec):
-    return ancestral.update, ancestral.plan_ancestral(spec, num_blocks)
-  if isinstance(spec, specs_lib.RemaskSpec):
-    return ancestral.update, ancestral.plan_remask(spec)
+def _update_fn(spec):
+  """The family's update: (spec, state, ctx, x, logits, keys) -> state."""
+  if isinstance(spec, (specs_lib.AncestralSpec, specs_lib.RemaskSpec)):
+    return ancestral.update
   if isinstance(spec, specs_lib.ConfidenceSpec):
-    return confidence.update, confidence.plan(spec, num_blocks)
-  return ordered.update, ordered.plan(spec, length)
+    return confidence.update
+  return ordered.update
 
 
-@functools.partial(jax.jit, static_argnames=("apply_fn", "spec", "mask_id", "num_blocks"))
-def _sample_jit(apply_fn, params, keys_B, tokens_BxL, fixed_BxL, *, spec, mask_id,
-                num_blocks) -> SampleResult:
+def _plan(spec, length: int, num_blocks: int) -> dict[str, np.ndarray]:
+  """The family's per-step arrays (fed as scan xs)."""
+  if isinstance(spec, specs_lib.AncestralSpec):
+    return ancestral.plan_ancestral(spec, num_blocks)
+  if isinstance(spec, specs_lib.RemaskSpec):
+    return ancestral.plan_remask(spec)
+  if isinstance(spec, specs_lib.ConfidenceSpec):
+    return confidence.plan(spec, num_blocks)
+  return ordered.plan(spec, length)
+
+
+def _prepare(apply_fn, params, keys_B, tokens_BxL, fixed_BxL, *, spec, mask_id,
+             num_blocks) -> tuple[State, Context, dict[str, Array]]:
+  """The initial carry, the per-call context and the per-step arrays (scan xs)."""
   batch, length = tokens_BxL.shape
-  update, xs = _plan(spec, length, num_blocks)
+  xs = _plan(spec, length, num_blocks)
   xs = {name: jnp.asarray(value) for name, value in xs.items()}
   xs["step"] = jnp.arange(num_steps(spec, length), dtype=jnp.int32)
   editable_BxL = ~fixed_BxL
@@ -207,34 +222,91 @@ def _sample_jit(apply_fn, params, keys_B, tokens_BxL, fixed_BxL, *, spec, mask_i
   if out.shape != (batch, length, mask_id):
     raise ValueError(f"apply_fn returns logits of shape {out.shape}; expected "
                      f"(B, L, V) = {(batch, length, mask_id)} with V = mask id.")
-  cache = getattr(spec, "cache", False)
-  if cache:
+  if getattr(spec, "cache", False):
     state = state.replace(last_tokens_BxL=jnp.full_like(tokens_BxL, -1),
                           last_logits_BxLxV=jnp.zeros(out.shape, out.dtype))
-  remasks = isinstance(spec, specs_lib.RemaskSpec)
+  return state, ctx, xs
 
-  def step_fn(state: State, x):
-    step_keys_B = jax.vmap(jax.random.fold_in, (0, None))(keys_B, x["step"])
-    t_B = jnp.full((batch,), x["t"], jnp.float32)
-    call = lambda: apply_fn(params, state.tokens_BxL, t_B)
-    if cache:
-      # MDLM's cache: the same canvas gives the same logits (t-free denoiser).
-      need = jnp.any(state.tokens_BxL != state.last_tokens_BxL)
-      logits = jax.lax.cond(need, call, lambda: state.last_logits_BxLxV)
-      state = state.replace(last_tokens_BxL=state.tokens_BxL, last_logits_BxLxV=logits)
-    elif remasks:
-      need = jnp.array(True)
-      logits = call()
-    else:
-      # Nothing left to write in this block: skip the denoiser.
-      need = jnp.any((state.tokens_BxL == mask_id) & editable_BxL
-                     & (ctx.block_id_BxL == x["block"]))
-      logits = jax.lax.cond(need, call, lambda: jnp.zeros(out.shape, out.dtype))
-    state = state.replace(nfe=state.nfe + need, saved_calls=state.saved_calls + (~need))
-    state = update(spec, state, ctx, x, logits, step_keys_B)
-    return state, (state.tokens_BxL if spec.record_trajectory else None)
 
-  state, trajectory = jax.lax.scan(step_fn, state, xs)
+def _step(apply_fn, params, keys_B, state: State, ctx: Context, x, *, spec) -> State:
+  """One reverse step of any family: the scan body."""
+  batch = state.tokens_BxL.shape[0]
+  step_keys_B = jax.vmap(jax.random.fold_in, (0, None))(keys_B, x["step"])
+  t_B = jnp.full((batch,), x["t"], jnp.float32)
+  call = lambda: apply_fn(params, state.tokens_BxL, t_B)
+  out = jax.eval_shape(call)
+  if getattr(spec, "cache", False):
+    # MDLM's cache: the same canvas gives the same logits (t-free denoiser).
+    need = jnp.any(state.tokens_BxL != state.last_tokens_BxL)
+    logits = jax.lax.cond(need, call, lambda: state.last_logits_BxLxV)
+    state = state.replace(last_tokens_BxL=state.tokens_BxL, last_logits_BxLxV=logits)
+  elif isinstance(spec, specs_lib.RemaskSpec):
+    need = jnp.array(True)
+    logits = call()
+  else:
+    # Nothing left to write in this block: skip the denoiser.
+    need = jnp.any((state.tokens_BxL == ctx.mask_id) & ctx.editable_BxL
+                   & (ctx.block_id_BxL == x["block"]))
+    logits = jax.lax.cond(need, call, lambda: jnp.zeros(out.shape, out.dtype))
+  state = state.replace(nfe=state.nfe + need, saved_calls=state.saved_calls + (~need))
+  return _update_fn(spec)(spec, state, ctx, x, logits, step_keys_B)
+
+
+def _result(state: State, trajectory=None) -> SampleResult:
   return SampleResult(tokens_BxL=state.tokens_BxL, write_step_BxL=state.write_step_BxL,
                       nfe=state.nfe, saved_calls=state.saved_calls,
                       reopened_B=state.reopened_B, trajectory_KxBxL=trajectory)
+
+
+_STATIC = ("apply_fn", "spec", "mask_id", "num_blocks")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _sample_jit(apply_fn, params, keys_B, tokens_BxL, fixed_BxL, *, spec, mask_id,
+                num_blocks) -> SampleResult:
+  state, ctx, xs = _prepare(apply_fn, params, keys_B, tokens_BxL, fixed_BxL, spec=spec,
+                            mask_id=mask_id, num_blocks=num_blocks)
+
+  def step_fn(state: State, x):
+    state = _step(apply_fn, params, keys_B, state, ctx, x, spec=spec)
+    return state, (state.tokens_BxL if spec.record_trajectory else None)
+
+  state, trajectory = jax.lax.scan(step_fn, state, xs)
+  return _result(state, trajectory)
+
+
+_prepare_jit = jax.jit(_prepare, static_argnames=_STATIC)
+_step_jit = jax.jit(_step, static_argnames=("apply_fn", "spec"), donate_argnames=("state",))
+
+
+def sample_python_loop(apply_fn, params: Any, key: Array, tokens_BxL: Array,
+                       spec: specs_lib.SamplerSpec, fixed_BxL: Array | None = None, *,
+                       mask_id: int | None = None) -> SampleResult:
+  """`sample` as a Python loop calling one jitted step K times.
+
+  The same kernel as `sample`, dispatched step by step from the host, the way
+  the PyTorch reference samplers (LLaDA, MDLM, ReMDM) run; it exists for the
+  benchmark's side-by-side comparison. Gives the same tokens as `sample`.
+  """
+  if spec.record_trajectory:
+    raise ValueError("record_trajectory=True: use sample; the Python loop keeps no record.")
+  args, static = _checked_args(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id)
+  state, ctx, xs = _prepare_jit(apply_fn, *args, **static)
+  keys_B = args[1]
+  xs = jax.device_get(xs)
+  for i in range(num_steps(spec, args[2].shape[1])):
+    x = {name: value[i] for name, value in xs.items()}
+    state = _step_jit(apply_fn, params, keys_B, state, ctx, x, spec=spec)
+  return _result(state)
+
+
+def lower(apply_fn, params: Any, key: Array, tokens_BxL: Array, spec: specs_lib.SamplerSpec,
+          fixed_BxL: Array | None = None, *, mask_id: int | None = None):
+  """The `sample` program, lowered: `.compile()` it, then call it with `.args`.
+
+  Returns (lowered, args): `lowered.compile()(*args)` runs the same program
+  as `sample(...)`; `.memory_analysis()` and `.cost_analysis()` of the
+  compiled program measure it, `.as_text()` shows it.
+  """
+  args, static = _checked_args(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id)
+  return _sample_jit.lower(apply_fn, *args, **static), args

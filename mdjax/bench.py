@@ -1,0 +1,361 @@
+"""Sampling throughput per step count, three implementations side by side.
+
+  python -m mdjax.bench --config=configs/bench_cpu.py [--config.batch=8 ...]
+  python -m mdjax.bench --config=configs/bench_cpu.py --workdir=DIR   # a trained checkpoint
+
+For each sampler family and step count K it times, in one run:
+  scan         mdjax's sampler: the whole trajectory in one lax.scan program;
+  python_loop  the same jitted step called K times from Python (how the PyTorch
+               reference samplers of LLaDA, MDLM and ReMDM run);
+  forward_only K bare denoiser forward passes of the same model in one program:
+               the floor any sampler pays.
+Times are medians of `repeats` calls after a warm-up, with block_until_ready.
+It also measures training throughput and the forward pass's achieved FLOP/s
+against a large matmul's. Writes results/bench_*.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from mdjax import diffusion, models, report, sampling
+from mdjax import train as train_lib
+
+IMPLS = ("scan", "python_loop", "forward_only")
+FAMILIES = ("ancestral", "confidence", "remask", "blocks")
+
+
+def median_time(fn: Callable[[], Any], repeats: int) -> float:
+  """Median wall time of `repeats` calls of fn (results blocked on), after one warm-up."""
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def family_spec(family: str, steps: int, length: int, num_blocks: int) -> sampling.SamplerSpec:
+  """The benchmarked spec of a family at K steps."""
+  if family == "ancestral":
+    return sampling.AncestralSpec(steps=steps)
+  if family == "confidence":
+    return sampling.ConfidenceSpec(steps=steps)
+  if family == "remask":
+    return sampling.RemaskSpec(steps=steps, eta=0.05)
+  if family == "blocks":
+    return sampling.ConfidenceSpec(steps=steps, block_length=length // num_blocks)
+  raise ValueError(f"sampler={family!r} must be one of {FAMILIES}.")
+
+
+def forward_only_program(apply_fn, steps: int):
+  """K denoiser passes in one scan; each input depends on the last output, so none is elided."""
+
+  def run(params, tokens_BxL):
+    vocab = jax.eval_shape(apply_fn, params, tokens_BxL, jnp.zeros(tokens_BxL.shape[:1])).shape[-1]
+
+    def body(tokens, t):
+      logits_BxLxV = apply_fn(params, tokens, jnp.full(tokens.shape[:1], t))
+      return (tokens + (logits_BxLxV[..., 0] > 0)) % (vocab + 1), None
+
+    return jax.lax.scan(body, tokens_BxL, jnp.linspace(1.0, 0.0, steps))[0]
+
+  return jax.jit(run)
+
+
+def _compiled_peak_bytes(compiled) -> int | None:
+  """Peak memory XLA reserves for a compiled program (arguments + outputs + temporaries)."""
+  try:
+    mem = compiled.memory_analysis()
+  except Exception:  # not every backend reports it
+    return None
+  if mem is None:
+    return None
+  return int(mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+             - mem.alias_size_in_bytes)
+
+
+def _timed_compile(lowered_fn):
+  start = time.perf_counter()
+  compiled = lowered_fn().compile()
+  return compiled, time.perf_counter() - start
+
+
+def bench_sampling(apply_fn, params, canvas_BxL, family: str, steps: int, num_blocks: int,
+                   repeats: int, key) -> list[dict]:
+  """The scan and python_loop rows of one family at K steps."""
+  length = canvas_BxL.shape[1]
+  spec = family_spec(family, steps, length, num_blocks)
+  lowered, args = sampling.lower(apply_fn, params, key, canvas_BxL, spec)
+  compiled, compile_s = _timed_compile(lambda: lowered)
+  scan_s = median_time(lambda: compiled(*args), repeats)
+  nfe = int(compiled(*args).nfe)
+  loop = lambda: sampling.sample_python_loop(apply_fn, params, key, canvas_BxL, spec).tokens_BxL
+  start = time.perf_counter()
+  jax.block_until_ready(loop())  # first call compiles the step once, whatever K is
+  loop_first_s = time.perf_counter() - start
+  loop_s = median_time(loop, repeats)
+  return [
+      dict(sampler=family, impl="scan", K=steps, compile_s=compile_s, time_s=scan_s, nfe=nfe,
+           peak_bytes=_compiled_peak_bytes(compiled)),
+      dict(sampler=family, impl="python_loop", K=steps, compile_s=max(loop_first_s - loop_s, 0.0),
+           time_s=loop_s, nfe=nfe, peak_bytes=None),
+  ]
+
+
+def bench_forward(apply_fn, params, canvas_BxL, steps: int, repeats: int) -> dict:
+  program = forward_only_program(apply_fn, steps)
+  compiled, compile_s = _timed_compile(lambda: program.lower(params, canvas_BxL))
+  time_s = median_time(lambda: compiled(params, canvas_BxL), repeats)
+  return dict(sampler="forward", impl="forward_only", K=steps, compile_s=compile_s,
+              time_s=time_s, nfe=steps, peak_bytes=_compiled_peak_bytes(compiled))
+
+
+def forward_flops(apply_fn, params, tokens_BxL, model_cfg: models.TransformerConfig) -> float:
+  """FLOPs of one forward pass: XLA's cost analysis, else an analytic count."""
+  compiled = jax.jit(apply_fn).lower(params, tokens_BxL, jnp.zeros(tokens_BxL.shape[:1])).compile()
+  try:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    if cost and cost.get("flops", 0) > 0:
+      return float(cost["flops"])
+  except Exception:
+    pass
+  return analytic_forward_flops(model_cfg, *tokens_BxL.shape)
+
+
+def analytic_forward_flops(cfg: models.TransformerConfig, batch: int, length: int) -> float:
+  """2 x multiply-adds of the matmuls: projections, attention scores and values, MLP, head."""
+  d, tokens = cfg.d_model, batch * length
+  mlp_in = 2 * cfg.d_ff if cfg.mlp == "swiglu" else cfg.d_ff
+  per_layer = 2 * tokens * (4 * d * d + d * mlp_in + cfg.d_ff * d) + 4 * batch * length ** 2 * d
+  return float(cfg.num_layers * per_layer + 2 * tokens * d * cfg.vocab_size)
+
+
+def peak_matmul_flops_per_s(size: int, dtype: str, repeats: int) -> float:
+  """FLOP/s of a large square matmul: the machine's practical peak."""
+  a = jax.random.normal(jax.random.key(0), (size, size), jnp.dtype(dtype))
+  b = jax.random.normal(jax.random.key(1), (size, size), jnp.dtype(dtype))
+  matmul = jax.jit(jnp.matmul)
+  return 2.0 * size ** 3 / median_time(lambda: matmul(a, b), repeats)
+
+
+def train_tokens_per_s(config, model_cfg, repeats: int) -> float:
+  """Tokens per second of the pure train step (MD4 NELBO, AdamW) on random tokens."""
+  graphdef, params, apply_fn = models.init(model_cfg, seed=0)
+  from flax import nnx
+  params = nnx.to_pure_dict(params)
+  optimizer = train_lib.make_optimizer(config.train)
+  state = train_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                               opt_state=optimizer.init(params), ema_params=None)
+  loss_fn = functools.partial(diffusion.nelbo_loss, apply_fn,
+                              schedule=diffusion.LinearSchedule(), mask_id=model_cfg.vocab_size)
+  step = jax.jit(functools.partial(train_lib.train_step, loss_fn=loss_fn, optimizer=optimizer,
+                                   ema_decay=0.0, seed=0))
+  x_BxL = jax.random.randint(jax.random.key(2), (config.train_batch, config.seq_len), 0,
+                             model_cfg.vocab_size)
+  time_s = median_time(lambda: step(state, x_BxL)[1]["loss"], repeats)
+  return config.train_batch * config.seq_len / time_s
+
+
+def machine_info() -> dict:
+  device = jax.devices()[0]
+  cpu = platform.processor()
+  if os.path.exists("/proc/cpuinfo"):
+    with open("/proc/cpuinfo") as f:
+      names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    cpu = names[0] if names else cpu
+  return dict(platform=device.platform, device_kind=device.device_kind,
+              num_devices=jax.device_count(), cpu=cpu, cpu_count=os.cpu_count(),
+              jax=jax.__version__, python=platform.python_version())
+
+
+def _check_config(config) -> None:
+  """Bad settings fail here, before anything compiles."""
+  for name in ("batch", "seq_len", "repeats", "train_batch", "matmul_size"):
+    value = config[name]
+    if not (isinstance(value, int) and value >= 1):
+      raise ValueError(f"{name}={value!r} must be an integer >= 1.")
+  if config.repeats < 5:
+    raise ValueError(f"repeats={config.repeats} must be at least 5 (medians of >= 5 calls).")
+  steps = tuple(config.steps)
+  if not steps or any(not isinstance(k, int) or k < 1 for k in steps):
+    raise ValueError(f"steps={steps!r} must be a non-empty list of integers >= 1.")
+  unknown = sorted(set(config.samplers) - set(FAMILIES))
+  if unknown:
+    raise ValueError(f"samplers={list(config.samplers)!r}: unknown {unknown}; allowed {FAMILIES}.")
+  if "blocks" in config.samplers:
+    if config.seq_len % config.num_blocks:
+      raise ValueError(f"num_blocks={config.num_blocks} must divide seq_len={config.seq_len}.")
+    bad = [k for k in steps if k % config.num_blocks]
+    if bad:
+      raise ValueError(f"steps={bad} are not divisible by num_blocks={config.num_blocks} "
+                       "(the blocks sampler splits steps evenly across blocks).")
+  if config.model.dtype not in ("float32", "bfloat16"):
+    raise ValueError(f"model.dtype={config.model.dtype!r} must be 'float32' or 'bfloat16'.")
+
+
+def _model(config, workdir: str | None):
+  """(model config, apply_fn, params): random init, or a trained checkpoint."""
+  if workdir:
+    train_config, apply_fn, params, _ = train_lib.load_for_sampling(workdir)
+    model_cfg = train_lib.model_config(train_config)
+    if model_cfg.max_len < config.seq_len:
+      raise ValueError(f"seq_len={config.seq_len} exceeds the checkpoint's max_len="
+                       f"{model_cfg.max_len}.")
+    return model_cfg, apply_fn, params
+  model_cfg = models.TransformerConfig(vocab_size=config.vocab_size, max_len=config.seq_len,
+                                       **config.model.to_dict())
+  _, params, apply_fn = models.init(model_cfg, seed=0)
+  from flax import nnx
+  return model_cfg, apply_fn, nnx.to_pure_dict(params)
+
+
+def run(config, workdir: str | None = None, log=print) -> dict:
+  """Runs the whole benchmark; returns the results dict (the JSON schema)."""
+  _check_config(config)
+  model_cfg, apply_fn, params = _model(config, workdir)
+  num_params = models.count_params(params)
+  canvas_BxL = jnp.full((config.batch, config.seq_len), model_cfg.vocab_size, jnp.int32)
+  key = jax.random.key(config.seed)
+  log(f"model: {num_params:,} parameters, dtype {model_cfg.dtype}; batch {config.batch}, "
+      f"L {config.seq_len}; {machine_info()}")
+  shape = dict(batch=config.batch, seq_len=config.seq_len, params=num_params)
+  rows = []
+  for steps in config.steps:
+    forward = bench_forward(apply_fn, params, canvas_BxL, steps, config.repeats)
+    found = [forward]
+    for family in config.samplers:
+      found += bench_sampling(apply_fn, params, canvas_BxL, family, steps, config.num_blocks,
+                              config.repeats, key)
+    for row in found:
+      row.update(shape, tokens_per_s=config.batch * config.seq_len / row["time_s"],
+                 seqs_per_s=config.batch / row["time_s"])
+      if row["impl"] != "forward_only":
+        loop = next(r for r in found if r["sampler"] == row["sampler"] and r["impl"] == "python_loop")
+        scan = next(r for r in found if r["sampler"] == row["sampler"] and r["impl"] == "scan")
+        row["overhead_vs_forward"] = scan["time_s"] / (forward["time_s"] * scan["nfe"] / steps)
+        row["loop_over_scan"] = loop["time_s"] / scan["time_s"]
+      log(f"K={steps:4d} {row['sampler']:10s} {row['impl']:12s} {row['time_s'] * 1e3:9.2f} ms "
+          f"compile {row['compile_s']:.2f} s")
+    rows += found
+  flops = forward_flops(apply_fn, params, canvas_BxL, model_cfg)
+  forward_1 = rows[0]["time_s"] / rows[0]["K"]  # per pass, from the smallest K's forward row
+  peak = peak_matmul_flops_per_s(config.matmul_size, model_cfg.dtype, config.repeats)
+  train = dict(tokens_per_s=train_tokens_per_s(config, model_cfg, config.repeats),
+               flops_per_s=flops / forward_1, peak_matmul_flops_per_s=peak,
+               forward_flops=flops)
+  train["utilisation"] = train["flops_per_s"] / peak
+  return dict(machine=machine_info(), model=model_cfg.__dict__ | {"params": num_params},
+              settings=dict(repeats=config.repeats, num_blocks=config.num_blocks,
+                            matmul_size=config.matmul_size, train_batch=config.train_batch),
+              rows=rows, train=train)
+
+
+def summary_rows(result: dict) -> list[dict]:
+  """One row per (sampler, K): the three times and the two ratios."""
+  rows = result["rows"]
+  forward = {r["K"]: r for r in rows if r["impl"] == "forward_only"}
+  out = []
+  for r in rows:
+    if r["impl"] != "scan":
+      continue
+    loop = next(x for x in rows if x["impl"] == "python_loop" and x["sampler"] == r["sampler"]
+                and x["K"] == r["K"])
+    out.append({"sampler": r["sampler"], "K": r["K"], "nfe": r["nfe"],
+                "scan ms": r["time_s"] * 1e3, "loop ms": loop["time_s"] * 1e3,
+                "K forwards ms": forward[r["K"]]["time_s"] * 1e3,
+                "scan / forwards (per nfe)": r["overhead_vs_forward"],
+                "loop / scan": r["loop_over_scan"], "tokens/s": r["tokens_per_s"],
+                "compile s": r["compile_s"],
+                "peak MiB": (r["peak_bytes"] or 0) / 2 ** 20})
+  return out
+
+
+def write(result: dict, prefix: str) -> None:
+  """prefix.json, prefix.md (tables) and prefix.png (throughput against K)."""
+  report.write_json(prefix + ".json", result)
+  m, t = result["machine"], result["train"]
+  model = result["model"]
+  rows = summary_rows(result)
+  text = (f"# Sampling benchmark\n\nMachine: {m['device_kind']} ({m['platform']}, "
+          f"{m['num_devices']} device(s); host CPU {m['cpu']}, {m['cpu_count']} cores), "
+          f"jax {m['jax']}, Python {m['python']}.\n\n"
+          f"Model: {model['params']:,} parameters (d_model {model['d_model']}, "
+          f"{model['num_layers']} layers, {model['num_heads']} heads, d_ff {model['d_ff']}, "
+          f"V {model['vocab_size']}, {model['dtype']}); batch {result['rows'][0]['batch']}, "
+          f"L {result['rows'][0]['seq_len']}. Times are medians of "
+          f"{result['settings']['repeats']} calls after a warm-up.\n\n"
+          + report.markdown_table(rows, list(rows[0]))
+          + "\n`scan / forwards (per nfe)`: the scan sampler's time over the time of as many bare "
+          "forward passes as it made denoiser calls (1.0 = no overhead). `loop / scan`: the Python "
+          "loop of jitted steps over the single program.\n\n"
+          f"Training: {t['tokens_per_s']:,.0f} tokens/s. Forward pass: "
+          f"{t['forward_flops'] / 1e9:.3g} GFLOP, {t['flops_per_s'] / 1e9:.3g} GFLOP/s achieved "
+          f"against {t['peak_matmul_flops_per_s'] / 1e9:.3g} GFLOP/s for a "
+          f"{result['settings']['matmul_size']}² matmul: utilisation "
+          f"{100 * t['utilisation']:.1f}%.\n")
+  report.write_text(prefix + ".md", text)
+  try:
+    fig, (ax_tp, ax_c) = report.new_figure(ncols=2, figsize=(11, 4.2))
+  except ImportError:
+    return
+  for sampler in sorted({r["sampler"] for r in result["rows"]}):
+    for impl, style in (("scan", "-o"), ("python_loop", "--s"), ("forward_only", ":^")):
+      pts = sorted((r["K"], r["tokens_per_s"], r["compile_s"]) for r in result["rows"]
+                   if r["sampler"] == sampler and r["impl"] == impl)
+      if pts:
+        ks, tps, comp = zip(*pts)
+        label = f"{sampler} ({impl})" if impl != "forward_only" else "K forward passes"
+        ax_tp.plot(ks, tps, style, label=label)
+        ax_c.plot(ks, comp, style, label=label)
+  for ax, ylabel in ((ax_tp, "generated tokens / s"), (ax_c, "compile s")):
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("steps K")
+    ax.set_ylabel(ylabel)
+  ax_tp.set_yscale("log")
+  ax_tp.legend(fontsize=7)
+  ax_tp.set_title(f"{m['device_kind']}: throughput against K")
+  ax_c.set_title("compile time against K")
+  report.save_figure(fig, prefix + ".png")
+
+
+def main(argv=None) -> None:
+  from absl import app, flags
+  from ml_collections import config_flags
+
+  config_flag = config_flags.DEFINE_config_file("config", None, "Bench config (get_config()).")
+  workdir_flag = flags.DEFINE_string("workdir", None, "Benchmark a trained checkpoint instead.")
+  out_flag = flags.DEFINE_string("out", None, "Output prefix (default: the config's out).")
+
+  def _main(argv):
+    del argv
+    config = config_flag.value
+    if config is None:
+      raise app.UsageError("--config=configs/bench_cpu.py (or bench_gpu.py) is required.")
+    try:
+      result = run(config, workdir_flag.value)
+    except ValueError as error:
+      raise app.UsageError(str(error)) from error
+    prefix = out_flag.value or config.out
+    write(result, prefix)
+    with open(prefix + ".md") as f:
+      print(f.read())
+
+  app.run(_main, argv=argv or sys.argv)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,77 @@
+"""Smoke test of the benchmark: tiny sizes, the output's schema, finite positive ratios."""
+
+import json
+import math
+
+import pytest
+
+from configs.bench_cpu import get_config
+from mdjax import bench
+
+ROW_KEYS = {"sampler", "impl", "K", "batch", "seq_len", "params", "compile_s", "time_s",
+            "tokens_per_s", "nfe"}
+
+
+def _tiny_config():
+  c = get_config()
+  c.model.update(d_model=16, num_layers=1, num_heads=2, d_ff=32)
+  c.seq_len, c.batch, c.train_batch, c.matmul_size = 8, 2, 2, 64
+  c.steps = (4, 8)
+  return c
+
+
+def test_bench_schema_and_ratios(tmp_path):
+  config = _tiny_config()
+  result = bench.run(config, log=lambda *_: None)
+  bench.write(result, str(tmp_path / "bench"))
+  data = json.loads((tmp_path / "bench.json").read_text())
+  assert {"machine", "rows", "train"} <= set(data)
+  assert {"platform", "device_kind", "cpu_count", "jax"} <= set(data["machine"])
+  impls = {(r["sampler"], r["impl"], r["K"]) for r in data["rows"]}
+  for k in config.steps:
+    assert ("forward", "forward_only", k) in impls
+    for family in config.samplers:
+      assert {(family, "scan", k), (family, "python_loop", k)} <= impls
+  for row in data["rows"]:
+    assert ROW_KEYS <= set(row), row
+    assert row["impl"] in bench.IMPLS
+    assert 0 < row["nfe"] <= row["K"]
+    for name in ("time_s", "tokens_per_s", "compile_s"):
+      assert math.isfinite(row[name]) and row[name] >= 0, (name, row)
+    assert row["time_s"] > 0 and row["tokens_per_s"] > 0
+    if row["impl"] != "forward_only":
+      for ratio in ("overhead_vs_forward", "loop_over_scan"):
+        assert math.isfinite(row[ratio]) and row[ratio] > 0, (ratio, row)
+  train = data["train"]
+  for name in ("tokens_per_s", "flops_per_s", "peak_matmul_flops_per_s", "utilisation"):
+    assert math.isfinite(train[name]) and train[name] > 0, name
+  assert "| sampler | K |" in (tmp_path / "bench.md").read_text()
+  assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_analytic_flops_match_xla_cost_analysis():
+  # Two independent counts of the same forward pass agree where XLA reports FLOPs.
+  import jax.numpy as jnp
+  config = _tiny_config()
+  config.model.update(d_model=64, num_heads=4, d_ff=256)
+  config.seq_len = 32
+  model_cfg, apply_fn, params = bench._model(config, None)
+  tokens = jnp.zeros((4, 32), jnp.int32)
+  xla = bench.forward_flops(apply_fn, params, tokens, model_cfg)
+  analytic = bench.analytic_forward_flops(model_cfg, 4, 32)
+  # The analytic count keeps only the matmuls; at d_model 64 norms, softmax and
+  # activations add about a tenth, so the two agree within 25% unless one is wrong.
+  assert 0.8 < xla / analytic < 1.25, (xla, analytic)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("repeats", 2, "repeats=2"),
+    ("steps", (6,), "not divisible by num_blocks"),
+    ("samplers", ("ancestral", "nope"), "unknown"),
+    ("batch", 0, "batch=0"),
+])
+def test_bad_settings_raise_before_compiling(field, value, match):
+  config = _tiny_config()
+  config[field] = value
+  with pytest.raises(ValueError, match=match):
+    bench.run(config, log=lambda *_: None)
