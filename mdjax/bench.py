@@ -36,15 +36,25 @@ IMPLS = ("scan", "python_loop", "forward_only")
 FAMILIES = ("ancestral", "confidence", "remask", "blocks")
 
 
-def median_time(fn: Callable[[], Any], repeats: int) -> float:
-  """Median wall time of `repeats` calls of fn (results blocked on), after one warm-up."""
-  jax.block_until_ready(fn())
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
+def interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+  """Median wall time of each fn (results blocked on) over `repeats` rounds, after a warm-up.
+
+  Each round calls every fn once, so a change in the machine's load falls on all
+  of them alike and their ratios stay meaningful on a shared machine.
+  """
+  for fn in fns.values():
     jax.block_until_ready(fn())
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  times = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[name].append(time.perf_counter() - start)
+  return {name: statistics.median(values) for name, values in times.items()}
+
+
+def median_time(fn: Callable[[], Any], repeats: int) -> float:
+  return interleaved_medians({"fn": fn}, repeats)["fn"]
 
 
 def family_spec(family: str, steps: int, length: int, num_blocks: int) -> sampling.SamplerSpec:
@@ -93,34 +103,37 @@ def _timed_compile(lowered_fn):
   return compiled, time.perf_counter() - start
 
 
-def bench_sampling(apply_fn, params, canvas_BxL, family: str, steps: int, num_blocks: int,
-                   repeats: int, key) -> list[dict]:
-  """The scan and python_loop rows of one family at K steps."""
+def bench_step_count(apply_fn, params, canvas_BxL, families, steps: int, num_blocks: int,
+                     repeats: int, key) -> list[dict]:
+  """Every implementation at K steps, compiled first, then timed in interleaved rounds."""
   length = canvas_BxL.shape[1]
-  spec = family_spec(family, steps, length, num_blocks)
-  lowered, args = sampling.lower(apply_fn, params, key, canvas_BxL, spec)
-  compiled, compile_s = _timed_compile(lambda: lowered)
-  scan_s = median_time(lambda: compiled(*args), repeats)
-  nfe = int(compiled(*args).nfe)
-  loop = lambda: sampling.sample_python_loop(apply_fn, params, key, canvas_BxL, spec).tokens_BxL
-  start = time.perf_counter()
-  jax.block_until_ready(loop())  # first call compiles the step once, whatever K is
-  loop_first_s = time.perf_counter() - start
-  loop_s = median_time(loop, repeats)
-  return [
-      dict(sampler=family, impl="scan", K=steps, compile_s=compile_s, time_s=scan_s, nfe=nfe,
-           peak_bytes=_compiled_peak_bytes(compiled)),
-      dict(sampler=family, impl="python_loop", K=steps, compile_s=max(loop_first_s - loop_s, 0.0),
-           time_s=loop_s, nfe=nfe, peak_bytes=None),
-  ]
-
-
-def bench_forward(apply_fn, params, canvas_BxL, steps: int, repeats: int) -> dict:
-  program = forward_only_program(apply_fn, steps)
-  compiled, compile_s = _timed_compile(lambda: program.lower(params, canvas_BxL))
-  time_s = median_time(lambda: compiled(params, canvas_BxL), repeats)
-  return dict(sampler="forward", impl="forward_only", K=steps, compile_s=compile_s,
-              time_s=time_s, nfe=steps, peak_bytes=_compiled_peak_bytes(compiled))
+  forward = forward_only_program(apply_fn, steps)
+  compiled_fwd, fwd_compile_s = _timed_compile(lambda: forward.lower(params, canvas_BxL))
+  calls = {("forward", "forward_only"): lambda: compiled_fwd(params, canvas_BxL)}
+  rows = {("forward", "forward_only"): dict(compile_s=fwd_compile_s, nfe=steps,
+                                            peak_bytes=_compiled_peak_bytes(compiled_fwd))}
+  for family in families:
+    spec = family_spec(family, steps, length, num_blocks)
+    lowered, args = sampling.lower(apply_fn, params, key, canvas_BxL, spec)
+    compiled, compile_s = _timed_compile(lambda: lowered)
+    nfe = int(compiled(*args).nfe)
+    calls[family, "scan"] = functools.partial(compiled, *args)
+    rows[family, "scan"] = dict(compile_s=compile_s, nfe=nfe,
+                                peak_bytes=_compiled_peak_bytes(compiled))
+    loop = functools.partial(sampling.sample_python_loop, apply_fn, params, key, canvas_BxL, spec)
+    start = time.perf_counter()
+    jax.block_until_ready(loop())  # the first call compiles the step (once, whatever K is)
+    calls[family, "python_loop"] = loop
+    rows[family, "python_loop"] = dict(compile_s=time.perf_counter() - start, nfe=nfe,
+                                       peak_bytes=None)
+  medians = interleaved_medians(calls, repeats)
+  out = []
+  for (sampler, impl), row in rows.items():
+    time_s = medians[sampler, impl]
+    if impl == "python_loop":  # its first call ran the loop once too
+      row["compile_s"] = max(row["compile_s"] - time_s, 0.0)
+    out.append(dict(sampler=sampler, impl=impl, K=steps, time_s=time_s, **row))
+  return out
 
 
 def forward_flops(apply_fn, params, tokens_BxL, model_cfg: models.TransformerConfig) -> float:
@@ -235,11 +248,9 @@ def run(config, workdir: str | None = None, log=print) -> dict:
   shape = dict(batch=config.batch, seq_len=config.seq_len, params=num_params)
   rows = []
   for steps in config.steps:
-    forward = bench_forward(apply_fn, params, canvas_BxL, steps, config.repeats)
-    found = [forward]
-    for family in config.samplers:
-      found += bench_sampling(apply_fn, params, canvas_BxL, family, steps, config.num_blocks,
-                              config.repeats, key)
+    found = bench_step_count(apply_fn, params, canvas_BxL, config.samplers, steps,
+                             config.num_blocks, config.repeats, key)
+    forward = found[0]
     for row in found:
       row.update(shape, tokens_per_s=config.batch * config.seq_len / row["time_s"],
                  seqs_per_s=config.batch / row["time_s"])
@@ -284,6 +295,16 @@ def summary_rows(result: dict) -> list[dict]:
   return out
 
 
+def ratio_medians(rows: list[dict]) -> list[dict]:
+  """Per sampler, the median over K of the two ratios of `summary_rows`."""
+  out = []
+  for sampler in dict.fromkeys(r["sampler"] for r in rows):
+    mine = [r for r in rows if r["sampler"] == sampler]
+    out.append({"sampler": sampler, **{name: statistics.median(r[name] for r in mine)
+                                       for name in ("scan / forwards (per nfe)", "loop / scan")}})
+  return out
+
+
 def write(result: dict, prefix: str) -> None:
   """prefix.json, prefix.md (tables) and prefix.png (throughput against K)."""
   report.write_json(prefix + ".json", result)
@@ -297,8 +318,11 @@ def write(result: dict, prefix: str) -> None:
           f"{model['num_layers']} layers, {model['num_heads']} heads, d_ff {model['d_ff']}, "
           f"V {model['vocab_size']}, {model['dtype']}); batch {result['rows'][0]['batch']}, "
           f"L {result['rows'][0]['seq_len']}. Times are medians of "
-          f"{result['settings']['repeats']} calls after a warm-up.\n\n"
+          f"{result['settings']['repeats']} interleaved rounds after a warm-up (each round "
+          "calls every implementation of a K once).\n\n"
           + report.markdown_table(rows, list(rows[0]))
+          + "\nMedians over K:\n\n" + report.markdown_table(ratio_medians(rows), [
+              "sampler", "scan / forwards (per nfe)", "loop / scan"])
           + "\n`scan / forwards (per nfe)`: the scan sampler's time over the time of as many bare "
           "forward passes as it made denoiser calls (1.0 = no overhead). `loop / scan`: the Python "
           "loop of jitted steps over the single program.\n\n"
@@ -309,11 +333,12 @@ def write(result: dict, prefix: str) -> None:
           f"{100 * t['utilisation']:.1f}%.\n")
   report.write_text(prefix + ".md", text)
   try:
-    fig, (ax_tp, ax_c) = report.new_figure(ncols=2, figsize=(11, 4.2))
+    fig, (ax_tp, ax_r, ax_c) = report.new_figure(ncols=3, figsize=(16, 4.5))
   except ImportError:
     return
+  styles = {"scan": "-o", "python_loop": "--s", "forward_only": ":^"}
   for sampler in sorted({r["sampler"] for r in result["rows"]}):
-    for impl, style in (("scan", "-o"), ("python_loop", "--s"), ("forward_only", ":^")):
+    for impl, style in styles.items():
       pts = sorted((r["K"], r["tokens_per_s"], r["compile_s"]) for r in result["rows"]
                    if r["sampler"] == sampler and r["impl"] == impl)
       if pts:
@@ -321,13 +346,23 @@ def write(result: dict, prefix: str) -> None:
         label = f"{sampler} ({impl})" if impl != "forward_only" else "K forward passes"
         ax_tp.plot(ks, tps, style, label=label)
         ax_c.plot(ks, comp, style, label=label)
-  for ax, ylabel in ((ax_tp, "generated tokens / s"), (ax_c, "compile s")):
+    if sampler != "forward":
+      pts = sorted((r["K"], r["scan / forwards (per nfe)"], r["loop / scan"]) for r in rows
+                   if r["sampler"] == sampler)
+      ks, overhead, loop = zip(*pts)
+      line, = ax_r.plot(ks, overhead, "-o", label=f"{sampler}: scan / forwards")
+      ax_r.plot(ks, loop, "--s", color=line.get_color(), label=f"{sampler}: loop / scan")
+  ax_r.axhline(1.0, color="gray", lw=0.8)
+  for ax, ylabel in ((ax_tp, "generated tokens / s"), (ax_r, "time ratio"),
+                     (ax_c, "compile s")):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("steps K")
     ax.set_ylabel(ylabel)
   ax_tp.set_yscale("log")
   ax_tp.legend(fontsize=7)
+  ax_r.legend(fontsize=7)
   ax_tp.set_title(f"{m['device_kind']}: throughput against K")
+  ax_r.set_title("sampler overhead and what one program buys")
   ax_c.set_title("compile time against K")
   report.save_figure(fig, prefix + ".png")
 

@@ -266,16 +266,22 @@ class MlmCorruption:
   uniformly random token and the rest stay unchanged; an example is eligible
   for random tokens with probability `random_eligible_prob` (otherwise its
   random share is masked too); with probability `full_mask_prob` an example is
-  fully masked (r = 1, every selected position masked).
+  fully masked (r = 1, every selected position masked). With probability
+  `low_ratio_prob` a (not fully masked) example draws r ~ U[0, low_ratio_max]
+  instead: lightly masked states, where a target's whole context is visible,
+  become more frequent (the default 0 keeps r ~ U[0, 1]).
   """
 
   mask_prob: float = 0.8
   random_prob: float = 0.1
   random_eligible_prob: float = 0.5
   full_mask_prob: float = 0.1
+  low_ratio_prob: float = 0.0
+  low_ratio_max: float = 0.3
 
   def __post_init__(self):
-    for name in ("mask_prob", "random_prob", "random_eligible_prob", "full_mask_prob"):
+    for name in ("mask_prob", "random_prob", "random_eligible_prob", "full_mask_prob",
+                 "low_ratio_prob", "low_ratio_max"):
       value = getattr(self, name)
       if not 0.0 <= value <= 1.0:
         raise ValueError(f"{name}={value!r} must lie in [0, 1].")
@@ -301,7 +307,10 @@ def mlm_corrupt(
     maskable_BxL = jnp.ones(x_BxL.shape, bool)
   k_ratio, k_full, k_elig, k_sel, k_kind, k_rand = jax.random.split(key, 6)
   full_B = jax.random.uniform(k_full, (batch,)) < corruption.full_mask_prob
-  ratio_B = jnp.where(full_B, 1.0, jax.random.uniform(k_ratio, (batch,)))
+  # A separate stream for the low-ratio choice keeps the default's draws unchanged.
+  low_B = jax.random.uniform(jax.random.fold_in(key, 7), (batch,)) < corruption.low_ratio_prob
+  ratio_scale_B = jnp.where(low_B, corruption.low_ratio_max, 1.0)
+  ratio_B = jnp.where(full_B, 1.0, jax.random.uniform(k_ratio, (batch,)) * ratio_scale_B)
   selected_BxL = maskable_BxL & (
       jax.random.uniform(k_sel, (batch, length)) < ratio_B[:, None]
   )

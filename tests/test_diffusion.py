@@ -230,3 +230,32 @@ def test_mlm_corruption_proportions():
   assert abs(ratio - 0.05 * 49 / 50) < 4 * se, (ratio, se)
   ratio, se = ratio_and_cluster_se(keep_r)
   assert abs(ratio - (0.1 + 0.05 / 50)) < 4 * se, (ratio, se)
+
+
+@pytest.mark.parametrize("low_ratio_prob", [0.0, 0.5, 1.0])
+def test_mlm_low_ratio_mixture_mean(low_ratio_prob):
+  # r ~ U[0, 1] with prob 1 - p, U[0, 0.3] with prob p: E[selected fraction] =
+  # (1 - p) / 2 + p * 0.15. Rows are independent, so 4 standard errors of the
+  # mean of the per-row fractions bound the deviation.
+  batch, length = 4000, 60
+  corruption = diffusion.MlmCorruption(full_mask_prob=0.0, low_ratio_prob=low_ratio_prob,
+                                       low_ratio_max=0.3)
+  x_BxL = jnp.zeros((batch, length), jnp.int32)
+  _, sel_BxL = diffusion.mlm_corrupt(jax.random.key(3), x_BxL, vocab_size=10, mask_id=10,
+                                     corruption=corruption)
+  frac_B = np.asarray(sel_BxL).mean(1)
+  expected = (1 - low_ratio_prob) * 0.5 + low_ratio_prob * 0.15
+  assert abs(frac_B.mean() - expected) < 4 * frac_B.std() / math.sqrt(batch), frac_B.mean()
+  if low_ratio_prob == 1.0:
+    # No row selects far above 0.3: 0.3 plus 4 binomial s.e. of 60 positions.
+    assert frac_B.max() < 0.3 + 4 * math.sqrt(0.3 * 0.7 / length)
+
+
+def test_mlm_default_draws_do_not_change_with_the_low_ratio_knob_off():
+  # The low-ratio choice has its own stream: the default objective's draws are the same
+  # whatever low_ratio_max is when low_ratio_prob = 0.
+  x_BxL = jnp.zeros((64, 20), jnp.int32)
+  a = diffusion.mlm_corrupt(jax.random.key(0), x_BxL, vocab_size=10, mask_id=10)
+  b = diffusion.mlm_corrupt(jax.random.key(0), x_BxL, vocab_size=10, mask_id=10,
+                            corruption=diffusion.MlmCorruption(low_ratio_max=0.01))
+  np.testing.assert_array_equal(a[1], b[1])
