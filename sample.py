@@ -8,7 +8,7 @@ import json
 import os
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 
 import jax
 import numpy as np
@@ -37,6 +37,7 @@ _OUT = flags.DEFINE_string("out", None, "Directory for samples.jsonl and metrics
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)  # orbax logs every file it reads at INFO
   if bool(_WORKDIR.value) == _ORACLE.value:
     raise app.UsageError("give exactly one of --workdir=DIR and --oracle.")
   if _WORKDIR.value:
