@@ -16,7 +16,9 @@ against a large matmul's. Writes results/bench_*.{json,md,png}.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 import os
 import platform
 import statistics
@@ -26,14 +28,15 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
-import numpy as np
+from flax import nnx
 
 from mdjax import diffusion, models, report, sampling
 from mdjax import train as train_lib
 
 IMPLS = ("scan", "python_loop", "forward_only")
-FAMILIES = ("ancestral", "confidence", "remask", "blocks")
+FAMILIES = ("ancestral", "confidence", "remask", "blocks", "ancestral_no_skip",
+            "confidence_no_skip")
+_NO_SKIP = "_no_skip"  # the family with skip_idle_steps=False: no lax.cond per step
 
 
 def interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
@@ -59,6 +62,9 @@ def median_time(fn: Callable[[], Any], repeats: int) -> float:
 
 def family_spec(family: str, steps: int, length: int, num_blocks: int) -> sampling.SamplerSpec:
   """The benchmarked spec of a family at K steps."""
+  if family.endswith(_NO_SKIP) and family in FAMILIES:
+    spec = family_spec(family.removesuffix(_NO_SKIP), steps, length, num_blocks)
+    return dataclasses.replace(spec, skip_idle_steps=False)
   if family == "ancestral":
     return sampling.AncestralSpec(steps=steps)
   if family == "confidence":
@@ -158,17 +164,22 @@ def analytic_forward_flops(cfg: models.TransformerConfig, batch: int, length: in
 
 
 def peak_matmul_flops_per_s(size: int, dtype: str, repeats: int) -> float:
-  """FLOP/s of a large square matmul: the machine's practical peak."""
+  """FLOP/s of a large square matmul, its fastest of `repeats` calls: the practical peak."""
   a = jax.random.normal(jax.random.key(0), (size, size), jnp.dtype(dtype))
   b = jax.random.normal(jax.random.key(1), (size, size), jnp.dtype(dtype))
   matmul = jax.jit(jnp.matmul)
-  return 2.0 * size ** 3 / median_time(lambda: matmul(a, b), repeats)
+  jax.block_until_ready(matmul(a, b))
+  best = math.inf
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(matmul(a, b))
+    best = min(best, time.perf_counter() - start)
+  return 2.0 * size ** 3 / best
 
 
 def train_tokens_per_s(config, model_cfg, repeats: int) -> float:
   """Tokens per second of the pure train step (MD4 NELBO, AdamW) on random tokens."""
   graphdef, params, apply_fn = models.init(model_cfg, seed=0)
-  from flax import nnx
   params = nnx.to_pure_dict(params)
   optimizer = train_lib.make_optimizer(config.train)
   state = train_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
@@ -232,7 +243,6 @@ def _model(config, workdir: str | None):
   model_cfg = models.TransformerConfig(vocab_size=config.vocab_size, max_len=config.seq_len,
                                        **config.model.to_dict())
   _, params, apply_fn = models.init(model_cfg, seed=0)
-  from flax import nnx
   return model_cfg, apply_fn, nnx.to_pure_dict(params)
 
 
@@ -263,7 +273,8 @@ def run(config, workdir: str | None = None, log=print) -> dict:
           f"compile {row['compile_s']:.2f} s")
     rows += found
   flops = forward_flops(apply_fn, params, canvas_BxL, model_cfg)
-  forward_1 = rows[0]["time_s"] / rows[0]["K"]  # per pass, from the smallest K's forward row
+  # Seconds per forward pass: the median over K of the forward_only rows.
+  forward_1 = statistics.median(r["time_s"] / r["K"] for r in rows if r["impl"] == "forward_only")
   peak = peak_matmul_flops_per_s(config.matmul_size, model_cfg.dtype, config.repeats)
   train = dict(tokens_per_s=train_tokens_per_s(config, model_cfg, config.repeats),
                flops_per_s=flops / forward_1, peak_matmul_flops_per_s=peak,

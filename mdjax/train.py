@@ -7,7 +7,6 @@ checkpoint in `workdir`. The batch a step sees is a function of
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math

@@ -248,6 +248,29 @@ def test_cache_skips_calls_and_changes_nothing():
   assert int(cached.nfe) <= 10 and int(cached.nfe) + int(cached.saved_calls) == 64
 
 
+@pytest.mark.parametrize("make", [
+    # The first interval reveals each position with probability 0.999: later steps idle.
+    lambda **kw: sampling.AncestralSpec(steps=3, grid=(1.0, 1e-3, 5e-4, 0.0), **kw),
+    # Threshold 0 commits every proposal at the first step of each block.
+    lambda **kw: sampling.ConfidenceSpec(steps=8, block_length=4, threshold=0.0, **kw),
+    # The last group holds only a prompt position: nothing is left to write by then.
+    lambda **kw: sampling.OrderedSpec(groups=((4, 5), (6, 7, 8), (9, 10, 11), (0,)), **kw),
+], ids=["ancestral", "confidence_blocks", "ordered"])
+def test_skip_idle_steps_off_calls_every_step_and_changes_nothing(make):
+  # An idle step writes nothing whatever the logits, so dropping the skip changes only
+  # the call count.
+  params = stubs.stub_params(VOCAB, LENGTH)
+  tokens = _prompted_canvas(batch=1)
+  skipping = sampling.sample(stubs.stub_denoiser, params, jax.random.key(4), tokens, make())
+  calling = sampling.sample(stubs.stub_denoiser, params, jax.random.key(4), tokens,
+                            make(skip_idle_steps=False))
+  np.testing.assert_array_equal(skipping.tokens_BxL, calling.tokens_BxL)
+  np.testing.assert_array_equal(skipping.write_step_BxL, calling.write_step_BxL)
+  steps = int(skipping.nfe) + int(skipping.saved_calls)
+  assert int(skipping.saved_calls) > 0, "the case must have idle steps to mean anything"
+  assert int(calling.nfe) == steps and int(calling.saved_calls) == 0
+
+
 @pytest.mark.parametrize("spec", ALL_SPECS[:1] + ALL_SPECS[3:4] + ALL_SPECS[8:9]
                          + ALL_SPECS[-1:], ids=lambda s: type(s).__name__)
 def test_batch_equals_single_rows_and_key_determinism(spec):

@@ -240,7 +240,7 @@ def _step(apply_fn, params, keys_B, state: State, ctx: Context, x, *, spec) -> S
     need = jnp.any(state.tokens_BxL != state.last_tokens_BxL)
     logits = jax.lax.cond(need, call, lambda: state.last_logits_BxLxV)
     state = state.replace(last_tokens_BxL=state.tokens_BxL, last_logits_BxLxV=logits)
-  elif isinstance(spec, specs_lib.RemaskSpec):
+  elif isinstance(spec, specs_lib.RemaskSpec) or not spec.skip_idle_steps:
     need = jnp.array(True)
     logits = call()
   else:
