@@ -103,10 +103,12 @@ def _compiled_peak_bytes(compiled) -> int | None:
              - mem.alias_size_in_bytes)
 
 
-def _timed_compile(lowered_fn):
+def _timed_compile(lower_fn):
+  """(compiled program, seconds to trace, lower and compile it); lower_fn -> (lowered, args)."""
   start = time.perf_counter()
-  compiled = lowered_fn().compile()
-  return compiled, time.perf_counter() - start
+  lowered, args = lower_fn()
+  compiled = lowered.compile()
+  return compiled, args, time.perf_counter() - start
 
 
 def bench_step_count(apply_fn, params, canvas_BxL, families, steps: int, num_blocks: int,
@@ -114,14 +116,15 @@ def bench_step_count(apply_fn, params, canvas_BxL, families, steps: int, num_blo
   """Every implementation at K steps, compiled first, then timed in interleaved rounds."""
   length = canvas_BxL.shape[1]
   forward = forward_only_program(apply_fn, steps)
-  compiled_fwd, fwd_compile_s = _timed_compile(lambda: forward.lower(params, canvas_BxL))
-  calls = {("forward", "forward_only"): lambda: compiled_fwd(params, canvas_BxL)}
+  compiled_fwd, fwd_args, fwd_compile_s = _timed_compile(
+      lambda: (forward.lower(params, canvas_BxL), (params, canvas_BxL)))
+  calls = {("forward", "forward_only"): functools.partial(compiled_fwd, *fwd_args)}
   rows = {("forward", "forward_only"): dict(compile_s=fwd_compile_s, nfe=steps,
                                             peak_bytes=_compiled_peak_bytes(compiled_fwd))}
   for family in families:
     spec = family_spec(family, steps, length, num_blocks)
-    lowered, args = sampling.lower(apply_fn, params, key, canvas_BxL, spec)
-    compiled, compile_s = _timed_compile(lambda: lowered)
+    compiled, args, compile_s = _timed_compile(
+        lambda: sampling.lower(apply_fn, params, key, canvas_BxL, spec))
     nfe = int(compiled(*args).nfe)
     calls[family, "scan"] = functools.partial(compiled, *args)
     rows[family, "scan"] = dict(compile_s=compile_s, nfe=nfe,
