@@ -288,9 +288,9 @@ def sample_python_loop(apply_fn, params: Any, key: Array, tokens_BxL: Array,
   the PyTorch reference samplers (LLaDA, MDLM, ReMDM) run; it exists for the
   benchmark's side-by-side comparison. Gives the same tokens as `sample`.
   """
+  args, static = _checked_args(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id)
   if spec.record_trajectory:
     raise ValueError("record_trajectory=True: use sample; the Python loop keeps no record.")
-  args, static = _checked_args(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id)
   state, ctx, xs = _prepare_jit(apply_fn, *args, **static)
   keys_B = args[1]
   xs = jax.device_get(xs)
@@ -302,7 +302,7 @@ def sample_python_loop(apply_fn, params: Any, key: Array, tokens_BxL: Array,
 
 def lower(apply_fn, params: Any, key: Array, tokens_BxL: Array, spec: specs_lib.SamplerSpec,
           fixed_BxL: Array | None = None, *, mask_id: int | None = None):
-  """The `sample` program, lowered: `.compile()` it, then call it with `.args`.
+  """The `sample` program, lowered, and the arguments to call it with.
 
   Returns (lowered, args): `lowered.compile()(*args)` runs the same program
   as `sample(...)`; `.memory_analysis()` and `.cost_analysis()` of the
