@@ -2,6 +2,8 @@
 
 import ml_collections
 
+from configs.base import base_config
+
 
 def get_config():
   c = ml_collections.ConfigDict()
@@ -20,8 +22,6 @@ def get_config():
   c.train_batch = 8
   c.matmul_size = 2048
   c.seed = 0
-  c.train = ml_collections.ConfigDict(dict(
-      num_steps=1000, lr=1e-3, lr_floor=0.1, warmup_steps=100, b1=0.9, b2=0.99,
-      weight_decay=0.0, grad_clip=1.0))
+  c.train = base_config().train  # the optimizer of the training-throughput row
   c.out = "results/bench_cpu"
   return c
