@@ -46,12 +46,11 @@ def main(argv):
       config, apply_fn, params, step = train.load_for_sampling(_WORKDIR.value, _STEP.value)
     except ValueError as error:
       raise app.UsageError(str(error)) from error
-    task_name = config.task
+    task_name, task = config.task, tasks.from_config(config)
     print(f"workdir={_WORKDIR.value} step={step}")
   else:
-    task_name = _TASK.value
-    apply_fn, params = tasks.TASKS[task_name].exact_denoiser, None
-  task = tasks.TASKS[task_name]
+    task_name, task = _TASK.value, tasks.get(_TASK.value)
+    apply_fn, params = task.exact_denoiser, None
   knobs = dict(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value)
   if _SAMPLER.value not in ("random_order", "left_to_right"):
     knobs["steps"] = _STEPS.value

@@ -6,6 +6,7 @@ import ml_collections
 def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.task = "two_color"
+  c.task_kwargs = ml_collections.ConfigDict()  # task parameters, e.g. max_command_id=9
   c.seed = 0
   c.batch_size = 64
   c.objective = "nelbo"  # or "mlm"

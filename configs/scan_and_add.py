@@ -6,6 +6,7 @@ from configs.base import base_config
 def get_config():
   c = base_config()
   c.task = "scan_and_add"
+  c.task_kwargs.max_command_id = 1  # M: 9 gives five synonyms per command kind
   c.objective = "mlm"
   c.batch_size = 128
   c.model.update(d_model=256, num_layers=6, num_heads=8, d_ff=1024, positions="sinusoidal",

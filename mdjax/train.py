@@ -44,7 +44,7 @@ class TrainState:
 
 
 def model_config(config) -> models.TransformerConfig:
-  task = tasks.TASKS[config.task]
+  task = tasks.from_config(config)
   return models.TransformerConfig(vocab_size=task.VOCAB_SIZE, max_len=task.LENGTH,
                                   **config.model.to_dict())
 
@@ -67,7 +67,7 @@ def masking_schedule(config) -> diffusion.Schedule:
 
 def make_loss_fn(config, apply_fn) -> Callable:
   """loss_fn(params, key, x_BxL) -> (loss, aux) for the configured objective."""
-  task = tasks.TASKS[config.task]
+  task = tasks.from_config(config)
   if config.objective == "nelbo":
     return functools.partial(diffusion.nelbo_loss, apply_fn, schedule=masking_schedule(config),
                              mask_id=task.MASK_ID)
@@ -80,7 +80,7 @@ def make_loss_fn(config, apply_fn) -> Callable:
 
 def batch_for_step(config, step: int) -> np.ndarray:
   """The training batch of a step: a pure function of (seed, step)."""
-  task = tasks.TASKS[config.task]
+  task = tasks.from_config(config)
   key = jax.random.fold_in(jax.random.key(config.seed), step)
   return task.sample_data(key, config.batch_size)
 
@@ -172,11 +172,16 @@ def save(manager: ocp.CheckpointManager, state: TrainState, config) -> None:
 def _check_model_matches(saved: dict, config, step: int) -> None:
   saved_model, model = saved.get("model", {}), config.model.to_dict()
   diffs = {k: (saved_model.get(k), v) for k, v in model.items() if saved_model.get(k) != v}
-  if saved.get("task") != config.task or diffs:
+  requested_kwargs = config.get("task_kwargs")
+  requested_kwargs = requested_kwargs.to_dict() if requested_kwargs else {}
+  for name, saved_value, value in (("task", saved.get("task"), config.task),
+                                   ("task_kwargs", saved.get("task_kwargs") or {}, requested_kwargs)):
+    if saved_value != value:
+      diffs[name] = (saved_value, value)
+  if diffs:
     raise ValueError(
-        f"checkpoint step {step} holds a model of another shape: (saved, requested) = "
-        f"{diffs or {'task': (saved.get('task'), config.task)}}. Use another workdir or the "
-        "saved config.")
+        f"checkpoint step {step} holds a model of another shape or task: (saved, requested) = "
+        f"{diffs}. Use another workdir or the saved config.")
 
 
 def restore_latest(manager: ocp.CheckpointManager, abstract_state: TrainState, config,
@@ -260,7 +265,7 @@ def evaluate(config, apply_fn, params, loss_fn_eval) -> dict:
 
 
 def sample_and_score(config, apply_fn, params) -> dict:
-  task = tasks.TASKS[config.task]
+  task = tasks.from_config(config)
   spec = sampling.make_spec(config.sampler.family, length=task.LENGTH,
                             **{k: v for k, v in config.sampler.to_dict().items() if k != "family"})
   out = sampling.sample(apply_fn, params, jax.random.key(config.seed + 2),
@@ -291,7 +296,7 @@ def train(config, workdir: str, log=print) -> TrainState:
       in_shardings=(shardings, NamedSharding(mesh, PartitionSpec("data"))),
       out_shardings=(shardings, None), donate_argnums=0)
   eval_schedule = masking_schedule(config)
-  task = tasks.TASKS[config.task]
+  task = tasks.from_config(config)
   eval_loss = jax.jit(lambda p, k, x: diffusion.nelbo_loss(
       apply_fn, p, k, x, schedule=eval_schedule, mask_id=task.MASK_ID)[1]["bits_per_token"])
   num_steps = config.train.num_steps

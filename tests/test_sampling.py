@@ -78,6 +78,9 @@ ALL_SPECS = [
     sampling.RemaskSpec(steps=12, eta=0.3, loop_t_on=0.6, loop_t_off=0.2),
     sampling.OrderedSpec(groups=((4, 5, 6), (7, 8), (9,), (10, 11))),
     sampling.RandomOrderSpec(top_p=0.5),
+    # Fields {4..7} and {8..11}: three of the first, then the rest of both together.
+    sampling.FieldOrderSpec(fields=(tuple(range(4, 8)), tuple(range(8, 12))),
+                            counts=((1, 0), (2, 0), (1, 4))),
 ]
 
 
@@ -272,7 +275,7 @@ def test_skip_idle_steps_off_calls_every_step_and_changes_nothing(make):
 
 
 @pytest.mark.parametrize("spec", ALL_SPECS[:1] + ALL_SPECS[3:4] + ALL_SPECS[8:9]
-                         + ALL_SPECS[-1:], ids=lambda s: type(s).__name__)
+                         + ALL_SPECS[-2:], ids=lambda s: type(s).__name__)
 def test_batch_equals_single_rows_and_key_determinism(spec):
   params = stubs.stub_params(VOCAB, LENGTH)
   tokens = _prompted_canvas(batch=5)
@@ -334,7 +337,7 @@ def _loops(jaxpr):
 
 
 @pytest.mark.parametrize("spec", ALL_SPECS[:2] + ALL_SPECS[3:4] + ALL_SPECS[8:9]
-                         + ALL_SPECS[-2:], ids=lambda s: type(s).__name__)
+                         + ALL_SPECS[-3:], ids=lambda s: type(s).__name__)
 def test_one_program_one_denoiser_call_per_step(spec):
   params = stubs.stub_params(VOCAB, LENGTH)
   tokens = _prompted_canvas()

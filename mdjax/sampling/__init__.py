@@ -2,15 +2,19 @@
 
 Families (each a frozen spec): AncestralSpec (exact MD4/MDLM reverse kernel),
 ConfidenceSpec (MaskGIT/LLaDA), RemaskSpec (ReMDM), OrderedSpec (fixed write
-orders) and RandomOrderSpec (exact chain rule in a random order). Blocks
+orders), FieldOrderSpec (write orders over fields, confidence within a field;
+`parse_write_order` reads them from notation) and RandomOrderSpec (exact chain
+rule in a random order). Blocks
 (semi-autoregressive decoding) are the `block_length` knob of the first two.
 """
 
 from mdjax.sampling.driver import (SampleResult, lower, num_steps, row_keys, sample,
                                    sample_python_loop)
+from mdjax.sampling.orders import parse_write_order
 from mdjax.sampling.specs import (
     AncestralSpec,
     ConfidenceSpec,
+    FieldOrderSpec,
     OrderedSpec,
     RandomOrderSpec,
     RemaskSpec,
@@ -21,7 +25,7 @@ from mdjax.sampling.specs import (
 from mdjax.sampling.transforms import SCORES
 
 __all__ = [
-    "AncestralSpec", "ConfidenceSpec", "OrderedSpec", "RandomOrderSpec", "RemaskSpec",
-    "SCORES", "SampleResult", "SamplerSpec", "lower", "make_spec", "num_steps", "row_keys",
+    "AncestralSpec", "ConfidenceSpec", "FieldOrderSpec", "OrderedSpec", "RandomOrderSpec", "RemaskSpec",
+    "SCORES", "SampleResult", "SamplerSpec", "lower", "make_spec", "num_steps", "parse_write_order", "row_keys",
     "sample", "sample_python_loop", "time_grid",
 ]

@@ -112,17 +112,18 @@ def _validate_data(spec, tokens: np.ndarray, fixed: np.ndarray, mask_id: int):
     row, pos = np.argwhere(fixed & (tokens == mask_id))[0]
     raise ValueError(f"fixed_BxL marks position {pos} of row {row} as fixed, but it holds "
                      f"the mask id {mask_id}; fixed positions need a token.")
-  if isinstance(spec, specs_lib.OrderedSpec):
+  if isinstance(spec, (specs_lib.OrderedSpec, specs_lib.FieldOrderSpec)):
+    name = "groups" if isinstance(spec, specs_lib.OrderedSpec) else "fields"
     length = tokens.shape[1]
     covered = np.zeros(length, bool)
-    flat = [p for g in spec.groups for p in g]
+    flat = [p for g in getattr(spec, name) for p in g]
     if max(flat) >= length:
-      raise ValueError(f"groups name position {max(flat)}; the canvas has L={length}.")
+      raise ValueError(f"{name} name position {max(flat)}; the canvas has L={length}.")
     covered[flat] = True
     missed = np.flatnonzero((~fixed & (tokens == mask_id)).any(0) & ~covered)
     if missed.size:
-      raise ValueError(f"groups miss masked positions {missed.tolist()}; every generated "
-                       "position must be in exactly one group.")
+      raise ValueError(f"{name} miss masked positions {missed.tolist()}; every generated "
+                       f"position must be in exactly one of the {name}.")
 
 
 def sample(apply_fn, params: Any, key: Array, tokens_BxL: Array,

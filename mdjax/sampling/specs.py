@@ -215,6 +215,53 @@ class OrderedSpec(SamplerSpec):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class FieldOrderSpec(SamplerSpec):
+  """A write order over fields: step k writes `counts[k][f]` positions of field f.
+
+  `fields[f]` lists the positions of field f (fields are disjoint). Within a step,
+  field f's positions are its `counts[k][f]` highest-scoring masked positions
+  (`score` from transforms.SCORES, read from the untransformed softmax; ties go to the
+  lower position). The default `max_prob` reads only the canvas, never this step's
+  draws, so a step that writes one position is an exact chain-rule step; values
+  written in one step are drawn independently. Every field's counts sum to its size.
+  `parse_write_order` builds one from notation such as "[VOA][v×9]o×10[ht1]", which
+  `notation` keeps for display.
+  """
+
+  fields: tuple[tuple[int, ...], ...]
+  counts: tuple[tuple[int, ...], ...]
+  score: str = "max_prob"
+  notation: str | None = None
+
+  def __post_init__(self):
+    super().__post_init__()
+    fields = tuple(tuple(int(p) for p in f) for f in self.fields)
+    counts = tuple(tuple(int(c) for c in row) for row in self.counts)
+    object.__setattr__(self, "fields", fields)
+    object.__setattr__(self, "counts", counts)
+    _check(self.score in transforms.SCORES, "score", self.score,
+           f"must be one of {transforms.SCORES}")
+    _check(len(fields) >= 1 and all(len(f) >= 1 for f in fields), "fields", fields,
+           "need at least one field, each with a position")
+    flat = [p for f in fields for p in f]
+    _check(min(flat) >= 0, "fields", min(flat), "positions must be >= 0")
+    repeated = sorted({p for p in flat if flat.count(p) > 1})
+    _check(not repeated, "fields", repeated, "a position may belong to one field only")
+    _check(len(counts) >= 1, "counts", counts, "need at least one step")
+    for k, row in enumerate(counts):
+      _check(len(row) == len(fields) and min(row) >= 0 and sum(row) >= 1, f"counts[{k}]", row,
+             f"must hold {len(fields)} counts >= 0 (one per field), at least one positive")
+    totals = np.sum(counts, axis=0)
+    for f, field in enumerate(fields):
+      _check(totals[f] == len(field), f"counts (field {f})", int(totals[f]),
+             f"must sum to the field's {len(field)} positions")
+
+  @property
+  def steps(self) -> int:
+    return len(self.counts)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RandomOrderSpec(SamplerSpec):
   """One position per step in a uniformly random order drawn per row.
 

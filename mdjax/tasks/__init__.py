@@ -9,4 +9,27 @@ from mdjax.tasks import scan_and_add, two_color
 
 TASKS = {"two_color": two_color, "scan_and_add": scan_and_add}
 
-__all__ = ["TASKS", "scan_and_add", "two_color"]
+
+def get(name: str, task_kwargs: dict | None = None):
+  """A task by name, with its parameters bound (e.g. max_command_id=9 for ScanAndAdd).
+
+  Without `task_kwargs` it is the task module itself; with them, an object offering the
+  same names for those parameters.
+  """
+  if name not in TASKS:
+    raise ValueError(f"task={name!r} is unknown: must be one of {sorted(TASKS)}.")
+  task_kwargs = dict(task_kwargs or {})
+  if not task_kwargs:
+    return TASKS[name]
+  if not hasattr(TASKS[name], "bind"):
+    raise ValueError(f"task_kwargs={task_kwargs!r}: task {name!r} takes no parameters.")
+  return TASKS[name].bind(**task_kwargs)
+
+
+def from_config(config):
+  """The task a training config names (`config.task`, `config.task_kwargs`)."""
+  kwargs = config.get("task_kwargs")
+  return get(config.task, kwargs.to_dict() if hasattr(kwargs, "to_dict") else kwargs)
+
+
+__all__ = ["TASKS", "from_config", "get", "scan_and_add", "two_color"]

@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -133,6 +134,41 @@ def sample_data(key: jax.Array, batch: int, params: Params = DEFAULT) -> jax.Arr
 
 def empty_canvas(batch: int, params: Params = DEFAULT) -> jax.Array:
   return jnp.full((batch, params.length), MASK_ID, jnp.int32)
+
+
+def write_order_fields(params: Params = DEFAULT) -> dict[str, tuple[int, ...]]:
+  """The fields of the write-order notation: markers V O A, values v, commands o,
+  answer digits h t 1 (hundreds, tens, ones)."""
+  h, t, ones = (int(i) for i in params.answer_pos)
+  return {"V": (0,), "O": (params.ops_marker_pos,), "A": (params.ans_marker_pos,),
+          "v": tuple(int(i) for i in params.value_pos),
+          "o": tuple(int(i) for i in params.command_pos), "h": (h,), "t": (t,), "1": (ones,)}
+
+
+def write_order(notation: str, params: Params = DEFAULT, **spec_kwargs):
+  """A sampler spec from write-order notation, e.g. "[VOA][v×9]o×10[ht1]".
+
+  See `mdjax.sampling.orders`: brackets write together in one step; an unbracketed
+  field is written one position per step, the field's most confident masked position.
+  """
+  from mdjax import sampling  # the tasks do not otherwise depend on the samplers
+  return sampling.parse_write_order(notation, write_order_fields(params), **spec_kwargs)
+
+
+def bind(**params_kwargs) -> types.SimpleNamespace:
+  """This task with other parameters: the module's names, bound to `Params(**kwargs)`."""
+  fields = {f.name for f in dataclasses.fields(Params)}
+  unknown = sorted(set(params_kwargs) - fields)
+  if unknown:
+    raise ValueError(f"task_kwargs={params_kwargs!r}: unknown {unknown}; scan_and_add takes "
+                     f"{sorted(fields)}.")
+  params = Params(**params_kwargs)
+  bound = lambda fn: functools.partial(fn, params=params)
+  return types.SimpleNamespace(
+      PARAMS=params, LENGTH=params.length, VOCAB_SIZE=VOCAB_SIZE, MASK_ID=MASK_ID,
+      sample_data=bound(sample_data), empty_canvas=bound(empty_canvas), decode=bound(decode),
+      sample_metrics=bound(sample_metrics), checks=bound(checks), is_impossible=bound(is_impossible),
+      exact_denoiser=make_exact_denoiser(params))
 
 
 # ----------------------------------------------------------------------------
