@@ -51,15 +51,21 @@ def save_figure(fig, path: str) -> None:
   fig.savefig(path, dpi=120)
 
 
-def experiment_main(doc: str, run, write, markdown_name: str, default_n: int) -> None:
-  """The command line every experiment shares: --n samples, --out directory."""
+def experiment_main(doc: str, run, write, markdown_name: str, default_n: int,
+                    options: dict[str, tuple[str, str]] | None = None) -> None:
+  """The command line every experiment shares: --n samples, --out directory.
+
+  `options` adds string flags, name -> (default, help), passed to `run` by name.
+  """
   import argparse
   parser = argparse.ArgumentParser(description=doc.splitlines()[0])
   parser.add_argument("--n", type=int, default=default_n, help="samples per point")
   parser.add_argument("--out", default="results", help="output directory")
+  for name, (default, help_text) in (options or {}).items():
+    parser.add_argument(f"--{name}", default=default, help=help_text)
   args = parser.parse_args()
   if args.n < 1:
     parser.error(f"--n={args.n} must be >= 1")
-  write(run(args.n), args.out)
+  write(run(args.n, **{name: getattr(args, name) for name in options or {}}), args.out)
   with open(os.path.join(args.out, markdown_name)) as f:
     print(f.read())

@@ -6,7 +6,7 @@ import math
 import numpy as np
 
 from experiments import scan_and_add_oracle, two_color_oracle
-from mdjax import sampling
+from mdjax import sampling, train
 
 
 def test_two_color_experiment_schema_and_theory(tmp_path):
@@ -52,3 +52,42 @@ def test_scan_and_add_experiment_schema(tmp_path):
   # NELBO of the exact denoiser agrees with the entropy: 4 standard errors.
   nelbo = data["oracle_nelbo_bits"]
   assert abs(nelbo["mean"] - data["entropy_bits"]) < 4 * nelbo["stderr"]
+
+
+def test_scan_and_add_study_schema_and_exact_orders(tmp_path):
+  from experiments import scan_and_add_study as study
+  from mdjax import models
+  from mdjax.tasks import scan_and_add as sa
+  config = study.study_config(9)
+  config.model.update(d_model=16, num_layers=1, num_heads=2, d_ff=32)
+  _, params, apply_fn = models.init(train.model_config(config))
+  picked = ["[VOA][v×9]o×10[ht1]", "[VOA]o×10ht1v×9", "[VOA][v×9][o×10][ht1]"]
+  point_list = [p for p in study.points() if p["order"] in picked]
+  point_list += [p for p in study.points() if p["kind"] == "confidence" and p["steps"] == 5
+                 and p["temperature"] == 1.0]
+  results = study.run(128, workdir=str(tmp_path / "none"), repeats=5,
+                      models={9: (apply_fn, params)}, point_list=point_list, nelbo_sequences=1000)
+  study.write(results, str(tmp_path))
+  data = json.loads((tmp_path / "scan_and_add_study.json").read_text())
+  for name in ("scan_and_add_study.png", "scan_and_add_write_order.png", "scan_and_add_study.md"):
+    assert (tmp_path / name).stat().st_size > 0
+  assert len(data["rows"]) == 2 * len(point_list)  # model and oracle
+  for row in data["rows"]:
+    assert set(study.ROW_KEYS) <= set(row)
+    assert row["M"] == 9 and row["n"] == 128 and 0 < row["p_value"] <= 1
+    assert row["kind"] in ("order", "confidence") and row["denoiser"] in ("model", "oracle")
+    assert (row["order"] is None) == (row["kind"] == "confidence")
+  oracle = {r["order"]: r for r in data["rows"] if r["denoiser"] == "oracle"}
+  # One position per step, or point masses in parallel: exact, so every row is correct.
+  for exact in picked[:2]:
+    assert oracle[exact]["correct"] == 1.0 and oracle[exact]["add_count_valid"] == 1.0
+  # All commands in one step: the add count is wrong with probability 0.698.
+  assert oracle[picked[2]]["add_count_valid"] < 0.5
+  assert [w["steps"] for w in data["write_order"]] == [10, 25, 10, 25]
+  for w in data["write_order"]:
+    for name in ("values", "commands", "answer"):
+      assert len(w[name]) == w["steps"] and w[name][-1] == 1.0
+      assert np.all(np.diff(w[name]) >= 0)
+  nelbo = data["nelbo"][0]
+  assert nelbo["M"] == 9 and abs(nelbo["entropy_bits"] - sa.entropy_bits(sa.Params(max_command_id=9))) < 1e-9
+  assert nelbo["model"]["mean"] > nelbo["entropy_bits"]  # an untrained model: a loose bound
