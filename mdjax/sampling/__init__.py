@@ -4,7 +4,8 @@ Families (each a frozen spec): AncestralSpec (exact MD4/MDLM reverse kernel),
 ConfidenceSpec (MaskGIT/LLaDA), RemaskSpec (ReMDM), OrderedSpec (fixed write
 orders), FieldOrderSpec (write orders over fields, confidence within a field;
 `parse_write_order` reads them from notation) and RandomOrderSpec (exact chain
-rule in a random order). Blocks
+rule in a random order) and SpeculativeSpec (exact parallel sampling by
+speculative verification). Blocks
 (semi-autoregressive decoding) are the `block_length` knob of the first two.
 """
 
@@ -19,13 +20,15 @@ from mdjax.sampling.specs import (
     RandomOrderSpec,
     RemaskSpec,
     SamplerSpec,
+    SpeculativeSpec,
     make_spec,
     time_grid,
 )
 from mdjax.sampling.transforms import SCORES
 
 __all__ = [
-    "AncestralSpec", "ConfidenceSpec", "FieldOrderSpec", "OrderedSpec", "RandomOrderSpec", "RemaskSpec",
-    "SCORES", "SampleResult", "SamplerSpec", "lower", "make_spec", "num_steps", "parse_write_order", "row_keys",
-    "sample", "sample_python_loop", "time_grid",
+    "AncestralSpec", "ConfidenceSpec", "FieldOrderSpec", "OrderedSpec", "RandomOrderSpec",
+    "RemaskSpec", "SCORES", "SampleResult", "SamplerSpec", "SpeculativeSpec", "lower",
+    "make_spec", "num_steps", "parse_write_order", "row_keys", "sample", "sample_python_loop",
+    "time_grid",
 ]

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from mdjax.sampling import ancestral, confidence, ordered
+from mdjax.sampling import ancestral, confidence, ordered, speculative
 from mdjax.sampling import specs as specs_lib
 from mdjax.sampling.state import Context, State
 
@@ -30,6 +30,9 @@ class SampleResult:
   evaluations made; saved_calls: steps whose evaluation was skipped.
   reopened_B: committed tokens returned to the mask (remasking).
   trajectory_KxBxL: the canvas after each step, if the spec records it.
+  rounds_B, evals_B (speculative family only): rounds in which the row had masked
+  positions (its sequential depth) and contexts evaluated for it (k_eff per round,
+  plus the start-up call).
   """
 
   tokens_BxL: Array
@@ -38,11 +41,13 @@ class SampleResult:
   saved_calls: Array
   reopened_B: Array
   trajectory_KxBxL: Array | None = None
+  rounds_B: Array | None = None
+  evals_B: Array | None = None
 
 
 def num_steps(spec: specs_lib.SamplerSpec, length: int) -> int:
   """The static number of scan steps a spec takes on a length-L canvas."""
-  if isinstance(spec, specs_lib.RandomOrderSpec):
+  if isinstance(spec, (specs_lib.RandomOrderSpec, specs_lib.SpeculativeSpec)):
     return length
   return spec.steps
 
@@ -112,6 +117,16 @@ def _validate_data(spec, tokens: np.ndarray, fixed: np.ndarray, mask_id: int):
     row, pos = np.argwhere(fixed & (tokens == mask_id))[0]
     raise ValueError(f"fixed_BxL marks position {pos} of row {row} as fixed, but it holds "
                      f"the mask id {mask_id}; fixed positions need a token.")
+  if isinstance(spec, specs_lib.SpeculativeSpec) and spec.positions is not None:
+    length = tokens.shape[1]
+    if max(spec.positions) >= length:
+      raise ValueError(f"positions name position {max(spec.positions)}; the canvas has "
+                       f"L={length}.")
+    missed = np.flatnonzero((~fixed & (tokens == mask_id)).any(0)
+                            & ~np.isin(np.arange(length), spec.positions))
+    if missed.size:
+      raise ValueError(f"positions miss masked positions {missed.tolist()}; order='fixed' "
+                       "must list every generated position.")
   if isinstance(spec, (specs_lib.OrderedSpec, specs_lib.FieldOrderSpec)):
     name = "groups" if isinstance(spec, specs_lib.OrderedSpec) else "fields"
     length = tokens.shape[1]
@@ -265,6 +280,14 @@ _STATIC = ("apply_fn", "spec", "mask_id", "num_blocks")
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _sample_jit(apply_fn, params, keys_B, tokens_BxL, fixed_BxL, *, spec, mask_id,
                 num_blocks) -> SampleResult:
+  if isinstance(spec, specs_lib.SpeculativeSpec):
+    carry, trajectory = speculative.sample_program(apply_fn, params, keys_B, tokens_BxL,
+                                                   fixed_BxL, spec=spec, mask_id=mask_id)
+    return SampleResult(tokens_BxL=carry.tokens_BxL, write_step_BxL=carry.write_step_BxL,
+                        nfe=carry.nfe, saved_calls=carry.saved_calls,
+                        reopened_B=jnp.zeros(carry.rounds_B.shape, jnp.int32),
+                        trajectory_KxBxL=trajectory, rounds_B=carry.rounds_B,
+                        evals_B=carry.evals_B)
   state, ctx, xs = _prepare(apply_fn, params, keys_B, tokens_BxL, fixed_BxL, spec=spec,
                             mask_id=mask_id, num_blocks=num_blocks)
 
@@ -290,6 +313,8 @@ def sample_python_loop(apply_fn, params: Any, key: Array, tokens_BxL: Array,
   benchmark's side-by-side comparison. Gives the same tokens as `sample`.
   """
   args, static = _checked_args(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id)
+  if isinstance(spec, specs_lib.SpeculativeSpec):
+    raise ValueError("spec=SpeculativeSpec: its rounds run only as one program; use sample.")
   if spec.record_trajectory:
     raise ValueError("record_trajectory=True: use sample; the Python loop keeps no record.")
   state, ctx, xs = _prepare_jit(apply_fn, *args, **static)

@@ -271,11 +271,52 @@ class RandomOrderSpec(SamplerSpec):
   """
 
 
+SPECULATIVE_ORDERS = ("max_prob", "lowest_index", "fixed")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeculativeSpec(SamplerSpec):
+  """Exact parallel sampling by speculative verification (see sampling.speculative).
+
+  Each round drafts up to `k` masked positions, verifies them with one batched call on
+  k contexts and commits the accepted prefix plus, after a rejection, one residual
+  draw: the output follows the chain-rule law of the transformed conditionals (exact
+  with an exact denoiser at temperature 1; temperature, top-k and top-p apply to the
+  drafts and the verifier alike, so the target is the transformed conditionals).
+  `order` chooses the positions from what is known before the round: `max_prob`
+  (most confident predictions first), `lowest_index` (left to right) or `fixed`
+  (the order of `positions`). At most L rounds (one lax.scan); k = 1 is the chain rule.
+  """
+
+  k: int
+  order: str = "max_prob"
+  positions: tuple[int, ...] | None = None
+
+  def __post_init__(self):
+    super().__post_init__()
+    _check(isinstance(self.k, (int, np.integer)) and self.k >= 1, "k", self.k,
+           "must be an integer >= 1")
+    _check(self.order in SPECULATIVE_ORDERS, "order", self.order,
+           f"must be one of {SPECULATIVE_ORDERS}: a rule that reads only the canvas and the "
+           "predictions made before the round (a score of this round's draws would bias it)")
+    if self.order == "fixed":
+      _check(self.positions is not None and len(self.positions) >= 1, "positions",
+             self.positions, "order='fixed' needs the write order as a tuple of positions")
+      positions = tuple(int(p) for p in self.positions)
+      object.__setattr__(self, "positions", positions)
+      _check(min(positions) >= 0 and len(set(positions)) == len(positions), "positions",
+             positions, "must be distinct positions >= 0")
+    else:
+      _check(self.positions is None, "positions", self.positions,
+             f"is only used with order='fixed' (order={self.order!r})")
+
+
 FAMILIES = {
     "ancestral": AncestralSpec,
     "confidence": ConfidenceSpec,
     "remask": RemaskSpec,
     "random_order": RandomOrderSpec,
+    "speculative": SpeculativeSpec,
 }
 
 
