@@ -91,3 +91,32 @@ def test_scan_and_add_study_schema_and_exact_orders(tmp_path):
   nelbo = data["nelbo"][0]
   assert nelbo["M"] == 9 and abs(nelbo["entropy_bits"] - sa.entropy_bits(sa.Params(max_command_id=9))) < 1e-9
   assert nelbo["model"]["mean"] > nelbo["entropy_bits"]  # an untrained model: a loose bound
+
+
+def test_speculative_experiment_schema(tmp_path, monkeypatch):
+  from experiments import scan_and_add_study as study
+  from experiments import speculative
+  from mdjax import models
+  config = study.study_config(1)
+  config.model.update(d_model=16, num_layers=1, num_heads=2, d_ff=32)
+  _, params, apply_fn = models.init(train.model_config(config))
+  monkeypatch.setattr(speculative, "KS", (4,))
+  monkeypatch.setattr(speculative, "ORDER_RULES", ("lowest_index",))
+  results = speculative.run(128, repeats=5, model=(apply_fn, params))
+  speculative.write(results, str(tmp_path))
+  data = json.loads((tmp_path / "speculative.json").read_text())
+  assert (tmp_path / "speculative.png").stat().st_size > 0
+  keys = {"denoiser", "sampler", "k", "order", "n", "mean_rounds", "mean_evals", "well_formed",
+          "correct", "add_count_valid", "tvt", "tvt_floor", "p_value"}
+  assert len(data["rows"]) == 2 * 4  # chain rule, speculative, confidence, ancestral
+  for row in data["rows"]:
+    assert keys <= set(row) and 0 < row["p_value"] <= 1
+  oracle = {r["sampler"]: r for r in data["rows"] if r["denoiser"] == "oracle"}
+  for exact in ("chain rule", "speculative"):
+    assert oracle[exact]["correct"] == 1.0 and oracle[exact]["add_count_valid"] == 1.0
+  assert oracle["chain rule"]["mean_rounds"] == 25
+  assert oracle["speculative"]["mean_rounds"] < 25 / 2
+  depth = round(oracle["speculative"]["mean_rounds"] + 1)
+  assert oracle["confidence"]["mean_rounds"] == depth == oracle["ancestral"]["mean_rounds"]
+  assert [r["sampler"] for r in data["wall_time_model"]][0] == "chain rule (k = 1)"
+  assert data["wall_time_model"][0]["ratio_to_chain_rule"] == 1.0
