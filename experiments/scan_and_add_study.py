@@ -109,6 +109,15 @@ def nelbo_bits_per_sequence(apply_fn, params, task, num: int, seed: int) -> dict
           "n": int(len(bits))}
 
 
+def _rss_gib() -> float:
+  """Resident memory of this process (Linux; 0 elsewhere)."""
+  try:
+    with open("/proc/self/statm") as f:
+      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+  except (OSError, ValueError):
+    return 0.0
+
+
 def points() -> list[dict]:
   """Every sampler point of the study, before the denoiser and M are chosen."""
   out = [{"kind": "order", "sampler": "order", "order": notation, "group": group,
@@ -172,9 +181,11 @@ def run(n: int, workdir: str = "/tmp/scan_and_add_study", seed: int = 0, repeats
         row.update(task.sample_metrics(tokens))
         row.update(metrics.compare_to_data(tokens, reference, null_tvt, sa.VOCAB_SIZE + 1))
         results["rows"].append(row)
+        jax.clear_caches()  # one program per point: keep the compiled ones from piling up
         print(f"M={m} {name} {i + 1}/{len(point_list)} {point['sampler']} "
               f"{point['order'] or point['steps']} tau={point['temperature']}: "
-              f"correct {row['correct']:.3f} tvt {row['tvt']:.4f}", flush=True)
+              f"correct {row['correct']:.3f} tvt {row['tvt']:.4f} "
+              f"({time.perf_counter() - start:.0f} s, rss {_rss_gib():.2f} GiB)", flush=True)
       for steps in WRITE_ORDER_STEPS:
         spec = sampling.ConfidenceSpec(steps=steps, temperature=ORDER_TEMPERATURE)
         out = sampling.sample(fn, p, jax.random.key(seed + 7 * steps + m), task.empty_canvas(n),
