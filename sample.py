@@ -23,8 +23,10 @@ _BATCH = flags.DEFINE_integer("batch_size", 1000, "Rows per sampler call.")
 _PROMPT = flags.DEFINE_string("prompt", None, "Comma-separated token ids fixed at the start.")
 _SAMPLER = flags.DEFINE_string(
     "sampler", "ancestral",
-    "ancestral | confidence | remask | random_order | left_to_right.")
-_STEPS = flags.DEFINE_integer("steps", 8, "Number of steps (not for random_order/left_to_right).")
+    "ancestral | confidence | remask | random_order | left_to_right | speculative.")
+_STEPS = flags.DEFINE_integer("steps", 8, "Number of steps (not for random_order/left_to_right/"
+                              "speculative).")
+_K = flags.DEFINE_integer("k", 4, "Drafts per round (speculative sampler).")
 _TEMPERATURE = flags.DEFINE_float("temperature", None, "Softmax temperature; 0 = argmax.")
 _TOP_K = flags.DEFINE_integer("top_k", None, "Keep the k most likely values.")
 _TOP_P = flags.DEFINE_float("top_p", None, "Nucleus mass in (0, 1].")
@@ -52,7 +54,9 @@ def main(argv):
     task_name, task = _TASK.value, tasks.get(_TASK.value)
     apply_fn, params = task.exact_denoiser, None
   knobs = dict(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value)
-  if _SAMPLER.value not in ("random_order", "left_to_right"):
+  if _SAMPLER.value == "speculative":
+    knobs["k"] = _K.value
+  elif _SAMPLER.value not in ("random_order", "left_to_right"):
     knobs["steps"] = _STEPS.value
   if _SCORE.value is not None:
     knobs["score"] = _SCORE.value

@@ -208,3 +208,16 @@ def test_bad_calls_raise_before_tracing():
   with pytest.raises(ValueError, match="use sample"):
     sampling.sample_python_loop(two_color.exact_denoiser, None, jax.random.key(0), canvas,
                                 sampling.SpeculativeSpec(k=2))
+
+
+def test_sample_script_runs_the_speculative_family():
+  import os
+  import subprocess
+  import sys
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run(
+      [sys.executable, os.path.join(repo, "sample.py"), "--task=two_color", "--oracle",
+       "--sampler=speculative", "--k=2", "--num_samples=200", "--batch_size=200"],
+      env=dict(os.environ, PYTHONPATH=repo), capture_output=True, text=True)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "invalid_fraction 0.0" in " ".join(proc.stdout.split()), proc.stdout
