@@ -264,7 +264,8 @@ def write(results: dict, out: str) -> None:
   text += report.markdown_table(
       [{"M": e["M"], "NELBO bits/sequence": e["model"]["mean"], "s.e.": e["model"]["stderr"],
         "n": e["model"]["n"], "entropy bits/sequence": e["entropy_bits"],
-        "train minutes": (None if results["train_seconds"].get(f"M{e['M']}") is None
+        "train minutes": ("reused (trained before this run)"
+                          if results["train_seconds"].get(f"M{e['M']}") is None
                           else results["train_seconds"][f"M{e['M']}"] / 60)}
        for e in results["nelbo"]],
       ["M", "NELBO bits/sequence", "s.e.", "n", "entropy bits/sequence", "train minutes"]) + "\n"
