@@ -30,6 +30,7 @@ _K = flags.DEFINE_integer("k", 4, "Drafts per round (speculative sampler).")
 _TEMPERATURE = flags.DEFINE_float("temperature", None, "Softmax temperature; 0 = argmax.")
 _TOP_K = flags.DEFINE_integer("top_k", None, "Keep the k most likely values.")
 _TOP_P = flags.DEFINE_float("top_p", None, "Nucleus mass in (0, 1].")
+_MIN_P = flags.DEFINE_float("min_p", None, "Keep values with p >= min_p * max p.")
 _SCORE = flags.DEFINE_string("score", None, "Confidence score (confidence sampler).")
 _ETA = flags.DEFINE_float("eta", None, "Remasking strength (remask sampler).")
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 10_000, "Number of samples.")
@@ -53,7 +54,8 @@ def main(argv):
   else:
     task_name, task = _TASK.value, tasks.get(_TASK.value)
     apply_fn, params = task.exact_denoiser, None
-  knobs = dict(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value)
+  knobs = dict(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
+               min_p=_MIN_P.value)
   if _SAMPLER.value == "speculative":
     knobs["k"] = _K.value
   elif _SAMPLER.value not in ("random_order", "left_to_right"):

@@ -63,7 +63,7 @@ def test_two_color_parallel_group_is_wrong_half_the_time():
 
 
 ALL_SPECS = [
-    sampling.AncestralSpec(steps=5),
+    sampling.AncestralSpec(steps=5, min_p=0.1),
     sampling.AncestralSpec(steps=6, grid="cosine", cache=True),
     sampling.AncestralSpec(steps=4, block_length=4, schedule=diffusion.CosineSchedule()),
     sampling.ConfidenceSpec(steps=5, score="prob", temperature=0.7, top_k=3),
@@ -374,18 +374,21 @@ def test_draws_follow_the_transformed_categorical():
   logits = jnp.log(jnp.array([0.5, 0.25, 0.15, 0.1]))
   logits_BxLxV = jnp.broadcast_to(logits, (n, 1, 4))
   keys = jax.random.split(jax.random.key(0), n)
-  cases = {
-      (1.0, None, 1.0): np.array([0.5, 0.25, 0.15, 0.1]),
-      (1.0, 2, 1.0): np.array([2 / 3, 1 / 3, 0, 0]),
-      (1.0, None, 0.7): np.array([2 / 3, 1 / 3, 0, 0]),  # 0.5 < 0.7 <= 0.75
-      (0.5, None, 1.0): np.array([0.25, 0.0625, 0.0225, 0.01]) / 0.345,
+  cases = {  # (temperature, top_k, top_p, min_p): expected law
+      (1.0, None, 1.0, 0.0): np.array([0.5, 0.25, 0.15, 0.1]),
+      (1.0, 2, 1.0, 0.0): np.array([2 / 3, 1 / 3, 0, 0]),
+      (1.0, None, 0.7, 0.0): np.array([2 / 3, 1 / 3, 0, 0]),  # 0.5 < 0.7 <= 0.75
+      (0.5, None, 1.0, 0.0): np.array([0.25, 0.0625, 0.0225, 0.01]) / 0.345,
+      (1.0, None, 1.0, 0.25): np.array([0.5, 0.25, 0.15, 0]) / 0.9,  # keep p >= 0.125
+      (1.0, None, 1.0, 1.0): np.array([1.0, 0, 0, 0]),  # min-p always keeps the argmax
   }
-  for (temperature, top_k, top_p), expected in cases.items():
+  for (temperature, top_k, top_p, min_p), expected in cases.items():
     draws = np.asarray(transforms.draw_values(
-        keys, logits_BxLxV, temperature=temperature, top_k=top_k, top_p=top_p))[:, 0]
+        keys, logits_BxLxV, temperature=temperature, top_k=top_k, top_p=top_p,
+        min_p=min_p))[:, 0]
     freq = np.bincount(draws, minlength=4) / n
     for f, p in zip(freq, expected):
-      assert abs(f - p) <= _binomial_tol(p, n) + 1e-12, (temperature, top_k, top_p, freq)
+      assert abs(f - p) <= _binomial_tol(p, n) + 1e-12, (temperature, top_k, top_p, min_p, freq)
   argmax = transforms.draw_values(keys, logits_BxLxV, temperature=0.0, top_k=None, top_p=1.0)
   assert np.all(np.asarray(argmax) == 0)
 
@@ -406,6 +409,7 @@ def test_temperature_zero_sampler_is_deterministic_across_keys():
     (lambda: sampling.AncestralSpec(steps=4, top_p=0.0), "top_p=0.0"),
     (lambda: sampling.AncestralSpec(steps=4, top_p=1.5), "top_p=1.5"),
     (lambda: sampling.AncestralSpec(steps=4, top_k=0), "top_k=0"),
+    (lambda: sampling.ConfidenceSpec(steps=4, min_p=1.5), "min_p=1.5"),
     (lambda: sampling.AncestralSpec(steps=2, grid=(1.0, 0.6, 0.7, 0.0)), "grid="),
     (lambda: sampling.AncestralSpec(steps=2, grid=(0.9, 0.5, 0.0)), "decrease strictly"),
     (lambda: sampling.AncestralSpec(steps=2, grid="log"), "grid='log'"),

@@ -31,6 +31,7 @@ class SamplerSpec:
 
   temperature: softmax(logits / T); T = 0 takes the argmax (no division).
   top_k: keep the k most likely values (None: all). top_p: nucleus mass.
+  min_p: keep values with probability >= min_p times the row's largest (0: all).
   record_trajectory: also return the canvas after every step (K x B x L).
   skip_idle_steps: skip the denoiser (a lax.cond) at steps with nothing to write in
     any row; False calls it at every step, which is faster when steps are seldom idle
@@ -41,6 +42,7 @@ class SamplerSpec:
   temperature: float = 1.0
   top_k: int | None = None
   top_p: float = 1.0
+  min_p: float = 0.0
   record_trajectory: bool = False
   skip_idle_steps: bool = True
 
@@ -49,10 +51,12 @@ class SamplerSpec:
     _check(self.top_k is None or (isinstance(self.top_k, int) and self.top_k >= 1),
            "top_k", self.top_k, "must be None or an integer >= 1")
     _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must lie in (0, 1]")
+    _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must lie in [0, 1]")
 
   @property
   def transform(self) -> dict:
-    return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+    return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                min_p=self.min_p)
 
 
 def _check_steps(steps):

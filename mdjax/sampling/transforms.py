@@ -37,7 +37,7 @@ def row_gumbel(keys_B: Array, tag: int, shape: tuple[int, ...]) -> Array:
 
 
 def transform_logits(logits_BxLxV: Array, temperature: float, top_k: int | None,
-                     top_p: float) -> Array:
+                     top_p: float, min_p: float = 0.0) -> Array:
   """softmax(logits / T) restricted to the top-k and to the top-p nucleus.
 
   Returns logits (-inf outside the kept set). Ties at a cut-off are all kept.
@@ -55,15 +55,18 @@ def transform_logits(logits_BxLxV: Array, temperature: float, top_k: int | None,
     num_keep = jnp.maximum((mass_before < top_p).sum(-1, keepdims=True), 1)
     cut = jnp.take_along_axis(sorted_x, num_keep - 1, axis=-1)
     x = jnp.where(x < cut, -jnp.inf, x)
+  if min_p > 0.0:
+    # Keep values with probability >= min_p * the row's largest: log p - log p_max >= log min_p.
+    x = jnp.where(x - x.max(-1, keepdims=True) < jnp.log(min_p), -jnp.inf, x)
   return x
 
 
 def draw_values(keys_B: Array, logits_BxLxV: Array, *, temperature: float,
-                top_k: int | None, top_p: float) -> Array:
+                top_k: int | None, top_p: float, min_p: float = 0.0) -> Array:
   """One categorical draw per position (Gumbel-max); T = 0 is argmax."""
   if temperature == 0.0:
     return jnp.argmax(logits_BxLxV, axis=-1).astype(jnp.int32)
-  x = transform_logits(logits_BxLxV, temperature, top_k, top_p)
+  x = transform_logits(logits_BxLxV, temperature, top_k, top_p, min_p)
   gumbel_BxLxV = row_gumbel(keys_B, VALUES, x.shape[1:])
   return jnp.argmax(x + gumbel_BxLxV, axis=-1).astype(jnp.int32)
 
