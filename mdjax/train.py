@@ -172,10 +172,9 @@ def save(manager: ocp.CheckpointManager, state: TrainState, config) -> None:
 def _check_model_matches(saved: dict, config, step: int) -> None:
   saved_model, model = saved.get("model", {}), config.model.to_dict()
   diffs = {k: (saved_model.get(k), v) for k, v in model.items() if saved_model.get(k) != v}
-  requested_kwargs = config.get("task_kwargs")
-  requested_kwargs = requested_kwargs.to_dict() if requested_kwargs else {}
   for name, saved_value, value in (("task", saved.get("task"), config.task),
-                                   ("task_kwargs", saved.get("task_kwargs") or {}, requested_kwargs)):
+                                   ("task_kwargs", saved.get("task_kwargs") or {},
+                                    tasks.kwargs_of(config))):
     if saved_value != value:
       diffs[name] = (saved_value, value)
   if diffs:

@@ -63,6 +63,19 @@ def test_restore_into_another_shape_is_a_clear_error(tmp_path):
     train.train(other, str(tmp_path), log=_quiet)
 
 
+def test_restore_with_other_task_parameters_is_a_clear_error(tmp_path):
+  from configs import scan_and_add_cpu
+  config = scan_and_add_cpu.get_config()
+  config.model.update(d_model=16, num_layers=1, num_heads=2, d_ff=32)
+  config.batch_size, config.eval_batches, config.num_eval_samples = 8, 1, 8
+  config.train.update(num_steps=4, warmup_steps=1)
+  train.train(config, str(tmp_path), log=_quiet)
+  config.task_kwargs.max_command_id = 9
+  config.train.num_steps = 8
+  with pytest.raises(ValueError, match=r"task_kwargs.*\(\{'max_command_id': 1\}, \{'max_command_id': 9\}\)"):
+    train.train(config, str(tmp_path), log=_quiet)
+
+
 def test_corrupt_newest_checkpoint_falls_back(tmp_path):
   config = _config(num_steps=30)
   config.checkpoint.every = 10

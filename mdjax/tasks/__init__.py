@@ -26,10 +26,15 @@ def get(name: str, task_kwargs: dict | None = None):
   return TASKS[name].bind(**task_kwargs)
 
 
+def kwargs_of(config) -> dict:
+  """A training config's task parameters as a plain dict ({} when it has none)."""
+  kwargs = config.get("task_kwargs")
+  return dict(kwargs.to_dict() if hasattr(kwargs, "to_dict") else kwargs or {})
+
+
 def from_config(config):
   """The task a training config names (`config.task`, `config.task_kwargs`)."""
-  kwargs = config.get("task_kwargs")
-  return get(config.task, kwargs.to_dict() if hasattr(kwargs, "to_dict") else kwargs)
+  return get(config.task, kwargs_of(config))
 
 
-__all__ = ["TASKS", "from_config", "get", "scan_and_add", "two_color"]
+__all__ = ["TASKS", "from_config", "get", "kwargs_of", "scan_and_add", "two_color"]
