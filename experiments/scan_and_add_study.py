@@ -72,13 +72,14 @@ def trained_model(workdir: str, m: int):
   seconds is the training time of this call, None when the run was already finished.
   """
   config, path = study_config(m), os.path.join(workdir, f"M{m}")
+  finished = config.train.num_steps in train.checkpoint_manager(path, config).all_steps()
   start = time.perf_counter()
   train.train(config, path)
-  trained = time.perf_counter() - start > 60  # a finished run reloads in seconds
+  seconds = None if finished else time.perf_counter() - start
   _, apply_fn, params, step = train.load_for_sampling(path)
   if step != config.train.num_steps:
     raise RuntimeError(f"{path} holds step {step}, not the final {config.train.num_steps}.")
-  return apply_fn, params, time.perf_counter() - start if trained else None
+  return apply_fn, params, seconds
 
 
 def training_curve(workdir: str, m: int) -> list[dict]:
