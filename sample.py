@@ -2,6 +2,11 @@
 
   python sample.py --workdir=/tmp/quickstart --sampler=confidence --steps=25
   python sample.py --task=two_color --oracle --sampler=ancestral --steps=8
+  python sample.py --workdir=/tmp/shakespeare --prefix="ROMEO." --suffix="love." --steps=32
+
+Text tasks take --prefix / --suffix (fixed left and right context: prefix-conditioned
+generation or infilling) and --reference=CAUSAL_WORKDIR (generative bits per character of
+the samples under a causal reference model).
 """
 
 import json
@@ -21,6 +26,11 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "A train.py workdir to sample fr
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
 _BATCH = flags.DEFINE_integer("batch_size", 1000, "Rows per sampler call.")
 _PROMPT = flags.DEFINE_string("prompt", None, "Comma-separated token ids fixed at the start.")
+_PREFIX = flags.DEFINE_string("prefix", None, "Text fixed at the start (text tasks).")
+_SUFFIX = flags.DEFINE_string("suffix", None, "Text fixed at the end (text tasks): infilling.")
+_REFERENCE = flags.DEFINE_string("reference", None,
+                                 "Causal reference workdir: adds gen_bits_per_char (text tasks).")
+_NUM_SHOWN = flags.DEFINE_integer("show", 5, "Number of decoded samples printed.")
 _SAMPLER = flags.DEFINE_string(
     "sampler", "ancestral",
     "ancestral | confidence | remask | random_order | left_to_right | speculative.")
@@ -33,9 +43,43 @@ _TOP_P = flags.DEFINE_float("top_p", None, "Nucleus mass in (0, 1].")
 _MIN_P = flags.DEFINE_float("min_p", None, "Keep values with p >= min_p * max p.")
 _SCORE = flags.DEFINE_string("score", None, "Confidence score (confidence sampler).")
 _ETA = flags.DEFINE_float("eta", None, "Remasking strength (remask sampler).")
+_BLOCK = flags.DEFINE_integer("block_length", None,
+                              "Semi-autoregressive blocks (ancestral, confidence).")
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 10_000, "Number of samples.")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
 _OUT = flags.DEFINE_string("out", None, "Directory for samples.jsonl and metrics.json.")
+
+
+def fix_context(task, canvas_BxL: np.ndarray, prefix: str | None, suffix: str | None) -> None:
+  """Writes the encoded prefix at the start and suffix at the end of every row."""
+  if not (prefix or suffix):
+    return
+  if not hasattr(task, "encode"):
+    raise ValueError(f"--prefix/--suffix need a text task; {task!r} has no text encoding "
+                     "(use --prompt=ids).")
+  left, right = task.encode(prefix or ""), task.encode(suffix or "")
+  if len(left) + len(right) >= task.LENGTH:
+    raise ValueError(f"--prefix and --suffix hold {len(left)} + {len(right)} characters; "
+                     f"the window is {task.LENGTH}, so at most {task.LENGTH - 1} in all.")
+  canvas_BxL[:, :len(left)] = left
+  canvas_BxL[:, task.LENGTH - len(right):] = right
+
+
+def reference_bits_per_char(workdir: str, task, tokens_NxL: np.ndarray) -> float:
+  """Mean -log2 p(sample) per character under a causal reference model of the same corpus."""
+  from mdjax import likelihood, train
+  config, apply_fn, params, _ = train.load_for_sampling(workdir)
+  if config.objective != "causal":
+    raise app.UsageError(f"--reference={workdir!r} holds a {config.objective!r} model; "
+                         "it must be a causal one (objective='causal').")
+  reference_task = tasks.from_config(config)
+  if getattr(reference_task, "tokenizer", None) != getattr(task, "tokenizer", None):
+    raise app.UsageError(f"--reference={workdir!r} uses another tokenizer than the samples.")
+  if reference_task.LENGTH != task.LENGTH:
+    raise app.UsageError(f"--reference={workdir!r} has windows of {reference_task.LENGTH} "
+                         f"characters; the samples have {task.LENGTH}.")
+  bits_N = likelihood.causal_bits(apply_fn, params, tokens_NxL, start_id=reference_task.MASK_ID)
+  return float(bits_N.mean() / task.LENGTH)
 
 
 def main(argv):
@@ -64,6 +108,8 @@ def main(argv):
     knobs["score"] = _SCORE.value
   if _ETA.value is not None:
     knobs["eta"] = _ETA.value
+  if _BLOCK.value is not None:
+    knobs["block_length"] = _BLOCK.value
   try:
     spec = sampling.make_spec(_SAMPLER.value, length=task.LENGTH, **knobs)
   except (ValueError, TypeError) as error:
@@ -71,7 +117,7 @@ def main(argv):
   for name, value in (("num_samples", _NUM_SAMPLES.value), ("batch_size", _BATCH.value)):
     if value < 1:
       raise app.UsageError(f"--{name}={value} must be >= 1.")
-  canvas = np.asarray(task.empty_canvas(_BATCH.value))
+  canvas = np.array(task.empty_canvas(_BATCH.value))
   if _PROMPT.value:
     try:
       prompt = [int(t) for t in _PROMPT.value.split(",")]
@@ -81,6 +127,10 @@ def main(argv):
       raise app.UsageError(f"--prompt={_PROMPT.value!r}: at most {task.LENGTH} ids in "
                            f"[0, {task.MASK_ID - 1}].")
     canvas[:, :len(prompt)] = prompt
+  try:
+    fix_context(task, canvas, _PREFIX.value, _SUFFIX.value)
+  except ValueError as error:
+    raise app.UsageError(str(error)) from error
   print(f"task={task_name} sampler={spec}")
   start = time.perf_counter()
   batches, nfe = [], 0
@@ -97,8 +147,10 @@ def main(argv):
   elapsed = time.perf_counter() - start
   metrics = task.sample_metrics(tokens)
   metrics.update(nfe_per_batch=nfe // num_batches, seconds=round(elapsed, 3))
-  for row in tokens[:5]:
-    print("  ", task.decode(row))
+  if _REFERENCE.value:
+    metrics["gen_bits_per_char"] = reference_bits_per_char(_REFERENCE.value, task, tokens)
+  for row in tokens[:_NUM_SHOWN.value]:
+    print(f"--- {task.decode(row)}" if hasattr(task, "encode") else f"   {task.decode(row)}")
   width = max(map(len, metrics))
   for name, value in metrics.items():
     print(f"{name:<{width}}  {value}")

