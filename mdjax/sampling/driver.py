@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from mdjax.sampling import ancestral, confidence, ordered, speculative
+from mdjax.sampling import (ancestral, confidence, defer, local_remask, ordered, revision,
+                            speculative)
 from mdjax.sampling import specs as specs_lib
 from mdjax.sampling.state import Context, State
 
@@ -33,6 +34,9 @@ class SampleResult:
   rounds_B, evals_B (speculative family only): rounds in which the row had masked
   positions (its sequential depth) and contexts evaluated for it (k_eff per round,
   plus the start-up call).
+  contexts (other families): sequences evaluated per row; a batched call of J test
+  contexts (DeferSpec, leave-group-out scoring) counts J, where nfe counts it once.
+  changes_KxB (RevisionSpec): visible tokens that changed value at each step.
   """
 
   tokens_BxL: Array
@@ -43,12 +47,16 @@ class SampleResult:
   trajectory_KxBxL: Array | None = None
   rounds_B: Array | None = None
   evals_B: Array | None = None
+  contexts: Array | None = None
+  changes_KxB: Array | None = None
 
 
 def num_steps(spec: specs_lib.SamplerSpec, length: int) -> int:
   """The static number of scan steps a spec takes on a length-L canvas."""
   if isinstance(spec, (specs_lib.RandomOrderSpec, specs_lib.SpeculativeSpec)):
     return length
+  if isinstance(spec, specs_lib.LocalRemaskSpec):
+    return num_steps(spec.base, length) + spec.rounds * num_steps(spec.refill, length)
   return spec.steps
 
 
@@ -178,12 +186,14 @@ def _checked_args(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id):
     raise ValueError(f"fixed_BxL has shape {fixed_BxL.shape}; tokens_BxL has "
                      f"{tokens_BxL.shape}.")
   editable = None
+  # A localized-remasking spec fills the canvas with its base family first.
+  first = spec.base if isinstance(spec, specs_lib.LocalRemaskSpec) else spec
   host = _host_values(tokens_BxL, fixed_BxL)
   if host is not None:
     tokens, fixed = host
-    _validate_data(spec, tokens, fixed, mask_id)
+    _validate_data(first, tokens, fixed, mask_id)
     editable = ~fixed
-  num_blocks = _num_blocks(spec, editable, length)
+  num_blocks = _num_blocks(first, editable, length)
   keys_B = row_keys(key, batch)
   return ((params, keys_B, tokens_BxL.astype(jnp.int32), fixed_BxL),
           dict(spec=spec, mask_id=mask_id, num_blocks=num_blocks))
@@ -195,6 +205,10 @@ def _update_fn(spec):
     return ancestral.update
   if isinstance(spec, specs_lib.ConfidenceSpec):
     return confidence.update
+  if isinstance(spec, specs_lib.DeferSpec):
+    return defer.update
+  if isinstance(spec, specs_lib.RevisionSpec):
+    return revision.update
   return ordered.update
 
 
@@ -206,6 +220,10 @@ def _plan(spec, length: int, num_blocks: int) -> dict[str, np.ndarray]:
     return ancestral.plan_remask(spec)
   if isinstance(spec, specs_lib.ConfidenceSpec):
     return confidence.plan(spec, num_blocks)
+  if isinstance(spec, specs_lib.DeferSpec):
+    return defer.plan(spec)
+  if isinstance(spec, specs_lib.RevisionSpec):
+    return revision.plan(spec)
   return ordered.plan(spec, length)
 
 
@@ -232,7 +250,9 @@ def _prepare(apply_fn, params, keys_B, tokens_BxL, fixed_BxL, *, spec, mask_id,
       write_conf_BxL=jnp.ones((batch, length), jnp.float32),
       reopened_B=jnp.zeros((batch,), jnp.int32),
       block_count_B=jnp.zeros((batch,), jnp.int32),
-      nfe=zero, saved_calls=zero,
+      nfe=zero, saved_calls=zero, contexts=zero,
+      changes_KxB=(jnp.zeros((spec.steps, batch), jnp.int32)
+                   if isinstance(spec, specs_lib.RevisionSpec) else None),
   )
   out = jax.eval_shape(apply_fn, params, tokens_BxL, jnp.zeros((batch,)))
   if out.shape != (batch, length, mask_id):
@@ -256,7 +276,8 @@ def _step(apply_fn, params, keys_B, state: State, ctx: Context, x, *, spec) -> S
     need = jnp.any(state.tokens_BxL != state.last_tokens_BxL)
     logits = jax.lax.cond(need, call, lambda: state.last_logits_BxLxV)
     state = state.replace(last_tokens_BxL=state.tokens_BxL, last_logits_BxLxV=logits)
-  elif isinstance(spec, specs_lib.RemaskSpec) or not spec.skip_idle_steps:
+  elif (isinstance(spec, (specs_lib.RemaskSpec, specs_lib.RevisionSpec))
+        or not spec.skip_idle_steps):
     need = jnp.array(True)
     logits = call()
   else:
@@ -264,14 +285,21 @@ def _step(apply_fn, params, keys_B, state: State, ctx: Context, x, *, spec) -> S
     need = jnp.any((state.tokens_BxL == ctx.mask_id) & ctx.editable_BxL
                    & (ctx.block_id_BxL == x["block"]))
     logits = jax.lax.cond(need, call, lambda: jnp.zeros(out.shape, out.dtype))
-  state = state.replace(nfe=state.nfe + need, saved_calls=state.saved_calls + (~need))
-  return _update_fn(spec)(spec, state, ctx, x, logits, step_keys_B)
+  state = state.replace(nfe=state.nfe + need, saved_calls=state.saved_calls + (~need),
+                        contexts=state.contexts + need)
+  update = _update_fn(spec)
+  if isinstance(spec, (specs_lib.DeferSpec, specs_lib.RevisionSpec)):
+    # These families evaluate further contexts within the step (one batched call).
+    update = functools.partial(update, evaluate=lambda tokens_NxL: apply_fn(
+        params, tokens_NxL, jnp.full((tokens_NxL.shape[0],), x["t"], jnp.float32)))
+  return update(spec, state, ctx, x, logits, step_keys_B)
 
 
 def _result(state: State, trajectory=None) -> SampleResult:
   return SampleResult(tokens_BxL=state.tokens_BxL, write_step_BxL=state.write_step_BxL,
                       nfe=state.nfe, saved_calls=state.saved_calls,
-                      reopened_B=state.reopened_B, trajectory_KxBxL=trajectory)
+                      reopened_B=state.reopened_B, trajectory_KxBxL=trajectory,
+                      contexts=state.contexts, changes_KxB=state.changes_KxB)
 
 
 _STATIC = ("apply_fn", "spec", "mask_id", "num_blocks")
@@ -288,6 +316,18 @@ def _sample_jit(apply_fn, params, keys_B, tokens_BxL, fixed_BxL, *, spec, mask_i
                         reopened_B=jnp.zeros(carry.rounds_B.shape, jnp.int32),
                         trajectory_KxBxL=trajectory, rounds_B=carry.rounds_B,
                         evals_B=carry.evals_B)
+  if isinstance(spec, specs_lib.LocalRemaskSpec):
+    state = local_remask.sample_program(
+        lambda *a, **k: _run_family(*a, **k)[0], apply_fn, params, keys_B, tokens_BxL,
+        fixed_BxL, spec=spec, mask_id=mask_id, num_blocks=num_blocks)
+    return _result(state)
+  return _result(*_run_family(apply_fn, params, keys_B, tokens_BxL, fixed_BxL, spec=spec,
+                              mask_id=mask_id, num_blocks=num_blocks))
+
+
+def _run_family(apply_fn, params, keys_B, tokens_BxL, fixed_BxL, *, spec, mask_id,
+                num_blocks) -> tuple[State, Array | None]:
+  """The scan of one step-wise family: (final state, trajectory or None)."""
   state, ctx, xs = _prepare(apply_fn, params, keys_B, tokens_BxL, fixed_BxL, spec=spec,
                             mask_id=mask_id, num_blocks=num_blocks)
 
@@ -295,8 +335,7 @@ def _sample_jit(apply_fn, params, keys_B, tokens_BxL, fixed_BxL, *, spec, mask_i
     state = _step(apply_fn, params, keys_B, state, ctx, x, spec=spec)
     return state, (state.tokens_BxL if spec.record_trajectory else None)
 
-  state, trajectory = jax.lax.scan(step_fn, state, xs)
-  return _result(state, trajectory)
+  return jax.lax.scan(step_fn, state, xs)
 
 
 _prepare_jit = jax.jit(_prepare, static_argnames=_STATIC)
@@ -313,8 +352,9 @@ def sample_python_loop(apply_fn, params: Any, key: Array, tokens_BxL: Array,
   benchmark's side-by-side comparison. Gives the same tokens as `sample`.
   """
   args, static = _checked_args(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id)
-  if isinstance(spec, specs_lib.SpeculativeSpec):
-    raise ValueError("spec=SpeculativeSpec: its rounds run only as one program; use sample.")
+  if isinstance(spec, (specs_lib.SpeculativeSpec, specs_lib.LocalRemaskSpec)):
+    raise ValueError(f"spec={type(spec).__name__}: its rounds run only as one program; "
+                     "use sample.")
   if spec.record_trajectory:
     raise ValueError("record_trajectory=True: use sample; the Python loop keeps no record.")
   state, ctx, xs = _prepare_jit(apply_fn, *args, **static)

@@ -315,12 +315,120 @@ class SpeculativeSpec(SamplerSpec):
              f"is only used with order='fixed' (order={self.order!r})")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeferSpec(SamplerSpec):
+  """Test-and-defer (PUNT-style): commit only proposals that the others do not move.
+
+  Each step proposes a value for every masked position and ranks the proposals by
+  `score`. The best is an anchor and always commits. The others are tested in dyadic
+  groups: the proposals of rank r in [2^j, 2^(j+1)) are re-evaluated in context j, the
+  canvas with the proposals of rank < 2^j written in, and a proposal whose distribution
+  moved by more than `threshold` in total variation (plus 1e-6 of float rounding) is deferred (left masked). All J =
+  ceil(log2 L) test contexts go in one batched call, so a step costs 2 calls and 1 + J
+  contexts. Proposals commit up to and including the first group with a deferral
+  (those of it that did not move); later groups wait, since their test context held a
+  deferred value. The last of the `steps` steps commits everything left. Not exact in
+  general: members of one group are not tested against each other.
+  """
+
+  steps: int
+  threshold: float = 0.1
+  score: str = "max_prob"
+
+  def __post_init__(self):
+    super().__post_init__()
+    _check_steps(self.steps)
+    _check(0.0 <= self.threshold <= 1.0, "threshold", self.threshold,
+           "must lie in [0, 1] (a total variation distance)")
+    _check(self.score in transforms.SCORES, "score", self.score,
+           f"must be one of {transforms.SCORES}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RevisionSpec(SamplerSpec):
+  """Direct revision (D3IM-style): every step rebuilds the editable canvas.
+
+  Each step draws a value for every editable position, masked or not, keeps the
+  n_i best by `score` (n_i of N editable positions after step i of K follows
+  `count_schedule`, as ConfidenceSpec's counts) and masks the rest, so a visible
+  token can change value, or return to the mask, without being remasked first.
+  `SampleResult.changes_KxB` counts the visible tokens that changed value at each step.
+  Predictions at visible positions come from the denoiser's output there when
+  `score_groups` = 0 (meaningful for models trained to predict every position, e.g.
+  with MLM random-token corruption; the exact oracles copy visible tokens), or, with
+  `score_groups` = G > 0, from G leave-group-out contexts (positions i mod G = g
+  masked) in one more batched call. `keep_visible` keeps every visible token as it is,
+  and is then confidence decoding token for token.
+  """
+
+  steps: int
+  score: str = "max_prob"
+  count_schedule: diffusion.Schedule = diffusion.LinearSchedule()
+  keep_visible: bool = False
+  score_groups: int = 0
+
+  def __post_init__(self):
+    super().__post_init__()
+    _check_steps(self.steps)
+    _check(self.score in transforms.SCORES, "score", self.score,
+           f"must be one of {transforms.SCORES}")
+    _check(isinstance(self.score_groups, (int, np.integer)) and self.score_groups >= 0,
+           "score_groups", self.score_groups, "must be an integer >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LocalRemaskSpec(SamplerSpec):
+  """Localized remasking (PURE-style): fill the canvas, then repair it locally.
+
+  `base` fills the canvas. Each of `rounds` rounds re-scores every committed token in
+  its current context (the probability of its own value with its group of positions
+  i mod `score_groups` masked: one batched call of `score_groups` contexts), picks the
+  `seeds` positions whose probability dropped most since they were written, remasks a
+  window of `window` positions either side of each seed and a random `context_fraction`
+  of the editable positions before the windows, and refills them with `refill`. Fixed
+  positions are never touched. The spec's own temperature / top-k / top-p / min-p are
+  unused: `base` and `refill` carry theirs. Not exact: the refill resamples a subset
+  given the rest, chosen by a score of the sample itself.
+  """
+
+  base: SamplerSpec
+  refill: SamplerSpec
+  rounds: int = 2
+  seeds: int = 1
+  window: int = 2
+  context_fraction: float = 0.0
+  score_groups: int = 4
+
+  def __post_init__(self):
+    super().__post_init__()
+    allowed = (AncestralSpec, ConfidenceSpec, RemaskSpec, OrderedSpec, FieldOrderSpec,
+               RandomOrderSpec, DeferSpec, RevisionSpec)
+    _check(isinstance(self.base, allowed), "base", type(self.base).__name__,
+           "must be one of " + ", ".join(c.__name__ for c in allowed))
+    refills = (AncestralSpec, ConfidenceSpec, RemaskSpec, RandomOrderSpec, DeferSpec,
+               RevisionSpec)
+    _check(isinstance(self.refill, refills), "refill", type(self.refill).__name__,
+           "must be one of " + ", ".join(c.__name__ for c in refills))
+    _check(getattr(self.refill, "block_length", None) is None, "refill.block_length",
+           getattr(self.refill, "block_length", None), "blocks need a known generation length")
+    for name in ("rounds", "seeds", "score_groups"):
+      value = getattr(self, name)
+      _check(isinstance(value, (int, np.integer)) and value >= 1, name, value,
+             "must be an integer >= 1")
+    _check(isinstance(self.window, (int, np.integer)) and self.window >= 0, "window",
+           self.window, "must be an integer >= 0")
+    _check(0.0 <= self.context_fraction <= 1.0, "context_fraction", self.context_fraction,
+           "must lie in [0, 1]")
+
+
 FAMILIES = {
     "ancestral": AncestralSpec,
     "confidence": ConfidenceSpec,
     "remask": RemaskSpec,
     "random_order": RandomOrderSpec,
     "speculative": SpeculativeSpec,
+    "defer": DeferSpec,
+    "revision": RevisionSpec,
 }
 
 

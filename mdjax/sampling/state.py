@@ -30,6 +30,8 @@ class State:
   block_count_B: Array  # masked positions of the current block at its start
   nfe: Array  # denoiser evaluations made
   saved_calls: Array  # evaluations skipped (cache, or nothing left to write)
+  contexts: Array | None = None  # sequences evaluated per row (a batched call counts each)
+  changes_KxB: Array | None = None  # revision: visible tokens that changed value, per step
   last_tokens_BxL: Array | None = None  # cache: canvas at the last call
   last_logits_BxLxV: Array | None = None  # cache: logits of the last call
 
