@@ -66,14 +66,20 @@ def infill_examples(task, apply_fn, params, seed: int, count: int = 3) -> list[d
           for w, c, o in zip(windows, canvas, np.asarray(out.tokens_BxL))]
 
 
-def run(n: int, workdir: str = "/tmp/text_quality", seed: int = 0) -> dict:
+def trained_models(workdir: str):
+  """(task, {"char": (apply_fn, params), "causal": ...}), trained first where missing."""
   char_config, causal_config = shakespeare_char.get_config(), shakespeare_causal.get_config()
   models = {}
   for name, config in (("char", char_config), ("causal", causal_config)):
     path = os.path.join(workdir, name)
     models[name] = train.ensure_trained(config, path)
     print(f"{name}: trained in {train.read_train_seconds(path)} s", flush=True)
-  task = tasks.from_config(char_config)
+  return tasks.from_config(char_config), models
+
+
+def run(n: int, workdir: str = "/tmp/text_quality", seed: int = 0) -> dict:
+  char_config = shakespeare_char.get_config()
+  task, models = trained_models(workdir)
   apply_fn, params = models["char"]
   nelbo = likelihood.nelbo_estimate(
       apply_fn, params, task.validation_windows(NELBO_WINDOWS), schedule=train.masking_schedule(

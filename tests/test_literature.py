@@ -249,3 +249,34 @@ def test_local_remask_runs_only_as_one_program():
   with pytest.raises(ValueError, match="LocalRemaskSpec: its rounds run only as one program"):
     sampling.sample_python_loop(two_color.exact_denoiser, None, jax.random.key(0),
                                 two_color.empty_canvas(2), spec)
+
+
+def test_literature_experiment_schema(trained, tmp_path, monkeypatch):
+  import json
+  from experiments import literature_samplers as ls
+  from mdjax import tasks, train
+  root, _ = trained
+  _, char_apply, char_params, _ = train.load_for_sampling(str(root / "char"))
+  config, causal_apply, causal_params, _ = train.load_for_sampling(str(root / "causal"))
+  text_models = (tasks.from_config(config), {"char": (char_apply, char_params),
+                                             "causal": (causal_apply, causal_params)})
+  monkeypatch.setattr(ls, "BUDGETS", {"scan_and_add": (8,), "shakespeare": (8,)})
+  monkeypatch.setattr(ls, "SPECULATIVE_KS", (4,))
+  results = ls.run(64, repeats=5, sa_model=(sa.exact_denoiser, None), text_models=text_models)
+  ls.write(results, str(tmp_path))
+  data = json.loads((tmp_path / "literature_samplers.json").read_text())
+  assert (tmp_path / "literature_samplers.png").stat().st_size > 0
+  families = {r["sampler"] for r in data["rows"]}
+  assert families == set(ls.FAMILY_ORDER)
+  for row in data["rows"]:
+    assert set(ls.ROW_KEYS) <= set(row)
+    assert row["denoiser"] in ("oracle", "model") and row["calls_per_sample"] > 0
+    if row["task"] == "scan_and_add":
+      assert row["gen_bits_per_char"] is None and 0 <= row["correct"] <= 1
+      if row["budget"] is not None:
+        assert row["calls_per_sample"] <= 1.25 * row["budget"], row  # matched budgets
+    else:
+      assert row["correct"] is None and row["gen_bits_per_char"] > 0
+  # The exact sampler is exact with the exact denoiser: every sample correct.
+  exact = [r for r in data["rows"] if r["sampler"] == "speculative" and r["denoiser"] == "oracle"]
+  assert exact and all(r["correct"] == 1.0 for r in exact)

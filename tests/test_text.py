@@ -11,48 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import shakespeare_causal, shakespeare_char
-from mdjax import diffusion, likelihood, sampling, tasks, train
+from mdjax import diffusion, likelihood, tasks, train
 from mdjax.tasks import text, two_color
+from tests.text_fixtures import tiny_config, write_corpus as _write_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = {False: shakespeare_char.get_config, True: shakespeare_causal.get_config}
-WORDS = ("thou", "art", "the", "king", "and", "queen", "of", "night", "fair", "love", "sweet")
-
-
-def _write_corpus(path, seed=0, first_line=""):
-  rng = np.random.default_rng(seed)
-  lines = [" ".join(rng.choice(WORDS, 6)).capitalize() + "." for _ in range(400)]
-  path.write_text(first_line + "\n".join(lines), encoding="utf-8")
-  return str(path)
-
-
-def tiny_config(text_path: str, causal: bool = False):
-  """configs/shakespeare_char.py (or the causal reference) cut to seconds on a tiny corpus."""
-  c = CONFIGS[causal]()
-  c.task_kwargs.update(text_path=text_path, length=16)
-  c.model.update(d_model=32, num_layers=1, num_heads=2, d_ff=64)
-  c.batch_size = 16
-  c.train.update(num_steps=30, warmup_steps=5)
-  c.checkpoint.update(every=15)
-  c.eval_every = 0
-  c.eval_batches = 1
-  c.log_every = 15
-  c.num_eval_samples = 0 if causal else 8
-  c.sampler.update(steps=4)
-  return c
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-  """A corpus file and tiny denoiser and causal models trained on it."""
-  root = tmp_path_factory.mktemp("text")
-  corpus = _write_corpus(root / "corpus.txt")
-  for name, causal in (("char", False), ("causal", True)):
-    train.train(tiny_config(corpus, causal), str(root / name), log=lambda *a: None)
-  return root, corpus
-
-
 # ----------------------------------------------------------------------------
 # Tokenizer, corpus, windows.
 # ----------------------------------------------------------------------------
@@ -216,7 +179,7 @@ def _run_sample(*args):
 
 
 @pytest.mark.parametrize("sampler", ["ancestral", "confidence", "remask", "random_order",
-                                     "left_to_right", "speculative"])
+                                     "left_to_right", "speculative", "defer", "revision"])
 def test_sample_cli_infills_between_fixed_context(trained, tmp_path, sampler):
   root, _ = trained
   out = tmp_path / "out"
