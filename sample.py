@@ -102,6 +102,9 @@ def main(argv):
     print(f"workdir={_WORKDIR.value} step={step}")
   else:
     task_name, task = _TASK.value, tasks.get(_TASK.value)
+    if not hasattr(task, "exact_denoiser"):
+      raise app.UsageError(f"--task={task_name} has no exact denoiser (its joint is unknown); "
+                           "sample a trained model with --workdir=DIR.")
     apply_fn, params = task.exact_denoiser, None
   knobs = dict(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
                min_p=_MIN_P.value)

@@ -199,6 +199,8 @@ def test_sample_cli_infills_between_fixed_context(trained, tmp_path, sampler):
 
 def test_sample_cli_errors(trained):
   root, _ = trained
+  proc = _run_sample("--task=text", "--oracle")
+  assert proc.returncode != 0 and "--task=text has no exact denoiser" in proc.stderr
   proc = _run_sample("--task=two_color", "--oracle", "--prefix=red")
   assert proc.returncode != 0 and "--prefix/--suffix need a text task" in proc.stderr
   proc = _run_sample(f"--workdir={root / 'char'}", "--prefix=Thou art the king of")
