@@ -1,4 +1,4 @@
-"""Character-level Shakespeare on a 2-core CPU: 64-character windows, a 0.8M-parameter denoiser.
+"""Character-level Shakespeare on a 2-core CPU: 64-character windows, a 1.07M-parameter denoiser.
 
 The MD4 NELBO with the linear schedule; whole plays are held out for validation (see
 mdjax/tasks/text.py). Another UTF-8 file: --config.task_kwargs.text_path=FILE.

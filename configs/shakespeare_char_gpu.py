@@ -1,5 +1,5 @@
-"""Character-level Shakespeare for one accelerator: 256-character windows, a 10.7M-parameter
-denoiser, bfloat16 compute, 50,000 steps of 128 windows."""
+"""Character-level Shakespeare for one accelerator: 256-character windows, a 6-layer
+denoiser (14.2M parameters), bfloat16 compute, EMA, 50,000 steps of 128 windows."""
 
 from configs.shakespeare_char import get_config as cpu_config
 

@@ -37,7 +37,8 @@ from mdjax.tasks import scan_and_add as sa
 
 BUDGETS = {"scan_and_add": (8, 16, 32), "shakespeare": (16, 32, 64)}
 SPECULATIVE_KS = (2, 4, 8)
-DEFER_THRESHOLDS = (0.02, 0.2)
+DEFER_THRESHOLDS = (0.02, 0.2)  # at a matched budget (steps bounded)
+ADAPTIVE_DEFER_THRESHOLDS = (0.02, 0.1, 0.3)  # steps = L: calls follow the deferrals
 SCORE_GROUPS = 4  # leave-group-out contexts of revision and localized remasking
 FAMILY_ORDER = ("ancestral", "confidence", "remask", "defer", "revision", "local_remask",
                 "speculative")
@@ -75,9 +76,15 @@ def specs_at(budget: int, length: int) -> list[tuple[str, dict, sampling.Sampler
   return out
 
 
-def speculative_specs():
-  return [("speculative", {"k": k, "order": "max_prob"}, sampling.SpeculativeSpec(k=k))
-          for k in SPECULATIVE_KS]
+def adaptive_specs(length: int):
+  """Samplers whose cost is what they need: speculative (exact) and test-and-defer run to the
+  end (steps = L, so only the threshold decides how much is deferred)."""
+  out = [("speculative", {"k": k, "order": "max_prob"}, sampling.SpeculativeSpec(k=k))
+         for k in SPECULATIVE_KS]
+  out += [("defer", {"steps": length, "threshold": threshold},
+           sampling.DeferSpec(steps=length, threshold=threshold))
+          for threshold in ADAPTIVE_DEFER_THRESHOLDS]
+  return out
 
 
 def timed_sample(apply_fn, params, canvas, spec, mask_id: int, seed: int):
@@ -103,41 +110,30 @@ def _empty_row(task: str, denoiser: str, family: str, knobs: dict, n: int) -> di
           "knobs": knobs, "n": n}
 
 
-def scan_and_add_rows(denoiser: str, apply_fn, params, n: int, reference, null_tvt,
-                      seed: int) -> list[dict]:
+def family_rows(task_name: str, denoiser: str, apply_fn, params, canvas, mask_id: int,
+                score, seed: int) -> list[dict]:
+  """One row per sampler of the plan: its budget, calls, run time and `score(tokens)`."""
+  length = canvas.shape[1]
+  plan = [(b, s) for b in BUDGETS[task_name] for s in specs_at(b, length)]
+  plan += [(None, s) for s in adaptive_specs(length)]
   rows = []
-  plan = [(b, s) for b in BUDGETS["scan_and_add"] for s in specs_at(b, sa.LENGTH)]
-  plan += [(None, s) for s in speculative_specs()]
   for i, (budget, (family, knobs, spec)) in enumerate(plan):
-    result, seconds = timed_sample(apply_fn, params, sa.empty_canvas(n), spec, sa.MASK_ID,
-                                   seed + i)
-    tokens = np.asarray(result.tokens_BxL)
-    row = _empty_row("scan_and_add", denoiser, family, knobs, n)
-    checks = sa.sample_metrics(tokens)
+    result, seconds = timed_sample(apply_fn, params, canvas, spec, mask_id, seed + i)
+    row = _empty_row(task_name, denoiser, family, knobs, canvas.shape[0])
     row.update(budget=budget, calls_per_sample=calls_per_sample(result),
                sequential_calls=int(result.nfe), seconds=round(seconds, 3),
-               correct=checks["correct"], add_count_valid=checks["add_count_valid"])
-    row.update(metrics.compare_to_data(tokens, reference, null_tvt, sa.VOCAB_SIZE + 1))
+               **score(np.asarray(result.tokens_BxL)))
     rows.append(row)
     _print(row)
   return rows
 
 
-def text_rows(task, models: dict, n: int, seed: int) -> list[dict]:
-  apply_fn, params = models["char"]
-  rows = []
-  plan = [(b, s) for b in BUDGETS["shakespeare"] for s in specs_at(b, task.LENGTH)]
-  plan += [(None, s) for s in speculative_specs()]
-  for i, (budget, (family, knobs, spec)) in enumerate(plan):
-    result, seconds = timed_sample(apply_fn, params, task.empty_canvas(n), spec, task.MASK_ID,
-                                   seed + i)
-    scores = text_quality.scores(task, np.asarray(result.tokens_BxL), models["causal"])
-    row = _empty_row("shakespeare", "model", family, knobs, n)
-    row.update(budget=budget, calls_per_sample=calls_per_sample(result),
-               sequential_calls=int(result.nfe), seconds=round(seconds, 3), **scores)
-    rows.append(row)
-    _print(row)
-  return rows
+def scan_and_add_score(reference, null_tvt):
+  def score(tokens):
+    checks = sa.sample_metrics(tokens)
+    return {"correct": checks["correct"], "add_count_valid": checks["add_count_valid"],
+            **metrics.compare_to_data(tokens, reference, null_tvt, sa.VOCAB_SIZE + 1)}
+  return score
 
 
 def _print(row: dict) -> None:
@@ -158,9 +154,16 @@ def run(n: int, sa_workdir: str = "/tmp/scan_and_add_study",
   draw = lambda i: np.asarray(sa.sample_data(jax.random.key(90_000 + i), n))
   null_tvt = metrics.noise_floor(draw, n, sa.VOCAB_SIZE + 1, repeats=repeats)
   reference = draw(2 * repeats)
-  rows = scan_and_add_rows("oracle", sa.exact_denoiser, None, n, reference, null_tvt, seed)
-  rows += scan_and_add_rows("model", *sa_model, n, reference, null_tvt, seed + 1000)
-  rows += text_rows(*text_models, max(n // 4, 2), seed + 2000)
+  score = scan_and_add_score(reference, null_tvt)
+  canvas = sa.empty_canvas(n)
+  rows = family_rows("scan_and_add", "oracle", sa.exact_denoiser, None, canvas, sa.MASK_ID,
+                     score, seed)
+  rows += family_rows("scan_and_add", "model", *sa_model, canvas, sa.MASK_ID, score, seed + 1000)
+  task, models = text_models
+  rows += family_rows("shakespeare", "model", *models["char"], task.empty_canvas(max(n // 4, 2)),
+                      task.MASK_ID, lambda tokens: text_quality.scores(task, tokens,
+                                                                        models["causal"]),
+                      seed + 2000)
   return {"rows": rows, "budgets": BUDGETS, "exact": EXACT,
           "seconds": round(time.perf_counter() - start, 1)}
 

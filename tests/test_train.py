@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from configs import two_color as two_color_config
-from mdjax import train
+from mdjax import models, tasks, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -181,3 +181,20 @@ def test_four_simulated_devices_match_one():
   assert result["devices"] == 4
   np.testing.assert_allclose(result["losses"]["4"], result["losses"]["1"], rtol=1e-4)
   np.testing.assert_allclose(result["losses"]["4fsdp"], result["losses"]["1"], rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(
+    f[:-3] for f in os.listdir(os.path.join(REPO, "configs"))
+    if f.endswith(".py") and f not in ("__init__.py", "base.py") and not f.startswith("bench")))
+def test_every_config_builds_and_traces_a_train_step(name):  # (bench_*: sampling benchmarks)
+  # Shapes only (jax.eval_shape): the model, optimizer, loss and a batch fit together.
+  import importlib
+  config = importlib.import_module(f"configs.{name}").get_config()
+  mesh = train.make_mesh(1)
+  state = jax.eval_shape(lambda: train.init_state(config, mesh)[0])
+  _, _, apply_fn = models.init(train.model_config(config))
+  loss_fn = train.make_loss_fn(config, apply_fn)
+  x = train.batch_for_step(config, 0)
+  assert x.shape == (config.batch_size, tasks.from_config(config).LENGTH)
+  loss, _ = jax.eval_shape(loss_fn, state.params, jax.random.key(0), x)
+  assert loss.shape == ()

@@ -220,8 +220,10 @@ class TextTask:
     self.VOCAB_SIZE = tokenizer.size
     self.MASK_ID = tokenizer.size
     self.PARAMS = {"length": length}
-    self._train_N = jnp.asarray(tokenizer.encode(corpus.train_text))
-    self._validation_N = jnp.asarray(tokenizer.encode(corpus.validation_text))
+    # Concrete device arrays even when the task is first built inside a trace (it is cached).
+    with jax.ensure_compile_time_eval():
+      self._train_N = jnp.asarray(tokenizer.encode(corpus.train_text))
+      self._validation_N = jnp.asarray(tokenizer.encode(corpus.validation_text))
     for name, tokens in (("training", self._train_N), ("validation", self._validation_N)):
       if tokens.shape[0] < length:
         raise ValueError(f"length={length}: the {name} text has only {tokens.shape[0]} characters.")
