@@ -187,27 +187,8 @@ def test_local_remask_repairs_scan_and_add():
 
 
 # ----------------------------------------------------------------------------
-# Shared invariants and errors.
+# min-p and errors (batch = single rows and the Python loop: tests/test_sampling.py).
 # ----------------------------------------------------------------------------
-
-
-NEW_SPECS = [sampling.DeferSpec(steps=4, threshold=0.1, temperature=0.8),
-             sampling.RevisionSpec(steps=5, score="margin"),
-             sampling.RevisionSpec(steps=4, score_groups=2, top_k=3)]
-
-
-@pytest.mark.parametrize("spec", NEW_SPECS, ids=lambda s: type(s).__name__)
-def test_batch_rows_python_loop_and_determinism(spec):
-  params = stubs.stub_params(VOCAB, LENGTH)
-  tokens = _prompted_canvas(batch=5)
-  keys = jax.random.split(jax.random.key(11), 5)
-  batched = sampling.sample(stubs.stub_denoiser, params, keys, tokens, spec)
-  loop = sampling.sample_python_loop(stubs.stub_denoiser, params, keys, tokens, spec)
-  for name in ("tokens_BxL", "write_step_BxL", "nfe", "contexts"):
-    np.testing.assert_array_equal(getattr(loop, name), getattr(batched, name), err_msg=name)
-  for b in range(5):
-    single = sampling.sample(stubs.stub_denoiser, params, keys[b:b + 1], tokens[b:b + 1], spec)
-    np.testing.assert_array_equal(single.tokens_BxL[0], batched.tokens_BxL[b])
 
 
 def test_min_p_keeps_the_argmax_and_everything_at_zero():

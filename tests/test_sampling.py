@@ -84,6 +84,12 @@ ALL_SPECS = [
 ]
 
 
+# Families that evaluate further contexts inside a step (more in tests/test_literature.py).
+CONTEXT_SPECS = [sampling.DeferSpec(steps=4, threshold=0.1, temperature=0.8),
+                 sampling.RevisionSpec(steps=5, score="margin"),
+                 sampling.RevisionSpec(steps=4, score_groups=2, top_k=3)]
+
+
 def _prompted_canvas(batch=16, prompt=PROMPT):
   rng = np.random.default_rng(1)
   tokens = np.full((batch, LENGTH), VOCAB, np.int32)
@@ -275,7 +281,7 @@ def test_skip_idle_steps_off_calls_every_step_and_changes_nothing(make):
 
 
 @pytest.mark.parametrize("spec", ALL_SPECS[:1] + ALL_SPECS[3:4] + ALL_SPECS[8:9]
-                         + ALL_SPECS[-2:], ids=lambda s: type(s).__name__)
+                         + ALL_SPECS[-2:] + CONTEXT_SPECS, ids=lambda s: type(s).__name__)
 def test_batch_equals_single_rows_and_key_determinism(spec):
   params = stubs.stub_params(VOCAB, LENGTH)
   tokens = _prompted_canvas(batch=5)
@@ -288,15 +294,15 @@ def test_batch_equals_single_rows_and_key_determinism(spec):
     np.testing.assert_array_equal(single.tokens_BxL[0], batched.tokens_BxL[b])
 
 
-@pytest.mark.parametrize("spec", [s for s in ALL_SPECS if not s.record_trajectory],
-                         ids=lambda s: type(s).__name__)
+@pytest.mark.parametrize("spec", [s for s in ALL_SPECS if not s.record_trajectory]
+                         + CONTEXT_SPECS, ids=lambda s: type(s).__name__)
 def test_python_loop_equals_the_single_program(spec):
   # The benchmark's reference implementation runs the same kernel step by step.
   params = stubs.stub_params(VOCAB, LENGTH)
   tokens = _prompted_canvas(batch=6)
   scan = sampling.sample(stubs.stub_denoiser, params, jax.random.key(5), tokens, spec)
   loop = sampling.sample_python_loop(stubs.stub_denoiser, params, jax.random.key(5), tokens, spec)
-  for name in ("tokens_BxL", "write_step_BxL", "nfe", "saved_calls", "reopened_B"):
+  for name in ("tokens_BxL", "write_step_BxL", "nfe", "saved_calls", "reopened_B", "contexts"):
     np.testing.assert_array_equal(getattr(loop, name), getattr(scan, name), err_msg=name)
 
 
