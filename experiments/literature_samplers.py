@@ -213,6 +213,11 @@ def plot(results: dict, path: str) -> None:
         ax.plot([r["calls_per_sample"] for r in pick], [r[key] for r in pick], "o-",
                 label=label, ms=4)
     ax.set(xscale="log", xlabel="denoiser contexts per sample", ylabel=key, title=title)
+    ax.minorticks_off()
+    ticks = [t for t in (4, 8, 16, 32, 64, 128, 256, 512)
+             if any(r["calls_per_sample"] <= t * 1.5 for r in mine)
+             and any(r["calls_per_sample"] >= t / 1.5 for r in mine)]
+    ax.set_xticks(ticks, [str(t) for t in ticks])
   axes[0].legend(fontsize=7)
   report.save_figure(fig, path)
 

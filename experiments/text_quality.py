@@ -177,6 +177,7 @@ def plot(results: dict, path: str) -> None:
     ax.axhline(refs["causal reference samples"][key], color="gray", ls=":",
                label="causal model samples")
     ax.set(xscale="log", xlabel="steps K (denoiser calls)", ylabel=label)
+    ax.minorticks_off()
     ax.set_xticks(results["steps"], [str(k) for k in results["steps"]])
   axes[0].legend(fontsize=7)
   report.save_figure(fig, path)
