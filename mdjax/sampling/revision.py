@@ -58,8 +58,7 @@ def update(spec: specs_lib.RevisionSpec, state: State, ctx: Context, xs, logits_
   score_BxL = transforms.confidence_score(spec.score, probs_BxLxV, values_BxL, keys_B)
   num_editable_B = editable_BxL.sum(-1)
   # Kept after this step: all but the scheduled remaining fraction (ConfidenceSpec's counts).
-  keep_count_B = num_editable_B - jnp.floor(num_editable_B * xs["remaining"]
-                                            + confidence.COUNT_EPS).astype(jnp.int32)
+  keep_count_B = confidence.commit_counts(num_editable_B, num_editable_B, xs["remaining"])
   if spec.keep_visible:
     values_BxL = jnp.where(visible_BxL, state.tokens_BxL, values_BxL)
     conf_BxL = jnp.where(visible_BxL, state.write_conf_BxL, conf_BxL)
