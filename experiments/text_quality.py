@@ -81,10 +81,10 @@ def run(n: int, workdir: str = "/tmp/text_quality", seed: int = 0) -> dict:
   char_config = shakespeare_char.get_config()
   task, models = trained_models(workdir)
   apply_fn, params = models["char"]
-  nelbo = likelihood.nelbo_estimate(
-      apply_fn, params, task.validation_windows(NELBO_WINDOWS), schedule=train.masking_schedule(
-          char_config), mask_id=task.MASK_ID, time_samples=NELBO_TIME_SAMPLES, seed=seed)
   held_out = task.validation_windows(NELBO_WINDOWS)
+  nelbo = likelihood.nelbo_estimate(
+      apply_fn, params, held_out, schedule=train.masking_schedule(char_config),
+      mask_id=task.MASK_ID, time_samples=NELBO_TIME_SAMPLES, seed=seed)
   reference_bits = likelihood.causal_bits(*models["causal"], held_out, start_id=task.MASK_ID)
   print(f"validation NELBO {nelbo['bits_per_token']:.4f} ± {nelbo['se']:.4f} bits/char; "
         f"causal reference {reference_bits.mean() / task.LENGTH:.4f} bits/char", flush=True)
