@@ -1,0 +1,148 @@
+"""Recorded samples that a refactor of the samplers must reproduce token for token.
+
+Every case is a denoiser, a canvas and a spec; `record()` runs them all with fixed keys.
+`python -m tests.sampling.golden` rewrites `golden.npz` (only when sampling is meant to
+change); `tests/sampling/test_golden.py` checks the recording.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mdjax import diffusion, models, sampling
+from mdjax.tasks import scan_and_add as sa
+from mdjax.tasks import two_color
+from tests import stubs
+
+PATH = pathlib.Path(__file__).with_name("golden.npz")
+VOCAB, LENGTH, PROMPT = 6, 12, 4
+GEN = tuple(range(PROMPT, LENGTH))
+
+
+def _stub_case():
+  rng = np.random.default_rng(1)
+  tokens = np.full((6, LENGTH), VOCAB, np.int32)
+  tokens[:, :PROMPT] = rng.integers(0, VOCAB, (6, PROMPT))
+  return stubs.stub_denoiser, stubs.stub_params(VOCAB, LENGTH), jnp.asarray(tokens)
+
+
+def _model_case():
+  cfg = models.TransformerConfig(vocab_size=sa.VOCAB_SIZE, max_len=sa.LENGTH, d_model=32,
+                                 num_layers=2, num_heads=2, d_ff=64)
+  _, params, apply_fn = models.init(cfg, seed=3)
+  return apply_fn, params, sa.empty_canvas(3)
+
+
+def _cases():
+  stub = _stub_case()
+  oracle = (sa.exact_denoiser, None, sa.empty_canvas(6))
+  pair = (two_color.exact_denoiser, None, two_color.empty_canvas(64))
+  model = _model_case()
+  stub_specs = {
+      "ancestral": sampling.AncestralSpec(steps=5, min_p=0.1),
+      "ancestral_cache": sampling.AncestralSpec(steps=6, grid="cosine", cache=True),
+      "ancestral_blocks": sampling.AncestralSpec(steps=4, block_length=4,
+                                                 schedule=diffusion.CosineSchedule()),
+      "ancestral_argmax_noskip": sampling.AncestralSpec(steps=6, temperature=0.0,
+                                                        skip_idle_steps=False),
+      "ancestral_grid": sampling.AncestralSpec(steps=3, grid=(1.0, 0.7, 0.2, 0.0), top_k=2),
+      "confidence_prob": sampling.ConfidenceSpec(steps=5, score="prob", temperature=0.7,
+                                                 top_k=3),
+      "confidence_margin_blocks": sampling.ConfidenceSpec(
+          steps=4, score="margin", count_schedule=diffusion.CosineSchedule(), block_length=2),
+      "confidence_gumbel": sampling.ConfidenceSpec(steps=8, score="neg_entropy",
+                                                   gumbel_temperature=2.0, top_p=0.8),
+      "confidence_random_argmax": sampling.ConfidenceSpec(steps=6, score="random",
+                                                          temperature=0.0),
+      "confidence_threshold": sampling.ConfidenceSpec(steps=5, threshold=0.5),
+      "confidence_threshold_blocks": sampling.ConfidenceSpec(steps=8, block_length=4,
+                                                             threshold=0.3),
+      "confidence_noskip": sampling.ConfidenceSpec(steps=12, skip_idle_steps=False),
+      "remask_cap": sampling.RemaskSpec(steps=10, eta=0.2),
+      "remask_rescale": sampling.RemaskSpec(steps=10, sigma="rescale", eta=0.5),
+      "remask_conf": sampling.RemaskSpec(steps=10, sigma="conf", eta=1.0),
+      "remask_loop": sampling.RemaskSpec(steps=12, eta=0.3, loop_t_on=0.6, loop_t_off=0.2),
+      "ordered": sampling.OrderedSpec(groups=((4, 5, 6), (7, 8), (9,), (10, 11))),
+      "ordered_idle": sampling.OrderedSpec(groups=((4, 5), (6, 7, 8), (9, 10, 11), (0,))),
+      "left_to_right": sampling.OrderedSpec(groups=tuple((i,) for i in GEN), temperature=0.5),
+      "random_order": sampling.RandomOrderSpec(top_p=0.5),
+      "field_order": sampling.FieldOrderSpec(fields=(tuple(range(4, 8)), tuple(range(8, 12))),
+                                             counts=((1, 0), (2, 0), (1, 4)), score="margin"),
+      "speculative_max_prob": sampling.SpeculativeSpec(k=3),
+      "speculative_lowest": sampling.SpeculativeSpec(k=2, order="lowest_index",
+                                                     temperature=0.8),
+      "speculative_fixed": sampling.SpeculativeSpec(k=4, order="fixed",
+                                                    positions=tuple(reversed(GEN))),
+      "defer": sampling.DeferSpec(steps=4, threshold=0.1, temperature=0.8),
+      "defer_entropy": sampling.DeferSpec(steps=3, threshold=0.02, score="neg_entropy"),
+      "revision": sampling.RevisionSpec(steps=5, score="margin"),
+      "revision_groups": sampling.RevisionSpec(steps=4, score_groups=2, top_k=3),
+      "revision_keep": sampling.RevisionSpec(steps=4, keep_visible=True, score="prob"),
+      "local_remask": sampling.LocalRemaskSpec(
+          base=sampling.ConfidenceSpec(steps=4), refill=sampling.AncestralSpec(steps=3),
+          rounds=2, seeds=1, window=1, context_fraction=0.3, score_groups=3),
+      "local_remask_defer": sampling.LocalRemaskSpec(
+          base=sampling.AncestralSpec(steps=4, block_length=4),
+          refill=sampling.DeferSpec(steps=2), rounds=1, seeds=2, window=0),
+  }
+  for name, spec in stub_specs.items():
+    yield "stub/" + name, stub, spec
+  oracle_specs = {
+      "ancestral": sampling.AncestralSpec(steps=8),
+      "confidence_blocks": sampling.ConfidenceSpec(steps=10, block_length=5),
+      "remask": sampling.RemaskSpec(steps=8, eta=0.05),
+      "field_order": sa.write_order("[VOA][v×9]o×10[ht1]"),
+      "random_order": sampling.RandomOrderSpec(),
+      "speculative": sampling.SpeculativeSpec(k=4),
+      "defer": sampling.DeferSpec(steps=3, threshold=0.2),
+      "revision_groups": sampling.RevisionSpec(steps=4, score_groups=4),
+      "local_remask": sampling.LocalRemaskSpec(
+          base=sampling.AncestralSpec(steps=4), refill=sampling.ConfidenceSpec(steps=2),
+          rounds=1, seeds=2, window=2, context_fraction=0.1),
+  }
+  for name, spec in oracle_specs.items():
+    yield "oracle/" + name, oracle, spec
+  yield "two_color/ancestral", pair, sampling.AncestralSpec(steps=2)
+  yield "two_color/ordered", pair, sampling.OrderedSpec(groups=((0, 1),))
+  model_specs = {
+      "ancestral": sampling.AncestralSpec(steps=6, temperature=0.9),
+      "confidence_threshold": sampling.ConfidenceSpec(steps=6, threshold=0.2),
+      "remask_conf": sampling.RemaskSpec(steps=6, sigma="conf", eta=0.5),
+      "speculative_fixed": sampling.SpeculativeSpec(
+          k=5, order="fixed", positions=tuple(range(sa.LENGTH))),
+  }
+  for name, spec in model_specs.items():
+    yield "model/" + name, model, spec
+
+
+CASES = {name: (denoiser, spec) for name, denoiser, spec in _cases()}
+
+
+def counters(result) -> dict[str, np.ndarray]:
+  """The recorded arrays of one result."""
+  return {name: np.asarray(getattr(result, name)) for name in
+          ("tokens_BxL", "write_step_BxL", "nfe", "saved_calls", "reopened_B", "contexts_B",
+           "rounds_B") if getattr(result, name, None) is not None}
+
+
+def run(name: str):
+  (apply_fn, params, tokens), spec = CASES[name]
+  key = jax.random.fold_in(jax.random.key(2024), sum(map(ord, name)))
+  return sampling.sample(apply_fn, params, key, tokens, spec)
+
+
+def record() -> dict[str, np.ndarray]:
+  out = {}
+  for name in CASES:
+    for field, value in counters(run(name)).items():
+      out[f"{name}/{field}"] = value
+  return out
+
+
+if __name__ == "__main__":
+  np.savez_compressed(PATH, **record())
+  print(f"wrote {PATH} ({len(CASES)} cases)")
