@@ -2,65 +2,113 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
-from mdjax.sampling import specs as specs_lib
-from mdjax.sampling import transforms
-from mdjax.sampling.state import Context, State, candidates, commit, value_probs
+from mdjax import diffusion
+from mdjax.sampling import blocks, scores, transforms
+from mdjax.sampling.base import (Family, SamplerSpec, StepPlan, check, check_block_length,
+                                 check_steps, register)
+from mdjax.streams import StepStream
 
 Array = jax.Array
 
-# floor(N * ratio + _COUNT_EPS): absorbs float rounding of N * ratio (N < 1e5).
-_COUNT_EPS = 1e-4
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConfidenceSpec(SamplerSpec):
+  """Confidence-ordered decoding (MaskGIT / LLaDA).
+
+  Each step proposes a value for every masked position, scores the proposals
+  (`score` in scores.SCORES, read from the untransformed softmax) and
+  commits the k_i best; the rest stay masked. After step i of K a fraction
+  1 - alpha(1 - (i+1)/K) of the row's (block's) masked positions remains, for
+  `count_schedule` alpha (linear; cosine is MaskGIT's). Ties go to the lower
+  position. `gumbel_temperature` > 0 ranks by log(score) + c_i * Gumbel with
+  c_i annealed linearly to 0 (MaskGIT's choice temperature). `threshold`
+  instead commits every proposal scoring at least it (always at least one,
+  everything at the last step), with `steps` as the bound.
+  """
+
+  steps: int
+  score: str = "max_prob"
+  count_schedule: diffusion.Schedule = diffusion.LinearSchedule()
+  gumbel_temperature: float = 0.0
+  threshold: float | None = None
+  block_length: int | None = None
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_steps(self.steps)
+    check_block_length(self.block_length)
+    check(self.score in scores.SCORES, "score", self.score, f"must be one of {scores.SCORES}")
+    check(self.gumbel_temperature >= 0.0, "gumbel_temperature", self.gumbel_temperature,
+          "must be >= 0")
 
 
-def plan(spec: specs_lib.ConfidenceSpec, num_blocks: int) -> dict[str, np.ndarray]:
-  """Per-step arrays: the fraction of the block left masked after each step."""
-  per_block = spec.steps // num_blocks
-  j = np.arange(per_block)
-  remaining = np.asarray(spec.count_schedule.one_minus_alpha(1.0 - (j + 1) / per_block),
-                         np.float64)
-  remaining[-1] = 0.0
-  return {
-      "t": np.tile(1.0 - j / per_block, num_blocks),
-      "block": np.repeat(np.arange(num_blocks), per_block),
-      "block_start": np.tile(j == 0, num_blocks),
-      "last_in_block": np.tile(j == per_block - 1, num_blocks),
-      "remaining": np.tile(remaining, num_blocks),
-      "choice_temperature": np.tile(spec.gumbel_temperature * (1.0 - (j + 1) / per_block),
-                                    num_blocks),
-  }
+@struct.dataclass
+class ConfidencePlan(StepPlan):
+  block: Array  # the block this step works on
+  block_start: Array  # first step of its block
+  last_in_block: Array  # last step of its block (threshold mode commits the rest)
+  remaining: Array  # fraction of the block left masked after this step
+  choice_temperature: Array  # MaskGIT's Gumbel scale at this step
 
 
-def commit_counts(num_block_B: Array, num_masked_B: Array, remaining: Array) -> Array:
-  """k_B = masked now - floor(N_block * remaining fraction), never negative."""
-  target_B = jnp.floor(num_block_B * remaining + _COUNT_EPS).astype(jnp.int32)
-  return jnp.maximum(num_masked_B - target_B, 0)
+@struct.dataclass
+class ConfidenceCarry:
+  block_id_BxL: Array  # block of each editable position
+  block_count_B: Array  # masked positions of the current block at its start
 
 
-def update(spec: specs_lib.ConfidenceSpec, state: State, ctx: Context, xs,
-           logits_BxLxV: Array, keys_B: Array) -> State:
-  """Proposes every masked position, commits the k_B best by score."""
-  length = state.tokens_BxL.shape[1]
-  cand_BxL = candidates(state, ctx, xs["block"])
-  num_masked_B = cand_BxL.sum(-1)
-  block_count_B = jnp.where(xs["block_start"], num_masked_B, state.block_count_B)
-  values_BxL = transforms.draw_values(keys_B, logits_BxLxV, **spec.transform)
-  probs_BxLxV, conf_BxL = value_probs(logits_BxLxV, values_BxL)
-  score_BxL = transforms.confidence_score(spec.score, probs_BxLxV, values_BxL, keys_B)
-  if spec.threshold is None:
-    k_B = commit_counts(block_count_B, num_masked_B, xs["remaining"])
-  else:
-    above_B = (cand_BxL & (score_BxL >= spec.threshold)).sum(-1)
-    k_B = jnp.where(xs["last_in_block"], num_masked_B, jnp.maximum(above_B, 1))
-  rank_score_BxL = score_BxL
-  if spec.gumbel_temperature > 0:
-    gumbel_BxL = transforms.row_gumbel(keys_B, transforms.SELECT, (length,))
-    log_score = (score_BxL if spec.score == "neg_entropy"
-                 else jnp.log(jnp.maximum(score_BxL, 1e-30)))
-    rank_score_BxL = log_score + xs["choice_temperature"] * gumbel_BxL
-  write_BxL = transforms.select_top_k(rank_score_BxL, cand_BxL, k_B)
-  state = commit(state, write_BxL, values_BxL, conf_BxL, xs["step"])
-  return state.replace(block_count_B=block_count_B)
+@register
+class Confidence(Family):
+  name = "confidence"
+  spec_type = ConfidenceSpec
+
+  def plan(self, spec: ConfidenceSpec, canvas) -> ConfidencePlan:
+    num_blocks = blocks.count(spec.block_length, spec.steps, canvas)
+    per_block = spec.steps // num_blocks
+    j = np.arange(per_block)
+    tile = lambda x: np.tile(x, num_blocks)
+    return ConfidencePlan(
+        t=tile(1.0 - j / per_block), block=blocks.step_blocks(num_blocks, per_block),
+        block_start=tile(j == 0), last_in_block=tile(j == per_block - 1),
+        remaining=tile(scores.remaining_fractions(spec.count_schedule, per_block)),
+        choice_temperature=tile(spec.gumbel_temperature * (1.0 - (j + 1) / per_block)))
+
+  def init(self, spec: ConfidenceSpec, core, ctx) -> ConfidenceCarry:
+    return ConfidenceCarry(block_id_BxL=blocks.block_ids(ctx.editable_BxL, spec.block_length),
+                           block_count_B=jnp.zeros(core.tokens_BxL.shape[:1], jnp.int32))
+
+  def needs_call(self, spec, core, aux: ConfidenceCarry, ctx, plan) -> Array:
+    return jnp.any(blocks.candidates(core.tokens_BxL, ctx, aux.block_id_BxL, plan.block))
+
+  def update(self, spec: ConfidenceSpec, core, aux: ConfidenceCarry, ctx, step, logits_BxLxV,
+             denoise):
+    """Proposes every masked position of the block, commits the k_B best by score."""
+    plan, keys_B = step.plan, step.keys_B
+    length = core.tokens_BxL.shape[1]
+    cand_BxL = blocks.candidates(core.tokens_BxL, ctx, aux.block_id_BxL, plan.block)
+    num_masked_B = cand_BxL.sum(-1)
+    block_count_B = jnp.where(plan.block_start, num_masked_B, aux.block_count_B)
+    values_BxL = transforms.draw_values(keys_B, logits_BxLxV, **spec.transform)
+    probs_BxLxV, conf_BxL = transforms.value_probs(logits_BxLxV, values_BxL)
+    score_BxL = scores.confidence_score(spec.score, probs_BxLxV, values_BxL, keys_B)
+    if spec.threshold is None:
+      k_B = scores.commit_counts(block_count_B, num_masked_B, plan.remaining)
+    else:
+      above_B = (cand_BxL & (score_BxL >= spec.threshold)).sum(-1)
+      k_B = jnp.where(plan.last_in_block, num_masked_B, jnp.maximum(above_B, 1))
+    rank_score_BxL = score_BxL
+    if spec.gumbel_temperature > 0:
+      gumbel_BxL = transforms.row_gumbel(keys_B, StepStream.SELECT, (length,))
+      log_score = (score_BxL if spec.score == "neg_entropy"
+                   else jnp.log(jnp.maximum(score_BxL, 1e-30)))
+      rank_score_BxL = log_score + plan.choice_temperature * gumbel_BxL
+    write_BxL = scores.select_top_k(rank_score_BxL, cand_BxL, k_B)
+    core = core.commit(write_BxL, values_BxL, conf_BxL, step.index)
+    return core, aux.replace(block_count_B=block_count_B)

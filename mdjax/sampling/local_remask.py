@@ -2,19 +2,70 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import struct
 
-from mdjax.sampling import specs as specs_lib
-from mdjax.sampling import transforms
-from mdjax.sampling.revision import leave_group_out_logits
-from mdjax.sampling.state import State
+from mdjax.sampling import contexts, driver, scores, transforms
+from mdjax.sampling.base import (Canvas, Context, Core, Family, SamplerSpec, check,
+                                 family_of, register)
+from mdjax.streams import RowStream, StepStream
 
 Array = jax.Array
 
-# Row-key streams of the rounds (the base fill uses the row keys as they are).
-_ROUND_STREAM = 0x3FFFFFFF
-_CHOICE_STREAM = 0x7FFFFFFE  # within a round: the remask choice (steps use 0, 1, ...)
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LocalRemaskSpec(SamplerSpec):
+  """Localized remasking (PURE-style): fill the canvas, then repair it locally.
+
+  `base` fills the canvas. Each of `rounds` rounds re-scores every committed token in
+  its current context (the probability of its own value with its group of positions
+  i mod `score_groups` masked: one batched call of `score_groups` contexts), picks the
+  `seeds` positions whose probability dropped most since they were written, remasks a
+  window of `window` positions either side of each seed and a random `context_fraction`
+  of the editable positions before the windows, and refills them with `refill`. Fixed
+  positions are never touched. The spec's own temperature / top-k / top-p / min-p are
+  unused: `base` and `refill` carry theirs. Not exact: the refill resamples a subset
+  given the rest, chosen by a score of the sample itself.
+  """
+
+  base: SamplerSpec
+  refill: SamplerSpec
+  rounds: int = 2
+  seeds: int = 1
+  window: int = 2
+  context_fraction: float = 0.0
+  score_groups: int = 4
+
+  def __post_init__(self):
+    super().__post_init__()
+    base_family = family_of(self.base)
+    check(not base_family.composite, "base", type(self.base).__name__,
+          "must be a step-wise family (not a composite one)")
+    refill_family = family_of(self.refill)
+    check(refill_family.refills and not refill_family.composite, "refill",
+          type(self.refill).__name__, "must be a family that can fill any set of positions")
+    block_length = getattr(self.refill, "block_length", None)
+    check(block_length is None, "refill.block_length", block_length,
+          "blocks need a known generation length")
+    for name in ("rounds", "seeds", "score_groups"):
+      value = getattr(self, name)
+      check(isinstance(value, (int, np.integer)) and value >= 1, name, value,
+            "must be an integer >= 1")
+    check(isinstance(self.window, (int, np.integer)) and self.window >= 0, "window",
+          self.window, "must be an integer >= 0")
+    check(0.0 <= self.context_fraction <= 1.0, "context_fraction", self.context_fraction,
+          "must lie in [0, 1]")
+
+
+@struct.dataclass
+class LocalRemaskPlan:
+  base: Any  # the base family's plan
+  refill: Any  # the refill family's plan
 
 
 def windows_around(seed_BxL: Array, window: int) -> Array:
@@ -27,58 +78,80 @@ def windows_around(seed_BxL: Array, window: int) -> Array:
   return (csum[:, i + 2 * window + 1] - csum[:, i]) > 0
 
 
-def choose_remask(spec: specs_lib.LocalRemaskSpec, keys_B: Array, editable_BxL: Array,
+def choose_remask(spec: LocalRemaskSpec, keys_B: Array, editable_BxL: Array,
                   write_conf_BxL: Array, conf_now_BxL: Array) -> Array:
   """Seeds (largest confidence drop), their windows, and a random part of what precedes."""
   batch, length = editable_BxL.shape
   drop_BxL = write_conf_BxL - conf_now_BxL
-  seed_BxL = transforms.select_top_k(drop_BxL, editable_BxL,
-                                     jnp.full((batch,), spec.seeds, jnp.int32))
+  seed_BxL = scores.select_top_k(drop_BxL, editable_BxL,
+                                 jnp.full((batch,), spec.seeds, jnp.int32))
   near_BxL = windows_around(seed_BxL, spec.window)
   first_window_B = jnp.where(near_BxL, jnp.arange(length), length).min(-1)
   before_BxL = jnp.arange(length)[None] < first_window_B[:, None]
-  pick_BxL = transforms.row_uniform(keys_B, transforms.REMASK, (length,)) < spec.context_fraction
+  pick_BxL = transforms.row_uniform(keys_B, StepStream.REMASK, (length,)) < spec.context_fraction
   return editable_BxL & (near_BxL | (before_BxL & pick_BxL))
 
 
-def sample_program(run, apply_fn, params, keys_B: Array, tokens_BxL: Array, fixed_BxL: Array,
-                   *, spec: specs_lib.LocalRemaskSpec, mask_id: int, num_blocks: int):
-  """The base fill, then `rounds` of re-score / remask / refill, in one program.
+@register
+class LocalRemask(Family):
+  """The base fill, then `rounds` of re-score / remask / refill, in one program."""
 
-  `run(apply_fn, params, keys_B, tokens_BxL, fixed_BxL, spec=, mask_id=, num_blocks=)` is
-  the driver's family loop returning its final State.
-  """
-  batch, length = tokens_BxL.shape
-  editable_BxL = ~fixed_BxL
-  state = run(apply_fn, params, keys_B, tokens_BxL, fixed_BxL, spec=spec.base, mask_id=mask_id,
-              num_blocks=num_blocks)
-  base_steps = spec.base.steps if hasattr(spec.base, "steps") else length
-  refill_steps = spec.refill.steps if hasattr(spec.refill, "steps") else length
-  t_B = jnp.full((batch * spec.score_groups,), 1.0 / spec.score_groups, jnp.float32)
-  evaluate = lambda tokens_NxL: apply_fn(params, tokens_NxL, t_B)
+  name = "local_remask"
+  spec_type = LocalRemaskSpec
+  composite = True
+  refills = False
+  python_loop = False
 
-  def one_round(state: State, r):
-    round_keys_B = jax.vmap(jax.random.fold_in, (0, None))(keys_B, _ROUND_STREAM - r)
-    logits_BxLxV = leave_group_out_logits(evaluate, state.tokens_BxL, editable_BxL,
-                                          spec.score_groups, mask_id)
-    logp_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
-    conf_now_BxL = jnp.exp(jnp.take_along_axis(
-        logp_BxLxV, jnp.minimum(state.tokens_BxL, logp_BxLxV.shape[-1] - 1)[..., None],
-        axis=-1)[..., 0])
-    choice_keys_B = jax.vmap(jax.random.fold_in, (0, None))(round_keys_B, _CHOICE_STREAM)
-    remask_BxL = choose_remask(spec, choice_keys_B, editable_BxL, state.write_conf_BxL,
-                               conf_now_BxL)
-    refill = run(apply_fn, params, round_keys_B, jnp.where(remask_BxL, mask_id, state.tokens_BxL),
-                 ~remask_BxL, spec=spec.refill, mask_id=mask_id, num_blocks=1)
-    offset = base_steps + r * refill_steps
-    return state.replace(
-        tokens_BxL=refill.tokens_BxL,
-        write_step_BxL=jnp.where(remask_BxL, refill.write_step_BxL + offset,
-                                 state.write_step_BxL),
-        write_conf_BxL=jnp.where(remask_BxL, refill.write_conf_BxL, state.write_conf_BxL),
-        reopened_B=state.reopened_B + remask_BxL.sum(-1) + refill.reopened_B,
-        nfe=state.nfe + 1 + refill.nfe, saved_calls=state.saved_calls + refill.saved_calls,
-        contexts=state.contexts + spec.score_groups + refill.contexts), None
+  def num_steps(self, spec: LocalRemaskSpec, length: int) -> int:
+    return (family_of(spec.base).num_steps(spec.base, length)
+            + spec.rounds * family_of(spec.refill).num_steps(spec.refill, length))
 
-  state, _ = jax.lax.scan(one_round, state, jnp.arange(spec.rounds))
-  return state
+  def validate(self, spec: LocalRemaskSpec, canvas: Canvas):
+    family_of(spec.base).validate(spec.base, canvas)
+
+  def plan(self, spec: LocalRemaskSpec, canvas: Canvas) -> LocalRemaskPlan:
+    # The refill's positions are chosen at run time: its plan may read only the length.
+    unknown = dataclasses.replace(canvas, tokens=None, fixed=None)
+    return LocalRemaskPlan(base=family_of(spec.base).plan(spec.base, canvas),
+                           refill=family_of(spec.refill).plan(spec.refill, unknown))
+
+  def run(self, spec: LocalRemaskSpec, denoiser, core: Core, ctx: Context,
+          plan: LocalRemaskPlan):
+    batch, length = core.tokens_BxL.shape
+    core, _, _ = driver.run(spec.base, denoiser, core, ctx, plan.base)
+    base_steps = family_of(spec.base).num_steps(spec.base, length)
+    refill_steps = family_of(spec.refill).num_steps(spec.refill, length)
+    evaluate = lambda tokens_NxL: denoiser(tokens_NxL, 1.0 / spec.score_groups)
+
+    def one_round(core: Core, r):
+      round_keys_B = jax.vmap(jax.random.fold_in, (0, None))(ctx.keys_B,
+                                                              RowStream.LOCAL_ROUND - r)
+      logits_BxLxV = contexts.leave_group_out_logits(evaluate, core.tokens_BxL,
+                                                     ctx.editable_BxL, spec.score_groups,
+                                                     ctx.mask_id)
+      logp_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
+      conf_now_BxL = jnp.exp(jnp.take_along_axis(
+          logp_BxLxV, jnp.minimum(core.tokens_BxL, logp_BxLxV.shape[-1] - 1)[..., None],
+          axis=-1)[..., 0])
+      choice_keys_B = jax.vmap(jax.random.fold_in, (0, None))(round_keys_B,
+                                                               RowStream.LOCAL_CHOICE)
+      remask_BxL = choose_remask(spec, choice_keys_B, ctx.editable_BxL, core.write_conf_BxL,
+                                 conf_now_BxL)
+      refill_ctx = Context(mask_id=ctx.mask_id, editable_BxL=remask_BxL, keys_B=round_keys_B)
+      refill, _, _ = driver.run(
+          spec.refill, denoiser,
+          Core.start(jnp.where(remask_BxL, ctx.mask_id, core.tokens_BxL)), refill_ctx,
+          plan.refill)
+      offset = base_steps + r * refill_steps
+      return core.replace(
+          tokens_BxL=refill.tokens_BxL,
+          write_step_BxL=jnp.where(remask_BxL, refill.write_step_BxL + offset,
+                                   core.write_step_BxL),
+          write_conf_BxL=jnp.where(remask_BxL, refill.write_conf_BxL, core.write_conf_BxL),
+          reopened_B=core.reopened_B + remask_BxL.sum(-1) + refill.reopened_B,
+          nfe=core.nfe + 1 + refill.nfe, saved_calls=core.saved_calls + refill.saved_calls,
+          contexts_B=core.contexts_B + spec.score_groups + refill.contexts_B,
+          rounds_B=core.rounds_B + refill.rounds_B), None
+
+    core, _ = jax.lax.scan(one_round, core, jnp.arange(spec.rounds))
+    return core, None, None

@@ -1,65 +1,74 @@
-"""Fixed write orders (by position or by field), and the chain rule in a random order."""
+"""A fixed write order by position: `groups[i]` is written at step i."""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+import dataclasses
 
-from mdjax.sampling import specs as specs_lib
+import jax
+import numpy as np
+from flax import struct
+
 from mdjax.sampling import transforms
-from mdjax.sampling.state import Context, State, candidates, commit, value_probs
+from mdjax.sampling.base import Family, SamplerSpec, StepPlan, check, register
 
 Array = jax.Array
 
 
-def plan(spec, length: int) -> dict[str, np.ndarray]:
-  """Per-step arrays: which positions each step writes (fixed orders)."""
-  if isinstance(spec, specs_lib.RandomOrderSpec):
-    return {"t": 1.0 - np.arange(length) / length, "block": np.zeros(length, np.int32)}
-  if isinstance(spec, specs_lib.FieldOrderSpec):
-    return {"t": 1.0 - np.arange(spec.steps) / spec.steps,
-            "counts_F": np.asarray(spec.counts, np.int32),
-            "block": np.zeros(spec.steps, np.int32)}
-  write_KxL = np.zeros((spec.steps, length), bool)
-  for i, group in enumerate(spec.groups):
-    write_KxL[i, list(group)] = True
-  return {"t": 1.0 - np.arange(spec.steps) / spec.steps, "write_L": write_KxL,
-          "block": np.zeros(spec.steps, np.int32)}
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OrderedSpec(SamplerSpec):
+  """A fixed write order: `groups[i]` is the set of positions written at step i.
+
+  Values within a group are drawn independently from the current
+  conditionals. One position per group is the exact chain-rule sampler.
+  The groups must cover every generated position exactly once.
+  """
+
+  groups: tuple[tuple[int, ...], ...]
+
+  def __post_init__(self):
+    super().__post_init__()
+    groups = tuple(tuple(int(p) for p in g) for g in self.groups)
+    object.__setattr__(self, "groups", groups)
+    check(len(groups) >= 1, "steps", len(groups), "must be an integer >= 1 (one group a step)")
+    flat = [p for g in groups for p in g]
+    check(all(len(g) >= 1 for g in groups), "groups", groups, "every group needs a position")
+    check(min(flat) >= 0, "groups", min(flat), "positions must be >= 0")
+    repeated = sorted({p for p in flat if flat.count(p) > 1})
+    check(not repeated, "groups", repeated, "a position may appear in one group only")
+
+  @classmethod
+  def left_to_right(cls, length: int, **kwargs) -> "OrderedSpec":
+    """One position per step, left to right: the autoregressive chain rule."""
+    return cls(groups=tuple((i,) for i in range(length)), **kwargs)
+
+  @property
+  def steps(self) -> int:
+    return len(self.groups)
 
 
-def random_order_rank(keys_B: Array, editable_BxL: Array) -> Array:
-  """A uniformly random rank 0..n-1 over each row's editable positions."""
-  noise_BxL = transforms.row_uniform(keys_B, transforms.ORDER, editable_BxL.shape[1:])
-  return transforms.rank_descending(noise_BxL, editable_BxL)
+@struct.dataclass
+class OrderedPlan(StepPlan):
+  write_L: Array  # the positions this step writes
 
 
-def _field_writes(spec: specs_lib.FieldOrderSpec, cand_BxL: Array, score_BxL: Array,
-                  counts_F: Array) -> Array:
-  """Each field's counts_F[f] highest-scoring candidates."""
-  batch, length = cand_BxL.shape
-  write_BxL = jnp.zeros((batch, length), bool)
-  for f, positions in enumerate(spec.fields):  # static: a handful of fields
-    in_field_L = np.zeros(length, bool)
-    in_field_L[list(positions)] = True
-    k_B = jnp.broadcast_to(counts_F[f], (batch,))
-    write_BxL |= transforms.select_top_k(score_BxL, cand_BxL & in_field_L, k_B)
-  return write_BxL
+@register
+class Ordered(Family):
+  name = "ordered"
+  spec_type = OrderedSpec
+  refills = False  # its positions are fixed in advance
 
+  def validate(self, spec: OrderedSpec, canvas):
+    canvas.check_covers("groups", spec.groups)
 
-def update(spec, state: State, ctx: Context, xs, logits_BxLxV: Array,
-           keys_B: Array) -> State:
-  """Writes this step's positions with independent draws from the conditionals."""
-  values_BxL = transforms.draw_values(keys_B, logits_BxLxV, **spec.transform)
-  probs_BxLxV, conf_BxL = value_probs(logits_BxLxV, values_BxL)
-  cand_BxL = candidates(state, ctx, xs["block"])
-  if isinstance(spec, specs_lib.FieldOrderSpec):
-    score_BxL = transforms.confidence_score(spec.score, probs_BxLxV, values_BxL, keys_B)
-    write_BxL = _field_writes(spec, cand_BxL, score_BxL, xs["counts_F"])
-    return commit(state, write_BxL, values_BxL, conf_BxL, xs["step"])
-  if isinstance(spec, specs_lib.RandomOrderSpec):
-    now_BxL = ctx.order_rank_BxL == xs["step"]
-  else:
-    now_BxL = xs["write_L"][None, :]
-  write_BxL = now_BxL & cand_BxL
-  return commit(state, write_BxL, values_BxL, conf_BxL, xs["step"])
+  def plan(self, spec: OrderedSpec, canvas) -> OrderedPlan:
+    write_KxL = np.zeros((spec.steps, canvas.length), bool)
+    for i, group in enumerate(spec.groups):
+      write_KxL[i, list(group)] = True
+    return OrderedPlan(t=1.0 - np.arange(spec.steps) / spec.steps, write_L=write_KxL)
+
+  def update(self, spec: OrderedSpec, core, aux, ctx, step, logits_BxLxV, denoise):
+    """Writes this step's group with independent draws from the conditionals."""
+    values_BxL = transforms.draw_values(step.keys_B, logits_BxLxV, **spec.transform)
+    _, conf_BxL = transforms.value_probs(logits_BxLxV, values_BxL)
+    write_BxL = step.plan.write_L[None, :] & ctx.masked(core.tokens_BxL)
+    return core.commit(write_BxL, values_BxL, conf_BxL, step.index), None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from mdjax.sampling.specs import FieldOrderSpec
+from mdjax.sampling.field_order import FieldOrderSpec
 
 TIMES = ("×", "*")
 

@@ -23,36 +23,57 @@ gives the first drafts.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from mdjax.sampling import specs as specs_lib
-from mdjax.sampling import transforms
+from mdjax.sampling import scores, transforms
+from mdjax.sampling.base import Core, Family, SamplerSpec, check, register
+from mdjax.streams import StepStream
 
 Array = jax.Array
 
-# Random streams of one round (beyond those in transforms).
-DRAFT, ACCEPT, RESIDUAL = 10, 11, 12
+ORDERS = ("max_prob", "lowest_index", "fixed")
 
 
-@struct.dataclass
-class Carry:
-  tokens_BxL: Array
-  draft_logits_BxLxV: Array  # predictions the next drafts are drawn from
-  write_step_BxL: Array
-  rounds_B: Array  # rounds in which the row still had masked positions
-  evals_B: Array  # contexts evaluated for the row (k_eff per round, 1 at the start)
-  nfe: Array  # batched denoiser calls made
-  saved_calls: Array  # rounds skipped because every row was finished
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeculativeSpec(SamplerSpec):
+  """Exact parallel sampling by speculative verification (see the module docstring).
 
+  Each round drafts up to `k` masked positions, verifies them with one batched call on
+  k contexts and commits the accepted prefix plus, after a rejection, one residual
+  draw: the output follows the chain-rule law of the transformed conditionals (exact
+  with an exact denoiser at temperature 1; temperature, top-k and top-p apply to the
+  drafts and the verifier alike, so the target is the transformed conditionals).
+  `order` chooses the positions from what is known before the round: `max_prob`
+  (most confident predictions first), `lowest_index` (left to right) or `fixed`
+  (the order of `positions`). At most L rounds (one lax.scan); k = 1 is the chain rule.
+  """
 
-def transformed_probs(logits: Array, spec: specs_lib.SamplerSpec) -> Array:
-  """The distribution values are drawn from: temperature, top-k, top-p; T = 0 is one-hot."""
-  if spec.temperature == 0.0:
-    return jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=jnp.float32)
-  return jax.nn.softmax(transforms.transform_logits(logits, **spec.transform), -1)
+  k: int
+  order: str = "max_prob"
+  positions: tuple[int, ...] | None = None
+
+  def __post_init__(self):
+    super().__post_init__()
+    check(isinstance(self.k, (int, np.integer)) and self.k >= 1, "k", self.k,
+          "must be an integer >= 1")
+    check(self.order in ORDERS, "order", self.order,
+          f"must be one of {ORDERS}: a rule that reads only the canvas and the "
+          "predictions made before the round (a score of this round's draws would bias it)")
+    if self.order == "fixed":
+      check(self.positions is not None and len(self.positions) >= 1, "positions",
+            self.positions, "order='fixed' needs the write order as a tuple of positions")
+      positions = tuple(int(p) for p in self.positions)
+      object.__setattr__(self, "positions", positions)
+      check(min(positions) >= 0 and len(set(positions)) == len(positions), "positions",
+            positions, "must be distinct positions >= 0")
+    else:
+      check(self.positions is None, "positions", self.positions,
+            f"is only used with order='fixed' (order={self.order!r})")
 
 
 def residual_probs(p_xV: Array, q_xV: Array) -> Array:
@@ -80,7 +101,7 @@ def verify(p_BxKxV: Array, q_BxKxV: Array, drafts_BxK: Array, valid_BxK: Array, 
   return num_accepted_B, replacement_BxK
 
 
-def selection_score(spec: specs_lib.SpeculativeSpec, draft_logits_BxLxV: Array,
+def selection_score(spec: SpeculativeSpec, draft_logits_BxLxV: Array,
                     order_rank_L: Array) -> Array:
   """Higher goes first; reads only the canvas's predictions from before the round."""
   length = draft_logits_BxLxV.shape[1]
@@ -91,7 +112,7 @@ def selection_score(spec: specs_lib.SpeculativeSpec, draft_logits_BxLxV: Array,
   return jnp.broadcast_to(-order_rank_L.astype(jnp.float32), draft_logits_BxLxV.shape[:2])
 
 
-def fixed_order_rank(spec: specs_lib.SpeculativeSpec, length: int) -> np.ndarray:
+def fixed_order_rank(spec: SpeculativeSpec, length: int) -> np.ndarray:
   """Rank of each position in `spec.positions` (unlisted positions last)."""
   rank = np.full(length, length, np.int32)
   if spec.positions is not None:
@@ -99,40 +120,47 @@ def fixed_order_rank(spec: specs_lib.SpeculativeSpec, length: int) -> np.ndarray
   return rank
 
 
-def run_round(apply_fn, params, keys_B: Array, carry: Carry, round_index: Array, *,
-              spec: specs_lib.SpeculativeSpec, editable_BxL: Array, order_rank_L: Array,
-              mask_id: int) -> Carry:
-  """One round for every row: select, draft, one call on k contexts, verify, commit."""
-  z_BxL = carry.tokens_BxL
+@struct.dataclass
+class SpeculativePlan:
+  order_rank_L: Array  # rank of each position in `positions` (order='fixed')
+
+
+def run_round(denoiser, core: Core, draft_logits_BxLxV: Array, ctx, round_index: Array, *,
+              spec: SpeculativeSpec, order_rank_L: Array) -> tuple[Core, Array]:
+  """One round for every row: select, draft, one call on k contexts, verify, commit.
+
+  Returns the core and the logits the next round drafts from.
+  """
+  z_BxL = core.tokens_BxL
   batch, length = z_BxL.shape
   k = spec.k
-  keys_B = jax.vmap(jax.random.fold_in, (0, None))(keys_B, round_index)
-  masked_BxL = (z_BxL == mask_id) & editable_BxL
+  keys_B = jax.vmap(jax.random.fold_in, (0, None))(ctx.keys_B, round_index)
+  masked_BxL = ctx.masked(z_BxL)
   active_B = masked_BxL.any(-1)
-  rank_BxL = transforms.rank_descending(
-      selection_score(spec, carry.draft_logits_BxLxV, order_rank_L), masked_BxL)
+  rank_BxL = scores.rank_descending(
+      selection_score(spec, draft_logits_BxLxV, order_rank_L), masked_BxL)
   slot_BxKxL = rank_BxL[:, None, :] == jnp.arange(k)[None, :, None]
   valid_BxK = slot_BxKxL.any(-1)
   pos_BxK = jnp.argmax(slot_BxKxL, -1)
-  q_BxLxV = transformed_probs(carry.draft_logits_BxLxV, spec)
-  gumbel_BxLxV = transforms.row_gumbel(keys_B, DRAFT, q_BxLxV.shape[1:])
+  q_BxLxV = transforms.transformed_probs(draft_logits_BxLxV, spec)
+  gumbel_BxLxV = transforms.row_gumbel(keys_B, StepStream.DRAFT, q_BxLxV.shape[1:])
   log_q = jnp.where(q_BxLxV > 0, jnp.log(jnp.maximum(q_BxLxV, 1e-38)), -jnp.inf)
   draft_BxL = jnp.argmax(log_q + gumbel_BxLxV, -1).astype(jnp.int32)
   # Context j: z with the drafts of slots < j written in.
   in_context_BxKxL = masked_BxL[:, None] & (rank_BxL[:, None, :] < jnp.arange(k)[None, :, None])
   contexts_BxKxL = jnp.where(in_context_BxKxL, draft_BxL[:, None], z_BxL[:, None])
-  t = jnp.full((batch * k,), 1.0 - round_index / length, jnp.float32)
-  logits_BxKxLxV = apply_fn(params, contexts_BxKxL.reshape(batch * k, length), t)
+  logits_BxKxLxV = denoiser(contexts_BxKxL.reshape(batch * k, length),
+                            1.0 - round_index / length)
   logits_BxKxLxV = logits_BxKxLxV.reshape(batch, k, length, -1)
   at_slot = lambda x_BxKxLxV: jnp.take_along_axis(
       x_BxKxLxV, pos_BxK[:, :, None, None], axis=2)[:, :, 0]
-  p_BxKxV = transformed_probs(at_slot(logits_BxKxLxV), spec)
+  p_BxKxV = transforms.transformed_probs(at_slot(logits_BxKxLxV), spec)
   q_BxKxV = jnp.take_along_axis(q_BxLxV, pos_BxK[..., None], axis=1)
   drafts_BxK = jnp.take_along_axis(draft_BxL, pos_BxK, axis=1)
-  u_BxK = transforms.row_uniform(keys_B, ACCEPT, (k,))
+  u_BxK = transforms.row_uniform(keys_B, StepStream.ACCEPT, (k,))
   num_accepted_B, replacement_BxK = verify(
       p_BxKxV, q_BxKxV, drafts_BxK, valid_BxK, u_BxK,
-      transforms.row_gumbel(keys_B, RESIDUAL, p_BxKxV.shape[1:]))
+      transforms.row_gumbel(keys_B, StepStream.RESIDUAL, p_BxKxV.shape[1:]))
   num_valid_B = valid_BxK.sum(-1)
   # Commit the accepted prefix of drafts and, after a rejection, the residual draw.
   accepted_BxL = masked_BxL & (rank_BxL < num_accepted_B[:, None])
@@ -146,43 +174,56 @@ def run_round(apply_fn, params, keys_B: Array, carry: Carry, round_index: Array,
   # The next drafts come from the context closest to the new canvas.
   closest_B = jnp.minimum(num_accepted_B, jnp.maximum(num_valid_B - 1, 0))
   next_logits = jnp.take_along_axis(logits_BxKxLxV, closest_B[:, None, None, None], 1)[:, 0]
-  return carry.replace(
+  core = core.replace(
       tokens_BxL=tokens_BxL,
-      draft_logits_BxLxV=jnp.where(active_B[:, None, None], next_logits,
-                                   carry.draft_logits_BxLxV),
-      write_step_BxL=jnp.where(written_BxL, round_index, carry.write_step_BxL),
-      rounds_B=carry.rounds_B + active_B,
-      evals_B=carry.evals_B + jnp.where(active_B, num_valid_B, 0),
-      nfe=carry.nfe + 1)
+      write_step_BxL=jnp.where(written_BxL, round_index, core.write_step_BxL),
+      rounds_B=core.rounds_B + active_B,
+      contexts_B=core.contexts_B + jnp.where(active_B, num_valid_B, 0),
+      nfe=core.nfe + 1)
+  return core, jnp.where(active_B[:, None, None], next_logits, draft_logits_BxLxV)
 
 
-def sample_program(apply_fn, params, keys_B: Array, tokens_BxL: Array, fixed_BxL: Array, *,
-                   spec: specs_lib.SpeculativeSpec, mask_id: int):
-  """The whole loop: one start-up call, then at most L rounds in one lax.scan.
+@register
+class Speculative(Family):
+  """Rounds of draft, verify and commit: one start-up call, then at most L rounds."""
 
-  Returns (carry, trajectory_RxBxL or None).
-  """
-  batch, length = tokens_BxL.shape
-  editable_BxL = ~fixed_BxL
-  order_rank_L = jnp.asarray(fixed_order_rank(spec, length))
-  first_logits = apply_fn(params, tokens_BxL, jnp.ones((batch,), jnp.float32))
-  zero = jnp.zeros((), jnp.int32)
-  has_masked_B = ((tokens_BxL == mask_id) & editable_BxL).any(-1)
-  carry = Carry(tokens_BxL=tokens_BxL, draft_logits_BxLxV=first_logits.astype(jnp.float32),
-                write_step_BxL=jnp.full((batch, length), -1, jnp.int32),
-                rounds_B=jnp.zeros((batch,), jnp.int32),
-                evals_B=has_masked_B.astype(jnp.int32), nfe=zero + 1, saved_calls=zero)
+  name = "speculative"
+  spec_type = SpeculativeSpec
+  composite = True
+  refills = False
+  python_loop = False
 
-  def body(carry: Carry, round_index):
-    def go():
-      return run_round(apply_fn, params, keys_B, carry, round_index, spec=spec,
-                       editable_BxL=editable_BxL, order_rank_L=order_rank_L, mask_id=mask_id)
+  def num_steps(self, spec, length: int) -> int:
+    return length
 
-    if spec.skip_idle_steps:
-      busy = ((carry.tokens_BxL == mask_id) & editable_BxL).any()
-      carry = jax.lax.cond(busy, go, lambda: carry.replace(saved_calls=carry.saved_calls + 1))
-    else:
-      carry = go()
-    return carry, (carry.tokens_BxL if spec.record_trajectory else None)
+  def validate(self, spec: SpeculativeSpec, canvas):
+    if spec.positions is not None:
+      canvas.check_covers("positions", (spec.positions,))
 
-  return jax.lax.scan(body, carry, jnp.arange(length, dtype=jnp.int32))
+  def plan(self, spec: SpeculativeSpec, canvas) -> SpeculativePlan:
+    return SpeculativePlan(order_rank_L=fixed_order_rank(spec, canvas.length))
+
+  def run(self, spec: SpeculativeSpec, denoiser, core: Core, ctx, plan: SpeculativePlan):
+    batch, length = core.tokens_BxL.shape
+    first_logits = denoiser(core.tokens_BxL, 1.0)
+    has_masked_B = ctx.masked(core.tokens_BxL).any(-1)
+    core = core.replace(contexts_B=has_masked_B.astype(jnp.int32), nfe=core.nfe + 1)
+
+    def body(carry, round_index):
+      core, draft_logits_BxLxV = carry
+
+      def go():
+        return run_round(denoiser, core, draft_logits_BxLxV, ctx, round_index, spec=spec,
+                         order_rank_L=plan.order_rank_L)
+
+      if spec.skip_idle_steps:
+        busy = ctx.masked(core.tokens_BxL).any()
+        carry = jax.lax.cond(busy, go, lambda: (core.replace(saved_calls=core.saved_calls + 1),
+                                                draft_logits_BxLxV))
+      else:
+        carry = go()
+      return carry, (carry[0].tokens_BxL if spec.record_trajectory else None)
+
+    (core, _), trajectory = jax.lax.scan(
+        body, (core, first_logits.astype(jnp.float32)), jnp.arange(length, dtype=jnp.int32))
+    return core, None, trajectory

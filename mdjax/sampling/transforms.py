@@ -1,4 +1,4 @@
-"""Value transforms, categorical draws and confidence scores.
+"""Value transforms and categorical draws.
 
 Randomness is drawn per row from that row's key (`fold_in(row_key, tag)`), so a
 batch of B rows equals B single-row calls with the same per-row keys.
@@ -9,10 +9,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-Array = jax.Array
+from mdjax.streams import StepStream
 
-# Tags that separate the random streams of one step.
-REVEAL, VALUES, REMASK, SELECT, SCORE, ORDER = range(6)
+Array = jax.Array
 
 
 def noise_dtype():
@@ -24,13 +23,13 @@ def noise_dtype():
   return jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
 
 
-def row_uniform(keys_B: Array, tag: int, shape: tuple[int, ...]) -> Array:
+def row_uniform(keys_B: Array, tag: StepStream, shape: tuple[int, ...]) -> Array:
   """U[0, 1) noise of `shape` per row, from each row's own key."""
   dtype = noise_dtype()
   return jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, tag), shape, dtype))(keys_B)
 
 
-def row_gumbel(keys_B: Array, tag: int, shape: tuple[int, ...]) -> Array:
+def row_gumbel(keys_B: Array, tag: StepStream, shape: tuple[int, ...]) -> Array:
   """Standard Gumbel noise of `shape` per row, from each row's own key."""
   dtype = noise_dtype()
   return jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, tag), shape, dtype))(keys_B)
@@ -67,47 +66,19 @@ def draw_values(keys_B: Array, logits_BxLxV: Array, *, temperature: float,
   if temperature == 0.0:
     return jnp.argmax(logits_BxLxV, axis=-1).astype(jnp.int32)
   x = transform_logits(logits_BxLxV, temperature, top_k, top_p, min_p)
-  gumbel_BxLxV = row_gumbel(keys_B, VALUES, x.shape[1:])
+  gumbel_BxLxV = row_gumbel(keys_B, StepStream.VALUES, x.shape[1:])
   return jnp.argmax(x + gumbel_BxLxV, axis=-1).astype(jnp.int32)
 
 
-SCORES = ("prob", "max_prob", "margin", "neg_entropy", "random")
+def transformed_probs(logits: Array, spec) -> Array:
+  """The distribution values are drawn from: temperature, top-k, top-p; T = 0 is one-hot."""
+  if spec.temperature == 0.0:
+    return jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=jnp.float32)
+  return jax.nn.softmax(transform_logits(logits, **spec.transform), -1)
 
 
-def confidence_score(name: str, probs_BxLxV: Array, values_BxL: Array,
-                     keys_B: Array) -> Array:
-  """Confidence of each proposal, read from the untransformed softmax.
-
-  prob: p(proposal); max_prob: max_v p(v); margin: top-1 minus top-2
-  probability; neg_entropy: sum_v p log p; random: U[0, 1) noise.
-  """
-  if name == "prob":
-    return jnp.take_along_axis(probs_BxLxV, values_BxL[..., None], axis=-1)[..., 0]
-  if name == "max_prob":
-    return probs_BxLxV.max(-1)
-  if name == "margin":
-    top2 = jax.lax.top_k(probs_BxLxV, 2)[0]
-    return top2[..., 0] - top2[..., 1]
-  if name == "neg_entropy":
-    plogp = jnp.where(probs_BxLxV > 0, probs_BxLxV * jnp.log(probs_BxLxV), 0.0)
-    return plogp.sum(-1)
-  if name == "random":
-    return row_uniform(keys_B, SCORE, values_BxL.shape[1:]).astype(probs_BxLxV.dtype)
-  raise ValueError(f"score={name!r} is unknown; known scores: {SCORES}.")
-
-
-def rank_descending(score_BxL: Array, candidates_BxL: Array) -> Array:
-  """Rank of each candidate by descending score, ties to the lower index.
-
-  Non-candidates get rank L (never selected).
-  """
-  length = score_BxL.shape[-1]
-  key_BxL = jnp.where(candidates_BxL, -score_BxL, jnp.inf)
-  order_BxL = jnp.argsort(key_BxL, axis=-1, stable=True)
-  rank_BxL = jnp.argsort(order_BxL, axis=-1, stable=True)
-  return jnp.where(candidates_BxL, rank_BxL, length)
-
-
-def select_top_k(score_BxL: Array, candidates_BxL: Array, k_B: Array) -> Array:
-  """The k_B highest-scoring candidates of each row (a rank mask, no loops)."""
-  return rank_descending(score_BxL, candidates_BxL) < k_B[:, None]
+def value_probs(logits_BxLxV: Array, values_BxL: Array) -> tuple[Array, Array]:
+  """Untransformed softmax and the probability of each drawn value."""
+  probs_BxLxV = jax.nn.softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
+  conf_BxL = jnp.take_along_axis(probs_BxLxV, values_BxL[..., None], axis=-1)[..., 0]
+  return probs_BxLxV, conf_BxL

@@ -95,7 +95,7 @@ def _cases():
       "ancestral": sampling.AncestralSpec(steps=8),
       "confidence_blocks": sampling.ConfidenceSpec(steps=10, block_length=5),
       "remask": sampling.RemaskSpec(steps=8, eta=0.05),
-      "field_order": sa.write_order("[VOA][v×9]o×10[ht1]"),
+      "field_order": sampling.parse_write_order("[VOA][v×9]o×10[ht1]", sa.write_order_fields()),
       "random_order": sampling.RandomOrderSpec(),
       "speculative": sampling.SpeculativeSpec(k=4),
       "defer": sampling.DeferSpec(steps=3, threshold=0.2),

@@ -1,0 +1,303 @@
+"""The sampler family protocol, the shared carry and the registry.
+
+A family is one module: its frozen spec, its typed per-step plan, and a `Family`
+subclass registered with `@register`. The driver (`sampling.driver`) knows families
+only through the methods below, so a new family is one file and one import line in
+`sampling/__init__.py`, and joins the contract tests by being registered.
+
+What the driver does with a family, for `sample(apply_fn, params, key, tokens, spec)`:
+
+  family = family_of(spec)
+  family.validate(spec, canvas)            # host, before tracing
+  plan = family.plan(spec, canvas)         # numpy pytree, leading axis K = num_steps
+  aux = family.init(spec, core, ctx)       # the family's own carry
+  for each step i (one lax.scan):
+    call the denoiser on the canvas, or skip it when `may_skip` and not `needs_call`
+    core, aux = family.update(spec, core, aux, ctx, StepInfo(i, keys, plan[i]), logits,
+                              denoise)
+
+Composite families (whole rounds of their own, such as speculative verification or
+base-then-refill) set `composite = True` and provide `run` instead of the step methods.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+Array = jax.Array
+
+
+def check(condition: bool, field: str, value, allowed: str):
+  """Raises `ValueError('{field}={value!r} is invalid: {allowed}.')` unless condition."""
+  if not condition:
+    raise ValueError(f"{field}={value!r} is invalid: {allowed}.")
+
+
+def check_steps(steps, field: str = "steps"):
+  check(isinstance(steps, (int, np.integer)) and steps >= 1, field, steps,
+        "must be an integer >= 1")
+
+
+def check_block_length(block_length):
+  if block_length is not None:
+    check(isinstance(block_length, (int, np.integer)) and block_length >= 1,
+          "block_length", block_length, "must be None or an integer >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplerSpec:
+  """Knobs shared by every family: the value transform and recording.
+
+  temperature: softmax(logits / T); T = 0 takes the argmax (no division).
+  top_k: keep the k most likely values (None: all). top_p: nucleus mass.
+  min_p: keep values with probability >= min_p times the row's largest (0: all).
+  record_trajectory: also return the canvas after every step (K x B x L).
+  skip_idle_steps: skip the denoiser (a lax.cond) at steps with nothing to write in
+    any row; False calls it at every step, which is faster when steps are seldom idle
+    (K <= L): the cond costs a few percent per step on CPU. Tokens are the same.
+    Families whose steps always change the canvas (remasking, revision) never skip.
+  """
+
+  temperature: float = 1.0
+  top_k: int | None = None
+  top_p: float = 1.0
+  min_p: float = 0.0
+  record_trajectory: bool = False
+  skip_idle_steps: bool = True
+
+  def __post_init__(self):
+    check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
+    check(self.top_k is None or (isinstance(self.top_k, int) and self.top_k >= 1),
+          "top_k", self.top_k, "must be None or an integer >= 1")
+    check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must lie in (0, 1]")
+    check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must lie in [0, 1]")
+
+  @property
+  def transform(self) -> dict:
+    return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                min_p=self.min_p)
+
+
+# ----------------------------------------------------------------------------
+# What a family sees.
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Canvas:
+  """The host's view of a call, for validation and plans made before tracing.
+
+  tokens and fixed are numpy arrays, or None when `sample` runs inside a trace.
+  """
+
+  batch: int
+  length: int
+  mask_id: int
+  tokens: np.ndarray | None
+  fixed: np.ndarray | None
+
+  def generated(self) -> np.ndarray | None:
+    """Positions some row generates (masked and not fixed), or None when traced."""
+    if self.tokens is None:
+      return None
+    return ((self.tokens == self.mask_id) & ~self.fixed).any(0)
+
+  def check_covers(self, name: str, sets) -> None:
+    """Every generated position lies in one of `sets`, and every named one on the canvas."""
+    flat = [p for s in sets for p in s]
+    if max(flat) >= self.length:
+      raise ValueError(f"{name} name position {max(flat)}; the canvas has L={self.length}.")
+    generated = self.generated()
+    if generated is None:
+      return
+    covered = np.zeros(self.length, bool)
+    covered[flat] = True
+    missed = np.flatnonzero(generated & ~covered)
+    if missed.size:
+      raise ValueError(f"{name} miss masked positions {missed.tolist()}; every generated "
+                       f"position must be in exactly one of the {name}.")
+
+
+@struct.dataclass
+class Core:
+  """The carry every family shares: the canvas and one set of counters."""
+
+  tokens_BxL: Array
+  write_step_BxL: Array  # step at which a position last received its value (-1: never)
+  write_conf_BxL: Array  # probability of the value when it was written
+  reopened_B: Array  # committed tokens returned to the mask
+  nfe: Array  # sequential denoiser calls made (a batched call of many contexts counts 1)
+  saved_calls: Array  # steps whose call was skipped (nothing to write, or reused logits)
+  contexts_B: Array  # sequences evaluated for each row (a call of J contexts counts J)
+  rounds_B: Array  # steps in which the row still had positions to write
+
+  @classmethod
+  def start(cls, tokens_BxL: Array) -> "Core":
+    batch, length = tokens_BxL.shape
+    zero = jnp.zeros((), jnp.int32)
+    zeros_B = jnp.zeros((batch,), jnp.int32)
+    return cls(tokens_BxL=tokens_BxL,
+               write_step_BxL=jnp.full((batch, length), -1, jnp.int32),
+               write_conf_BxL=jnp.ones((batch, length), jnp.float32),
+               reopened_B=zeros_B, nfe=zero, saved_calls=zero, contexts_B=zeros_B,
+               rounds_B=zeros_B)
+
+  def commit(self, write_BxL: Array, values_BxL: Array, conf_BxL: Array,
+             step: Array) -> "Core":
+    """Writes `values` where `write`, recording the step and the confidence."""
+    return self.replace(
+        tokens_BxL=jnp.where(write_BxL, values_BxL, self.tokens_BxL),
+        write_step_BxL=jnp.where(write_BxL, step, self.write_step_BxL),
+        write_conf_BxL=jnp.where(write_BxL, conf_BxL, self.write_conf_BxL))
+
+  def count_call(self, called: Array, contexts: int = 1) -> "Core":
+    """One more sequential call (if `called`) of `contexts` sequences per row."""
+    return self.replace(nfe=self.nfe + called, contexts_B=self.contexts_B + called * contexts)
+
+
+@struct.dataclass
+class Context:
+  """Per-call constants: fixed for the whole trajectory."""
+
+  mask_id: int = struct.field(pytree_node=False)
+  editable_BxL: Array  # positions a sampler may write (not fixed)
+  keys_B: Array  # the row keys; step i uses fold_in(row key, i)
+
+  def masked(self, tokens_BxL: Array) -> Array:
+    """Masked editable positions."""
+    return (tokens_BxL == self.mask_id) & self.editable_BxL
+
+
+@struct.dataclass
+class StepPlan:
+  """The fields every per-step plan has; families add their own in a subclass."""
+
+  t: Array  # the time the denoiser is told at this step
+
+
+@struct.dataclass
+class StepInfo:
+  """What one step is given: its index, its per-row keys and its slice of the plan."""
+
+  index: Array
+  keys_B: Array  # fold_in(row key, index)
+  plan: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Denoiser:
+  """`apply_fn` with its parameters: `denoiser(tokens_NxL, t)` -> logits_NxLxV."""
+
+  apply_fn: Callable
+  params: Any
+
+  def __call__(self, tokens_NxL: Array, t) -> Array:
+    return self.apply_fn(self.params, tokens_NxL,
+                         jnp.full((tokens_NxL.shape[0],), t, jnp.float32))
+
+
+# ----------------------------------------------------------------------------
+# The protocol.
+# ----------------------------------------------------------------------------
+
+
+class Family:
+  """What a sampler family provides. Subclass, set the class attributes, register."""
+
+  name: ClassVar[str]  # for make_spec and command lines
+  spec_type: ClassVar[type]
+  composite: ClassVar[bool] = False  # runs its own rounds (`run`) instead of steps
+  refills: ClassVar[bool] = True  # can fill any subset of positions (localized remasking)
+  python_loop: ClassVar[bool] = True  # `sample_python_loop` can run it step by step
+
+  def validate(self, spec, canvas: Canvas) -> None:
+    """Checks the spec against the canvas on the host; raises ValueError."""
+
+  def num_steps(self, spec, length: int) -> int:
+    """The static number of steps (the scan length) on a length-L canvas."""
+    return spec.steps
+
+  def plan(self, spec, canvas: Canvas):
+    """The per-step plan: a StepPlan pytree of numpy arrays with leading axis K."""
+    raise NotImplementedError
+
+  def init(self, spec, core: Core, ctx: Context):
+    """The family's own carry beside the core (None when it has none)."""
+    return None
+
+  def may_skip(self, spec) -> bool:
+    """Whether a step may skip the denoiser when `needs_call` says it is idle."""
+    return spec.skip_idle_steps
+
+  def reuses_logits(self, spec) -> bool:
+    """Whether an unchanged canvas reuses the last logits (a t-free denoiser)."""
+    return False
+
+  def needs_call(self, spec, core: Core, aux, ctx: Context, plan) -> Array:
+    """False when this step can write nothing in any row."""
+    return jnp.any(ctx.masked(core.tokens_BxL))
+
+  def update(self, spec, core: Core, aux, ctx: Context, step: StepInfo, logits_BxLxV: Array,
+             denoise: Callable[[Array], Array]) -> tuple[Core, Any]:
+    """One step. `denoise(tokens_NxL)` evaluates further contexts at the step's time."""
+    raise NotImplementedError
+
+  def extras(self, spec, aux) -> dict[str, Array]:
+    """Family-specific outputs for `SampleResult.extras`."""
+    return {}
+
+  def run(self, spec, denoiser: Denoiser, core: Core, ctx: Context, plan):
+    """A composite family's whole program: (core, aux, trajectory or None)."""
+    raise NotImplementedError
+
+
+_BY_SPEC: dict[type, Family] = {}
+_BY_NAME: dict[str, Family] = {}
+
+
+def register(cls: type[Family]) -> type[Family]:
+  """Class decorator: makes a family known to the driver, make_spec and the tests."""
+  family = cls()
+  _BY_SPEC[cls.spec_type] = family
+  _BY_NAME[cls.name] = family
+  return cls
+
+
+def family_of(spec) -> Family:
+  """The family of a spec; a ValueError for anything else."""
+  family = _BY_SPEC.get(type(spec))
+  if family is None:
+    raise ValueError(f"spec={spec!r} must be a sampler spec from mdjax.sampling "
+                     f"(one of {sorted(c.__name__ for c in _BY_SPEC)}).")
+  return family
+
+
+def families() -> dict[str, Family]:
+  """Every registered family by name."""
+  return dict(_BY_NAME)
+
+
+def make_spec(family: str, length: int | None = None, **knobs) -> SamplerSpec:
+  """A spec by family name, for configs and command lines.
+
+  `left_to_right` (one position per step, needs `length`) is the ordered
+  family's chain rule; knobs that are None are left at their defaults.
+  """
+  knobs = {k: v for k, v in knobs.items() if v is not None}
+  if family == "left_to_right":
+    check(length is not None, "length", length, "left_to_right needs the canvas length")
+    knobs.pop("steps", None)
+    return _BY_NAME["ordered"].spec_type.left_to_right(length, **knobs)
+  check(family in _BY_NAME, "sampler", family,
+        f"must be one of {sorted(_BY_NAME) + ['left_to_right']}")
+  cls = _BY_NAME[family].spec_type
+  fields = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(knobs) - fields)
+  check(not unknown, "knobs", unknown, f"{family} takes {sorted(fields)}")
+  return cls(**knobs)

@@ -1,0 +1,56 @@
+"""Semi-autoregressive blocks: the layout shared by the families that take `block_length`.
+
+The editable positions of a row, in order, are cut into blocks of `block_length`;
+block b is generated in steps [b * K / n, (b + 1) * K / n) of a K-step run.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mdjax.sampling.base import Canvas, Context
+
+Array = jax.Array
+
+
+def count(block_length: int | None, steps: int, canvas: Canvas) -> int:
+  """The number of blocks, after checking block_length against the generation length."""
+  if block_length is None:
+    return 1
+  if canvas.tokens is None:
+    raise ValueError("block_length needs concrete tokens_BxL / fixed_BxL to count the "
+                     "generation length; call sample outside jit.")
+  gen_lengths = np.unique((~canvas.fixed).sum(-1))
+  if len(gen_lengths) != 1:
+    raise ValueError(f"block_length={block_length} needs the same generation length in every "
+                     f"row; rows have {gen_lengths.tolist()} editable positions.")
+  gen_length = int(gen_lengths[0])
+  if gen_length % block_length:
+    raise ValueError(f"block_length={block_length} must divide the generation length "
+                     f"{gen_length}.")
+  num_blocks = gen_length // block_length
+  if steps % num_blocks:
+    raise ValueError(f"steps={steps} must be divisible by the number of blocks "
+                     f"{num_blocks} (generation length {gen_length} / block_length "
+                     f"{block_length}).")
+  return num_blocks
+
+
+def block_ids(editable_BxL: Array, block_length: int | None) -> Array:
+  """Block of each editable position (-1 elsewhere); all 0 without blocks."""
+  if block_length is None:
+    return jnp.zeros(editable_BxL.shape, jnp.int32)
+  rank_BxL = jnp.cumsum(editable_BxL, axis=-1) - 1
+  return jnp.where(editable_BxL, rank_BxL // block_length, -1).astype(jnp.int32)
+
+
+def step_blocks(num_blocks: int, per_block: int) -> np.ndarray:
+  """The block each step works on."""
+  return np.repeat(np.arange(num_blocks), per_block)
+
+
+def candidates(tokens_BxL: Array, ctx: Context, block_id_BxL: Array, block: Array) -> Array:
+  """Masked editable positions of the current block: what a step may write."""
+  return ctx.masked(tokens_BxL) & (block_id_BxL == block)

@@ -1,0 +1,70 @@
+"""Confidence scores, ranking and rank-mask top-k selection, scheduled commit counts."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mdjax.sampling import transforms
+from mdjax.streams import StepStream
+
+Array = jax.Array
+
+# floor(N * ratio + _COUNT_EPS): absorbs float rounding of N * ratio (N < 1e5).
+_COUNT_EPS = 1e-4
+
+SCORES = ("prob", "max_prob", "margin", "neg_entropy", "random")
+
+
+def confidence_score(name: str, probs_BxLxV: Array, values_BxL: Array,
+                     keys_B: Array) -> Array:
+  """Confidence of each proposal, read from the untransformed softmax.
+
+  prob: p(proposal); max_prob: max_v p(v); margin: top-1 minus top-2
+  probability; neg_entropy: sum_v p log p; random: U[0, 1) noise.
+  """
+  if name == "prob":
+    return jnp.take_along_axis(probs_BxLxV, values_BxL[..., None], axis=-1)[..., 0]
+  if name == "max_prob":
+    return probs_BxLxV.max(-1)
+  if name == "margin":
+    top2 = jax.lax.top_k(probs_BxLxV, 2)[0]
+    return top2[..., 0] - top2[..., 1]
+  if name == "neg_entropy":
+    plogp = jnp.where(probs_BxLxV > 0, probs_BxLxV * jnp.log(probs_BxLxV), 0.0)
+    return plogp.sum(-1)
+  if name == "random":
+    return transforms.row_uniform(keys_B, StepStream.SCORE, values_BxL.shape[1:]).astype(probs_BxLxV.dtype)
+  raise ValueError(f"score={name!r} is unknown; known scores: {SCORES}.")
+
+
+def rank_descending(score_BxL: Array, candidates_BxL: Array) -> Array:
+  """Rank of each candidate by descending score, ties to the lower index.
+
+  Non-candidates get rank L (never selected).
+  """
+  length = score_BxL.shape[-1]
+  key_BxL = jnp.where(candidates_BxL, -score_BxL, jnp.inf)
+  order_BxL = jnp.argsort(key_BxL, axis=-1, stable=True)
+  rank_BxL = jnp.argsort(order_BxL, axis=-1, stable=True)
+  return jnp.where(candidates_BxL, rank_BxL, length)
+
+
+def select_top_k(score_BxL: Array, candidates_BxL: Array, k_B: Array) -> Array:
+  """The k_B highest-scoring candidates of each row (a rank mask, no loops)."""
+  return rank_descending(score_BxL, candidates_BxL) < k_B[:, None]
+
+
+def remaining_fractions(count_schedule, steps: int) -> np.ndarray:
+  """Fraction of the positions left masked after each of `steps` steps (0 after the last)."""
+  j = np.arange(steps)
+  remaining = np.asarray(count_schedule.one_minus_alpha(1.0 - (j + 1) / steps), np.float64)
+  remaining[-1] = 0.0
+  return remaining
+
+
+def commit_counts(num_block_B: Array, num_masked_B: Array, remaining: Array) -> Array:
+  """k_B = masked now - floor(N_block * remaining fraction), never negative."""
+  target_B = jnp.floor(num_block_B * remaining + _COUNT_EPS).astype(jnp.int32)
+  return jnp.maximum(num_masked_B - target_B, 0)
