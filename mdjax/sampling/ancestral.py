@@ -53,6 +53,12 @@ class Ancestral(Family):
   name = "ancestral"
   spec_type = AncestralSpec
 
+  def examples(self, generated):
+    return [AncestralSpec(steps=5, min_p=0.1),
+            AncestralSpec(steps=6, grid="cosine", cache=True),
+            AncestralSpec(steps=4, block_length=len(generated) // 2,
+                          schedule=diffusion.CosineSchedule())]
+
   def validate(self, spec: AncestralSpec, canvas):
     if spec.block_length is not None:
       check(isinstance(spec.grid, str), "grid", spec.grid,

@@ -216,6 +216,11 @@ class Family:
   refills: ClassVar[bool] = True  # can fill any subset of positions (localized remasking)
   python_loop: ClassVar[bool] = True  # `sample_python_loop` can run it step by step
 
+  def examples(self, generated: tuple[int, ...]) -> list:
+    """Small specs covering the family's knobs, for a canvas that generates `generated`
+    (the contract tests run every registered family on them)."""
+    raise NotImplementedError
+
   def validate(self, spec, canvas: Canvas) -> None:
     """Checks the spec against the canvas on the host; raises ValueError."""
 

@@ -69,6 +69,13 @@ class Confidence(Family):
   name = "confidence"
   spec_type = ConfidenceSpec
 
+  def examples(self, generated):
+    return [ConfidenceSpec(steps=5, score="prob", temperature=0.7, top_k=3),
+            ConfidenceSpec(steps=4, score="margin", block_length=len(generated) // 2,
+                           count_schedule=diffusion.CosineSchedule()),
+            ConfidenceSpec(steps=8, score="neg_entropy", gumbel_temperature=2.0, top_p=0.8),
+            ConfidenceSpec(steps=5, threshold=0.5, temperature=0.0)]
+
   def plan(self, spec: ConfidenceSpec, canvas) -> ConfidencePlan:
     num_blocks = blocks.count(spec.block_length, spec.steps, canvas)
     per_block = spec.steps // num_blocks

@@ -75,6 +75,9 @@ class Defer(Family):
   name = "defer"
   spec_type = DeferSpec
 
+  def examples(self, generated):
+    return [DeferSpec(steps=4, threshold=0.1, temperature=0.8)]
+
   def plan(self, spec: DeferSpec, canvas) -> DeferPlan:
     j = np.arange(spec.steps)
     return DeferPlan(t=1.0 - j / spec.steps, last=j == spec.steps - 1)

@@ -98,12 +98,12 @@ def _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id):
     raise ValueError(f"tokens_BxL has shape {tokens_BxL.shape} and dtype {tokens_BxL.dtype}; "
                      "it must be a 2-D integer array.")
   batch, length = tokens_BxL.shape
-  out = jax.eval_shape(apply_fn, params, tokens_BxL, jnp.zeros((batch,)))
+  keys_B = row_keys(key, batch)
+  shape = lambda: jax.eval_shape(apply_fn, params, tokens_BxL, jnp.zeros((batch,))).shape
+  out_shape = None
   if mask_id is None:
-    mask_id = int(out.shape[-1])
-  if out.shape != (batch, length, mask_id):
-    raise ValueError(f"apply_fn returns logits of shape {out.shape}; expected "
-                     f"(B, L, V) = {(batch, length, mask_id)} with V = mask id.")
+    out_shape = shape()
+    mask_id = int(out_shape[-1])
   if fixed_BxL is None:
     fixed_BxL = tokens_BxL != mask_id
   fixed_BxL = jnp.asarray(fixed_BxL, bool)
@@ -119,7 +119,12 @@ def _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id):
   streams.check_steps(family.num_steps(spec, length))
   family.validate(spec, canvas)
   plan = family.plan(spec, canvas)
-  args = (params, row_keys(key, batch), tokens_BxL.astype(jnp.int32), fixed_BxL, plan)
+  # Last: the only check that traces the denoiser (abstractly).
+  out_shape = out_shape or shape()
+  if out_shape != (batch, length, mask_id):
+    raise ValueError(f"apply_fn returns logits of shape {out_shape}; expected "
+                     f"(B, L, V) = {(batch, length, mask_id)} with V = mask id.")
+  args = (params, keys_B, tokens_BxL.astype(jnp.int32), fixed_BxL, plan)
   return family, args, dict(spec=spec, mask_id=mask_id)
 
 

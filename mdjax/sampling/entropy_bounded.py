@@ -77,6 +77,11 @@ class EntropyBounded(Family):
   name = "entropy_bounded"
   spec_type = EntropyBoundedSpec
 
+  def examples(self, generated):
+    return [EntropyBoundedSpec(steps=6, gamma=0.5),
+            EntropyBoundedSpec(steps=4, gamma=2.0, block_length=len(generated) // 2,
+                               temperature=1.2, final_temperature=0.5)]
+
   def plan(self, spec: EntropyBoundedSpec, canvas) -> EntropyBoundedPlan:
     num_blocks = blocks.count(spec.block_length, spec.steps, canvas)
     per_block = spec.steps // num_blocks

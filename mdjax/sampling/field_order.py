@@ -72,6 +72,12 @@ class FieldOrder(Family):
   spec_type = FieldOrderSpec
   refills = False  # its fields are fixed in advance
 
+  def examples(self, generated):
+    half = len(generated) // 2
+    first, second = tuple(generated[:half]), tuple(generated[half:])
+    return [FieldOrderSpec(fields=(first, second),
+                           counts=((1, 0), (half - 1, 0), (0, len(second))), score="margin")]
+
   def validate(self, spec: FieldOrderSpec, canvas):
     canvas.check_covers("fields", spec.fields)
 

@@ -12,7 +12,7 @@ from flax import struct
 
 from mdjax.sampling import contexts, driver, scores, transforms
 from mdjax.sampling.base import (Canvas, Context, Core, Family, SamplerSpec, check,
-                                 family_of, register)
+                                 family_of, make_spec, register)
 from mdjax.streams import RowStream, StepStream
 
 Array = jax.Array
@@ -101,6 +101,11 @@ class LocalRemask(Family):
   composite = True
   refills = False
   python_loop = False
+
+  def examples(self, generated):
+    return [LocalRemaskSpec(base=make_spec("confidence", steps=4),
+                            refill=make_spec("ancestral", steps=3), rounds=2,
+                            window=1, context_fraction=0.3, score_groups=3)]
 
   def num_steps(self, spec: LocalRemaskSpec, length: int) -> int:
     return (family_of(spec.base).num_steps(spec.base, length)

@@ -57,6 +57,11 @@ class Ordered(Family):
   spec_type = OrderedSpec
   refills = False  # its positions are fixed in advance
 
+  def examples(self, generated):
+    half = len(generated) // 2
+    return [OrderedSpec(groups=(tuple(generated[:half]), tuple(generated[half:]))),
+            OrderedSpec(groups=tuple((p,) for p in generated), temperature=0.5)]
+
   def validate(self, spec: OrderedSpec, canvas):
     canvas.check_covers("groups", spec.groups)
 

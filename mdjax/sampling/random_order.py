@@ -37,6 +37,9 @@ class RandomOrder(Family):
   name = "random_order"
   spec_type = RandomOrderSpec
 
+  def examples(self, generated):
+    return [RandomOrderSpec(top_p=0.5)]
+
   def num_steps(self, spec, length: int) -> int:
     return length
 

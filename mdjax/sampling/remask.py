@@ -73,6 +73,10 @@ class Remask(Family):
   name = "remask"
   spec_type = RemaskSpec
 
+  def examples(self, generated):
+    return [RemaskSpec(steps=10, eta=0.2), RemaskSpec(steps=10, sigma="conf", eta=1.0),
+            RemaskSpec(steps=12, eta=0.3, loop_t_on=0.6, loop_t_off=0.2)]
+
   def plan(self, spec: RemaskSpec, canvas) -> RemaskPlan:
     times = reveal.time_grid(spec.grid, spec.steps)
     t_K, s_K = times[:-1], times[1:]

@@ -58,6 +58,9 @@ class Revision(Family):
   name = "revision"
   spec_type = RevisionSpec
 
+  def examples(self, generated):
+    return [RevisionSpec(steps=5, score="margin"), RevisionSpec(steps=4, score_groups=2, top_k=3)]
+
   def plan(self, spec: RevisionSpec, canvas) -> RevisionPlan:
     j = np.arange(spec.steps)
     return RevisionPlan(t=1.0 - j / spec.steps,

@@ -193,6 +193,10 @@ class Speculative(Family):
   refills = False
   python_loop = False
 
+  def examples(self, generated):
+    return [SpeculativeSpec(k=3), SpeculativeSpec(k=2, order="lowest_index", temperature=0.8),
+            SpeculativeSpec(k=4, order="fixed", positions=tuple(reversed(generated)))]
+
   def num_steps(self, spec, length: int) -> int:
     return length
 
