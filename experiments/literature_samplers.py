@@ -100,9 +100,7 @@ def timed_sample(apply_fn, params, canvas, spec, mask_id: int, seed: int):
 
 def calls_per_sample(result) -> float:
   """Contexts evaluated per sample (the compute budget)."""
-  if result.evals_B is not None:
-    return float(np.mean(np.asarray(result.evals_B)))
-  return float(result.contexts)
+  return float(np.mean(np.asarray(result.contexts_B)))
 
 
 def _empty_row(task: str, denoiser: str, family: str, knobs: dict, n: int) -> dict:
@@ -161,7 +159,7 @@ def run(n: int, sa_workdir: str = "/tmp/scan_and_add_study",
   rows += family_rows("scan_and_add", "model", *sa_model, canvas, sa.MASK_ID, score, seed + 1000)
   task, models = text_models
   rows += family_rows("shakespeare", "model", *models["char"], task.empty_canvas(max(n // 4, 2)),
-                      task.MASK_ID, lambda tokens: text_quality.scores(task, tokens,
+                      task.mask_id, lambda tokens: text_quality.scores(task, tokens,
                                                                         models["causal"]),
                       seed + 2000)
   return {"rows": rows, "budgets": BUDGETS, "exact": EXACT,

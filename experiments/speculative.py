@@ -60,7 +60,7 @@ def rows_for(denoiser: str, apply_fn, params, n: int, reference, null_tvt, seed:
   for order in ORDER_RULES:
     for k in KS:
       out = _run(apply_fn, params, sampling.SpeculativeSpec(k=k, order=order), n, seed + k)
-      rounds, evals = np.asarray(out.rounds_B), np.asarray(out.evals_B)
+      rounds, evals = np.asarray(out.rounds_B), np.asarray(out.contexts_B)
       rows.append(_row(denoiser, "speculative", k, order, np.asarray(out.tokens_BxL), rounds,
                        evals, reference, null_tvt))
       rows[-1]["rounds_hist"] = np.bincount(rounds, minlength=P.length + 1).tolist()

@@ -62,7 +62,7 @@ def test_defer_on_two_color_defers_the_dependent_position():
   assert abs(frac - 0.5) < _binomial_tol(0.5, N), frac
   # Calls: the first step evaluates the canvas and one batched test context (J = 1 for
   # L = 2); the last step only the canvas.
-  assert int(below.nfe) == 3 and int(below.contexts) == 3
+  assert int(below.nfe) == 3 and int(below.contexts_B[0]) == 3
   assert int(above.nfe) == 2  # the row is full after step 1; step 2's call is skipped
 
 
@@ -75,7 +75,7 @@ def test_defer_levels_and_batched_test_call():
   out = sampling.sample(stubs.stub_denoiser, params, jax.random.key(1), _prompted_canvas(), spec)
   assert not np.any(np.asarray(out.tokens_BxL) == VOCAB)
   calls_per_step = 1 + defer.num_levels(LENGTH)
-  assert int(out.contexts) <= spec.steps * calls_per_step
+  assert int(out.contexts_B.max()) <= spec.steps * calls_per_step
   assert int(out.nfe) <= 2 * spec.steps - 1
 
 
@@ -95,7 +95,7 @@ def test_revision_keeping_visible_tokens_is_confidence_decoding(score):
                           sampling.RevisionSpec(steps=steps, score=score, keep_visible=True))
     np.testing.assert_array_equal(rev.tokens_BxL, conf.tokens_BxL)
     np.testing.assert_array_equal(rev.write_step_BxL, conf.write_step_BxL)
-    assert int(np.asarray(rev.changes_KxB).sum()) == 0
+    assert int(np.asarray(rev.extras["changes_KxB"]).sum()) == 0
 
 
 def test_revision_keeping_visible_tokens_on_the_scan_and_add_oracle():
@@ -114,7 +114,7 @@ def test_revision_changes_visible_tokens_and_records_it():
   # mismatch each with probability 1/2.
   out = sampling.sample(two_color.exact_denoiser, None, jax.random.key(3),
                         two_color.empty_canvas(N), sampling.RevisionSpec(steps=2))
-  changes = np.asarray(out.changes_KxB)
+  changes = np.asarray(out.extras["changes_KxB"])
   assert changes.shape == (2, N) and np.all(changes[0] == 0)
   assert abs(changes[1].mean() - 0.5) < _binomial_tol(0.5, N)
   frac = float(two_color.invalid_fraction(out.tokens_BxL))
@@ -131,7 +131,7 @@ def test_revision_with_leave_group_out_scores_fills_the_canvas():
   assert not np.any(final == VOCAB)
   np.testing.assert_array_equal(final[:, :PROMPT], np.asarray(_prompted_canvas())[:, :PROMPT])
   # Steps after the first evaluate the canvas and 3 leave-group-out contexts.
-  assert int(out.contexts) == 6 + 5 * 3 and int(out.nfe) == 6 + 5
+  assert int(out.contexts_B[0]) == 6 + 5 * 3 and int(out.nfe) == 6 + 5
 
 
 # ----------------------------------------------------------------------------

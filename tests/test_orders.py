@@ -37,7 +37,7 @@ def test_fields_cover_the_layout_once():
      + [{"o": 6, "h": 1}, {"t": 1}, {"1": 1}]),
 ])
 def test_notation_parses_to_per_step_field_counts(notation, steps):
-  spec = sa.write_order(notation, temperature=0.5)
+  spec = sampling.parse_write_order(notation, FIELDS, temperature=0.5)
   assert _per_field(spec) == steps
   assert spec.steps == len(steps) and spec.notation == notation and spec.temperature == 0.5
 
@@ -56,7 +56,7 @@ def test_notation_parses_to_per_step_field_counts(notation, steps):
 ])
 def test_bad_notation_points_at_the_offending_character(notation, message, column):
   with pytest.raises(ValueError, match=message) as error:
-    sa.write_order(notation)
+    sampling.parse_write_order(notation, FIELDS)
   text = str(error.value)
   assert f"at character {column}" in text
   lines = text.splitlines()
@@ -110,12 +110,12 @@ def test_one_position_per_step_orders_are_exact_on_the_oracle():
   n = 512
   for notation in ("[VOA]v×9o×10ht1", "[VOA]o×10ht1v×9", "VOA[v×9]o×10[ht1]"):
     out = sampling.sample(sa.exact_denoiser, None, jax.random.key(0), sa.empty_canvas(n),
-                          sa.write_order(notation))
+                          sampling.parse_write_order(notation, FIELDS))
     checks = sa.checks(out.tokens_BxL)
     assert checks["correct"].all() and checks["add_count_valid"].all(), notation
   # The commands in one independent step break the add count (P(count != 2) = 0.698).
   out = sampling.sample(sa.exact_denoiser, None, jax.random.key(0), sa.empty_canvas(n),
-                        sa.write_order("[VOA][v×9][o×10][ht1]"))
+                        sampling.parse_write_order("[VOA][v×9][o×10][ht1]", FIELDS))
   assert sa.checks(out.tokens_BxL)["add_count_valid"].mean() < 0.5
 
 
@@ -126,7 +126,8 @@ def test_bound_task_with_synonyms():
   assert np.asarray(x)[:, P.command_pos].max() > 1  # synonyms are drawn
   assert task.sample_metrics(x)["correct"] == 1.0
   out = sampling.sample(task.exact_denoiser, None, jax.random.key(1), task.empty_canvas(256),
-                        sa.write_order("[VOA][v×9]o×10[ht1]", task.PARAMS))
+                        sampling.parse_write_order("[VOA][v×9]o×10[ht1]",
+                                                   sa.write_order_fields(task.PARAMS)))
   assert task.sample_metrics(out.tokens_BxL)["correct"] == 1.0
   with pytest.raises(ValueError, match="unknown"):
     sa.bind(max_commands=9)

@@ -69,7 +69,7 @@ def test_two_color_never_invalid_and_one_round_from_k_two(k):
   rounds = np.asarray(out.rounds_B)
   assert np.all(rounds == (2 if k == 1 else 1))
   # A start-up call, then one context per position in each round.
-  assert np.all(np.asarray(out.evals_B) == 3)
+  assert np.all(np.asarray(out.contexts_B) == 3)
   # Both colours come up: 20,000 fair coin flips, 4 standard errors is 0.014.
   assert abs(float(np.mean(np.asarray(out.tokens_BxL)[:, 0] == two_color.RED)) - 0.5) < 0.014
 

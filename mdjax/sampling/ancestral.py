@@ -53,6 +53,9 @@ class Ancestral(Family):
   name = "ancestral"
   spec_type = AncestralSpec
 
+  def block_length(self, spec) -> int | None:
+    return spec.block_length
+
   def examples(self, generated):
     return [AncestralSpec(steps=5, min_p=0.1),
             AncestralSpec(steps=6, grid="cosine", cache=True),

@@ -215,6 +215,7 @@ class Family:
   composite: ClassVar[bool] = False  # runs its own rounds (`run`) instead of steps
   refills: ClassVar[bool] = True  # can fill any subset of positions (localized remasking)
   python_loop: ClassVar[bool] = True  # `sample_python_loop` can run it step by step
+  rewrites: ClassVar[bool] = False  # visible tokens may change or return to the mask
 
   def examples(self, generated: tuple[int, ...]) -> list:
     """Small specs covering the family's knobs, for a canvas that generates `generated`
@@ -223,6 +224,10 @@ class Family:
 
   def validate(self, spec, canvas: Canvas) -> None:
     """Checks the spec against the canvas on the host; raises ValueError."""
+
+  def block_length(self, spec) -> int | None:
+    """Semi-autoregressive block length (None: no blocks)."""
+    return None
 
   def num_steps(self, spec, length: int) -> int:
     """The static number of steps (the scan length) on a length-L canvas."""
@@ -237,8 +242,11 @@ class Family:
     return None
 
   def may_skip(self, spec) -> bool:
-    """Whether a step may skip the denoiser when `needs_call` says it is idle."""
-    return spec.skip_idle_steps
+    """Whether a step may skip the denoiser when `needs_call` says it is idle.
+
+    A family that rewrites visible tokens is never idle while the run lasts.
+    """
+    return spec.skip_idle_steps and not self.rewrites
 
   def reuses_logits(self, spec) -> bool:
     """Whether an unchanged canvas reuses the last logits (a t-free denoiser)."""

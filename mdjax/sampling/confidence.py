@@ -69,6 +69,9 @@ class Confidence(Family):
   name = "confidence"
   spec_type = ConfidenceSpec
 
+  def block_length(self, spec) -> int | None:
+    return spec.block_length
+
   def examples(self, generated):
     return [ConfidenceSpec(steps=5, score="prob", temperature=0.7, top_k=3),
             ConfidenceSpec(steps=4, score="margin", block_length=len(generated) // 2,

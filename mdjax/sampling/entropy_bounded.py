@@ -77,6 +77,9 @@ class EntropyBounded(Family):
   name = "entropy_bounded"
   spec_type = EntropyBoundedSpec
 
+  def block_length(self, spec) -> int | None:
+    return spec.block_length
+
   def examples(self, generated):
     return [EntropyBoundedSpec(steps=6, gamma=0.5),
             EntropyBoundedSpec(steps=4, gamma=2.0, block_length=len(generated) // 2,

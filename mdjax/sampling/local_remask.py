@@ -49,7 +49,7 @@ class LocalRemaskSpec(SamplerSpec):
     refill_family = family_of(self.refill)
     check(refill_family.refills and not refill_family.composite, "refill",
           type(self.refill).__name__, "must be a family that can fill any set of positions")
-    block_length = getattr(self.refill, "block_length", None)
+    block_length = refill_family.block_length(self.refill)
     check(block_length is None, "refill.block_length", block_length,
           "blocks need a known generation length")
     for name in ("rounds", "seeds", "score_groups"):

@@ -72,6 +72,7 @@ def _loop_time(t: np.ndarray, t_on: float, t_off: float) -> np.ndarray:
 class Remask(Family):
   name = "remask"
   spec_type = RemaskSpec
+  rewrites = True  # a full canvas still remasks
 
   def examples(self, generated):
     return [RemaskSpec(steps=10, eta=0.2), RemaskSpec(steps=10, sigma="conf", eta=1.0),
@@ -97,9 +98,6 @@ class Remask(Family):
       sigma = sigma_max
     return RemaskPlan(t=t_K, reveal_p=interval["reveal_p"], oma_t=interval["oma_t"],
                       sigma=np.where(sigma_on, sigma, 0.0))
-
-  def may_skip(self, spec) -> bool:
-    return False  # a full canvas still remasks
 
   def update(self, spec: RemaskSpec, core, aux, ctx, step, logits_BxLxV, denoise):
     """Remask committed tokens w.p. sigma; reveal masked ones so the marginal holds."""

@@ -57,6 +57,7 @@ class RevisionPlan(StepPlan):
 class Revision(Family):
   name = "revision"
   spec_type = RevisionSpec
+  rewrites = True  # visible tokens may change at any step
 
   def examples(self, generated):
     return [RevisionSpec(steps=5, score="margin"), RevisionSpec(steps=4, score_groups=2, top_k=3)]
@@ -68,9 +69,6 @@ class Revision(Family):
 
   def init(self, spec: RevisionSpec, core, ctx) -> Array:
     return jnp.zeros((spec.steps, core.tokens_BxL.shape[0]), jnp.int32)  # changes_KxB
-
-  def may_skip(self, spec) -> bool:
-    return False  # visible tokens may change at any step
 
   def extras(self, spec, changes_KxB) -> dict[str, Array]:
     return {"changes_KxB": changes_KxB}
