@@ -61,6 +61,14 @@ def test_fills_the_canvas_and_never_touches_fixed_positions(name, spec):
     assert traj.shape[0] == sampling.num_steps(spec, LENGTH)
     assert np.all(traj[:, :, :PROMPT] == tokens[None, :, :PROMPT])
     np.testing.assert_array_equal(traj[-1], final)
+    if not sampling.families()[name].rewrites:
+      # A visible token never changes, and its write step is the first step it is visible.
+      before = np.concatenate([tokens[None], traj[:-1]])
+      visible = before != VOCAB
+      assert np.all(traj[visible] == before[visible])
+      assert int(result.reopened_B.sum()) == 0
+      first_visible = np.argmax(traj != VOCAB, axis=0)
+      np.testing.assert_array_equal(write_step[:, PROMPT:], first_visible[:, PROMPT:])
 
 
 def _contract_spec(name):
