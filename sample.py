@@ -55,22 +55,23 @@ _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
 _OUT = flags.DEFINE_string("out", None, "Directory for samples.jsonl and metrics.json.")
 
 
-def fix_context(task, canvas_BxL: np.ndarray, prefix: str | None, suffix: str | None) -> None:
+def fix_context(task: tasks.Task, canvas_BxL: np.ndarray, prefix: str | None,
+                suffix: str | None) -> None:
   """Writes the encoded prefix at the start and suffix at the end of every row."""
   if not (prefix or suffix):
     return
-  if not hasattr(task, "encode"):
+  if task.encode is None:
     raise ValueError(f"--prefix/--suffix need a text task; {task!r} has no text encoding "
                      "(use --prompt=ids).")
   left, right = task.encode(prefix or ""), task.encode(suffix or "")
-  if len(left) + len(right) >= task.LENGTH:
+  if len(left) + len(right) >= task.length:
     raise ValueError(f"--prefix and --suffix hold {len(left)} + {len(right)} characters; "
-                     f"the window is {task.LENGTH}, so at most {task.LENGTH - 1} in all.")
+                     f"the window is {task.length}, so at most {task.length - 1} in all.")
   canvas_BxL[:, :len(left)] = left
-  canvas_BxL[:, task.LENGTH - len(right):] = right
+  canvas_BxL[:, task.length - len(right):] = right
 
 
-def reference_bits_per_char(workdir: str, task, tokens_NxL: np.ndarray) -> float:
+def reference_bits_per_char(workdir: str, task: tasks.Task, tokens_NxL: np.ndarray) -> float:
   """Mean -log2 p(sample) per character under a causal reference model of the same corpus."""
   from mdjax import likelihood, train
   config, apply_fn, params, _ = train.load_for_sampling(workdir)
@@ -78,13 +79,13 @@ def reference_bits_per_char(workdir: str, task, tokens_NxL: np.ndarray) -> float
     raise app.UsageError(f"--reference={workdir!r} holds a {config.objective!r} model; "
                          "it must be a causal one (objective='causal').")
   reference_task = tasks.from_config(config)
-  if getattr(reference_task, "tokenizer", None) != getattr(task, "tokenizer", None):
+  if reference_task.tokenizer != task.tokenizer:
     raise app.UsageError(f"--reference={workdir!r} uses another tokenizer than the samples.")
-  if reference_task.LENGTH != task.LENGTH:
-    raise app.UsageError(f"--reference={workdir!r} has windows of {reference_task.LENGTH} "
-                         f"characters; the samples have {task.LENGTH}.")
-  bits_N = likelihood.causal_bits(apply_fn, params, tokens_NxL, start_id=reference_task.MASK_ID)
-  return float(bits_N.mean() / task.LENGTH)
+  if reference_task.length != task.length:
+    raise app.UsageError(f"--reference={workdir!r} has windows of {reference_task.length} "
+                         f"characters; the samples have {task.length}.")
+  bits_N = likelihood.causal_bits(apply_fn, params, tokens_NxL, start_id=reference_task.mask_id)
+  return float(bits_N.mean() / task.length)
 
 
 def main(argv):
@@ -98,12 +99,12 @@ def main(argv):
       config, apply_fn, params, step = train.load_for_sampling(_WORKDIR.value, _STEP.value)
     except ValueError as error:
       raise app.UsageError(str(error)) from error
-    task_name, task = config.task, tasks.from_config(config)
+    task = tasks.from_config(config)
     print(f"workdir={_WORKDIR.value} step={step}")
   else:
-    task_name, task = _TASK.value, tasks.get(_TASK.value)
-    if not hasattr(task, "exact_denoiser"):
-      raise app.UsageError(f"--task={task_name} has no exact denoiser (its joint is unknown); "
+    task = tasks.get(_TASK.value)
+    if task.exact_denoiser is None:
+      raise app.UsageError(f"--task={task.name} has no exact denoiser (its joint is unknown); "
                            "sample a trained model with --workdir=DIR.")
     apply_fn, params = task.exact_denoiser, None
   knobs = dict(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
@@ -121,7 +122,7 @@ def main(argv):
     if flag.value is not None:
       knobs[name] = flag.value
   try:
-    spec = sampling.make_spec(_SAMPLER.value, length=task.LENGTH, **knobs)
+    spec = sampling.make_spec(_SAMPLER.value, length=task.length, **knobs)
   except (ValueError, TypeError) as error:
     raise app.UsageError(str(error)) from error
   for name, value in (("num_samples", _NUM_SAMPLES.value), ("batch_size", _BATCH.value)):
@@ -133,21 +134,21 @@ def main(argv):
       prompt = [int(t) for t in _PROMPT.value.split(",")]
     except ValueError as error:
       raise app.UsageError(f"--prompt={_PROMPT.value!r} must be comma-separated ids.") from error
-    if len(prompt) > task.LENGTH or min(prompt) < 0 or max(prompt) >= task.MASK_ID:
-      raise app.UsageError(f"--prompt={_PROMPT.value!r}: at most {task.LENGTH} ids in "
-                           f"[0, {task.MASK_ID - 1}].")
+    if len(prompt) > task.length or min(prompt) < 0 or max(prompt) >= task.mask_id:
+      raise app.UsageError(f"--prompt={_PROMPT.value!r}: at most {task.length} ids in "
+                           f"[0, {task.mask_id - 1}].")
     canvas[:, :len(prompt)] = prompt
   try:
     fix_context(task, canvas, _PREFIX.value, _SUFFIX.value)
   except ValueError as error:
     raise app.UsageError(str(error)) from error
-  print(f"task={task_name} sampler={spec}")
+  print(f"task={task.name} sampler={spec}")
   start = time.perf_counter()
   batches, nfe = [], 0
   num_batches = -(-_NUM_SAMPLES.value // _BATCH.value)
   for i in range(num_batches):
     result = sampling.sample(apply_fn, params, jax.random.fold_in(jax.random.key(_SEED.value), i),
-                             canvas, spec, mask_id=task.MASK_ID)
+                             canvas, spec, mask_id=task.mask_id)
     batches.append(np.asarray(result.tokens_BxL))
     nfe += int(result.nfe)
     print(f"\rbatch {i + 1}/{num_batches} [{time.perf_counter() - start:.1f}s]", end="",
@@ -160,7 +161,7 @@ def main(argv):
   if _REFERENCE.value:
     metrics["gen_bits_per_char"] = reference_bits_per_char(_REFERENCE.value, task, tokens)
   for row in tokens[:_NUM_SHOWN.value]:
-    print(f"--- {task.decode(row)}" if hasattr(task, "encode") else f"   {task.decode(row)}")
+    print(f"   {task.decode(row)}" if task.encode is None else f"--- {task.decode(row)}")
   width = max(map(len, metrics))
   for name, value in metrics.items():
     print(f"{name:<{width}}  {value}")

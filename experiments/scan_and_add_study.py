@@ -96,7 +96,7 @@ def training_curve(workdir: str, m: int) -> list[dict]:
 def nelbo_bits_per_sequence(apply_fn, params, task, num: int, seed: int) -> dict:
   """The MD4 NELBO (linear schedule) of held-out data, bits per sequence, with its s.e."""
   loss = jax.jit(lambda k, x: diffusion.nelbo_loss(
-      apply_fn, params, k, x, schedule=diffusion.LinearSchedule(), mask_id=task.MASK_ID)[1]
+      apply_fn, params, k, x, schedule=diffusion.LinearSchedule(), mask_id=task.mask_id)[1]
       ["nelbo_nats_B"])
   chunks = [np.asarray(loss(jax.random.key(seed + i),
                             task.sample_data(jax.random.key(seed + 10_000 + i), 1000)))
@@ -128,7 +128,8 @@ def points() -> list[dict]:
 
 def spec_of(point: dict, params: sa.Params) -> sampling.SamplerSpec:
   if point["kind"] == "order":
-    return sa.write_order(point["order"], params, temperature=point["temperature"])
+    return sampling.parse_write_order(point["order"], sa.write_order_fields(params),
+                                      temperature=point["temperature"])
   return FAMILIES[point["sampler"]](point["steps"], point["temperature"])
 
 
@@ -157,7 +158,7 @@ def run(n: int, workdir: str = "/tmp/scan_and_add_study", seed: int = 0, repeats
              "rows": [], "write_order": [], "training": [], "nelbo": [], "train_seconds": {}}
   for m, (apply_fn, params) in models.items():
     task = tasks.get("scan_and_add", {"max_command_id": m})
-    task_params = task.PARAMS
+    task_params = task.params
     draw = lambda i: np.asarray(task.sample_data(jax.random.key(70_000 + 1000 * m + i), n))
     null_tvt = metrics.noise_floor(draw, n, sa.VOCAB_SIZE + 1, repeats=repeats)
     reference = draw(2 * repeats)

@@ -46,8 +46,8 @@ METRIC_KEYS = ("gen_bits_per_char", "gen_bits_per_char_se", "word_validity", "di
 def scores(task, texts_tokens: np.ndarray, reference) -> dict:
   """The text measures of a sample set; gen bits per char under the causal reference."""
   ref_apply, ref_params = reference
-  bits_N = likelihood.causal_bits(ref_apply, ref_params, texts_tokens, start_id=task.MASK_ID)
-  per_char_N = bits_N / task.LENGTH
+  bits_N = likelihood.causal_bits(ref_apply, ref_params, texts_tokens, start_id=task.mask_id)
+  per_char_N = bits_N / task.length
   measures = task.sample_metrics(texts_tokens)
   return {"gen_bits_per_char": float(per_char_N.mean()),
           "gen_bits_per_char_se": float(per_char_N.std(ddof=1) / np.sqrt(len(per_char_N))),
@@ -59,9 +59,9 @@ def infill_examples(task, apply_fn, params, seed: int, count: int = 3) -> list[d
   """Held-out windows with their middle 32 characters regenerated (confidence, K = 32)."""
   windows = task.validation_windows(97)[[10, 50, 90][:count]]
   canvas = np.array(windows)
-  canvas[:, 16:48] = task.MASK_ID
+  canvas[:, 16:48] = task.mask_id
   out = sampling.sample(apply_fn, params, jax.random.key(seed), canvas,
-                        sampling.ConfidenceSpec(steps=32), mask_id=task.MASK_ID)
+                        sampling.ConfidenceSpec(steps=32), mask_id=task.mask_id)
   return [{"original": task.decode(w), "context": task.decode(c), "infilled": task.decode(o)}
           for w, c, o in zip(windows, canvas, np.asarray(out.tokens_BxL))]
 
@@ -84,17 +84,17 @@ def run(n: int, workdir: str = "/tmp/text_quality", seed: int = 0) -> dict:
   held_out = task.validation_windows(NELBO_WINDOWS)
   nelbo = likelihood.nelbo_estimate(
       apply_fn, params, held_out, schedule=train.masking_schedule(char_config),
-      mask_id=task.MASK_ID, time_samples=NELBO_TIME_SAMPLES, seed=seed)
-  reference_bits = likelihood.causal_bits(*models["causal"], held_out, start_id=task.MASK_ID)
+      mask_id=task.mask_id, time_samples=NELBO_TIME_SAMPLES, seed=seed)
+  reference_bits = likelihood.causal_bits(*models["causal"], held_out, start_id=task.mask_id)
   print(f"validation NELBO {nelbo['bits_per_token']:.4f} ± {nelbo['se']:.4f} bits/char; "
-        f"causal reference {reference_bits.mean() / task.LENGTH:.4f} bits/char", flush=True)
+        f"causal reference {reference_bits.mean() / task.length:.4f} bits/char", flush=True)
 
   data_tokens = task.validation_windows(n)
   causal_tokens = np.asarray(likelihood.causal_sample(
       models["causal"][0], models["causal"][1], jax.random.key(seed + 1), batch=n,
-      length=task.LENGTH, start_id=task.MASK_ID))
+      length=task.length, start_id=task.mask_id))
   references = [{"sampler": "held-out text", "n": n, **scores(task, data_tokens, models["causal"])},
-                {"sampler": "causal reference samples", "K": task.LENGTH, "n": n,
+                {"sampler": "causal reference samples", "K": task.length, "n": n,
                  **scores(task, causal_tokens, models["causal"])}]
   examples = {"held-out text": [task.decode(r) for r in data_tokens[:3]],
               "causal reference samples": [task.decode(r) for r in causal_tokens[:3]]}
@@ -105,7 +105,7 @@ def run(n: int, workdir: str = "/tmp/text_quality", seed: int = 0) -> dict:
       spec = make(k)
       start = time.perf_counter()
       out = sampling.sample(apply_fn, params, jax.random.key(seed + 2), task.empty_canvas(n),
-                            spec, mask_id=task.MASK_ID)
+                            spec, mask_id=task.mask_id)
       tokens = np.asarray(out.tokens_BxL)
       seconds = time.perf_counter() - start
       row = {"sampler": sampler, "K": k, "n": n, "calls": int(out.nfe),
@@ -119,7 +119,7 @@ def run(n: int, workdir: str = "/tmp/text_quality", seed: int = 0) -> dict:
       "bits_per_char": nelbo["bits_per_token"], "bits_per_char_se": nelbo["se"],
       "nelbo": nelbo,
       "train_minutes": _minutes(os.path.join(workdir, "char")),
-      "reference_bits_per_char": float(reference_bits.mean() / task.LENGTH),
+      "reference_bits_per_char": float(reference_bits.mean() / task.length),
       "reference_train_minutes": _minutes(os.path.join(workdir, "causal")),
       "task": repr(task), "n": n, "seed": seed, "steps": list(STEPS),
       "rows": rows, "references": references, "examples": examples,

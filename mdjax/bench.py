@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mdjax import diffusion, models, report, sampling
+from mdjax import diffusion, models, report, sampling, tasks
 from mdjax import train as train_lib
 
 IMPLS = ("scan", "python_loop", "forward_only")
@@ -238,7 +238,7 @@ def _model(config, workdir: str | None):
   """(model config, apply_fn, params): random init, or a trained checkpoint."""
   if workdir:
     train_config, apply_fn, params, _ = train_lib.load_for_sampling(workdir)
-    model_cfg = train_lib.model_config(train_config)
+    model_cfg = train_lib.model_config(train_config, tasks.from_config(train_config))
     if model_cfg.max_len < config.seq_len:
       raise ValueError(f"seq_len={config.seq_len} exceeds the checkpoint's max_len="
                        f"{model_cfg.max_len}.")

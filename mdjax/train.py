@@ -1,8 +1,10 @@
 """Training: a pure train step, optax, orbax checkpoints, data-parallel sharding.
 
 `train(config, workdir)` runs a whole job and resumes from the newest good
-checkpoint in `workdir`. The batch a step sees is a function of
-(seed, step), so a resumed run sees exactly what an uninterrupted one would.
+checkpoint in `workdir`. It builds the task once (`tasks.from_config`) and passes the
+`Task` value down. The batch a step sees is a function of (seed, step), so a resumed run
+sees exactly what an uninterrupted one would; the random streams are named in
+`mdjax.streams`.
 """
 
 from __future__ import annotations
@@ -24,10 +26,9 @@ import orbax.checkpoint as ocp
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mdjax import diffusion, models, sampling, tasks
+from mdjax import diffusion, models, sampling, streams, tasks
 
 Array = jax.Array
-_EVAL_STREAM = 1 << 30  # data stream of held-out batches: never a training step
 
 
 @struct.dataclass
@@ -43,9 +44,8 @@ class TrainState:
 # ----------------------------------------------------------------------------
 
 
-def model_config(config) -> models.TransformerConfig:
-  task = tasks.from_config(config)
-  return models.TransformerConfig(vocab_size=task.VOCAB_SIZE, max_len=task.LENGTH,
+def model_config(config, task: tasks.Task) -> models.TransformerConfig:
+  return models.TransformerConfig(vocab_size=task.vocab_size, max_len=task.length,
                                   **config.model.to_dict())
 
 
@@ -65,26 +65,24 @@ def masking_schedule(config) -> diffusion.Schedule:
   return diffusion.get_schedule(config.schedule, **kwargs)
 
 
-def make_loss_fn(config, apply_fn) -> Callable:
+def make_loss_fn(config, apply_fn, task: tasks.Task) -> Callable:
   """loss_fn(params, key, x_BxL) -> (loss, aux) for the configured objective."""
-  task = tasks.from_config(config)
   if config.objective == "nelbo":
     return functools.partial(diffusion.nelbo_loss, apply_fn, schedule=masking_schedule(config),
-                             mask_id=task.MASK_ID)
+                             mask_id=task.mask_id)
   if config.objective == "causal":
     if not config.model.causal:
       raise ValueError("objective='causal' needs model.causal=True (a left-to-right model).")
-    return functools.partial(diffusion.causal_lm_loss, apply_fn, start_id=task.MASK_ID)
+    return functools.partial(diffusion.causal_lm_loss, apply_fn, start_id=task.mask_id)
   if config.objective == "mlm":
     corruption = diffusion.MlmCorruption(**config.get("mlm", ml_collections.ConfigDict()).to_dict())
-    return functools.partial(diffusion.mlm_loss, apply_fn, vocab_size=task.VOCAB_SIZE,
-                             mask_id=task.MASK_ID, corruption=corruption)
+    return functools.partial(diffusion.mlm_loss, apply_fn, vocab_size=task.vocab_size,
+                             mask_id=task.mask_id, corruption=corruption)
   raise ValueError(f"objective={config.objective!r} must be 'nelbo', 'mlm' or 'causal'.")
 
 
-def batch_for_step(config, step: int) -> np.ndarray:
+def batch_for_step(config, step: int, task: tasks.Task) -> np.ndarray:
   """The training batch of a step: a pure function of (seed, step)."""
-  task = tasks.from_config(config)
   key = jax.random.fold_in(jax.random.key(config.seed), step)
   return task.sample_data(key, config.batch_size)
 
@@ -117,7 +115,8 @@ def param_sharding(mesh: Mesh, params, fsdp: bool):
 def train_step(state: TrainState, x_BxL: Array, *, loss_fn, optimizer, ema_decay: float,
                seed: int) -> tuple[TrainState, dict]:
   """value_and_grad of the loss -> optax -> metrics. Pure."""
-  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 1 << 29), state.step)
+  noise_key = jax.random.fold_in(jax.random.key(seed), streams.RowStream.TRAIN_NOISE)
+  key = jax.random.fold_in(noise_key, state.step)
   (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, key, x_BxL)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
@@ -130,9 +129,9 @@ def train_step(state: TrainState, x_BxL: Array, *, loss_fn, optimizer, ema_decay
                     ema_params=ema), metrics
 
 
-def init_state(config, mesh: Mesh):
+def init_state(config, mesh: Mesh, task: tasks.Task):
   """Fresh state, sharded on the mesh; returns (state, graphdef, apply_fn, shardings)."""
-  graphdef, params, apply_fn = models.init(model_config(config), seed=config.seed)
+  graphdef, params, apply_fn = models.init(model_config(config, task), seed=config.seed)
   params = nnx.to_pure_dict(params)
   optimizer = make_optimizer(config.train)
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
@@ -165,18 +164,12 @@ def checkpoint_manager(workdir: str, config) -> ocp.CheckpointManager:
                                options=options)
 
 
-def task_metadata(config) -> dict:
-  """What a checkpoint keeps of its task besides the config (a text task's vocabulary)."""
-  task = tasks.from_config(config)
-  return task.checkpoint_metadata() if hasattr(task, "checkpoint_metadata") else {}
-
-
-def save(manager: ocp.CheckpointManager, state: TrainState, config) -> None:
+def save(manager: ocp.CheckpointManager, state: TrainState, config, task: tasks.Task) -> None:
   """Saves state, config and task metadata; orbax writes to a temporary dir, then renames."""
   step = int(state.step)
   manager.save(step, args=ocp.args.Composite(
       state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict()),
-      task=ocp.args.JsonSave(task_metadata(config))), force=True)
+      task=ocp.args.JsonSave(task.checkpoint_metadata())), force=True)
   manager.wait_until_finished()
 
 
@@ -202,7 +195,7 @@ def _check_model_matches(saved: dict, config, step: int) -> None:
 
 
 def restore_latest(manager: ocp.CheckpointManager, abstract_state: TrainState, config,
-                   log=print) -> TrainState | None:
+                   task: tasks.Task, log=print) -> TrainState | None:
   """The newest restorable checkpoint, falling back past corrupt ones."""
   for step in sorted(manager.all_steps(), reverse=True):
     try:
@@ -214,10 +207,10 @@ def restore_latest(manager: ocp.CheckpointManager, abstract_state: TrainState, c
       continue
     _check_model_matches(saved_config, config, step)
     saved_task = _restore_task_metadata(manager, step)
-    if saved_task and saved_task != task_metadata(config):
+    if saved_task and saved_task != task.checkpoint_metadata():
       raise ValueError(
           f"checkpoint step {step} was trained with another tokenizer: saved {saved_task}, "
-          f"now {task_metadata(config)}. Use another workdir or the saved corpus.")
+          f"now {task.checkpoint_metadata()}. Use another workdir or the saved corpus.")
     try:
       restored = manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(abstract_state)))["state"]
@@ -249,7 +242,7 @@ def load_for_sampling(workdir: str, step: int | None = None):
   # The saved tokenizer decides the ids, whatever the corpus files hold today.
   config.task_kwargs.update(_restore_task_metadata(manager, step))
   mesh = make_mesh(1)
-  abstract, graphdef, apply_fn, _ = init_state(config, mesh)
+  abstract, graphdef, apply_fn, _ = init_state(config, mesh, tasks.from_config(config))
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract)
   state = manager.restore(step, args=ocp.args.Composite(
       state=ocp.args.StandardRestore(abstract)))["state"]
@@ -278,12 +271,10 @@ class _Progress:
             f"loss {loss:.4f} | {rate:.1f} steps/s | ETA {eta:.0f}s")
 
 
-def eval_batch(config, i: int) -> np.ndarray:
+def eval_batch(config, i: int, task: tasks.Task) -> np.ndarray:
   """Held-out batch i: the task's validation text, or fresh draws of a synthetic law."""
-  task = tasks.from_config(config)
-  draw = getattr(task, "validation_data", task.sample_data)
-  return draw(jax.random.fold_in(jax.random.key(config.seed), _EVAL_STREAM + i),
-              config.batch_size)
+  key = jax.random.fold_in(jax.random.key(config.seed), streams.RowStream.EVAL_DATA + i)
+  return task.validation_data(key, config.batch_size)
 
 
 class TrainClock:
@@ -318,22 +309,21 @@ def read_train_seconds(workdir: str) -> float | None:
     return float(json.load(f)["seconds"])
 
 
-def evaluate(config, apply_fn, params, loss_fn_eval) -> dict:
+def evaluate(config, task: tasks.Task, params, loss_fn_eval) -> dict:
   """Held-out loss in bits per token (the NELBO, or the causal NLL) over `eval_batches` batches."""
   values = []
   for i in range(config.eval_batches):
-    x = eval_batch(config, i)
+    x = eval_batch(config, i, task)
     key = jax.random.fold_in(jax.random.key(config.seed + 1), i)
     values.append(float(loss_fn_eval(params, key, x)))
   return {"eval_bits_per_token": float(np.mean(values))}
 
 
-def sample_and_score(config, apply_fn, params) -> dict:
-  task = tasks.from_config(config)
-  spec = sampling.make_spec(config.sampler.family, length=task.LENGTH,
+def sample_and_score(config, task: tasks.Task, apply_fn, params) -> dict:
+  spec = sampling.make_spec(config.sampler.family, length=task.length,
                             **{k: v for k, v in config.sampler.to_dict().items() if k != "family"})
   out = sampling.sample(apply_fn, params, jax.random.key(config.seed + 2),
-                        task.empty_canvas(config.num_eval_samples), spec, mask_id=task.MASK_ID)
+                        task.empty_canvas(config.num_eval_samples), spec, mask_id=task.mask_id)
   return {f"sample_{k}": v for k, v in task.sample_metrics(np.asarray(out.tokens_BxL)).items()}
 
 
@@ -344,16 +334,17 @@ def train(config, workdir: str, log=print) -> TrainState:
   if config.batch_size % mesh.shape["data"]:
     raise ValueError(f"batch_size={config.batch_size} must be divisible by the "
                      f"{mesh.shape['data']} devices of the mesh.")
-  state, graphdef, apply_fn, shardings = init_state(config, mesh)
+  task = tasks.from_config(config)
+  state, graphdef, apply_fn, shardings = init_state(config, mesh, task)
   log(f"model: {models.count_params(state.params):,} parameters; devices: {mesh.shape['data']}")
   manager = checkpoint_manager(workdir, config)
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-  restored = restore_latest(manager, abstract, config, log)
+  restored = restore_latest(manager, abstract, config, task, log)
   if restored is not None:
     state = jax.device_put(restored, shardings)
     log(f"resumed from step {int(state.step)}")
   clock = TrainClock(workdir, int(state.step))
-  loss_fn = make_loss_fn(config, apply_fn)
+  loss_fn = make_loss_fn(config, apply_fn, task)
   optimizer = make_optimizer(config.train)
   step_fn = jax.jit(
       functools.partial(train_step, loss_fn=loss_fn, optimizer=optimizer,
@@ -361,12 +352,11 @@ def train(config, workdir: str, log=print) -> TrainState:
       in_shardings=(shardings, NamedSharding(mesh, PartitionSpec("data"))),
       out_shardings=(shardings, None), donate_argnums=0)
   eval_schedule = masking_schedule(config)
-  task = tasks.from_config(config)
   if config.objective == "causal":
     eval_loss = jax.jit(lambda p, k, x: loss_fn(p, k, x)[1]["bits_per_token"])
   else:
     eval_loss = jax.jit(lambda p, k, x: diffusion.nelbo_loss(
-        apply_fn, p, k, x, schedule=eval_schedule, mask_id=task.MASK_ID)[1]["bits_per_token"])
+        apply_fn, p, k, x, schedule=eval_schedule, mask_id=task.mask_id)[1]["bits_per_token"])
   num_steps = config.train.num_steps
   progress = _Progress(num_steps, int(state.step))
   metrics_path = os.path.join(workdir, "metrics.jsonl")
@@ -391,7 +381,8 @@ def train(config, workdir: str, log=print) -> TrainState:
   with open(metrics_path, "a") as metrics_file:
     step = int(state.step)
     while step < num_steps:
-      x = jax.device_put(batch_for_step(config, step), NamedSharding(mesh, PartitionSpec("data")))
+      x = jax.device_put(batch_for_step(config, step, task),
+                         NamedSharding(mesh, PartitionSpec("data")))
       state, step_metrics = step_fn(state, x)
       if pending is not None:
         report(*pending)
@@ -402,13 +393,13 @@ def train(config, workdir: str, log=print) -> TrainState:
       if save_now or eval_now:
         flush(*pending)  # never save a state whose loss was not finite
       if save_now:
-        save(manager, state, config)
+        save(manager, state, config, task)
         clock.save(step)
       if eval_now:
         params = state.ema_params if state.ema_params is not None else state.params
-        record = {"step": step, **evaluate(config, apply_fn, params, eval_loss)}
+        record = {"step": step, **evaluate(config, task, params, eval_loss)}
         if config.objective != "causal" and config.num_eval_samples:
-          record.update(sample_and_score(config, apply_fn, params))
+          record.update(sample_and_score(config, task, apply_fn, params))
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
         log(("\n" if tty else "") + "eval " + " ".join(

@@ -6,7 +6,7 @@ import math
 import numpy as np
 
 from experiments import scan_and_add_oracle, two_color_oracle
-from mdjax import sampling, train
+from mdjax import sampling, tasks, train
 
 
 def test_two_color_experiment_schema_and_theory(tmp_path):
@@ -60,7 +60,7 @@ def test_scan_and_add_study_schema_and_exact_orders(tmp_path):
   from mdjax.tasks import scan_and_add as sa
   config = study.study_config(9)
   config.model.update(d_model=16, num_layers=1, num_heads=2, d_ff=32)
-  _, params, apply_fn = models.init(train.model_config(config))
+  _, params, apply_fn = models.init(train.model_config(config, tasks.from_config(config)))
   picked = ["[VOA][v×9]o×10[ht1]", "[VOA]o×10ht1v×9", "[VOA][v×9][o×10][ht1]"]
   point_list = [p for p in study.points() if p["order"] in picked]
   point_list += [p for p in study.points() if p["kind"] == "confidence" and p["steps"] == 5
@@ -99,7 +99,7 @@ def test_speculative_experiment_schema(tmp_path, monkeypatch):
   from mdjax import models
   config = study.study_config(1)
   config.model.update(d_model=16, num_layers=1, num_heads=2, d_ff=32)
-  _, params, apply_fn = models.init(train.model_config(config))
+  _, params, apply_fn = models.init(train.model_config(config, tasks.from_config(config)))
   monkeypatch.setattr(speculative, "KS", (4,))
   monkeypatch.setattr(speculative, "ORDER_RULES", ("lowest_index",))
   results = speculative.run(128, repeats=5, model=(apply_fn, params))

@@ -224,14 +224,6 @@ def test_bad_specs_raise_clear_errors(make, match):
     make()
 
 
-def test_local_remask_runs_only_as_one_program():
-  spec = sampling.LocalRemaskSpec(base=sampling.ConfidenceSpec(steps=2),
-                                  refill=sampling.ConfidenceSpec(steps=2))
-  with pytest.raises(ValueError, match="LocalRemaskSpec: its rounds run only as one program"):
-    sampling.sample_python_loop(two_color.exact_denoiser, None, jax.random.key(0),
-                                two_color.empty_canvas(2), spec)
-
-
 def test_literature_experiment_schema(trained, tmp_path, monkeypatch):
   import json
   from experiments import literature_samplers as ls

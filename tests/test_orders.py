@@ -121,13 +121,13 @@ def test_one_position_per_step_orders_are_exact_on_the_oracle():
 
 def test_bound_task_with_synonyms():
   task = sa.bind(max_command_id=9)
-  assert task.PARAMS.max_command_id == 9 and task.LENGTH == P.length
+  assert task.params.max_command_id == 9 and task.length == P.length
   x = task.sample_data(jax.random.key(0), 256)
   assert np.asarray(x)[:, P.command_pos].max() > 1  # synonyms are drawn
   assert task.sample_metrics(x)["correct"] == 1.0
   out = sampling.sample(task.exact_denoiser, None, jax.random.key(1), task.empty_canvas(256),
                         sampling.parse_write_order("[VOA][v×9]o×10[ht1]",
-                                                   sa.write_order_fields(task.PARAMS)))
+                                                   sa.write_order_fields(task.params)))
   assert task.sample_metrics(out.tokens_BxL)["correct"] == 1.0
   with pytest.raises(ValueError, match="unknown"):
     sa.bind(max_commands=9)

@@ -175,19 +175,6 @@ def test_greedy_is_the_greedy_chain_rule_for_every_k():
     np.testing.assert_array_equal(run(k), chain)
 
 
-def test_batch_equals_single_rows():
-  vocab, length = 6, 9
-  params = stubs.stub_params(vocab, length)
-  canvas = jnp.full((4, length), vocab, jnp.int32)
-  keys = jax.random.split(jax.random.key(2), 4)
-  spec = sampling.SpeculativeSpec(k=2, order="fixed", positions=tuple(range(length))[::-1])
-  batched = sampling.sample(stubs.stub_denoiser, params, keys, canvas, spec)
-  for b in range(4):
-    single = sampling.sample(stubs.stub_denoiser, params, keys[b:b + 1], canvas[b:b + 1], spec)
-    np.testing.assert_array_equal(single.tokens_BxL[0], batched.tokens_BxL[b])
-    np.testing.assert_array_equal(single.rounds_B[0], batched.rounds_B[b])
-
-
 @pytest.mark.parametrize("make, match", [
     (lambda: sampling.SpeculativeSpec(k=0), "k=0"),
     (lambda: sampling.SpeculativeSpec(k=2, order="prob"), "order='prob'.*draws"),

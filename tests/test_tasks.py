@@ -1,18 +1,83 @@
 """Tests of the synthetic tasks and their exact denoisers."""
 
+import dataclasses
 import itertools
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mdjax import diffusion, sampling
+from mdjax import diffusion, sampling, tasks
 from mdjax.tasks import scan_and_add as sa
 from mdjax.tasks import two_color
+from tests.text_fixtures import write_corpus
 
 SMALL = sa.Params(n=3, max_command_id=3)  # 6 arrangements, 1000 value triples, 2 ids a kind
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("name, kwargs", [("two_color", {}), ("scan_and_add", {}),
+                                          ("scan_and_add", {"max_command_id": 9}), ("text", None)])
+def test_every_task_is_a_task_value(name, kwargs, tmp_path):
+  if kwargs is None:
+    kwargs = {"text_path": write_corpus(tmp_path / "c.txt"), "length": 16}
+  task = tasks.get(name, kwargs)
+  assert isinstance(task, tasks.Task) and task.name == name
+  assert tasks.get(name, kwargs) is task  # built once per parameters
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    task.length = 3
+  assert task.mask_id == task.vocab_size
+  canvas_BxL = np.asarray(task.empty_canvas(3))
+  assert canvas_BxL.shape == (3, task.length) and np.all(canvas_BxL == task.mask_id)
+  for draw in (task.sample_data, task.validation_data):
+    x_BxL = np.asarray(draw(jax.random.key(0), 4))
+    assert x_BxL.shape == (4, task.length) and 0 <= x_BxL.min() and x_BxL.max() < task.vocab_size
+  assert isinstance(task.decode(x_BxL[0]), str)
+  assert all(isinstance(v, float) for v in task.sample_metrics(x_BxL).values())
+  if name == "text":
+    assert task.exact_denoiser is None and task.encode is not None
+    assert task.checkpoint_metadata() == {"vocab": task.tokenizer.vocab}
+    np.testing.assert_array_equal(task.encode(task.decode(x_BxL[0])), x_BxL[0])
+  else:
+    assert task.encode is None and task.tokenizer is None and task.checkpoint_metadata() == {}
+    logits = task.exact_denoiser(None, canvas_BxL, jnp.ones(3))
+    assert logits.shape == (3, task.length, task.vocab_size)
+
+
+def test_task_values_draw_what_the_modules_draw():
+  key = jax.random.key(5)
+  task = tasks.get("scan_and_add")
+  assert task.params == sa.DEFAULT and task.length == sa.LENGTH
+  assert task.exact_denoiser is sa.exact_denoiser
+  np.testing.assert_array_equal(task.sample_data(key, 8), sa.sample_data(key, 8))
+  synonyms = tasks.get("scan_and_add", {"max_command_id": 9})
+  np.testing.assert_array_equal(synonyms.sample_data(key, 8),
+                                sa.sample_data(key, 8, sa.Params(max_command_id=9)))
+  assert tasks.get("two_color").exact_denoiser is two_color.exact_denoiser
+  with pytest.raises(ValueError, match="takes no parameters"):
+    tasks.get("two_color", {"length": 3})
+  with pytest.raises(ValueError, match="unknown"):
+    tasks.get("scan_and_add", {"max_commands": 9})
+  with pytest.raises(ValueError, match="must equal vocab_size"):
+    dataclasses.replace(task, mask_id=3)
+
+
+def test_tasks_do_not_import_the_samplers():
+  code = "import mdjax.tasks, sys; assert 'mdjax.sampling' not in sys.modules"
+  proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=REPO),
+                        capture_output=True, text=True)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_write_order_fields_give_a_sampler_spec():
+  spec = sampling.parse_write_order("[VOA][v×9]o×10[ht1]", sa.write_order_fields(),
+                                    temperature=0.5)
+  assert spec.steps == 13
 
 
 def test_two_color_data_and_denoiser():

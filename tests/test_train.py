@@ -87,10 +87,11 @@ def test_corrupt_newest_checkpoint_falls_back(tmp_path):
       open(os.path.join(root, name), "w").close()
   messages = []
   mesh = train.make_mesh(1)
-  state, *_ = train.init_state(config, mesh)
+  task = tasks.from_config(config)
+  state, *_ = train.init_state(config, mesh, task)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
   restored = train.restore_latest(train.checkpoint_manager(str(tmp_path), config), abstract,
-                                  config, log=messages.append)
+                                  config, task, log=messages.append)
   assert int(restored.step) == 20
   assert any("step 30 is unreadable" in m for m in messages), messages
 
@@ -103,7 +104,7 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_good_checkpoints(tmp_path
   steps = sorted(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit())
   manager = train.checkpoint_manager(str(tmp_path), config)
   mesh = train.make_mesh(1)
-  state, *_ = train.init_state(config, mesh)
+  state, *_ = train.init_state(config, mesh, tasks.from_config(config))
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
   for step in steps:  # every kept checkpoint holds finite parameters
     restored = manager.restore(step, args=train.ocp.args.Composite(
@@ -147,7 +148,7 @@ def test_sigkill_mid_run_then_restart_matches_uninterrupted(tmp_path):
 _FOUR_DEVICES = """
 import jax, json
 from configs import two_color
-from mdjax import train
+from mdjax import tasks, train
 out = {}
 for name, n, fsdp in (("1", 1, False), ("4", 4, False), ("4fsdp", 4, True)):
   c = two_color.get_config()
@@ -156,15 +157,16 @@ for name, n, fsdp in (("1", 1, False), ("4", 4, False), ("4fsdp", 4, True)):
   c.train.num_steps = 5
   c.checkpoint.every = 1000
   c.eval_every = 0
-  state, _, apply_fn, sh = train.init_state(c, train.make_mesh(n))
-  loss_fn = train.make_loss_fn(c, apply_fn)
+  task = tasks.from_config(c)
+  state, _, apply_fn, sh = train.init_state(c, train.make_mesh(n), task)
+  loss_fn = train.make_loss_fn(c, apply_fn, task)
   opt = train.make_optimizer(c.train)
   step = jax.jit(lambda s, x: train.train_step(s, x, loss_fn=loss_fn, optimizer=opt,
                                                ema_decay=0.0, seed=c.seed))
   mesh = train.make_mesh(n)
   losses = []
   for i in range(5):
-    x = jax.device_put(train.batch_for_step(c, i), jax.sharding.NamedSharding(
+    x = jax.device_put(train.batch_for_step(c, i, task), jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec("data")))
     state, m = step(state, x)
     losses.append(float(m["loss"]))
@@ -191,10 +193,11 @@ def test_every_config_builds_and_traces_a_train_step(name):  # (bench_*: samplin
   import importlib
   config = importlib.import_module(f"configs.{name}").get_config()
   mesh = train.make_mesh(1)
-  state = jax.eval_shape(lambda: train.init_state(config, mesh)[0])
-  _, _, apply_fn = models.init(train.model_config(config))
-  loss_fn = train.make_loss_fn(config, apply_fn)
-  x = train.batch_for_step(config, 0)
-  assert x.shape == (config.batch_size, tasks.from_config(config).LENGTH)
+  task = tasks.from_config(config)
+  state = jax.eval_shape(lambda: train.init_state(config, mesh, task)[0])
+  _, _, apply_fn = models.init(train.model_config(config, task))
+  loss_fn = train.make_loss_fn(config, apply_fn, task)
+  x = train.batch_for_step(config, 0, task)
+  assert x.shape == (config.batch_size, task.length)
   loss, _ = jax.eval_shape(loss_fn, state.params, jax.random.key(0), x)
   assert loss.shape == ()

@@ -25,11 +25,12 @@ import dataclasses
 import functools
 import itertools
 import math
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from mdjax.tasks.base import Task
 
 VALS, OPS, ANS, PAD, MASK_ID = 10, 11, 12, 13, 14
 VOCAB_SIZE = 14  # real ids; the mask id is 14
@@ -138,37 +139,36 @@ def empty_canvas(batch: int, params: Params = DEFAULT) -> jax.Array:
 
 def write_order_fields(params: Params = DEFAULT) -> dict[str, tuple[int, ...]]:
   """The fields of the write-order notation: markers V O A, values v, commands o,
-  answer digits h t 1 (hundreds, tens, ones)."""
+  answer digits h t 1 (hundreds, tens, ones).
+
+  A sampler spec from notation: `sampling.parse_write_order("[VOA][v×9]o×10[ht1]",
+  write_order_fields(params), **spec_kwargs)`.
+  """
   h, t, ones = (int(i) for i in params.answer_pos)
   return {"V": (0,), "O": (params.ops_marker_pos,), "A": (params.ans_marker_pos,),
           "v": tuple(int(i) for i in params.value_pos),
           "o": tuple(int(i) for i in params.command_pos), "h": (h,), "t": (t,), "1": (ones,)}
 
 
-def write_order(notation: str, params: Params = DEFAULT, **spec_kwargs):
-  """A sampler spec from write-order notation, e.g. "[VOA][v×9]o×10[ht1]".
-
-  See `mdjax.sampling.orders`: brackets write together in one step; an unbracketed
-  field is written one position per step, the field's most confident masked position.
-  """
-  from mdjax import sampling  # the tasks do not otherwise depend on the samplers
-  return sampling.parse_write_order(notation, write_order_fields(params), **spec_kwargs)
-
-
-def bind(**params_kwargs) -> types.SimpleNamespace:
-  """This task with other parameters: the module's names, bound to `Params(**kwargs)`."""
+def bind(**params_kwargs) -> Task:
+  """This task with other parameters (`Params(**params_kwargs)`) as a Task value."""
   fields = {f.name for f in dataclasses.fields(Params)}
   unknown = sorted(set(params_kwargs) - fields)
   if unknown:
     raise ValueError(f"task_kwargs={params_kwargs!r}: unknown {unknown}; scan_and_add takes "
                      f"{sorted(fields)}.")
-  params = Params(**params_kwargs)
+  return make_task(Params(**params_kwargs))
+
+
+@functools.lru_cache(maxsize=16)
+def make_task(params: Params = DEFAULT) -> Task:
+  """The Task value of these parameters (one per parameters: its functions compile once)."""
   bound = lambda fn: functools.partial(fn, params=params)
-  return types.SimpleNamespace(
-      PARAMS=params, LENGTH=params.length, VOCAB_SIZE=VOCAB_SIZE, MASK_ID=MASK_ID,
-      sample_data=bound(sample_data), empty_canvas=bound(empty_canvas), decode=bound(decode),
-      sample_metrics=bound(sample_metrics), checks=bound(checks), is_impossible=bound(is_impossible),
-      exact_denoiser=make_exact_denoiser(params))
+  denoiser = exact_denoiser if params == DEFAULT else make_exact_denoiser(params)
+  return Task(name="scan_and_add", length=params.length, vocab_size=VOCAB_SIZE, mask_id=MASK_ID,
+              sample_data=bound(sample_data), decode=bound(decode),
+              sample_metrics=bound(sample_metrics), checks=bound(checks),
+              is_impossible=bound(is_impossible), exact_denoiser=denoiser, params=params)
 
 
 # ----------------------------------------------------------------------------

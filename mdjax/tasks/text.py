@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mdjax.tasks.base import Task
+
 SHAKESPEARE = "shakespeare"
 # About 10% of the 5.06M characters; every character of these plays also occurs in the rest.
 DEFAULT_HELDOUT = ("hamlet", "julius_caesar", "tempest", "twelfth_night")
@@ -211,15 +213,11 @@ def _windows(tokens_N: jax.Array, key: jax.Array, batch: int, length: int) -> ja
   return tokens_N[offsets_B[:, None] + jnp.arange(length)[None]]
 
 
-class TextTask:
-  """A character-level task offering the names every task offers (LENGTH, sample_data, ...)."""
+class _TextData:
+  """The token arrays of a corpus and the functions of its task (sample_data, ...)."""
 
   def __init__(self, length: int, corpus: Corpus, tokenizer: CharTokenizer):
-    self.LENGTH = length
-    self.corpus, self.tokenizer = corpus, tokenizer
-    self.VOCAB_SIZE = tokenizer.size
-    self.MASK_ID = tokenizer.size
-    self.PARAMS = {"length": length}
+    self.length, self.corpus, self.tokenizer = length, corpus, tokenizer
     # Concrete device arrays even when the task is first built inside a trace (it is cached).
     with jax.ensure_compile_time_eval():
       self._train_N = jnp.asarray(tokenizer.encode(corpus.train_text))
@@ -228,9 +226,6 @@ class TextTask:
       if tokens.shape[0] < length:
         raise ValueError(f"length={length}: the {name} text has only {tokens.shape[0]} characters.")
 
-  def __repr__(self):
-    return f"TextTask(length={self.LENGTH}, vocab={self.VOCAB_SIZE}, {self.corpus.description})"
-
   @functools.cached_property
   def word_set(self) -> frozenset[str]:
     """The training text's word list (lower case)."""
@@ -238,32 +233,32 @@ class TextTask:
 
   def sample_data(self, key: jax.Array, batch: int) -> jax.Array:
     """`batch` training windows at offsets drawn from `key`."""
-    return _windows(self._train_N, key, batch, self.LENGTH)
+    return _windows(self._train_N, key, batch, self.length)
 
   def validation_data(self, key: jax.Array, batch: int) -> jax.Array:
     """`batch` windows of the held-out text at offsets drawn from `key`."""
-    return _windows(self._validation_N, key, batch, self.LENGTH)
+    return _windows(self._validation_N, key, batch, self.length)
 
   def validation_windows(self, num: int) -> np.ndarray:
     """`num` held-out windows at evenly spaced offsets: a fixed validation set."""
-    offsets = np.linspace(0, self._validation_N.shape[0] - self.LENGTH, num).astype(np.int64)
-    return np.asarray(self._validation_N)[offsets[:, None] + np.arange(self.LENGTH)[None]]
-
-  def empty_canvas(self, batch: int) -> jax.Array:
-    return jnp.full((batch, self.LENGTH), self.MASK_ID, jnp.int32)
-
-  def encode(self, text: str) -> np.ndarray:
-    return self.tokenizer.encode(text)
-
-  def decode(self, tokens_L) -> str:
-    return self.tokenizer.decode(tokens_L)
-
-  def checkpoint_metadata(self) -> dict:
-    """What a checkpoint must keep to decode its model's ids: the vocabulary."""
-    return {"vocab": self.tokenizer.vocab}
+    offsets = np.linspace(0, self._validation_N.shape[0] - self.length, num).astype(np.int64)
+    return np.asarray(self._validation_N)[offsets[:, None] + np.arange(self.length)[None]]
 
   def sample_metrics(self, tokens_BxL) -> dict[str, float]:
-    return text_metrics([self.decode(row) for row in np.asarray(tokens_BxL)], self.word_set)
+    texts = [self.tokenizer.decode(row) for row in np.asarray(tokens_BxL)]
+    return text_metrics(texts, self.word_set)
+
+
+def make_task(length: int, corpus: Corpus, tokenizer: CharTokenizer) -> Task:
+  """The Task value of `length`-character windows of `corpus`; its metadata is the vocabulary."""
+  data = _TextData(length, corpus, tokenizer)
+  return Task(
+      name="text", length=length, vocab_size=tokenizer.size, mask_id=tokenizer.size,
+      sample_data=data.sample_data, validation_data=data.validation_data,
+      decode=tokenizer.decode, encode=tokenizer.encode, sample_metrics=data.sample_metrics,
+      tokenizer=tokenizer, corpus=corpus, validation_windows=data.validation_windows,
+      metadata={"vocab": tokenizer.vocab},
+      description=f"TextTask(length={length}, vocab={tokenizer.size}, {corpus.description})")
 
 
 @functools.lru_cache(maxsize=4)
@@ -271,12 +266,12 @@ def _bind_cached(length, corpus, text_path, heldout, validation_fraction, vocab,
   del signature  # part of the cache key only
   data = load_corpus(corpus, text_path, heldout, validation_fraction)
   tokenizer = CharTokenizer(vocab) if vocab else CharTokenizer.from_text(data.train_text)
-  return TextTask(length, data, tokenizer)
+  return make_task(length, data, tokenizer)
 
 
 def bind(length: int = 64, corpus: str = SHAKESPEARE, text_path: str | None = None,
          heldout: Sequence[str] = DEFAULT_HELDOUT, validation_fraction: float = 0.1,
-         vocab: str | None = None) -> TextTask:
+         vocab: str | None = None) -> Task:
   """The text task with these parameters; `vocab` (from a checkpoint) fixes the tokenizer."""
   if not (isinstance(length, int) and length >= 2):
     raise ValueError(f"length={length!r} must be an integer >= 2.")

@@ -14,6 +14,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from mdjax.tasks.base import Task
+
 RED, BLUE = 0, 1
 VOCAB_SIZE = 2
 MASK_ID = 2
@@ -64,3 +66,15 @@ def decode(tokens_L) -> str:
 def sample_metrics(tokens_BxL: jax.Array) -> dict[str, float]:
   """Per-set metrics: the invalid fraction (exact samplers give 0)."""
   return {"invalid_fraction": float(invalid_fraction(tokens_BxL))}
+
+
+TASK = Task(name="two_color", length=LENGTH, vocab_size=VOCAB_SIZE, mask_id=MASK_ID,
+            sample_data=sample_data, decode=decode, sample_metrics=sample_metrics,
+            exact_denoiser=exact_denoiser)
+
+
+def bind(**task_kwargs) -> Task:
+  """The task value (two_color takes no parameters)."""
+  if task_kwargs:
+    raise ValueError(f"task_kwargs={task_kwargs!r}: task 'two_color' takes no parameters.")
+  return TASK

@@ -7,6 +7,7 @@ change); `tests/sampling/test_golden.py` checks the recording.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import jax
@@ -24,9 +25,10 @@ GEN = tuple(range(PROMPT, LENGTH))
 
 
 def _stub_case():
+  """The contract tests' canvas (tests/sampling/test_contract.py), so the two share programs."""
   rng = np.random.default_rng(1)
-  tokens = np.full((6, LENGTH), VOCAB, np.int32)
-  tokens[:, :PROMPT] = rng.integers(0, VOCAB, (6, PROMPT))
+  tokens = np.full((4, LENGTH), VOCAB, np.int32)
+  tokens[:, :PROMPT] = rng.integers(0, VOCAB, (4, PROMPT))
   return stubs.stub_denoiser, stubs.stub_params(VOCAB, LENGTH), jnp.asarray(tokens)
 
 
@@ -37,54 +39,69 @@ def _model_case():
   return apply_fn, params, sa.empty_canvas(3)
 
 
+def _recorded(spec):
+  return dataclasses.replace(spec, record_trajectory=True)
+
+
+# The contract tests' examples of every family, as those tests run them (trajectories on).
+HALF = len(GEN) // 2
+CONTRACT_SPECS = {
+    "ancestral": _recorded(sampling.AncestralSpec(steps=5, min_p=0.1)),
+    "ancestral_cache": _recorded(sampling.AncestralSpec(steps=6, grid="cosine", cache=True)),
+    "ancestral_blocks": _recorded(sampling.AncestralSpec(steps=4, block_length=HALF,
+                                                         schedule=diffusion.CosineSchedule())),
+    "confidence_prob": _recorded(sampling.ConfidenceSpec(steps=5, score="prob", temperature=0.7,
+                                                         top_k=3)),
+    "confidence_margin_blocks": _recorded(sampling.ConfidenceSpec(
+        steps=4, score="margin", block_length=HALF, count_schedule=diffusion.CosineSchedule())),
+    "confidence_gumbel": _recorded(sampling.ConfidenceSpec(steps=8, score="neg_entropy",
+                                                           gumbel_temperature=2.0, top_p=0.8)),
+    "confidence_threshold_argmax": _recorded(sampling.ConfidenceSpec(steps=5, threshold=0.5,
+                                                                     temperature=0.0)),
+    "defer": _recorded(sampling.DeferSpec(steps=4, threshold=0.1, temperature=0.8)),
+    "field_order": _recorded(sampling.FieldOrderSpec(
+        fields=(GEN[:HALF], GEN[HALF:]), counts=((1, 0), (HALF - 1, 0), (0, len(GEN) - HALF)),
+        score="margin")),
+    "local_remask": sampling.LocalRemaskSpec(
+        base=sampling.ConfidenceSpec(steps=4), refill=sampling.AncestralSpec(steps=3), rounds=2,
+        window=1, context_fraction=0.3, score_groups=3),
+    "ordered": _recorded(sampling.OrderedSpec(groups=(GEN[:HALF], GEN[HALF:]))),
+    "left_to_right": _recorded(sampling.OrderedSpec(groups=tuple((p,) for p in GEN),
+                                                    temperature=0.5)),
+    "random_order": _recorded(sampling.RandomOrderSpec(top_p=0.5)),
+    "remask_cap": _recorded(sampling.RemaskSpec(steps=10, eta=0.2)),
+    "remask_conf": _recorded(sampling.RemaskSpec(steps=10, sigma="conf", eta=1.0)),
+    "remask_loop": _recorded(sampling.RemaskSpec(steps=12, eta=0.3, loop_t_on=0.6,
+                                                 loop_t_off=0.2)),
+    "revision": _recorded(sampling.RevisionSpec(steps=5, score="margin")),
+    "revision_groups": _recorded(sampling.RevisionSpec(steps=4, score_groups=2, top_k=3)),
+    "speculative_max_prob": _recorded(sampling.SpeculativeSpec(k=3)),
+    "speculative_lowest": _recorded(sampling.SpeculativeSpec(k=2, order="lowest_index",
+                                                             temperature=0.8)),
+    "speculative_fixed": _recorded(sampling.SpeculativeSpec(k=4, order="fixed",
+                                                            positions=tuple(reversed(GEN)))),
+}
+
+
 def _cases():
   stub = _stub_case()
   oracle = (sa.exact_denoiser, None, sa.empty_canvas(6))
   pair = (two_color.exact_denoiser, None, two_color.empty_canvas(64))
   model = _model_case()
   stub_specs = {
-      "ancestral": sampling.AncestralSpec(steps=5, min_p=0.1),
-      "ancestral_cache": sampling.AncestralSpec(steps=6, grid="cosine", cache=True),
-      "ancestral_blocks": sampling.AncestralSpec(steps=4, block_length=4,
-                                                 schedule=diffusion.CosineSchedule()),
+      **CONTRACT_SPECS,
       "ancestral_argmax_noskip": sampling.AncestralSpec(steps=6, temperature=0.0,
                                                         skip_idle_steps=False),
       "ancestral_grid": sampling.AncestralSpec(steps=3, grid=(1.0, 0.7, 0.2, 0.0), top_k=2),
-      "confidence_prob": sampling.ConfidenceSpec(steps=5, score="prob", temperature=0.7,
-                                                 top_k=3),
-      "confidence_margin_blocks": sampling.ConfidenceSpec(
-          steps=4, score="margin", count_schedule=diffusion.CosineSchedule(), block_length=2),
-      "confidence_gumbel": sampling.ConfidenceSpec(steps=8, score="neg_entropy",
-                                                   gumbel_temperature=2.0, top_p=0.8),
       "confidence_random_argmax": sampling.ConfidenceSpec(steps=6, score="random",
                                                           temperature=0.0),
-      "confidence_threshold": sampling.ConfidenceSpec(steps=5, threshold=0.5),
       "confidence_threshold_blocks": sampling.ConfidenceSpec(steps=8, block_length=4,
                                                              threshold=0.3),
       "confidence_noskip": sampling.ConfidenceSpec(steps=12, skip_idle_steps=False),
-      "remask_cap": sampling.RemaskSpec(steps=10, eta=0.2),
       "remask_rescale": sampling.RemaskSpec(steps=10, sigma="rescale", eta=0.5),
-      "remask_conf": sampling.RemaskSpec(steps=10, sigma="conf", eta=1.0),
-      "remask_loop": sampling.RemaskSpec(steps=12, eta=0.3, loop_t_on=0.6, loop_t_off=0.2),
-      "ordered": sampling.OrderedSpec(groups=((4, 5, 6), (7, 8), (9,), (10, 11))),
       "ordered_idle": sampling.OrderedSpec(groups=((4, 5), (6, 7, 8), (9, 10, 11), (0,))),
-      "left_to_right": sampling.OrderedSpec(groups=tuple((i,) for i in GEN), temperature=0.5),
-      "random_order": sampling.RandomOrderSpec(top_p=0.5),
-      "field_order": sampling.FieldOrderSpec(fields=(tuple(range(4, 8)), tuple(range(8, 12))),
-                                             counts=((1, 0), (2, 0), (1, 4)), score="margin"),
-      "speculative_max_prob": sampling.SpeculativeSpec(k=3),
-      "speculative_lowest": sampling.SpeculativeSpec(k=2, order="lowest_index",
-                                                     temperature=0.8),
-      "speculative_fixed": sampling.SpeculativeSpec(k=4, order="fixed",
-                                                    positions=tuple(reversed(GEN))),
-      "defer": sampling.DeferSpec(steps=4, threshold=0.1, temperature=0.8),
       "defer_entropy": sampling.DeferSpec(steps=3, threshold=0.02, score="neg_entropy"),
-      "revision": sampling.RevisionSpec(steps=5, score="margin"),
-      "revision_groups": sampling.RevisionSpec(steps=4, score_groups=2, top_k=3),
       "revision_keep": sampling.RevisionSpec(steps=4, keep_visible=True, score="prob"),
-      "local_remask": sampling.LocalRemaskSpec(
-          base=sampling.ConfidenceSpec(steps=4), refill=sampling.AncestralSpec(steps=3),
-          rounds=2, seeds=1, window=1, context_fraction=0.3, score_groups=3),
       "local_remask_defer": sampling.LocalRemaskSpec(
           base=sampling.AncestralSpec(steps=4, block_length=4),
           refill=sampling.DeferSpec(steps=2), rounds=1, seeds=2, window=0),

@@ -3,6 +3,8 @@
 A family joins these tests by being registered (`sampling.register`) with `examples`.
 """
 
+import dataclasses
+
 import jax
 import jax.extend.core
 import jax.numpy as jnp
@@ -26,6 +28,14 @@ def _canvas(batch: int) -> jax.Array:
   return jnp.asarray(tokens)
 
 
+def as_run(spec):
+  """The example as the invariants test runs it: recording its trajectory where it can."""
+  family = sampling.family_of(spec)
+  if family.composite and family.name != "speculative":
+    return spec
+  return dataclasses.replace(spec, record_trajectory=True)
+
+
 def _sample(spec, batch=4, key=jax.random.key(0), seed=0, **kwargs):
   return sampling.sample(stubs.stub_denoiser, stubs.stub_params(VOCAB, LENGTH, seed), key,
                          _canvas(batch), spec, **kwargs)
@@ -43,9 +53,8 @@ def test_every_family_has_examples_of_its_own_spec():
 @pytest.mark.parametrize("name, spec", EXAMPLES, ids=[f"{n}-{i}" for i, (n, _) in
                                                       enumerate(EXAMPLES)])
 def test_fills_the_canvas_and_never_touches_fixed_positions(name, spec):
-  record = not sampling.families()[name].composite or name == "speculative"
-  if record:
-    spec = spec.__class__(**{**spec.__dict__, "record_trajectory": True})
+  spec = as_run(spec)
+  record = spec.record_trajectory
   result = _sample(spec)
   tokens = np.asarray(_canvas(4))
   final = np.asarray(result.tokens_BxL)
