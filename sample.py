@@ -33,8 +33,8 @@ _REFERENCE = flags.DEFINE_string("reference", None,
 _NUM_SHOWN = flags.DEFINE_integer("show", 5, "Number of decoded samples printed.")
 _SAMPLER = flags.DEFINE_string(
     "sampler", "ancestral",
-    "ancestral | confidence | remask | random_order | left_to_right | speculative | defer | "
-    "revision.")
+    "ancestral | confidence | entropy_bounded | remask | random_order | left_to_right | "
+    "speculative | defer | revision.")
 _STEPS = flags.DEFINE_integer("steps", 8, "Number of steps (not for random_order/left_to_right/"
                               "speculative).")
 _K = flags.DEFINE_integer("k", 4, "Drafts per round (speculative sampler).")
@@ -44,12 +44,14 @@ _TOP_P = flags.DEFINE_float("top_p", None, "Nucleus mass in (0, 1].")
 _MIN_P = flags.DEFINE_float("min_p", None, "Keep values with p >= min_p * max p.")
 _SCORE = flags.DEFINE_string("score", None, "Confidence score (confidence sampler).")
 _ETA = flags.DEFINE_float("eta", None, "Remasking strength (remask sampler).")
+_GAMMA = flags.DEFINE_float("gamma", None,
+                            "Entropy bound in nats (entropy_bounded sampler).")
 _THRESHOLD = flags.DEFINE_float("threshold", None,
                                 "Confidence: commit scores >= it; defer: total variation bound.")
 _SCORE_GROUPS = flags.DEFINE_integer("score_groups", None,
                                      "Revision: leave-group-out contexts for visible tokens.")
 _BLOCK = flags.DEFINE_integer("block_length", None,
-                              "Semi-autoregressive blocks (ancestral, confidence).")
+                              "Semi-autoregressive blocks (ancestral, confidence, entropy_bounded).")
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 10_000, "Number of samples.")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
 _OUT = flags.DEFINE_string("out", None, "Directory for samples.jsonl and metrics.json.")
@@ -117,7 +119,7 @@ def main(argv):
     knobs["score"] = _SCORE.value
   if _ETA.value is not None:
     knobs["eta"] = _ETA.value
-  for name, flag in (("block_length", _BLOCK), ("threshold", _THRESHOLD),
+  for name, flag in (("block_length", _BLOCK), ("threshold", _THRESHOLD), ("gamma", _GAMMA),
                      ("score_groups", _SCORE_GROUPS)):
     if flag.value is not None:
       knobs[name] = flag.value
