@@ -14,6 +14,9 @@ import pytest
 from mdjax import sampling
 from tests import stubs
 
+# One worker runs both files: the golden stub cases are the contract examples.
+pytestmark = pytest.mark.xdist_group("stub_samplers")
+
 VOCAB, LENGTH, PROMPT = 6, 12, 4
 GENERATED = tuple(range(PROMPT, LENGTH))
 FAMILIES = sorted(sampling.families())

@@ -9,6 +9,9 @@ import pytest
 
 from tests.sampling import golden
 
+# One worker runs both files: the golden stub cases are the contract examples.
+pytestmark = pytest.mark.xdist_group("stub_samplers")
+
 RECORDED = np.load(golden.PATH)
 
 
@@ -25,7 +28,7 @@ def test_recorded_samples_reproduce(name):
 def test_the_recorded_stub_cases_are_the_contract_examples():
   # The invariants test then reuses the programs compiled here (same spec, shapes, denoiser).
   from tests.sampling import test_contract
-  assert sorted(map(repr, golden.CONTRACT_SPECS.values())) == sorted(
-      repr(test_contract.as_run(spec)) for _, spec in test_contract.EXAMPLES)
-  stub, _, tokens = golden._stub_case()
-  np.testing.assert_array_equal(tokens, test_contract._canvas(4))
+  examples = {repr(test_contract.as_run(spec)) for name, spec in test_contract.EXAMPLES
+              if name not in golden.NEWER_FAMILIES}
+  assert set(map(repr, golden.CONTRACT_SPECS.values())) == examples
+  np.testing.assert_array_equal(golden._stub_case()[2], test_contract._canvas(4))
