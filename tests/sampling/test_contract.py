@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from mdjax import sampling
+from mdjax.sampling import driver
 from tests import stubs
 
 # One worker runs both files: the golden stub cases are the contract examples.
@@ -89,12 +90,13 @@ def _contract_spec(name):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_a_batch_equals_its_rows_sampled_one_by_one(name):
-  spec = _contract_spec(name)
-  keys = jax.random.split(jax.random.key(11), 3)
-  batched = _sample(spec, batch=3, key=keys)
-  for b in range(3):
+  # The batched call is the invariants test's program (same spec and shapes): no compile.
+  spec = as_run(_contract_spec(name))
+  keys = jax.random.split(jax.random.key(11), 4)
+  batched = _sample(spec, key=keys)
+  for b in range(4):
     single = sampling.sample(stubs.stub_denoiser, stubs.stub_params(VOCAB, LENGTH),
-                             keys[b:b + 1], _canvas(3)[b:b + 1], spec)
+                             keys[b:b + 1], _canvas(4)[b:b + 1], spec)
     for field in ("tokens_BxL", "write_step_BxL"):
       np.testing.assert_array_equal(getattr(single, field)[0], getattr(batched, field)[b])
 
@@ -108,7 +110,10 @@ def test_the_python_loop_equals_the_program(name):
     with pytest.raises(ValueError, match="use sample"):
       run(sampling.sample_python_loop)
     return
-  scan, loop = run(sampling.sample), run(sampling.sample_python_loop)
+  # Recording the trajectory changes no token: the scan side reuses the invariants program.
+  scan = sampling.sample(stubs.stub_denoiser, stubs.stub_params(VOCAB, LENGTH),
+                         jax.random.key(5), _canvas(4), as_run(spec))
+  loop = run(sampling.sample_python_loop)
   for field in ("tokens_BxL", "write_step_BxL", "nfe", "saved_calls", "contexts_B",
                 "rounds_B", "reopened_B"):
     np.testing.assert_array_equal(getattr(loop, field), getattr(scan, field), err_msg=field)
@@ -143,18 +148,11 @@ def _top_loops(jaxpr):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_one_program_and_no_recompilation(name):
   family, spec = sampling.families()[name], _contract_spec(name)
-  traces = []
-
-  def counting(params, tokens_BxL, t_B):
-    traces.append(tokens_BxL.shape)
-    return stubs.stub_denoiser(params, tokens_BxL, t_B)
-
-  run = lambda seed, key: sampling.sample(counting, stubs.stub_params(VOCAB, LENGTH, seed), key,
-                                          _canvas(4), spec, mask_id=VOCAB)
-  run(0, jax.random.key(0))
-  first = len(traces)
-  run(1, jax.random.key(1))
-  assert len(traces) == first, "new parameter values and keys must not recompile"
+  spec_run = as_run(spec)
+  _sample(spec_run, seed=0, key=jax.random.key(0))
+  compiled = driver._program._cache_size()
+  _sample(spec_run, seed=1, key=jax.random.key(1))
+  assert driver._program._cache_size() == compiled, "new parameters and keys must not recompile"
   closed = jax.make_jaxpr(lambda p, k, x: sampling.sample(
       stubs.stub_denoiser, p, k, x, spec, mask_id=VOCAB))(
           stubs.stub_params(VOCAB, LENGTH), jax.random.key(0), _canvas(4))
