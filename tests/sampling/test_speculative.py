@@ -201,7 +201,7 @@ def test_sample_script_runs_the_speculative_family():
   import os
   import subprocess
   import sys
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   proc = subprocess.run(
       [sys.executable, os.path.join(repo, "sample.py"), "--task=two_color", "--oracle",
        "--sampler=speculative", "--k=2", "--num_samples=200", "--batch_size=200"],
