@@ -45,3 +45,14 @@ def test_temperature_zero_sampler_is_deterministic_across_keys():
   b = sampling.sample(stubs.stub_denoiser, params, jax.random.key(1), tokens, spec)
   np.testing.assert_array_equal(a.tokens_BxL, b.tokens_BxL)
 
+
+
+def test_min_p_keeps_the_argmax_and_everything_at_zero():
+  logits = jax.random.normal(jax.random.key(0), (64, 5, 11)) * 3.0
+  argmax = np.asarray(jnp.argmax(logits, -1))
+  for min_p in (0.01, 0.3, 0.9, 1.0):
+    kept = np.isfinite(np.asarray(transforms.transform_logits(logits, 1.0, None, 1.0, min_p)))
+    assert np.all(np.take_along_axis(kept, argmax[..., None], -1))
+  everything = transforms.transform_logits(logits, 1.0, None, 1.0, 0.0)
+  np.testing.assert_array_equal(everything, logits)
+
