@@ -83,6 +83,11 @@ def residual_probs(p_xV: Array, q_xV: Array) -> Array:
   return jnp.where(total > 0, r / jnp.where(total > 0, total, 1.0), p_xV)
 
 
+def _log(probs: Array) -> Array:
+  """log p, with -inf (never drawn) where p = 0."""
+  return jnp.where(probs > 0, jnp.log(jnp.maximum(probs, 1e-38)), -jnp.inf)
+
+
 def verify(p_BxKxV: Array, q_BxKxV: Array, drafts_BxK: Array, valid_BxK: Array, u_BxK: Array,
            gumbel_BxKxV: Array) -> tuple[Array, Array]:
   """The speculative acceptance rule along each row's ordered drafts.
@@ -96,8 +101,7 @@ def verify(p_BxKxV: Array, q_BxKxV: Array, drafts_BxK: Array, valid_BxK: Array, 
   accept_BxK = (u_BxK * pick(q_BxKxV) < pick(p_BxKxV)) & valid_BxK
   num_accepted_B = jnp.cumprod(accept_BxK, axis=-1).sum(-1).astype(jnp.int32)
   residual = residual_probs(p_BxKxV, q_BxKxV)
-  log_residual = jnp.where(residual > 0, jnp.log(jnp.maximum(residual, 1e-38)), -jnp.inf)
-  replacement_BxK = jnp.argmax(log_residual + gumbel_BxKxV, -1).astype(jnp.int32)
+  replacement_BxK = jnp.argmax(_log(residual) + gumbel_BxKxV, -1).astype(jnp.int32)
   return num_accepted_B, replacement_BxK
 
 
@@ -143,9 +147,7 @@ def run_round(denoiser, core: Core, draft_logits_BxLxV: Array, ctx, round_index:
   valid_BxK = slot_BxKxL.any(-1)
   pos_BxK = jnp.argmax(slot_BxKxL, -1)
   q_BxLxV = transforms.transformed_probs(draft_logits_BxLxV, spec)
-  gumbel_BxLxV = transforms.row_gumbel(keys_B, StepStream.DRAFT, q_BxLxV.shape[1:])
-  log_q = jnp.where(q_BxLxV > 0, jnp.log(jnp.maximum(q_BxLxV, 1e-38)), -jnp.inf)
-  draft_BxL = jnp.argmax(log_q + gumbel_BxLxV, -1).astype(jnp.int32)
+  draft_BxL = transforms.gumbel_max(keys_B, StepStream.DRAFT, _log(q_BxLxV))
   # Context j: z with the drafts of slots < j written in.
   in_context_BxKxL = masked_BxL[:, None] & (rank_BxL[:, None, :] < jnp.arange(k)[None, :, None])
   contexts_BxKxL = jnp.where(in_context_BxKxL, draft_BxL[:, None], z_BxL[:, None])

@@ -66,8 +66,13 @@ def draw_values(keys_B: Array, logits_BxLxV: Array, *, temperature: float,
   if temperature == 0.0:
     return jnp.argmax(logits_BxLxV, axis=-1).astype(jnp.int32)
   x = transform_logits(logits_BxLxV, temperature, top_k, top_p, min_p)
-  gumbel_BxLxV = row_gumbel(keys_B, StepStream.VALUES, x.shape[1:])
-  return jnp.argmax(x + gumbel_BxLxV, axis=-1).astype(jnp.int32)
+  return gumbel_max(keys_B, StepStream.VALUES, x)
+
+
+def gumbel_max(keys_B: Array, tag: StepStream, log_weights_BxNxV: Array) -> Array:
+  """One categorical draw per slot from unnormalised log-weights (-inf: never drawn)."""
+  gumbel_BxNxV = row_gumbel(keys_B, tag, log_weights_BxNxV.shape[1:])
+  return jnp.argmax(log_weights_BxNxV + gumbel_BxNxV, axis=-1).astype(jnp.int32)
 
 
 def transformed_probs(logits: Array, spec) -> Array:
