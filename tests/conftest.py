@@ -1,9 +1,40 @@
-"""Fixtures shared by test modules."""
+"""Fixtures shared by test modules, and one XLA compilation cache per test run."""
 
-import pytest
+import os
+import shutil
+import tempfile
+import types
 
-from mdjax import train
-from tests.text_fixtures import tiny_config, write_corpus
+# Many tests compile the same programs: train steps of one config in several tests, the
+# sampler programs of sample.py and of the train loop, programs that experiments lower
+# and compile themselves. A persistent compilation cache, empty at the start of every run,
+# compiles each once per run. It is set before jax is imported (the first compile decides
+# whether the cache is used) and reaches pytest-xdist workers and the subprocesses of
+# tests through the environment. A cache the caller configured is left alone.
+_CACHE_ENV = "MDJAX_TEST_XLA_CACHE"
+_OWNED_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  if _CACHE_ENV not in os.environ:  # the first process of the run: the cache is its own
+    _OWNED_CACHE = tempfile.mkdtemp(prefix="mdjax-xla-cache-")
+    os.environ[_CACHE_ENV] = _OWNED_CACHE
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_CACHE_ENV]
+  # Programs that compile in under 0.1 s cost more to store than to compile again.
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", os.environ.get("JAX_COMPILATION_CACHE_DIR"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 1.0)))
+
+from mdjax import train  # noqa: E402
+from tests.text_fixtures import tiny_config, write_corpus  # noqa: E402
+
+
+def pytest_unconfigure(config):
+  if _OWNED_CACHE is not None:
+    shutil.rmtree(_OWNED_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -14,3 +45,29 @@ def trained(tmp_path_factory):
   for name, causal in (("char", False), ("causal", True)):
     train.train(tiny_config(corpus, causal), str(root / name), log=lambda *a: None)
   return root, corpus
+
+
+@pytest.fixture
+def sample_cli(capsys):
+  """Runs sample.py in this process: sample_cli(*flags) -> (returncode, stdout, stderr).
+
+  The same main() and flags as the command line, without starting Python and jax again;
+  a usage error gives returncode 1 and its message on stderr, as absl's app.run does.
+  """
+  from absl import app, flags
+
+  import sample
+
+  def run(*args):
+    capsys.readouterr()
+    flags.FLAGS.unparse_flags()  # every flag back to its default
+    returncode, message = 0, ""
+    try:
+      flags.FLAGS(["sample.py", *args])
+      sample.main([])
+    except (app.UsageError, flags.Error) as error:
+      returncode, message = 1, str(error)
+    out, err = capsys.readouterr()
+    return types.SimpleNamespace(returncode=returncode, stdout=out, stderr=err + message)
+
+  return run

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from configs import two_color as two_color_config
-from mdjax import models, tasks, train
+from mdjax import tasks, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,10 +29,22 @@ def _quiet(*args, **kwargs):
   pass
 
 
-def test_two_color_learns_toward_the_entropy(tmp_path):
-  config = _config(num_steps=300)
-  train.train(config, str(tmp_path), log=_quiet)
-  records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+@pytest.fixture(scope="module")
+def two_color_run(tmp_path_factory):
+  """The two-color job of configs/two_color.py (300 steps, checkpoints every 100), trained once."""
+  workdir = tmp_path_factory.mktemp("two_color")
+  train.train(_config(num_steps=300), str(workdir), log=_quiet)
+  return workdir
+
+
+def _copy(workdir, tmp_path):
+  """A private copy of a trained workdir, for tests that damage or extend it."""
+  return shutil.copytree(workdir, tmp_path / "run")
+
+
+@pytest.mark.xdist_group("two_color_run")
+def test_two_color_learns_toward_the_entropy(two_color_run, tmp_path, sample_cli):
+  records = [json.loads(line) for line in open(two_color_run / "metrics.jsonl")]
   final = [r for r in records if "eval_bits_per_token" in r][-1]
   # Optimum: ln 2 nats per sequence = 0.5 bits per token; uniform: 1 bit.
   assert final["eval_bits_per_token"] < 0.65, final
@@ -40,10 +53,7 @@ def test_two_color_learns_toward_the_entropy(tmp_path):
   assert losses[-1] < losses[0]
   # sample.py reads the workdir, writes samples and metrics.
   out = tmp_path / "samples"
-  env = dict(os.environ, PYTHONPATH=REPO)
-  run = lambda *flags: subprocess.run(
-      [sys.executable, os.path.join(REPO, "sample.py"), f"--workdir={tmp_path}", *flags],
-      env=env, capture_output=True, text=True)
+  run = lambda *flags: sample_cli(f"--workdir={two_color_run}", *flags)
   proc = run("--sampler=random_order", "--num_samples=300", "--batch_size=128", f"--out={out}")
   assert proc.returncode == 0, proc.stderr[-2000:]
   metrics = json.loads((out / "metrics.json").read_text())
@@ -55,19 +65,20 @@ def test_two_color_learns_toward_the_entropy(tmp_path):
   assert bad.returncode != 0 and "step=7 is not saved" in bad.stderr
 
 
-def test_restore_into_another_shape_is_a_clear_error(tmp_path):
-  train.train(_config(num_steps=20), str(tmp_path), log=_quiet)
-  other = _config(num_steps=40)
+@pytest.mark.xdist_group("two_color_run")
+def test_restore_into_another_shape_is_a_clear_error(two_color_run, tmp_path):
+  other = _config(num_steps=400)
   other.model.d_model = 64
   with pytest.raises(ValueError, match=r"another shape.*d_model.*\(32, 64\)"):
-    train.train(other, str(tmp_path), log=_quiet)
+    train.train(other, str(_copy(two_color_run, tmp_path)), log=_quiet)
 
 
 def test_restore_with_other_task_parameters_is_a_clear_error(tmp_path):
   from configs import scan_and_add_cpu
   config = scan_and_add_cpu.get_config()
   config.model.update(d_model=16, num_layers=1, num_heads=2, d_ff=32)
-  config.batch_size, config.eval_batches, config.num_eval_samples = 8, 1, 8
+  # No samples at the final evaluation: only the checkpoint matters here.
+  config.batch_size, config.eval_batches, config.num_eval_samples = 8, 1, 0
   config.train.update(num_steps=4, warmup_steps=1)
   train.train(config, str(tmp_path), log=_quiet)
   config.task_kwargs.max_command_id = 9
@@ -77,11 +88,11 @@ def test_restore_with_other_task_parameters_is_a_clear_error(tmp_path):
     train.train(config, str(tmp_path), log=_quiet)
 
 
-def test_corrupt_newest_checkpoint_falls_back(tmp_path):
-  config = _config(num_steps=30)
-  config.checkpoint.every = 10
-  train.train(config, str(tmp_path), log=_quiet)
-  newest = tmp_path / "checkpoints" / "30" / "state"
+@pytest.mark.xdist_group("two_color_run")
+def test_corrupt_newest_checkpoint_falls_back(two_color_run, tmp_path):
+  config = _config(num_steps=300)
+  workdir = _copy(two_color_run, tmp_path)
+  newest = workdir / "checkpoints" / "300" / "state"
   for root, _, files in os.walk(newest):  # truncate every data file
     for name in files:
       open(os.path.join(root, name), "w").close()
@@ -90,10 +101,10 @@ def test_corrupt_newest_checkpoint_falls_back(tmp_path):
   task = tasks.from_config(config)
   state, *_ = train.init_state(config, mesh, task)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-  restored = train.restore_latest(train.checkpoint_manager(str(tmp_path), config), abstract,
+  restored = train.restore_latest(train.checkpoint_manager(str(workdir), config), abstract,
                                   config, task, log=messages.append)
-  assert int(restored.step) == 20
-  assert any("step 30 is unreadable" in m for m in messages), messages
+  assert int(restored.step) == 200
+  assert any("step 300 is unreadable" in m for m in messages), messages
 
 
 def test_nan_loss_stops_with_a_clear_message_and_keeps_good_checkpoints(tmp_path):
@@ -112,35 +123,35 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_good_checkpoints(tmp_path
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(restored.params))
 
 
-def _train_command(workdir, steps=400):
-  return [sys.executable, os.path.join(REPO, "train.py"), "--config",
-          os.path.join(REPO, "configs", "two_color.py"), f"--workdir={workdir}",
-          f"--config.train.num_steps={steps}", "--config.checkpoint.every=50",
-          "--config.num_eval_samples=100"]
-
-
 def _final_params(workdir):
   _, _, params, step = train.load_for_sampling(str(workdir))
   return step, params
 
 
-def test_sigkill_mid_run_then_restart_matches_uninterrupted(tmp_path):
-  env = dict(os.environ, PYTHONPATH=REPO)
-  reference = tmp_path / "reference"
-  subprocess.run(_train_command(reference), check=True, env=env, capture_output=True)
+@pytest.mark.xdist_group("two_color_run")
+def test_sigkill_mid_run_then_restart_matches_uninterrupted(two_color_run, tmp_path):
+  # The uninterrupted run is the module's job; the killed one is the same job in a real
+  # train.py process, checkpointing every 50 steps (saving does not change the state).
   killed = tmp_path / "killed"
-  proc = subprocess.Popen(_train_command(killed), env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
+  command = [sys.executable, os.path.join(REPO, "train.py"), "--config",
+             os.path.join(REPO, "configs", "two_color.py"), f"--workdir={killed}",
+             "--config.train.num_steps=300", "--config.checkpoint.every=50",
+             "--config.num_eval_samples=500"]
+  proc = subprocess.Popen(command, env=dict(os.environ, PYTHONPATH=REPO),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   deadline = time.time() + 120
-  while not (killed / "checkpoints" / "150").exists() and time.time() < deadline:
+  while not (killed / "checkpoints" / "50").exists() and time.time() < deadline:
     time.sleep(0.05)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   saved = [int(s) for s in os.listdir(killed / "checkpoints") if s.isdigit()]
-  assert max(saved) < 400, "the run was killed before it finished"
-  subprocess.run(_train_command(killed), check=True, env=env, capture_output=True)
-  (step_a, params_a), (step_b, params_b) = _final_params(reference), _final_params(killed)
-  assert step_a == step_b == 400
+  assert max(saved) < 300, "the run was killed before it finished"
+  # The restart: what train.py runs, in this process.
+  config = _config(num_steps=300)
+  config.checkpoint.every = 50
+  train.train(config, str(killed), log=_quiet)
+  (step_a, params_a), (step_b, params_b) = _final_params(two_color_run), _final_params(killed)
+  assert step_a == step_b == 300
   for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
@@ -194,9 +205,15 @@ def test_every_config_builds_and_traces_a_train_step(name):  # (bench_*: samplin
   config = importlib.import_module(f"configs.{name}").get_config()
   mesh = train.make_mesh(1)
   task = tasks.from_config(config)
-  state = jax.eval_shape(lambda: train.init_state(config, mesh, task)[0])
-  _, _, apply_fn = models.init(train.model_config(config, task))
-  loss_fn = train.make_loss_fn(config, apply_fn, task)
+  built = {}
+
+  def init():  # the apply_fn holds no arrays: it outlives the abstract evaluation
+    state, _, built["apply_fn"], _ = train.init_state(config, mesh, task)
+    return state
+
+  # Abstract parameters: the published models are never initialised for real.
+  state = jax.eval_shape(init)
+  loss_fn = train.make_loss_fn(config, built["apply_fn"], task)
   x = train.batch_for_step(config, 0, task)
   assert x.shape == (config.batch_size, task.length)
   loss, _ = jax.eval_shape(loss_fn, state.params, jax.random.key(0), x)
