@@ -131,13 +131,17 @@ def test_causal_bits_is_the_chain_rule(trained):
   task = tasks.from_config(config)
   x = np.asarray(task.validation_windows(4))
   bits = likelihood.causal_bits(apply_fn, params, x, start_id=task.mask_id)
-  # One call per prefix: p(x_i | x_<i) read at position i of the shifted input.
-  expected = np.zeros(len(x))
-  for i in range(task.length):
-    inputs = np.concatenate([np.full((len(x), 1), task.mask_id), x[:, :-1]], 1)
-    inputs[:, i + 1:] = 0  # the future must not matter
-    logp = jax.nn.log_softmax(apply_fn(params, jnp.asarray(inputs), jnp.zeros(len(x)))[:, i])
-    expected -= np.asarray(logp[np.arange(len(x)), x[:, i]]) / math.log(2)
+  # One context per prefix: p(x_i | x_<i) read at position i of the shifted input. The L
+  # contexts of the 4 rows go through the model as one batch of L x 4 rows.
+  n, length = len(x), task.length
+  shifted = np.concatenate([np.full((n, 1), task.mask_id), x[:, :-1]], 1)
+  inputs = np.repeat(shifted[None], length, 0)  # [prefix i, row, position]
+  for i in range(length):
+    inputs[i, :, i + 1:] = 0  # the future must not matter
+  logits = jax.jit(apply_fn)(params, jnp.asarray(inputs.reshape(length * n, length)),
+                            jnp.zeros(length * n)).reshape(length, n, length, -1)
+  logp = np.asarray(jax.nn.log_softmax(logits, -1))
+  expected = -sum(logp[i, np.arange(n), i, x[:, i]] for i in range(length)) / math.log(2)
   np.testing.assert_allclose(bits, expected, rtol=1e-4)
 
 
@@ -173,19 +177,14 @@ def test_nelbo_estimate_of_the_exact_two_color_denoiser():
 # ----------------------------------------------------------------------------
 
 
-def _run_sample(*args):
-  return subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), *args],
-                        capture_output=True, text=True, cwd=ROOT, timeout=300)
-
-
 @pytest.mark.parametrize("sampler", ["ancestral", "confidence", "remask", "random_order",
                                      "left_to_right", "speculative", "defer", "revision"])
-def test_sample_cli_infills_between_fixed_context(trained, tmp_path, sampler):
+def test_sample_cli_infills_between_fixed_context(trained, tmp_path, sampler, sample_cli):
   root, _ = trained
   out = tmp_path / "out"
-  proc = _run_sample(f"--workdir={root / 'char'}", f"--sampler={sampler}", "--steps=4",
-                     "--prefix=Thou ", "--suffix=love.", "--num_samples=6", "--batch_size=3",
-                     f"--reference={root / 'causal'}", f"--out={out}")
+  proc = sample_cli(f"--workdir={root / 'char'}", f"--sampler={sampler}", "--steps=4",
+                    "--prefix=Thou ", "--suffix=love.", "--num_samples=6", "--batch_size=3",
+                    f"--reference={root / 'causal'}", f"--out={out}")
   assert proc.returncode == 0, proc.stderr[-2000:]
   lines = [json.loads(l) for l in (out / "samples.jsonl").read_text().splitlines()]
   assert len(lines) == 6
@@ -197,22 +196,27 @@ def test_sample_cli_infills_between_fixed_context(trained, tmp_path, sampler):
   assert metrics["gen_bits_per_char"] > 0 and 0 <= metrics["word_validity"] <= 1
 
 
-def test_sample_cli_errors(trained):
+def test_sample_cli_errors(trained, sample_cli):
   root, _ = trained
-  proc = _run_sample("--task=text", "--oracle")
-  assert proc.returncode != 0 and "--task=text has no exact denoiser" in proc.stderr
-  proc = _run_sample("--task=two_color", "--oracle", "--prefix=red")
+  # One real process: a usage error exits non-zero with its message on stderr.
+  proc = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), "--task=two_color",
+                         "--oracle", "--prefix=red"], capture_output=True, text=True, cwd=ROOT,
+                        timeout=300)
   assert proc.returncode != 0 and "--prefix/--suffix need a text task" in proc.stderr
-  proc = _run_sample(f"--workdir={root / 'char'}", "--prefix=Thou art the king of")
+  proc = sample_cli("--task=text", "--oracle")
+  assert proc.returncode != 0 and "--task=text has no exact denoiser" in proc.stderr
+  proc = sample_cli("--task=two_color", "--oracle", "--prefix=red")
+  assert proc.returncode != 0 and "--prefix/--suffix need a text task" in proc.stderr
+  proc = sample_cli(f"--workdir={root / 'char'}", "--prefix=Thou art the king of")
   assert proc.returncode != 0 and "at most 15 in all" in proc.stderr
-  proc = _run_sample(f"--workdir={root / 'char'}", "--prefix=Zx")
+  proc = sample_cli(f"--workdir={root / 'char'}", "--prefix=Zx")
   assert proc.returncode != 0 and "outside the tokenizer's vocabulary: ['Z', 'x']" in proc.stderr
-  proc = _run_sample(f"--workdir={root / 'char'}", f"--reference={root / 'char'}",
-                     "--num_samples=2")
+  proc = sample_cli(f"--workdir={root / 'char'}", f"--reference={root / 'char'}",
+                    "--num_samples=2")
   assert proc.returncode != 0 and "it must be a causal one" in proc.stderr
   # Token-id prompts of the synthetic tasks still work.
-  proc = _run_sample("--task=two_color", "--oracle", "--prompt=1", "--num_samples=50",
-                     "--batch_size=50")
+  proc = sample_cli("--task=two_color", "--oracle", "--prompt=1", "--num_samples=50",
+                    "--batch_size=50")
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "invalid_fraction  0.0" in proc.stdout
 
@@ -222,16 +226,18 @@ def test_text_quality_experiment_schema(trained, tmp_path, monkeypatch):
   root, corpus = trained
   monkeypatch.setattr(tq.shakespeare_char, "get_config", lambda: tiny_config(corpus))
   monkeypatch.setattr(tq.shakespeare_causal, "get_config", lambda: tiny_config(corpus, True))
-  monkeypatch.setattr(tq, "STEPS", (2, 8))
-  monkeypatch.setattr(tq, "SHOWN_STEPS", (8,))
+  # One row per sampler. n = 8 samples at K = 4: the ancestral row runs the program of the
+  # fixture's evaluation samples (compiled once), and every causal_bits call has 8 rows.
+  monkeypatch.setattr(tq, "STEPS", (4,))
+  monkeypatch.setattr(tq, "SHOWN_STEPS", (4,))
   monkeypatch.setattr(tq, "BLOCK_LENGTH", 8)
-  monkeypatch.setattr(tq, "NELBO_WINDOWS", 64)
-  results = tq.run(40, workdir=str(root))
+  monkeypatch.setattr(tq, "NELBO_WINDOWS", 8)
+  results = tq.run(8, workdir=str(root))
   tq.write(results, str(tmp_path))
   data = json.loads((tmp_path / "text_quality.json").read_text())
   assert (tmp_path / "text_quality.png").stat().st_size > 0
   assert isinstance(data["bits_per_char"], float) and data["train_minutes"] > 0
-  assert len(data["rows"]) == 4 * 2
+  assert len(data["rows"]) == len(tq.SAMPLERS) * len(tq.STEPS) == 4
   for row in data["rows"]:
     assert {"sampler", "K", "gen_bits_per_char", "word_validity", "distinct_2"} <= set(row)
     assert row["calls"] <= row["K"]
