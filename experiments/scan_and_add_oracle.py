@@ -120,7 +120,8 @@ def evaluate(name, tokens, steps, reference, null_tvt, marginals) -> dict:
   return row
 
 
-def run(n: int, seed: int = 0, repeats: int = 100, specs=None) -> dict:
+def run(n: int, seed: int = 0, repeats: int = 100, specs=None,
+        nelbo_sequences: int = 40_000) -> dict:
   start = time.perf_counter()
   draw = lambda i: np.asarray(sa.sample_data(jax.random.key(50_000 + i), n))
   null_tvt = metrics.noise_floor(draw, n, sa.VOCAB_SIZE + 1, repeats=repeats)
@@ -146,7 +147,7 @@ def run(n: int, seed: int = 0, repeats: int = 100, specs=None) -> dict:
                   "answer_digits": sa.total_correlation_bits(empty, [A1, A0])},
       "independent_command_block": independent_command_block(),
       "entropy_bits": sa.entropy_bits(),
-      "oracle_nelbo_bits": oracle_nelbo_bits(40_000, seed + 2000),
+      "oracle_nelbo_bits": oracle_nelbo_bits(nelbo_sequences, seed + 2000),
       "exact_schedule": {"mean_steps": float(steps.mean()), "min_steps": int(steps.min()),
                          "max_steps": int(steps.max()),
                          "speedup": float(P.length / steps.mean())},
