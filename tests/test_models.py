@@ -11,8 +11,8 @@ V, L = 7, 10
 
 
 def _cfg(**kw):
-  return models.TransformerConfig(vocab_size=V, max_len=L, d_model=32, num_layers=2,
-                                  num_heads=4, d_ff=64, **kw)
+  return models.TransformerConfig(**{**dict(vocab_size=V, max_len=L, d_model=32, num_layers=2,
+                                            num_heads=4, d_ff=64), **kw})
 
 
 @pytest.mark.parametrize("kw", [
@@ -68,8 +68,10 @@ def test_bad_config_raises():
 
 
 def test_model_plugs_into_every_sampler():
-  _, params, apply_fn = models.init(_cfg())
-  tokens = jnp.full((4, L), V, jnp.int32)
+  # A short canvas and one layer: a sampler program's compile time grows with both.
+  length = 4
+  _, params, apply_fn = models.init(_cfg(max_len=length, num_layers=1))
+  tokens = jnp.full((4, length), V, jnp.int32)
   for spec in (sampling.AncestralSpec(steps=4), sampling.ConfidenceSpec(steps=5),
                sampling.RemaskSpec(steps=4), sampling.RandomOrderSpec()):
     out = sampling.sample(apply_fn, params, jax.random.key(0), tokens, spec)
