@@ -1,5 +1,6 @@
 """Fixtures shared by test modules, and one XLA compilation cache per test run."""
 
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -35,6 +36,34 @@ from tests.text_fixtures import tiny_config, write_corpus  # noqa: E402
 def pytest_unconfigure(config):
   if _OWNED_CACHE is not None:
     shutil.rmtree(_OWNED_CACHE, ignore_errors=True)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own pass
+def pytest_collection_modifyitems(config, items):
+  """Tests of the `trained` models share one pytest-xdist worker, which trains them once.
+
+  With --dist loadgroup, pytest-xdist (3.8) sends the tests of one `xdist_group` to one
+  worker by the "@group" suffix it writes to `item._nodeid`; pytest 9 keeps node ids in
+  `item._id` and ignores that attribute, so the suffix is written here where it is missing.
+  """
+  for item in items:
+    if "trained" in getattr(item, "fixturenames", ()):
+      item.add_marker(pytest.mark.xdist_group("trained"))
+  if not getattr(config.option, "loadgroup", False):
+    return
+  for item in items:
+    names = {str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+             for mark in item.iter_markers("xdist_group")}
+    suffix = "@" + "_".join(sorted(names))
+    if not names or item.nodeid.endswith(suffix):
+      continue
+    node_id = getattr(item, "_id", None)
+    if node_id is None:  # pytest < 9
+      item._nodeid = item.nodeid + suffix
+    else:  # the suffix after the parameters, in whichever form the id is printed
+      last = node_id.names[-1] + ("" if node_id.params is None else f"[{node_id.params}]")
+      item._id = dataclasses.replace(node_id, names=(*node_id.names[:-1], last + suffix),
+                                     params=None)
 
 
 @pytest.fixture(scope="session")
