@@ -187,7 +187,9 @@ print(json.dumps({"devices": jax.device_count(), "losses": out}))
 
 
 def test_four_simulated_devices_match_one():
-  env = dict(os.environ, PYTHONPATH=REPO, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  # jax_num_cpu_devices rather than an XLA flag: the XLA flags are part of the compilation
+  # cache's keys, and without one this process reuses what the tests compiled before it.
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_NUM_CPU_DEVICES="4")
   proc = subprocess.run([sys.executable, "-c", _FOUR_DEVICES], env=env, capture_output=True,
                         text=True, check=True, cwd=REPO)
   result = json.loads(proc.stdout.strip().splitlines()[-1])
