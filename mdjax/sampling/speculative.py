@@ -101,7 +101,7 @@ def verify(p_BxKxV: Array, q_BxKxV: Array, drafts_BxK: Array, valid_BxK: Array, 
   accept_BxK = (u_BxK * pick(q_BxKxV) < pick(p_BxKxV)) & valid_BxK
   num_accepted_B = jnp.cumprod(accept_BxK, axis=-1).sum(-1).astype(jnp.int32)
   residual = residual_probs(p_BxKxV, q_BxKxV)
-  replacement_BxK = jnp.argmax(_log(residual) + gumbel_BxKxV, -1).astype(jnp.int32)
+  replacement_BxK = transforms.argmax_last(_log(residual) + gumbel_BxKxV)
   return num_accepted_B, replacement_BxK
 
 

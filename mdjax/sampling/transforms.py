@@ -42,7 +42,9 @@ def transform_logits(logits_BxLxV: Array, temperature: float, top_k: int | None,
   Returns logits (-inf outside the kept set). Ties at a cut-off are all kept.
   `temperature` must be > 0 here; T = 0 is the argmax branch of `draw_values`.
   """
-  x = logits_BxLxV.astype(noise_dtype()) / temperature
+  x = logits_BxLxV.astype(noise_dtype())
+  if temperature != 1.0:  # x / 1 is x: skip a pass over B x L x V
+    x = x / temperature
   if top_k is not None and top_k < x.shape[-1]:
     kth = jax.lax.top_k(x, top_k)[0][..., -1:]
     x = jnp.where(x < kth, -jnp.inf, x)
@@ -64,7 +66,7 @@ def draw_values(keys_B: Array, logits_BxLxV: Array, *, temperature: float,
                 top_k: int | None, top_p: float, min_p: float = 0.0) -> Array:
   """One categorical draw per position (Gumbel-max); T = 0 is argmax."""
   if temperature == 0.0:
-    return jnp.argmax(logits_BxLxV, axis=-1).astype(jnp.int32)
+    return argmax_last(logits_BxLxV)
   x = transform_logits(logits_BxLxV, temperature, top_k, top_p, min_p)
   return gumbel_max(keys_B, StepStream.VALUES, x)
 
@@ -72,13 +74,36 @@ def draw_values(keys_B: Array, logits_BxLxV: Array, *, temperature: float,
 def gumbel_max(keys_B: Array, tag: StepStream, log_weights_BxNxV: Array) -> Array:
   """One categorical draw per slot from unnormalised log-weights (-inf: never drawn)."""
   gumbel_BxNxV = row_gumbel(keys_B, tag, log_weights_BxNxV.shape[1:])
-  return jnp.argmax(log_weights_BxNxV + gumbel_BxNxV, axis=-1).astype(jnp.int32)
+  return argmax_last(log_weights_BxNxV + gumbel_BxNxV)
+
+
+# Below this many values an unrolled argmax beats XLA's variadic reduce on CPU (4x at V = 15).
+_UNROLLED_ARGMAX_MAX_V = 64
+
+
+def argmax_last(x_BxNxV: Array) -> Array:
+  """`jnp.argmax(x, -1)` as int32: the first index of the largest value.
+
+  For a small V it runs as V - 1 elementwise compares across the value slices, which
+  vectorize over the B x N slots, instead of a reduce along the short minor axis.
+  """
+  num_values = x_BxNxV.shape[-1]
+  if num_values > _UNROLLED_ARGMAX_MAX_V:
+    return jnp.argmax(x_BxNxV, axis=-1).astype(jnp.int32)
+  x_VxBxN = jnp.moveaxis(x_BxNxV, -1, 0)
+  best_BxN, index_BxN = x_VxBxN[0], jnp.zeros(x_VxBxN.shape[1:], jnp.int32)
+  for v in range(1, num_values):
+    # Strictly greater keeps the first maximum; a NaN is never the best (see nonfinite_count).
+    better_BxN = x_VxBxN[v] > best_BxN
+    best_BxN = jnp.where(better_BxN, x_VxBxN[v], best_BxN)
+    index_BxN = jnp.where(better_BxN, v, index_BxN)
+  return index_BxN
 
 
 def transformed_probs(logits: Array, spec) -> Array:
   """The distribution values are drawn from: temperature, top-k, top-p; T = 0 is one-hot."""
   if spec.temperature == 0.0:
-    return jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=jnp.float32)
+    return jax.nn.one_hot(argmax_last(logits), logits.shape[-1], dtype=jnp.float32)
   return jax.nn.softmax(transform_logits(logits, **spec.transform), -1)
 
 
