@@ -12,7 +12,8 @@ direct revision) and LocalRemaskSpec (PURE-style localized remasking). Blocks
 and entropy-bounded decoding. `sampling.base` defines the family protocol.
 """
 
-from mdjax.sampling.base import Family, SamplerSpec, families, family_of, make_spec, register
+from mdjax.sampling.base import (IDLE_FRACTION_FOR_COND, Canvas, Family, SamplerSpec, families,
+                                 family_of, make_spec, register)
 from mdjax.sampling.driver import (SampleResult, lower, num_steps, row_keys, sample,
                                    sample_python_loop)
 from mdjax.sampling.reveal import time_grid
@@ -32,8 +33,8 @@ from mdjax.sampling.speculative import SpeculativeSpec
 from mdjax.sampling.orders import parse_write_order
 
 __all__ = [
-    "AncestralSpec", "ConfidenceSpec", "DeferSpec", "EntropyBoundedSpec", "Family",
-    "FieldOrderSpec", "LocalRemaskSpec", "OrderedSpec", "RandomOrderSpec", "RemaskSpec",
+    "AncestralSpec", "Canvas", "ConfidenceSpec", "DeferSpec", "EntropyBoundedSpec", "Family",
+    "FieldOrderSpec", "IDLE_FRACTION_FOR_COND", "LocalRemaskSpec", "OrderedSpec", "RandomOrderSpec", "RemaskSpec",
     "RevisionSpec", "SCORES", "SampleResult", "SamplerSpec", "SpeculativeSpec", "families",
     "family_of", "lower", "make_spec", "num_steps", "parse_write_order", "register",
     "row_keys", "sample", "sample_python_loop", "time_grid",

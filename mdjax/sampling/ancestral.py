@@ -76,6 +76,21 @@ class Ancestral(Family):
     return AncestralPlan(t=t_K, block=blocks.step_blocks(num_blocks, per_block),
                          reveal_p=reveal.intervals(spec.schedule, t_K, s_K)["reveal_p"])
 
+  def idle_steps(self, spec: AncestralSpec, canvas, plan: AncestralPlan) -> float | None:
+    """Expected idle steps: a step of a block is idle when every row revealed the whole
+    block before it; a position masked at the block's start is still masked after step j
+    with probability prod_{i <= j} (1 - reveal_p_i), independently of the others."""
+    n_BxN = blocks.masked_counts(canvas, spec.block_length)
+    if n_BxN is None:
+      return None
+    num_blocks = n_BxN.shape[1]
+    still_NxJ = np.cumprod(1.0 - plan.reveal_p.reshape(num_blocks, -1), axis=1)
+    # Step 0 of a block is idle only if no row has anything in it; step j >= 1 if every row
+    # finished the block by step j - 1.
+    done_before_BxNxJ = np.concatenate(
+        [np.zeros_like(still_NxJ[:, :1]), 1.0 - still_NxJ[:, :-1]], axis=1)[None] ** n_BxN[..., None]
+    return float(done_before_BxNxJ.prod(0).sum())
+
   def init(self, spec: AncestralSpec, core, ctx) -> Array:
     return blocks.block_ids(ctx.editable_BxL, spec.block_length)
 

@@ -38,6 +38,20 @@ def count(block_length: int | None, steps: int, canvas: Canvas) -> int:
   return num_blocks
 
 
+def masked_counts(canvas: Canvas, block_length: int | None) -> np.ndarray | None:
+  """Masked editable positions of each row in each block (B x num_blocks), on the host;
+  None when the canvas is only known inside a trace."""
+  if canvas.tokens is None:
+    return None
+  editable_BxL = ~canvas.fixed
+  masked_BxL = (canvas.tokens == canvas.mask_id) & editable_BxL
+  if block_length is None:
+    return masked_BxL.sum(-1, keepdims=True)
+  block_BxL = (np.cumsum(editable_BxL, -1) - 1) // block_length
+  num_blocks = int(editable_BxL.sum(-1).max()) // block_length
+  return np.stack([(masked_BxL & (block_BxL == b)).sum(-1) for b in range(num_blocks)], -1)
+
+
 def block_ids(editable_BxL: Array, block_length: int | None) -> Array:
   """Block of each editable position (-1 elsewhere); all 0 without blocks."""
   if block_length is None:

@@ -94,8 +94,23 @@ class Confidence(Family):
     return ConfidenceCarry(block_id_BxL=blocks.block_ids(ctx.editable_BxL, spec.block_length),
                            block_count_B=jnp.zeros(core.tokens_BxL.shape[:1], jnp.int32))
 
+  def idle_steps(self, spec: ConfidenceSpec, canvas, plan: ConfidencePlan) -> float | None:
+    """With a count schedule, exactly the steps at which every row's count is 0."""
+    n_BxN = blocks.masked_counts(canvas, spec.block_length)
+    if n_BxN is None or spec.threshold is not None:
+      return None
+    num_blocks = n_BxN.shape[1]
+    remaining_NxJ = plan.remaining.reshape(num_blocks, -1).astype(np.float32)
+    left_BxNxJ = np.floor(n_BxN[..., None] * remaining_NxJ + np.float32(scores.COUNT_EPS))
+    before_BxNxJ = np.concatenate([n_BxN[..., None], left_BxNxJ[..., :-1]], axis=-1)
+    return float((before_BxNxJ - left_BxNxJ <= 0).all(0).sum())
+
   def needs_call(self, spec, core, aux: ConfidenceCarry, ctx, plan) -> Array:
-    return jnp.any(blocks.candidates(core.tokens_BxL, ctx, aux.block_id_BxL, plan.block))
+    """A step calls the denoiser when some row commits something: k_B > 0."""
+    cand_BxL = blocks.candidates(core.tokens_BxL, ctx, aux.block_id_BxL, plan.block)
+    if spec.threshold is not None:  # commits at least one wherever a candidate is left
+      return jnp.any(cand_BxL)
+    return jnp.any(_scheduled_counts(cand_BxL, aux, plan)[0] > 0)
 
   def update(self, spec: ConfidenceSpec, core, aux: ConfidenceCarry, ctx, step, logits_BxLxV,
              denoise):
@@ -103,16 +118,13 @@ class Confidence(Family):
     plan, keys_B = step.plan, step.keys_B
     length = core.tokens_BxL.shape[1]
     cand_BxL = blocks.candidates(core.tokens_BxL, ctx, aux.block_id_BxL, plan.block)
-    num_masked_B = cand_BxL.sum(-1)
-    block_count_B = jnp.where(plan.block_start, num_masked_B, aux.block_count_B)
+    k_B, block_count_B = _scheduled_counts(cand_BxL, aux, plan)
     values_BxL = transforms.draw_values(keys_B, logits_BxLxV, **spec.transform)
     probs_BxLxV, conf_BxL = transforms.value_probs(logits_BxLxV, values_BxL)
     score_BxL = scores.confidence_score(spec.score, probs_BxLxV, values_BxL, keys_B)
-    if spec.threshold is None:
-      k_B = scores.commit_counts(block_count_B, num_masked_B, plan.remaining)
-    else:
+    if spec.threshold is not None:
       above_B = (cand_BxL & (score_BxL >= spec.threshold)).sum(-1)
-      k_B = jnp.where(plan.last_in_block, num_masked_B, jnp.maximum(above_B, 1))
+      k_B = jnp.where(plan.last_in_block, cand_BxL.sum(-1), jnp.maximum(above_B, 1))
     rank_score_BxL = score_BxL
     if spec.gumbel_temperature > 0:
       gumbel_BxL = transforms.row_gumbel(keys_B, StepStream.SELECT, (length,))
@@ -122,3 +134,11 @@ class Confidence(Family):
     write_BxL = scores.select_top_k(rank_score_BxL, cand_BxL, k_B)
     core = core.commit(write_BxL, values_BxL, conf_BxL, step.index)
     return core, aux.replace(block_count_B=block_count_B)
+
+
+def _scheduled_counts(cand_BxL: Array, aux: ConfidenceCarry, plan: ConfidencePlan):
+  """(k_B, block_count_B): this step's scheduled commits, and the block's masked count at
+  its first step."""
+  num_masked_B = cand_BxL.sum(-1)
+  block_count_B = jnp.where(plan.block_start, num_masked_B, aux.block_count_B)
+  return scores.commit_counts(block_count_B, num_masked_B, plan.remaining), block_count_B

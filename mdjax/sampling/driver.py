@@ -19,7 +19,7 @@ from flax import struct
 
 from mdjax import streams
 from mdjax.sampling.base import (Canvas, Context, Core, Denoiser, Family, SamplerSpec,
-                                 StepInfo, family_of)
+                                 StepInfo, family_of, skips_idle_steps)
 
 Array = jax.Array
 
@@ -71,10 +71,12 @@ def row_keys(key: Array, batch: int) -> Array:
   return jax.random.split(key, batch)
 
 
-def _host_values(*arrays) -> list[np.ndarray] | None:
-  """The arrays as numpy, or None when any is a tracer (sample called in jit)."""
+def _host_array(x) -> np.ndarray | None:
+  """`x` on the host (one copy for a device array, none for numpy); None for a tracer."""
+  if isinstance(x, np.ndarray):
+    return x
   try:
-    return [np.asarray(a) for a in arrays]
+    return np.asarray(x)
   except jax.errors.TracerArrayConversionError:
     return None
 
@@ -90,42 +92,78 @@ def _check_values(tokens: np.ndarray, fixed: np.ndarray, mask_id: int):
                      f"the mask id {mask_id}; fixed positions need a token.")
 
 
+# The denoiser's output shape per signature (apply_fn, parameter shapes, B, L): tracing a
+# model abstractly costs milliseconds, so `sample` does it once per signature, as jit does.
+_LOGITS_SHAPES: dict[tuple, tuple[int, ...]] = {}
+_MAX_CACHED_SIGNATURES = 256
+
+
+def _logits_shape(apply_fn, params, batch: int, length: int) -> tuple[int, ...]:
+  leaves, treedef = jax.tree.flatten(params)
+  avals = tuple(jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves)
+  signature = (apply_fn, treedef, avals, batch, length)
+  shape = _LOGITS_SHAPES.get(signature)
+  if shape is None:
+    tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+    time_B = jax.ShapeDtypeStruct((batch,), jnp.float32)
+    shape = tuple(jax.eval_shape(apply_fn, jax.tree.unflatten(treedef, avals), tokens,
+                                 time_B).shape)
+    if len(_LOGITS_SHAPES) >= _MAX_CACHED_SIGNATURES:
+      _LOGITS_SHAPES.pop(next(iter(_LOGITS_SHAPES)))
+    _LOGITS_SHAPES[signature] = shape
+  return shape
+
+
 def _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id):
-  """Checks the call on the host; returns (family, traced args, static args)."""
+  """Checks the call on the host; returns (family, traced args, static args).
+
+  Shapes, the spec and the denoiser's output shape are checked without touching values
+  (the output shape once per signature); the token values are read on the host once.
+  """
   family = family_of(spec)
-  tokens_BxL = jnp.asarray(tokens_BxL)
-  if tokens_BxL.ndim != 2 or not jnp.issubdtype(tokens_BxL.dtype, jnp.integer):
-    raise ValueError(f"tokens_BxL has shape {tokens_BxL.shape} and dtype {tokens_BxL.dtype}; "
+  if not isinstance(key, jax.Array) or not (
+      jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) or key.dtype == jnp.uint32):
+    raise ValueError(f"key={key!r} must be a PRNG key (jax.random.key(seed)) or a batch of B "
+                     "row keys.")
+  if not isinstance(tokens_BxL, (np.ndarray, jax.Array)):
+    tokens_BxL = np.asarray(tokens_BxL)
+  if fixed_BxL is not None and not isinstance(fixed_BxL, (np.ndarray, jax.Array)):
+    fixed_BxL = np.asarray(fixed_BxL)
+  shape, dtype = np.shape(tokens_BxL), tokens_BxL.dtype
+  if len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer):
+    raise ValueError(f"tokens_BxL has shape {shape} and dtype {dtype}; "
                      "it must be a 2-D integer array.")
-  batch, length = tokens_BxL.shape
-  keys_B = row_keys(key, batch)
-  shape = lambda: jax.eval_shape(apply_fn, params, tokens_BxL, jnp.zeros((batch,))).shape
-  out_shape = None
+  batch, length = shape
+  key_shape = np.shape(key)
+  if _is_key_batch(key) and key_shape[0] != batch:
+    raise ValueError(f"key holds {key_shape[0]} row keys; tokens_BxL has B={batch} rows.")
+  logits_shape = None
   if mask_id is None:
-    out_shape = shape()
-    mask_id = int(out_shape[-1])
-  if fixed_BxL is None:
-    fixed_BxL = tokens_BxL != mask_id
-  fixed_BxL = jnp.asarray(fixed_BxL, bool)
-  if fixed_BxL.shape != tokens_BxL.shape:
-    raise ValueError(f"fixed_BxL has shape {fixed_BxL.shape}; tokens_BxL has "
-                     f"{tokens_BxL.shape}.")
-  host = _host_values(tokens_BxL, fixed_BxL)
-  if host is not None:
-    _check_values(*host, mask_id)
-  canvas = Canvas(batch=batch, length=length, mask_id=mask_id,
-                  tokens=None if host is None else host[0],
-                  fixed=None if host is None else host[1])
+    logits_shape = _logits_shape(apply_fn, params, batch, length)
+    mask_id = int(logits_shape[-1])
+  if fixed_BxL is not None and np.shape(fixed_BxL) != shape:
+    raise ValueError(f"fixed_BxL has shape {np.shape(fixed_BxL)}; tokens_BxL has {shape}.")
+  tokens = _host_array(tokens_BxL)
+  fixed = None
+  if tokens is not None:
+    fixed = tokens != mask_id if fixed_BxL is None else _host_array(fixed_BxL)
+  if tokens is not None and fixed is not None:
+    fixed = fixed.astype(bool)
+    _check_values(tokens, fixed, mask_id)
+  else:
+    tokens = fixed = None
+  canvas = Canvas(batch=batch, length=length, mask_id=mask_id, tokens=tokens, fixed=fixed)
   streams.check_steps(family.num_steps(spec, length))
   family.validate(spec, canvas)
   plan = family.plan(spec, canvas)
-  # Last: the only check that traces the denoiser (abstractly).
-  out_shape = out_shape or shape()
-  if out_shape != (batch, length, mask_id):
-    raise ValueError(f"apply_fn returns logits of shape {out_shape}; expected "
+  # Last: the only check that traces the denoiser (abstractly, once per signature).
+  logits_shape = logits_shape or _logits_shape(apply_fn, params, batch, length)
+  if logits_shape != (batch, length, mask_id):
+    raise ValueError(f"apply_fn returns logits of shape {logits_shape}; expected "
                      f"(B, L, V) = {(batch, length, mask_id)} with V = mask id.")
-  args = (params, keys_B, tokens_BxL.astype(jnp.int32), fixed_BxL, plan)
-  return family, args, dict(spec=spec, mask_id=mask_id)
+  args = (params, key, tokens_BxL, fixed_BxL, plan)
+  skip = skips_idle_steps(family, spec, canvas, plan)
+  return family, args, dict(spec=spec, mask_id=mask_id, skip=skip)
 
 
 # ----------------------------------------------------------------------------
@@ -141,13 +179,18 @@ class _Reuse:
   logits_BxLxV: Array
 
 
-def _start(keys_B, tokens_BxL, fixed_BxL, mask_id) -> tuple[Core, Context]:
+def _start(key, tokens_BxL, fixed_BxL, mask_id) -> tuple[Core, Context]:
+  """The shared carry and the call's constants, from the arguments as `sample` got them."""
+  tokens_BxL = tokens_BxL.astype(jnp.int32)
+  fixed_BxL = tokens_BxL != mask_id if fixed_BxL is None else fixed_BxL.astype(bool)
+  keys_B = row_keys(key, tokens_BxL.shape[0])
   return Core.start(tokens_BxL), Context(mask_id=mask_id, editable_BxL=~fixed_BxL, keys_B=keys_B)
 
 
-def _step(family: Family, spec, denoiser: Denoiser, core: Core, aux, reuse, ctx: Context,
-          index: Array, plan):
-  """One step of a step-wise family: call (or skip) the denoiser, count, update."""
+def _step(family: Family, spec, skip: bool, denoiser: Denoiser, core: Core, aux, reuse,
+          ctx: Context, index: Array, plan):
+  """One step of a step-wise family: call (or, when `skip`, maybe skip) the denoiser, count,
+  update."""
   step = StepInfo(index=index, keys_B=jax.vmap(jax.random.fold_in, (0, None))(ctx.keys_B, index),
                   plan=plan)
   call = lambda: denoiser(core.tokens_BxL, plan.t)
@@ -156,7 +199,7 @@ def _step(family: Family, spec, denoiser: Denoiser, core: Core, aux, reuse, ctx:
     need = jnp.any(core.tokens_BxL != reuse.tokens_BxL)
     logits = jax.lax.cond(need, call, lambda: reuse.logits_BxLxV)
     reuse = _Reuse(tokens_BxL=core.tokens_BxL, logits_BxLxV=logits)
-  elif family.may_skip(spec):
+  elif skip:
     need = family.needs_call(spec, core, aux, ctx, plan)
     out = jax.eval_shape(call)
     logits = jax.lax.cond(need, call, lambda: jnp.zeros(out.shape, out.dtype))
@@ -181,9 +224,16 @@ def _init(family: Family, spec, denoiser: Denoiser, core: Core, ctx: Context):
   return aux, reuse
 
 
-def run(spec, denoiser: Denoiser, core: Core, ctx: Context, plan):
-  """Runs a family from `core` in the current trace: (core, aux, trajectory or None)."""
+def run(spec, denoiser: Denoiser, core: Core, ctx: Context, plan, skip: bool | None = None):
+  """Runs a family from `core` in the current trace: (core, aux, trajectory or None).
+
+  skip: whether idle steps may skip the denoiser (`base.skips_idle_steps`); None (a run
+  inside a composite family, whose refills are mostly idle) skips unless the spec says
+  False or the family rewrites.
+  """
   family = family_of(spec)
+  if skip is None:
+    skip = not family.rewrites and spec.skip_idle_steps is not False
   if family.composite:
     return family.run(spec, denoiser, core, ctx, plan)
   aux, reuse = _init(family, spec, denoiser, core, ctx)
@@ -191,7 +241,7 @@ def run(spec, denoiser: Denoiser, core: Core, ctx: Context, plan):
   indices = jnp.arange(family.num_steps(spec, length), dtype=jnp.int32)
 
   def body(carry, xs):
-    core, aux, reuse = _step(family, spec, denoiser, *carry, ctx, *xs)
+    core, aux, reuse = _step(family, spec, skip, denoiser, *carry, ctx, *xs)
     return (core, aux, reuse), (core.tokens_BxL if spec.record_trajectory else None)
 
   (core, aux, _), trajectory = jax.lax.scan(body, (core, aux, reuse), (indices, plan))
@@ -205,13 +255,13 @@ def _result(family: Family, spec, core: Core, aux, trajectory) -> SampleResult:
                       trajectory_KxBxL=trajectory, extras=family.extras(spec, aux))
 
 
-@functools.partial(jax.jit, static_argnames=("apply_fn", "spec", "mask_id"))
-def _program(apply_fn, params, keys_B, tokens_BxL, fixed_BxL, plan, *, spec,
-             mask_id) -> SampleResult:
+@functools.partial(jax.jit, static_argnames=("apply_fn", "spec", "mask_id", "skip"))
+def _program(apply_fn, params, key, tokens_BxL, fixed_BxL, plan, *, spec, mask_id,
+             skip) -> SampleResult:
   family = family_of(spec)
   denoiser = Denoiser(apply_fn, params)
-  core, ctx = _start(keys_B, tokens_BxL, fixed_BxL, mask_id)
-  return _result(family, spec, *run(spec, denoiser, core, ctx, plan))
+  core, ctx = _start(key, tokens_BxL, fixed_BxL, mask_id)
+  return _result(family, spec, *run(spec, denoiser, core, ctx, plan, skip))
 
 
 # ----------------------------------------------------------------------------
@@ -251,16 +301,19 @@ def lower(apply_fn, params: Any, key: Array, tokens_BxL: Array, spec: SamplerSpe
 _STEP_STATIC = ("family", "spec", "apply_fn")
 
 
-@functools.partial(jax.jit, static_argnames=_STEP_STATIC + ("mask_id",))
-def _start_jit(apply_fn, params, keys_B, tokens_BxL, fixed_BxL, *, family, spec, mask_id):
+@functools.partial(jax.jit, static_argnames=_STEP_STATIC + ("mask_id", "skip"))
+def _start_jit(apply_fn, params, key, tokens_BxL, fixed_BxL, *, family, spec, mask_id, skip):
+  del skip
   denoiser = Denoiser(apply_fn, params)
-  core, ctx = _start(keys_B, tokens_BxL, fixed_BxL, mask_id)
+  core, ctx = _start(key, tokens_BxL, fixed_BxL, mask_id)
   return core, ctx, *_init(family, spec, denoiser, core, ctx)
 
 
-@functools.partial(jax.jit, static_argnames=_STEP_STATIC, donate_argnames=("core",))
-def _step_jit(apply_fn, params, core, aux, reuse, ctx, index, plan, *, family, spec):
-  return _step(family, spec, Denoiser(apply_fn, params), core, aux, reuse, ctx, index, plan)
+@functools.partial(jax.jit, static_argnames=_STEP_STATIC + ("skip",),
+                   donate_argnames=("core",))
+def _step_jit(apply_fn, params, core, aux, reuse, ctx, index, plan, *, family, spec, skip):
+  return _step(family, spec, skip, Denoiser(apply_fn, params), core, aux, reuse, ctx, index,
+               plan)
 
 
 def sample_python_loop(apply_fn, params: Any, key: Array, tokens_BxL: Array, spec: SamplerSpec,
@@ -278,11 +331,11 @@ def sample_python_loop(apply_fn, params: Any, key: Array, tokens_BxL: Array, spe
                      "use sample.")
   if spec.record_trajectory:
     raise ValueError("record_trajectory=True: use sample; the Python loop keeps no record.")
-  params, keys_B, tokens_BxL, fixed_BxL, plan = args
-  core, ctx, aux, reuse = _start_jit(apply_fn, params, keys_B, tokens_BxL, fixed_BxL,
+  params, key, tokens_BxL, fixed_BxL, plan = args
+  core, ctx, aux, reuse = _start_jit(apply_fn, params, key, tokens_BxL, fixed_BxL,
                                      family=family, **static)
-  for i in range(family.num_steps(spec, tokens_BxL.shape[1])):
+  for i in range(family.num_steps(spec, np.shape(tokens_BxL)[1])):
     plan_i = jax.tree.map(lambda x: x[i], plan)
     core, aux, reuse = _step_jit(apply_fn, params, core, aux, reuse, ctx, np.int32(i), plan_i,
-                                 family=family, spec=spec)
+                                 family=family, spec=spec, skip=static["skip"])
   return _result(family, spec, core, aux, None)

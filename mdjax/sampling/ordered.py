@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
@@ -70,6 +71,16 @@ class Ordered(Family):
     for i, group in enumerate(spec.groups):
       write_KxL[i, list(group)] = True
     return OrderedPlan(t=1.0 - np.arange(spec.steps) / spec.steps, write_L=write_KxL)
+
+  def idle_steps(self, spec: OrderedSpec, canvas, plan: OrderedPlan) -> float | None:
+    """Exactly the steps whose group holds no generated position."""
+    generated_L = canvas.generated()
+    if generated_L is None:
+      return None
+    return float((~(plan.write_L & generated_L).any(-1)).sum())
+
+  def needs_call(self, spec, core, aux, ctx, plan: OrderedPlan) -> Array:
+    return jnp.any(plan.write_L[None, :] & ctx.masked(core.tokens_BxL))
 
   def update(self, spec: OrderedSpec, core, aux, ctx, step, logits_BxLxV, denoise):
     """Writes this step's group with independent draws from the conditionals."""

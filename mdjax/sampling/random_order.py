@@ -46,6 +46,12 @@ class RandomOrder(Family):
   def plan(self, spec, canvas) -> StepPlan:
     return StepPlan(t=1.0 - np.arange(canvas.length) / canvas.length)
 
+  def idle_steps(self, spec, canvas, plan) -> float | None:
+    """Where every editable position is masked, exactly the steps after the longest row."""
+    if canvas.tokens is None or ((canvas.tokens != canvas.mask_id) & ~canvas.fixed).any():
+      return None
+    return float(canvas.length - (~canvas.fixed).sum(-1).max())
+
   def init(self, spec, core, ctx) -> Array:
     return random_order_rank(ctx.keys_B, ctx.editable_BxL)
 

@@ -11,8 +11,8 @@ from mdjax.streams import StepStream
 
 Array = jax.Array
 
-# floor(N * ratio + _COUNT_EPS): absorbs float rounding of N * ratio (N < 1e5).
-_COUNT_EPS = 1e-4
+# floor(N * ratio + COUNT_EPS): absorbs float rounding of N * ratio (N < 1e5).
+COUNT_EPS = 1e-4
 
 SCORES = ("prob", "max_prob", "margin", "neg_entropy", "random")
 
@@ -79,5 +79,5 @@ def remaining_fractions(count_schedule, steps: int) -> np.ndarray:
 
 def commit_counts(num_block_B: Array, num_masked_B: Array, remaining: Array) -> Array:
   """k_B = masked now - floor(N_block * remaining fraction), never negative."""
-  target_B = jnp.floor(num_block_B * remaining + _COUNT_EPS).astype(jnp.int32)
+  target_B = jnp.floor(num_block_B * remaining + COUNT_EPS).astype(jnp.int32)
   return jnp.maximum(num_masked_B - target_B, 0)

@@ -222,7 +222,7 @@ class Speculative(Family):
         return run_round(denoiser, core, draft_logits_BxLxV, ctx, round_index, spec=spec,
                          order_rank_L=plan.order_rank_L)
 
-      if spec.skip_idle_steps:
+      if spec.skip_idle_steps is not False:  # rounds end early by design: skip idle ones
         busy = ctx.masked(core.tokens_BxL).any()
         carry = jax.lax.cond(busy, go, lambda: (core.replace(saved_calls=core.saved_calls + 1),
                                                 draft_logits_BxLxV))

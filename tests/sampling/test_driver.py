@@ -1,11 +1,13 @@
 """The driver: exactness of one position per step, idle-step skipping, lowering, bad input."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mdjax import sampling
+from mdjax import diffusion, sampling
 from tests import stubs
 from tests.sampling.common import (LENGTH, N_TWO_COLOR, VOCAB, binomial_tol,
                                    prompted_canvas, two_color_invalid)
@@ -102,3 +104,106 @@ def test_bad_data_raises_before_tracing():
   with pytest.raises(ValueError, match="2-D integer"):
     run(tokens.astype(jnp.float32), sampling.AncestralSpec(steps=2))
 
+
+
+def _plan_and_canvas(spec, tokens):
+  family = sampling.family_of(spec)
+  tokens = np.asarray(tokens)
+  canvas = sampling.Canvas(batch=tokens.shape[0], length=tokens.shape[1], mask_id=VOCAB,
+                           tokens=tokens, fixed=tokens != VOCAB)
+  return family, canvas, family.plan(spec, canvas)
+
+
+@pytest.mark.parametrize("spec", [
+    sampling.ConfidenceSpec(steps=32),  # N = 8 < K: the count changes every 4th step
+    sampling.ConfidenceSpec(steps=8, block_length=4, count_schedule=diffusion.CosineSchedule()),
+    sampling.OrderedSpec(groups=((4, 5), (6, 7, 8), (9, 10, 11), (0,))),
+    sampling.RandomOrderSpec(),
+], ids=["confidence_K_above_N", "confidence_cosine_blocks", "ordered", "random_order"])
+def test_counted_idle_steps_are_the_calls_the_run_skips(spec):
+  params = stubs.stub_params(VOCAB, LENGTH)
+  tokens = prompted_canvas(batch=3)
+  family, canvas, plan = _plan_and_canvas(spec, tokens)
+  idle = family.idle_steps(spec, canvas, plan)
+  result = sampling.sample(stubs.stub_denoiser, params, jax.random.key(5), tokens,
+                           dataclasses.replace(spec, skip_idle_steps=True))
+  assert idle == int(result.saved_calls)
+  assert int(result.nfe) + int(result.saved_calls) == family.num_steps(spec, LENGTH)
+
+
+def test_confidence_calls_only_at_steps_that_commit():
+  # K = 4 N: 3 of 4 steps commit nothing in any row; they skip the call, and the tokens
+  # are those of the run that calls at every step.
+  params = stubs.stub_params(VOCAB, LENGTH)
+  tokens = prompted_canvas(batch=3)
+  spec = sampling.ConfidenceSpec(steps=32)
+  skipping = sampling.sample(stubs.stub_denoiser, params, jax.random.key(6), tokens, spec)
+  calling = sampling.sample(stubs.stub_denoiser, params, jax.random.key(6), tokens,
+                            dataclasses.replace(spec, skip_idle_steps=False))
+  np.testing.assert_array_equal(skipping.tokens_BxL, calling.tokens_BxL)
+  np.testing.assert_array_equal(skipping.write_step_BxL, calling.write_step_BxL)
+  assert int(skipping.nfe) == 8 and int(calling.nfe) == 32
+
+
+def test_expected_idle_steps_of_the_ancestral_sampler():
+  # The mean number of skipped calls over independent runs equals the plan's expectation
+  # within 4 standard errors of the mean (the sample standard deviation over the runs).
+  params = stubs.stub_params(VOCAB, LENGTH)
+  tokens = prompted_canvas(batch=1)
+  spec = sampling.AncestralSpec(steps=32, skip_idle_steps=True)
+  family, canvas, plan = _plan_and_canvas(spec, tokens)
+  expected = family.idle_steps(spec, canvas, plan)
+  run = jax.jit(jax.vmap(lambda key: sampling.sample(stubs.stub_denoiser, params, key, tokens,
+                                                     spec).saved_calls))
+  saved = np.asarray(run(jax.random.split(jax.random.key(7), 2000)), np.float64)
+  assert 2.0 < expected < 6.0  # sum_j (j / 32)^8 for 8 masked positions: about 3.5
+  assert abs(saved.mean() - expected) < 4.0 * saved.std() / np.sqrt(len(saved))
+
+
+def _has_cond(spec, tokens) -> bool:
+  params = stubs.stub_params(VOCAB, LENGTH)
+  lowered, _ = sampling.lower(stubs.stub_denoiser, params, jax.random.key(0), tokens, spec)
+  return "stablehlo.case" in lowered.as_text()
+
+
+@pytest.mark.parametrize("spec, cond", [
+    (sampling.ConfidenceSpec(steps=8), False),  # every step commits: no cond
+    (sampling.ConfidenceSpec(steps=32), True),  # 24 of 32 idle
+    (sampling.ConfidenceSpec(steps=8, threshold=0.9), True),  # finishes early: cannot tell
+    (sampling.ConfidenceSpec(steps=32, skip_idle_steps=False), False),
+    (sampling.ConfidenceSpec(steps=8, skip_idle_steps=True), True),
+    # Expected idle steps are about K / (B N + 1) for B rows of N masked positions:
+    (sampling.AncestralSpec(steps=64), False),  # B N = 16: 6% of the steps
+    (sampling.AncestralSpec(steps=64, block_length=2), True),  # B N = 4 per block: 20%
+    (sampling.OrderedSpec.left_to_right(LENGTH), True),  # 4 steps write prompt positions
+    (sampling.RemaskSpec(steps=8, skip_idle_steps=True), False),  # never idle
+], ids=["confidence", "confidence_K_above_N", "threshold", "off", "on", "ancestral",
+        "ancestral_blocks", "left_to_right", "remask"])
+def test_the_default_uses_a_cond_only_where_the_plan_leaves_idle_steps(spec, cond):
+  tokens = prompted_canvas(batch=2)
+  family, canvas, plan = _plan_and_canvas(spec, tokens)
+  idle = family.idle_steps(spec, canvas, plan)
+  if spec.skip_idle_steps is None and idle is not None:
+    fraction = idle / family.num_steps(spec, LENGTH)
+    assert (fraction >= sampling.IDLE_FRACTION_FOR_COND) == cond, fraction
+  assert _has_cond(spec, tokens) == cond
+
+
+def test_a_repeated_call_traces_nothing():
+  # Shape checks are cached per signature: a second call with new keys and token values
+  # but the same shapes neither traces the denoiser nor recompiles.
+  traces = []
+
+  def counting(params, tokens_BxL, t_B):
+    traces.append(1)
+    return stubs.stub_denoiser(params, tokens_BxL, t_B)
+
+  params = stubs.stub_params(VOCAB, LENGTH)
+  spec = sampling.ConfidenceSpec(steps=4)
+  sampling.sample(counting, params, jax.random.key(0), prompted_canvas(batch=2), spec)
+  first = len(traces)
+  other = np.asarray(prompted_canvas(batch=2)).copy()
+  other[:, 0] = (other[:, 0] + 1) % VOCAB
+  result = sampling.sample(counting, params, jax.random.key(1), other, spec)
+  assert first >= 1 and len(traces) == first
+  assert not np.any(np.asarray(result.tokens_BxL) == VOCAB)
