@@ -18,6 +18,10 @@ def get_config():
   c.samplers = ("ancestral", "confidence", "remask", "blocks", "ancestral_no_skip",
                 "confidence_no_skip")
   c.num_blocks = 4  # the blocks sampler: confidence decoding in 4 semi-AR blocks
+  c.family_steps = 16  # (i) every family at its defaults against its forward passes
+  c.call_steps = 16  # (ii) sample() against the compiled program, batch 1
+  c.step_batches = (1, 128)  # (iii) the step's own work with an embedding-lookup denoiser,
+  c.step_length = 25  # at L = K = 25 (V = 15)
   c.repeats = 5
   c.train_batch = 8
   c.matmul_size = 2048

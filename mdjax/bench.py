@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mdjax import diffusion, models, report, sampling, tasks
@@ -145,6 +146,124 @@ def bench_step_count(apply_fn, params, canvas_BxL, families, steps: int, num_blo
   return out
 
 
+# ----------------------------------------------------------------------------
+# Overhead: every family against its forward passes, the call path, the step's own work.
+# ----------------------------------------------------------------------------
+
+
+def default_spec(family: str, steps: int, length: int) -> sampling.SamplerSpec:
+  """A family at its default settings with K steps on a length-L canvas (all generated).
+
+  The knobs a family has no default for: ordered and field orders write K equal groups
+  left to right (field order: two fields, the halves, each spread evenly over K steps);
+  speculative drafts L / K positions a round; localized remasking refines a confidence
+  run of K / 2 steps with one round of K / 4 ancestral refill steps.
+  """
+  if family == "ordered":
+    return sampling.OrderedSpec(groups=tuple(tuple(int(p) for p in group) for group in
+                                             np.array_split(np.arange(length), steps)))
+  if family == "field_order":
+    half = length // 2
+    halves = (tuple(range(half)), tuple(range(half, length)))
+    # L writes spread evenly over K steps, the first half's positions first.
+    written_K1 = (np.arange(steps + 1) * length) // steps
+    first_K = np.diff(np.minimum(written_K1, half))
+    counts = np.stack([first_K, np.diff(written_K1) - first_K], -1)
+    return sampling.FieldOrderSpec(fields=halves,
+                                   counts=tuple(tuple(int(c) for c in row) for row in counts))
+  if family == "speculative":
+    return sampling.SpeculativeSpec(k=max(length // steps, 1))
+  if family == "local_remask":
+    return sampling.LocalRemaskSpec(base=sampling.ConfidenceSpec(steps=steps // 2),
+                                    refill=sampling.AncestralSpec(steps=max(steps // 4, 1)),
+                                    rounds=1)
+  if family == "random_order":
+    return sampling.RandomOrderSpec()
+  return sampling.make_spec(family, steps=steps)
+
+
+def family_overheads(apply_fn, params, canvas_BxL, steps: int, repeats: int, key) -> list[dict]:
+  """(i) Every registered family at its defaults against the bare forward passes it makes.
+
+  The floor is the time of one forward pass at this batch (K passes in one program, over
+  K) times the sequences the family evaluated per row (`contexts_B`: one per call, J for
+  a call of J contexts), so 1.0 means the sampler adds nothing to its denoiser calls.
+  """
+  length = canvas_BxL.shape[1]
+  forward = forward_only_program(apply_fn, steps)
+  calls = {"forward": functools.partial(forward, params, canvas_BxL)}
+  made = {}
+  for family in sorted(sampling.families()):
+    spec = default_spec(family, steps, length)
+    compiled, args, _ = _timed_compile(
+        lambda: sampling.lower(apply_fn, params, key, canvas_BxL, spec))
+    result = compiled(*args)
+    made[family] = (int(result.nfe), float(jnp.mean(result.contexts_B)))
+    calls[family] = functools.partial(compiled, *args)
+  medians = interleaved_medians(calls, repeats)
+  per_pass = medians["forward"] / steps
+  return [dict(sampler=family, K=steps, nfe=nfe, contexts=contexts, time_s=medians[family],
+               overhead_vs_forward=medians[family] / (per_pass * contexts))
+          for family, (nfe, contexts) in made.items()]
+
+
+def call_overheads(config, key, repeats: int) -> list[dict]:
+  """(ii) Per call, `sample()` against the compiled program from `sampling.lower`, batch 1.
+
+  The difference is the host's work per call (checks, the plan, dispatch) on the bench
+  model and on a tiny model (d 64, 2 layers), where it weighs most.
+  """
+  tiny = config.model.to_dict() | dict(d_model=64, num_layers=2, num_heads=2, d_ff=256)
+  out = []
+  for name, model in (("bench", config.model.to_dict()), ("tiny", tiny)):
+    model_cfg = models.TransformerConfig(vocab_size=config.vocab_size, max_len=config.seq_len,
+                                         **model)
+    _, params, apply_fn = models.init(model_cfg, seed=0)
+    params = nnx.to_pure_dict(params)
+    canvas_BxL = jnp.full((1, config.seq_len), config.vocab_size, jnp.int32)
+    spec = sampling.ConfidenceSpec(steps=config.call_steps)
+    compiled, args, _ = _timed_compile(
+        lambda: sampling.lower(apply_fn, params, key, canvas_BxL, spec))
+    medians = interleaved_medians({
+        "sample": lambda: sampling.sample(apply_fn, params, key, canvas_BxL, spec).tokens_BxL,
+        "program": lambda: compiled(*args).tokens_BxL}, repeats)
+    out.append(dict(model=name, params=models.count_params(params), batch=1,
+                    K=config.call_steps, sample_s=medians["sample"],
+                    program_s=medians["program"],
+                    ratio=medians["sample"] / medians["program"]))
+  return out
+
+
+# The vocabulary of the step-cost measure's trivial denoiser (ScanAndAdd's size).
+STEP_VOCAB = 15
+
+
+def step_costs(batches, length: int, repeats: int, key) -> list[dict]:
+  """(iii) The sampler's own time per step: each family's compiled program with a denoiser
+  that is an embedding lookup (logits = table[token], V = 15), K = L steps, over K."""
+  table = jax.random.normal(jax.random.key(0), (STEP_VOCAB + 1, STEP_VOCAB))
+  apply_fn = _embedding_denoiser
+  out = []
+  for batch in batches:
+    canvas_BxL = jnp.full((batch, length), STEP_VOCAB, jnp.int32)
+    calls, steps = {}, {}
+    for family in sorted(sampling.families()):
+      spec = default_spec(family, length, length)
+      compiled, args, _ = _timed_compile(
+          lambda: sampling.lower(apply_fn, table, key, canvas_BxL, spec))
+      calls[family] = functools.partial(compiled, *args)
+      steps[family] = sampling.num_steps(spec, length)
+    medians = interleaved_medians(calls, repeats)
+    out += [dict(sampler=family, batch=batch, K=steps[family],
+                 us_per_step=1e6 * medians[family] / steps[family]) for family in calls]
+  return out
+
+
+def _embedding_denoiser(table, tokens_BxL, t_B):
+  del t_B
+  return table[tokens_BxL]
+
+
 def forward_flops(apply_fn, params, tokens_BxL, model_cfg: models.TransformerConfig) -> float:
   """FLOPs of one forward pass: XLA's cost analysis, else an analytic count."""
   compiled = jax.jit(apply_fn).lower(params, tokens_BxL, jnp.zeros(tokens_BxL.shape[:1])).compile()
@@ -230,6 +349,15 @@ def _check_config(config) -> None:
     if bad:
       raise ValueError(f"steps={bad} are not divisible by num_blocks={config.num_blocks} "
                        "(the blocks sampler splits steps evenly across blocks).")
+  if not (isinstance(config.step_length, int) and config.step_length >= 4):
+    raise ValueError(f"step_length={config.step_length!r} must be an integer >= 4.")
+  for name in ("family_steps", "call_steps"):
+    value = config[name]
+    if not (isinstance(value, int) and 2 <= value <= config.seq_len):
+      raise ValueError(f"{name}={value!r} must be an integer in [2, seq_len={config.seq_len}].")
+  batches = tuple(config.step_batches)
+  if not batches or any(not isinstance(b, int) or b < 1 for b in batches):
+    raise ValueError(f"step_batches={batches!r} must be a non-empty list of integers >= 1.")
   if config.model.dtype not in ("float32", "bfloat16"):
     raise ValueError(f"model.dtype={config.model.dtype!r} must be 'float32' or 'bfloat16'.")
 
@@ -283,10 +411,14 @@ def run(config, workdir: str | None = None, log=print) -> dict:
                flops_per_s=flops / forward_1, peak_matmul_flops_per_s=peak,
                forward_flops=flops)
   train["utilisation"] = train["flops_per_s"] / peak
+  families = family_overheads(apply_fn, params, canvas_BxL, config.family_steps,
+                              config.repeats, key)
+  calls = call_overheads(config, key, config.repeats)
+  steps = step_costs(tuple(config.step_batches), config.step_length, config.repeats, key)
   return dict(machine=machine_info(), model=model_cfg.__dict__ | {"params": num_params},
               settings=dict(repeats=config.repeats, num_blocks=config.num_blocks,
                             matmul_size=config.matmul_size, train_batch=config.train_batch),
-              rows=rows, train=train)
+              rows=rows, train=train, families=families, calls=calls, steps=steps)
 
 
 def summary_rows(result: dict) -> list[dict]:
@@ -319,6 +451,35 @@ def ratio_medians(rows: list[dict]) -> list[dict]:
   return out
 
 
+def overhead_text(result: dict) -> str:
+  """The three overhead tables: families against their forward passes, the call path, the
+  step's own work."""
+  families = [{"sampler": r["sampler"], "K": r["K"], "nfe": r["nfe"],
+               "contexts / row": r["contexts"], "ms": r["time_s"] * 1e3,
+               "scan / forwards (per context)": r["overhead_vs_forward"]}
+              for r in result["families"]]
+  calls = [{"model": r["model"], "params": r["params"], "K": r["K"],
+            "sample() ms": r["sample_s"] * 1e3, "program ms": r["program_s"] * 1e3,
+            "host µs": (r["sample_s"] - r["program_s"]) * 1e6,
+            "sample() / program": r["ratio"]} for r in result["calls"]]
+  batches = sorted({r["batch"] for r in result["steps"]})
+  steps = [{"sampler": name, "K": next(r["K"] for r in result["steps"] if r["sampler"] == name),
+            **{f"µs / step, B={b}": next(r["us_per_step"] for r in result["steps"]
+                                         if r["sampler"] == name and r["batch"] == b)
+               for b in batches}}
+           for name in dict.fromkeys(r["sampler"] for r in result["steps"])]
+  return ("\n## Overhead\n\n(i) Every family at its defaults (`bench.default_spec`) against the "
+          "bare forward passes it makes: its time over (one forward pass at this batch) x "
+          "(sequences evaluated per row).\n\n"
+          + report.markdown_table(families, list(families[0]))
+          + "\n(ii) Per call at batch 1 (confidence decoding): `sampling.sample(...)` against the "
+          "compiled program from `sampling.lower(...)` called directly; the difference is the "
+          "host's work per call.\n\n" + report.markdown_table(calls, list(calls[0]))
+          + "\n(iii) The sampler's own work per step: each family's compiled program with an "
+          "embedding-lookup denoiser (V = 15), K = L, time over K.\n\n"
+          + report.markdown_table(steps, list(steps[0])))
+
+
 def write(result: dict, prefix: str) -> None:
   """prefix.json, prefix.md (tables) and prefix.png (throughput against K)."""
   report.write_json(prefix + ".json", result)
@@ -345,7 +506,7 @@ def write(result: dict, prefix: str) -> None:
           f"against {t['peak_matmul_flops_per_s'] / 1e9:.3g} GFLOP/s for a "
           f"{result['settings']['matmul_size']}² matmul: utilisation "
           f"{100 * t['utilisation']:.1f}%.\n")
-  report.write_text(prefix + ".md", text)
+  report.write_text(prefix + ".md", text + overhead_text(result))
   try:
     fig, (ax_tp, ax_r, ax_c) = report.new_figure(ncols=3, figsize=(16, 4.5))
   except ImportError:

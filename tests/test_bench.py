@@ -6,7 +6,7 @@ import math
 import pytest
 
 from configs.bench_cpu import get_config
-from mdjax import bench
+from mdjax import bench, sampling
 
 ROW_KEYS = {"sampler", "impl", "K", "batch", "seq_len", "params", "compile_s", "time_s",
             "tokens_per_s", "nfe"}
@@ -18,6 +18,7 @@ def _tiny_config():
   c.seq_len, c.batch, c.train_batch, c.matmul_size = 8, 2, 2, 64
   # One step count: each family's programs depend on K, and one K shows every row kind.
   c.steps = (4,)
+  c.family_steps, c.call_steps, c.step_batches, c.step_length = 4, 4, (2,), 8
   return c
 
 
@@ -46,7 +47,18 @@ def test_bench_schema_and_ratios(tmp_path):
   train = data["train"]
   for name in ("tokens_per_s", "flops_per_s", "peak_matmul_flops_per_s", "utilisation"):
     assert math.isfinite(train[name]) and train[name] > 0, name
-  assert "| sampler | K |" in (tmp_path / "bench.md").read_text()
+  # The overhead measures: every registered family, both models, every family per batch.
+  families = {r["sampler"]: r for r in data["families"]}
+  assert set(families) == set(sampling.families())
+  for row in families.values():
+    assert row["contexts"] >= row["nfe"] >= 1 and row["overhead_vs_forward"] > 0, row
+  assert [r["model"] for r in data["calls"]] == ["bench", "tiny"]
+  assert all(r["sample_s"] > 0 and r["program_s"] > 0 for r in data["calls"])
+  assert {(r["sampler"], r["batch"]) for r in data["steps"]} == {
+      (name, b) for name in sampling.families() for b in config.step_batches}
+  assert all(r["us_per_step"] > 0 for r in data["steps"])
+  text = (tmp_path / "bench.md").read_text()
+  assert "| sampler | K |" in text and "sample() / program" in text and "µs / step, B=2" in text
   assert (tmp_path / "bench.png").stat().st_size > 0
 
 
@@ -70,6 +82,8 @@ def test_analytic_flops_match_xla_cost_analysis():
     ("steps", (6,), "not divisible by num_blocks"),
     ("samplers", ("ancestral", "nope"), "unknown"),
     ("batch", 0, "batch=0"),
+    ("family_steps", 99, "family_steps=99"),
+    ("step_batches", (), "step_batches"),
 ])
 def test_bad_settings_raise_before_compiling(field, value, match):
   config = _tiny_config()
