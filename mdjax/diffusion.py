@@ -171,6 +171,18 @@ def get_schedule(name: str, **kwargs) -> Schedule:
   return SCHEDULES[name](**kwargs)
 
 
+def as_schedule(value, field: str = "schedule") -> Schedule:
+  """A Schedule as given, or one built from its name ('linear', 'cosine', ...)."""
+  if isinstance(value, Schedule):
+    return value
+  if isinstance(value, str):
+    if value not in SCHEDULES:
+      raise ValueError(f"{field}={value!r} is unknown; known schedules: {sorted(SCHEDULES)}.")
+    return SCHEDULES[value]()
+  raise ValueError(f"{field}={value!r} must be a diffusion.Schedule or one of the names "
+                   f"{sorted(SCHEDULES)}.")
+
+
 # ----------------------------------------------------------------------------
 # Forward process q(z_t | x).
 # ----------------------------------------------------------------------------
@@ -227,6 +239,11 @@ def nelbo_loss(
   holds `nelbo_nats` (same), `nelbo_nats_B` (per sequence, for error bars),
   `bits_per_token` and `masked_fraction` (of maskable positions).
   """
+  schedule = as_schedule(schedule)
+  if not isinstance(mask_id, (int, np.integer)) or isinstance(mask_id, bool) or mask_id < 1:
+    raise ValueError(f"mask_id={mask_id!r} must be an integer >= 1 (the vocabulary size V).")
+  if not isinstance(num_steps, (int, np.integer)) or num_steps < 0:
+    raise ValueError(f"num_steps={num_steps!r} must be 0 (continuous time) or an integer >= 1.")
   batch, _ = x_BxL.shape
   if maskable_BxL is None:
     maskable_BxL = jnp.ones(x_BxL.shape, bool)
@@ -243,6 +260,10 @@ def nelbo_loss(
     weight_B = schedule.weight(t_B)
   z_BxL = forward_mask(mask_key, x_BxL, schedule.alpha(t_B), mask_id, maskable_BxL)
   logits_BxLxV = apply_fn(params, z_BxL, t_B)
+  if logits_BxLxV.shape[-1] != mask_id:  # a static shape: raised while tracing
+    raise ValueError(f"mask_id={mask_id} but apply_fn returns {logits_BxLxV.shape[-1]} logits "
+                     "per position; the mask id is the vocabulary size V (logits over the V "
+                     "tokens, the mask class excluded).")
   masked_BxL = z_BxL == mask_id
   nll_BxL = jnp.where(masked_BxL, _token_nll(logits_BxLxV, x_BxL), 0.0)
   nelbo_B = weight_B * nll_BxL.sum(axis=-1)

@@ -24,12 +24,15 @@ base-then-refill) set `composite = True` and provide `run` instead of the step m
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from mdjax import diffusion
 
 Array = jax.Array
 
@@ -76,8 +79,23 @@ class SamplerSpec:
   skip_idle_steps: bool | None = None
 
   def __post_init__(self):
+    for f in dataclasses.fields(self):
+      value = getattr(self, f.name)
+      if isinstance(value, (np.ndarray, np.generic, jax.Array)):
+        # Specs are static (hashed into the program): a concrete scalar becomes a number.
+        if np.ndim(value) != 0 or isinstance(value, jax.core.Tracer):
+          raise ValueError(f"{f.name}={value!r} must be a Python number: specs are static, "
+                           "so a knob cannot be an array or a traced value.")
+        object.__setattr__(self, f.name, value.item())
+      elif f.name.endswith("schedule") and not isinstance(value, diffusion.Schedule):
+        object.__setattr__(self, f.name, diffusion.as_schedule(value, f.name))
+    for name in ("temperature", "top_p", "min_p"):
+      value = getattr(self, name)
+      check(isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value), name, value, "must be a finite number")
     check(self.temperature >= 0.0, "temperature", self.temperature, "must be >= 0")
-    check(self.top_k is None or (isinstance(self.top_k, int) and self.top_k >= 1),
+    check(self.top_k is None or (isinstance(self.top_k, int) and not isinstance(self.top_k, bool)
+                                 and self.top_k >= 1),
           "top_k", self.top_k, "must be None or an integer >= 1")
     check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must lie in (0, 1]")
     check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must lie in [0, 1]")
@@ -99,7 +117,8 @@ class SamplerSpec:
 class Canvas:
   """The host's view of a call, for validation and plans made before tracing.
 
-  tokens and fixed are numpy arrays, or None when `sample` runs inside a trace.
+  tokens and fixed are numpy arrays, or None when `sample` runs inside a trace (fixed is
+  still known there when the caller passes a concrete fixed_BxL).
   """
 
   batch: int
@@ -142,6 +161,7 @@ class Core:
   saved_calls: Array  # steps whose call was skipped (nothing to write, or reused logits)
   contexts_B: Array  # sequences evaluated for each row (a call of J contexts counts J)
   rounds_B: Array  # steps in which the row still had positions to write
+  nonfinite_B: Array  # positions written from non-finite logits (NaN or inf: a broken model)
 
   @classmethod
   def start(cls, tokens_BxL: Array) -> "Core":
@@ -152,15 +172,17 @@ class Core:
                write_step_BxL=jnp.full((batch, length), -1, jnp.int32),
                write_conf_BxL=jnp.ones((batch, length), jnp.float32),
                reopened_B=zeros_B, nfe=zero, saved_calls=zero, contexts_B=zeros_B,
-               rounds_B=zeros_B)
+               rounds_B=zeros_B, nonfinite_B=zeros_B)
 
   def commit(self, write_BxL: Array, values_BxL: Array, conf_BxL: Array,
              step: Array) -> "Core":
-    """Writes `values` where `write`, recording the step and the confidence."""
+    """Writes `values` where `write`, recording the step and the confidence (the value's
+    probability, NaN when the position's logits were not finite: counted)."""
     return self.replace(
         tokens_BxL=jnp.where(write_BxL, values_BxL, self.tokens_BxL),
         write_step_BxL=jnp.where(write_BxL, step, self.write_step_BxL),
-        write_conf_BxL=jnp.where(write_BxL, conf_BxL, self.write_conf_BxL))
+        write_conf_BxL=jnp.where(write_BxL, conf_BxL, self.write_conf_BxL),
+        nonfinite_B=self.nonfinite_B + (write_BxL & ~jnp.isfinite(conf_BxL)).sum(-1))
 
   def count_call(self, called: Array, contexts: int = 1) -> "Core":
     """One more sequential call (if `called`) of `contexts` sequences per row."""

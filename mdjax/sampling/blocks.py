@@ -19,9 +19,10 @@ def count(block_length: int | None, steps: int, canvas: Canvas) -> int:
   """The number of blocks, after checking block_length against the generation length."""
   if block_length is None:
     return 1
-  if canvas.tokens is None:
-    raise ValueError("block_length needs concrete tokens_BxL / fixed_BxL to count the "
-                     "generation length; call sample outside jit.")
+  if canvas.fixed is None:
+    raise ValueError(f"block_length={block_length} needs the generation length before the "
+                     "run: inside jit, pass fixed_BxL as a concrete (numpy) array, or call "
+                     "sample outside jit.")
   gen_lengths = np.unique((~canvas.fixed).sum(-1))
   if len(gen_lengths) != 1:
     raise ValueError(f"block_length={block_length} needs the same generation length in every "

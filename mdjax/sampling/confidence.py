@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,12 @@ class ConfidenceSpec(SamplerSpec):
     check(self.score in scores.SCORES, "score", self.score, f"must be one of {scores.SCORES}")
     check(self.gumbel_temperature >= 0.0, "gumbel_temperature", self.gumbel_temperature,
           "must be >= 0")
+    if self.threshold is not None:
+      # Scores are probabilities in [0, 1], except neg_entropy (sum p log p <= 0).
+      low, high = (-math.inf, 0.0) if self.score == "neg_entropy" else (0.0, 1.0)
+      check(isinstance(self.threshold, (int, float)) and low <= self.threshold <= high,
+            "threshold", self.threshold, f"must be None or lie in [{low}, {high}] for "
+            f"score={self.score!r}")
 
 
 @struct.dataclass

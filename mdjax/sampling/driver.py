@@ -36,6 +36,13 @@ class SampleResult:
   rounds_B: steps (speculative: rounds) in which the row still had positions to write:
     its sequential depth.
   reopened_B: committed tokens returned to the mask (remasking, revision).
+  nonfinite_B: positions of the row written from non-finite (NaN or inf) logits.
+  invalid_B: positions of the row whose input was invalid (a token id outside [0, V], or
+    a fixed position holding the mask id). `sample` raises for these before tracing; inside
+    the caller's jit, where values cannot be read before the run, they are reported here.
+  unfilled_B: editable positions of the row still masked at the end (0 for every family
+    when the spec covers the canvas; inside a jit, a write order that misses positions
+    shows here).
   trajectory_KxBxL: the canvas after each step, if the spec records it.
   extras: family-specific outputs (RevisionSpec: `changes_KxB`).
   """
@@ -47,6 +54,9 @@ class SampleResult:
   contexts_B: Array
   rounds_B: Array
   reopened_B: Array
+  nonfinite_B: Array
+  invalid_B: Array
+  unfilled_B: Array
   trajectory_KxBxL: Array | None = None
   extras: dict = struct.field(default_factory=dict)
 
@@ -106,8 +116,11 @@ def _logits_shape(apply_fn, params, batch: int, length: int) -> tuple[int, ...]:
   if shape is None:
     tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32)
     time_B = jax.ShapeDtypeStruct((batch,), jnp.float32)
-    shape = tuple(jax.eval_shape(apply_fn, jax.tree.unflatten(treedef, avals), tokens,
-                                 time_B).shape)
+    out = jax.eval_shape(apply_fn, jax.tree.unflatten(treedef, avals), tokens, time_B)
+    if not isinstance(out, jax.ShapeDtypeStruct):
+      raise ValueError(f"apply_fn returns {type(out).__name__} {out}; the denoiser contract is "
+                       "apply_fn(params, tokens_BxL, t_B) -> logits_BxLxV, one array.")
+    shape = tuple(out.shape)
     if len(_LOGITS_SHAPES) >= _MAX_CACHED_SIGNATURES:
       _LOGITS_SHAPES.pop(next(iter(_LOGITS_SHAPES)))
     _LOGITS_SHAPES[signature] = shape
@@ -134,6 +147,8 @@ def _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id):
     raise ValueError(f"tokens_BxL has shape {shape} and dtype {dtype}; "
                      "it must be a 2-D integer array.")
   batch, length = shape
+  if batch < 1 or length < 1:
+    raise ValueError(f"tokens_BxL has shape {shape}; it needs at least one row and position.")
   key_shape = np.shape(key)
   if _is_key_batch(key) and key_shape[0] != batch:
     raise ValueError(f"key holds {key_shape[0]} row keys; tokens_BxL has B={batch} rows.")
@@ -144,14 +159,17 @@ def _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id):
   if fixed_BxL is not None and np.shape(fixed_BxL) != shape:
     raise ValueError(f"fixed_BxL has shape {np.shape(fixed_BxL)}; tokens_BxL has {shape}.")
   tokens = _host_array(tokens_BxL)
-  fixed = None
+  fixed = None if fixed_BxL is None else _host_array(fixed_BxL)
   if tokens is not None:
-    fixed = tokens != mask_id if fixed_BxL is None else _host_array(fixed_BxL)
-  if tokens is not None and fixed is not None:
-    fixed = fixed.astype(bool)
+    fixed = tokens != mask_id if fixed is None else fixed.astype(bool)
     _check_values(tokens, fixed, mask_id)
-  else:
-    tokens = fixed = None
+    if logits_shape is not None and not family.rewrites and not (tokens == mask_id).any():
+      raise ValueError(
+          f"tokens_BxL holds no mask id {mask_id} (taken from apply_fn's {mask_id} logits per "
+          "position): there is nothing to generate. If the denoiser's logits include the mask "
+          "class, pass mask_id=V.")
+  elif fixed is not None:
+    fixed = fixed.astype(bool)  # tokens traced, the layout known: blocks can be counted
   canvas = Canvas(batch=batch, length=length, mask_id=mask_id, tokens=tokens, fixed=fixed)
   streams.check_steps(family.num_steps(spec, length))
   family.validate(spec, canvas)
@@ -248,10 +266,20 @@ def run(spec, denoiser: Denoiser, core: Core, ctx: Context, plan, skip: bool | N
   return core, aux, trajectory
 
 
-def _result(family: Family, spec, core: Core, aux, trajectory) -> SampleResult:
+def _invalid_input(tokens_BxL: Array, ctx: Context) -> Array:
+  """Positions per row with a token id outside [0, V] or a fixed position on the mask."""
+  out_of_range_BxL = (tokens_BxL < 0) | (tokens_BxL > ctx.mask_id)
+  fixed_mask_BxL = ~ctx.editable_BxL & (tokens_BxL == ctx.mask_id)
+  return (out_of_range_BxL | fixed_mask_BxL).sum(-1)
+
+
+def _result(family: Family, spec, core: Core, aux, trajectory, ctx: Context,
+            invalid_B: Array) -> SampleResult:
   return SampleResult(tokens_BxL=core.tokens_BxL, write_step_BxL=core.write_step_BxL,
                       nfe=core.nfe, saved_calls=core.saved_calls, contexts_B=core.contexts_B,
                       rounds_B=core.rounds_B, reopened_B=core.reopened_B,
+                      nonfinite_B=core.nonfinite_B, invalid_B=invalid_B,
+                      unfilled_B=ctx.masked(core.tokens_BxL).sum(-1),
                       trajectory_KxBxL=trajectory, extras=family.extras(spec, aux))
 
 
@@ -261,7 +289,8 @@ def _program(apply_fn, params, key, tokens_BxL, fixed_BxL, plan, *, spec, mask_i
   family = family_of(spec)
   denoiser = Denoiser(apply_fn, params)
   core, ctx = _start(key, tokens_BxL, fixed_BxL, mask_id)
-  return _result(family, spec, *run(spec, denoiser, core, ctx, plan, skip))
+  invalid_B = _invalid_input(core.tokens_BxL, ctx)
+  return _result(family, spec, *run(spec, denoiser, core, ctx, plan, skip), ctx, invalid_B)
 
 
 # ----------------------------------------------------------------------------
@@ -334,8 +363,9 @@ def sample_python_loop(apply_fn, params: Any, key: Array, tokens_BxL: Array, spe
   params, key, tokens_BxL, fixed_BxL, plan = args
   core, ctx, aux, reuse = _start_jit(apply_fn, params, key, tokens_BxL, fixed_BxL,
                                      family=family, **static)
+  invalid_B = _invalid_input(core.tokens_BxL, ctx)
   for i in range(family.num_steps(spec, np.shape(tokens_BxL)[1])):
     plan_i = jax.tree.map(lambda x: x[i], plan)
     core, aux, reuse = _step_jit(apply_fn, params, core, aux, reuse, ctx, np.int32(i), plan_i,
                                  family=family, spec=spec, skip=static["skip"])
-  return _result(family, spec, core, aux, None)
+  return _result(family, spec, core, aux, None, ctx, invalid_B)

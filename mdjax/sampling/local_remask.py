@@ -156,7 +156,8 @@ class LocalRemask(Family):
           reopened_B=core.reopened_B + remask_BxL.sum(-1) + refill.reopened_B,
           nfe=core.nfe + 1 + refill.nfe, saved_calls=core.saved_calls + refill.saved_calls,
           contexts_B=core.contexts_B + spec.score_groups + refill.contexts_B,
-          rounds_B=core.rounds_B + refill.rounds_B), None
+          rounds_B=core.rounds_B + refill.rounds_B,
+          nonfinite_B=core.nonfinite_B + refill.nonfinite_B), None
 
     core, _ = jax.lax.scan(one_round, core, jnp.arange(spec.rounds))
     return core, None, None

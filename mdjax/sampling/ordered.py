@@ -28,6 +28,10 @@ class OrderedSpec(SamplerSpec):
 
   def __post_init__(self):
     super().__post_init__()
+    check(isinstance(self.groups, (tuple, list)) and all(
+        isinstance(g, (tuple, list)) and all(isinstance(p, (int, np.integer)) for p in g)
+        for g in self.groups), "groups", self.groups,
+          "must be a sequence of groups, each a sequence of positions (e.g. ((0,), (1, 2)))")
     groups = tuple(tuple(int(p) for p in g) for g in self.groups)
     object.__setattr__(self, "groups", groups)
     check(len(groups) >= 1, "steps", len(groups), "must be an integer >= 1 (one group a step)")
