@@ -9,12 +9,15 @@ sees exactly what an uninterrupted one would; the random streams are named in
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import json
 import math
 import os
 import sys
 import time
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -23,6 +26,7 @@ import ml_collections
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from absl import logging
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -157,97 +161,224 @@ def state_sharding(mesh: Mesh, state: TrainState, fsdp: bool):
 # ----------------------------------------------------------------------------
 
 
-def checkpoint_manager(workdir: str, config) -> ocp.CheckpointManager:
-  options = ocp.CheckpointManagerOptions(
-      max_to_keep=config.checkpoint.keep, create=True, enable_async_checkpointing=False)
-  return ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
-                               options=options)
+CORRUPT_DIR = "checkpoints_corrupt"  # unreadable checkpoints are moved here, never deleted
+
+
+class CheckpointMismatch(ValueError):
+  """A readable checkpoint of another model, task or tokenizer than the config asks for."""
+
+
+@contextlib.contextmanager
+def quiet_orbax():
+  """Silences orbax's informational warnings (read-only managers, unrestored items) in scope."""
+  level = logging.get_verbosity()
+  logging.set_verbosity(logging.ERROR)
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      yield
+  finally:
+    logging.set_verbosity(level)
+
+
+def _item_handlers():
+  return {"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
+          "task": ocp.JsonCheckpointHandler()}
+
+
+def checkpoint_manager(workdir: str, config=None, read_only: bool = False
+                       ) -> ocp.CheckpointManager:
+  """The workdir's orbax manager (writes go to a temporary dir, then a rename: atomic)."""
+  if read_only:
+    options = ocp.CheckpointManagerOptions(read_only=True)
+  else:
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=config.checkpoint.keep, create=True, enable_async_checkpointing=False)
+  with quiet_orbax():
+    return ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
+                                 options=options, item_handlers=_item_handlers())
 
 
 def save(manager: ocp.CheckpointManager, state: TrainState, config, task: tasks.Task) -> None:
   """Saves state, config and task metadata; orbax writes to a temporary dir, then renames."""
   step = int(state.step)
-  manager.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict()),
-      task=ocp.args.JsonSave(task.checkpoint_metadata())), force=True)
-  manager.wait_until_finished()
-
-
-def _restore_task_metadata(manager: ocp.CheckpointManager, step: int) -> dict:
-  """The saved task metadata ({} for checkpoints written before it was saved)."""
-  if "task" not in (manager.item_metadata(step) or {}):
-    return {}
-  return manager.restore(step, args=ocp.args.Composite(task=ocp.args.JsonRestore()))["task"]
+  with quiet_orbax():
+    manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict()),
+        task=ocp.args.JsonSave(task.checkpoint_metadata())), force=True)
+    manager.wait_until_finished()
 
 
 def _check_model_matches(saved: dict, config, step: int) -> None:
   saved_model, model = saved.get("model", {}), config.model.to_dict()
   diffs = {k: (saved_model.get(k), v) for k, v in model.items() if saved_model.get(k) != v}
+  saved_kwargs = {k: v for k, v in (saved.get("task_kwargs") or {}).items() if v is not None}
   for name, saved_value, value in (("task", saved.get("task"), config.task),
-                                   ("task_kwargs", saved.get("task_kwargs") or {},
-                                    tasks.kwargs_of(config))):
+                                   ("task_kwargs", saved_kwargs, tasks.kwargs_of(config))):
     if saved_value != value:
       diffs[name] = (saved_value, value)
   if diffs:
-    raise ValueError(
+    raise CheckpointMismatch(
         f"checkpoint step {step} holds a model of another shape or task: (saved, requested) = "
         f"{diffs}. Use another workdir or the saved config.")
 
 
-def restore_latest(manager: ocp.CheckpointManager, abstract_state: TrainState, config,
-                   task: tasks.Task, log=print) -> TrainState | None:
-  """The newest restorable checkpoint, falling back past corrupt ones."""
-  for step in sorted(manager.all_steps(), reverse=True):
+def _summary(error: BaseException) -> str:
+  """One line of an error: its type and the start of its first line (no TensorStore dump)."""
+  lines = str(error).strip().splitlines()
+  text = lines[0] if lines else ""
+  return f"{type(error).__name__}: {text[:160]}{'...' if len(text) > 160 else ''}"
+
+
+def _read_json(manager, step: int, name: str) -> dict:
+  return manager.restore(step, args=ocp.args.Composite(**{name: ocp.args.JsonRestore()}))[name]
+
+
+def _read_step(manager, step: int, abstract_for: Callable[[int, dict, dict], Any]):
+  """(config dict, task metadata, state) of a step; any unreadable part raises."""
+  with quiet_orbax():
+    saved_config = _read_json(manager, step, "config")
+    items = manager.item_metadata(step) or {}
+    saved_task = _read_json(manager, step, "task") if "task" in items else {}
+    abstract = abstract_for(step, saved_config, saved_task)
+    if items.get("state") is None:
+      raise FileNotFoundError("the state's metadata is missing")
+    saved = sorted(tuple(m.shape) for m in jax.tree.leaves(items["state"]))
+    wanted = sorted(tuple(x.shape) for x in jax.tree.leaves(abstract))
+    if saved != wanted:  # readable, but another state (e.g. EMA parameters on or off)
+      raise CheckpointMismatch(
+          f"checkpoint step {step} does not fit the model: it holds {len(saved)} arrays, the "
+          f"config's state {len(wanted)} (or other shapes). Use another workdir or the saved "
+          "config.")
+    state = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract)))["state"]
+  return saved_config, saved_task, state
+
+
+def _set_aside(manager: ocp.CheckpointManager, step: int) -> str:
+  """Moves an unreadable step to workdir/checkpoints_corrupt/<step>-<time>; returns the path."""
+  checkpoints = os.fspath(manager.directory)
+  aside = os.path.join(os.path.dirname(checkpoints), CORRUPT_DIR)
+  os.makedirs(aside, exist_ok=True)
+  target = os.path.join(aside, f"{step}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+  os.rename(os.path.join(checkpoints, str(step)), target)
+  with quiet_orbax():
+    manager.reload()
+  return target
+
+
+def _step_dirs(manager: ocp.CheckpointManager) -> list[int]:
+  """Every finished step folder, listed by orbax or not (an emptied folder is not listed)."""
+  checkpoints = os.fspath(manager.directory)
+  on_disk = {int(n) for n in os.listdir(checkpoints) if n.isdigit()} if os.path.isdir(
+      checkpoints) else set()
+  return sorted(on_disk | set(manager.all_steps()), reverse=True)
+
+
+def _newest_readable(manager, abstract_for, log, move_aside: bool, steps=None):
+  """(step, config, task metadata, state) of the newest readable step, or None.
+
+  Unreadable steps are reported in one line each and, with `move_aside`, moved to
+  workdir/checkpoints_corrupt (kept for inspection, out of the manager's way).
+  """
+  for step in (_step_dirs(manager) if steps is None else steps):
     try:
-      saved_config = manager.restore(step, args=ocp.args.Composite(
-          config=ocp.args.JsonRestore()))["config"]
-    except Exception as error:  # a truncated or corrupt checkpoint
-      log(f"checkpoint step {step} is unreadable ({type(error).__name__}: {error}); "
-          "trying the previous one.")
-      continue
-    _check_model_matches(saved_config, config, step)
-    saved_task = _restore_task_metadata(manager, step)
-    if saved_task and saved_task != task.checkpoint_metadata():
-      raise ValueError(
-          f"checkpoint step {step} was trained with another tokenizer: saved {saved_task}, "
-          f"now {task.checkpoint_metadata()}. Use another workdir or the saved corpus.")
-    try:
-      restored = manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state)))["state"]
-    except ValueError as error:
-      if "shape" in str(error).lower():
-        raise ValueError(f"checkpoint step {step} does not fit the model: {error}") from error
-      log(f"checkpoint step {step} is unreadable ({error}); trying the previous one.")
-      continue
-    except Exception as error:
-      log(f"checkpoint step {step} is unreadable ({type(error).__name__}: {error}); "
-          "trying the previous one.")
-      continue
-    return restored
+      return (step, *_read_step(manager, step, abstract_for))
+    except CheckpointMismatch:
+      raise
+    except Exception as error:  # truncated, deleted or empty: the step cannot be read
+      if move_aside:
+        where = f"moved to {_set_aside(manager, step)}"
+      else:
+        where = "left in place"
+      log(f"checkpoint step {step} is unreadable ({_summary(error)}); {where}; "
+          "using the previous one.")
   return None
 
 
-def load_for_sampling(workdir: str, step: int | None = None):
-  """(config, apply_fn, params) of a trained workdir (EMA params when kept)."""
-  manager = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
-                                  options=ocp.CheckpointManagerOptions(read_only=True))
-  steps = manager.all_steps()
-  if not steps:
+def restore_latest(manager: ocp.CheckpointManager, abstract_state: TrainState, config,
+                   task: tasks.Task, log=print, move_aside: bool = True) -> TrainState | None:
+  """The newest readable checkpoint (unreadable newer ones moved aside), or None."""
+
+  def abstract_for(step, saved_config, saved_task):
+    _check_model_matches(saved_config, config, step)
+    if saved_task and saved_task != task.checkpoint_metadata():
+      raise CheckpointMismatch(
+          f"checkpoint step {step} was trained with another tokenizer: saved {saved_task}, "
+          f"now {task.checkpoint_metadata()}. Use another workdir or the saved corpus.")
+    return abstract_state
+
+  found = _newest_readable(manager, abstract_for, log, move_aside)
+  return None if found is None else found[-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """A trained denoiser loaded from a workdir (`mdjax.load`).
+
+  `apply_fn(params, tokens_BxL, t_B) -> logits_BxLxV` is the denoiser contract; `params`
+  are the EMA parameters when the run kept them. `task` is rebuilt from the saved config and
+  tokenizer (no corpus file needed: a text task without its corpus samples and decodes, but
+  has no training data). `tokenizer` is the task's (None for synthetic tasks).
+  """
+
+  config: ml_collections.ConfigDict
+  apply_fn: Callable
+  params: Any
+  task: tasks.Task
+  step: int
+  workdir: str
+
+  @property
+  def tokenizer(self):
+    return self.task.tokenizer
+
+
+def _warn(message: str) -> None:
+  print(message, file=sys.stderr, flush=True)
+
+
+def load(workdir: str, step: int | None = None, log: Callable[[str], None] = _warn) -> Model:
+  """The trained model of a workdir: its newest readable checkpoint, or `step`.
+
+  Reads only (a read-only workdir is fine); an unreadable newest checkpoint is reported in
+  one line through `log` and the previous one is used. Orbax's own warnings are silenced.
+  """
+  if not os.path.isdir(os.path.join(workdir, "checkpoints")):
     raise ValueError(f"workdir={workdir!r} holds no checkpoint.")
-  step = max(steps) if step is None else step
-  if step not in steps:
-    raise ValueError(f"step={step} is not saved in {workdir!r}; saved steps: {sorted(steps)}.")
-  config = ml_collections.ConfigDict(manager.restore(step, args=ocp.args.Composite(
-      config=ocp.args.JsonRestore()))["config"])
-  # The saved tokenizer decides the ids, whatever the corpus files hold today.
-  config.task_kwargs.update(_restore_task_metadata(manager, step))
-  mesh = make_mesh(1)
-  abstract, graphdef, apply_fn, _ = init_state(config, mesh, tasks.from_config(config))
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract)
-  state = manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(abstract)))["state"]
+  manager = checkpoint_manager(workdir, read_only=True)
+  saved_steps = _step_dirs(manager)
+  if not saved_steps:
+    raise ValueError(f"workdir={workdir!r} holds no checkpoint.")
+  if step is not None and step not in saved_steps:
+    raise ValueError(f"step={step} is not saved in {workdir!r}; saved steps: "
+                     f"{sorted(saved_steps)}.")
+  built = {}
+
+  def abstract_for(step, saved_config, saved_task):
+    config = ml_collections.ConfigDict(saved_config)
+    # The saved tokenizer decides the ids, whatever the corpus files hold today.
+    config.task_kwargs.update(saved_task)
+    task = tasks.from_config(config)
+    state, _, apply_fn, _ = init_state(config, make_mesh(1), task)
+    built.update(config=config, task=task, apply_fn=apply_fn)
+    return jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+
+  found = _newest_readable(manager, abstract_for, log, move_aside=False,
+                           steps=None if step is None else [step])
+  if found is None:
+    raise ValueError(f"workdir={workdir!r}: no readable checkpoint"
+                     + (f" at step {step}." if step is not None else "."))
+  step, _, _, state = found
   params = state.ema_params if state.ema_params is not None else state.params
-  return config, apply_fn, params, step
+  return Model(config=built["config"], apply_fn=built["apply_fn"], params=params,
+               task=built["task"], step=step, workdir=workdir)
+
+
+def load_for_sampling(workdir: str, step: int | None = None):
+  """(config, apply_fn, params, step) of a trained workdir: `mdjax.load` as a tuple."""
+  model = load(workdir, step)
+  return model.config, model.apply_fn, model.params, model.step
 
 
 # ----------------------------------------------------------------------------
