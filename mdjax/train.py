@@ -189,12 +189,12 @@ def _item_handlers():
 def checkpoint_manager(workdir: str, config=None, read_only: bool = False
                        ) -> ocp.CheckpointManager:
   """The workdir's orbax manager (writes go to a temporary dir, then a rename: atomic)."""
-  if read_only:
-    options = ocp.CheckpointManagerOptions(read_only=True)
-  else:
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=config.checkpoint.keep, create=True, enable_async_checkpointing=False)
   with quiet_orbax():
+    if read_only:
+      options = ocp.CheckpointManagerOptions(read_only=True)
+    else:
+      options = ocp.CheckpointManagerOptions(
+          max_to_keep=config.checkpoint.keep, create=True, enable_async_checkpointing=False)
     return ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
                                  options=options, item_handlers=_item_handlers())
 
@@ -255,6 +255,27 @@ def _read_step(manager, step: int, abstract_for: Callable[[int, dict, dict], Any
   return saved_config, saved_task, state
 
 
+def _drop_late_read_callbacks() -> None:
+  """Hides the 'Event loop is closed' errors of reads still in flight when a restore failed.
+
+  TensorStore completes the other reads of a failed restore on its own threads after orbax
+  has closed the event loop; each reports an unraisable RuntimeError (dozens of tracebacks
+  that say nothing about the checkpoint). Only that exact error is dropped.
+  """
+  previous = sys.unraisablehook
+  if getattr(previous, "_mdjax_drops_closed_loop", False):
+    return
+
+  def hook(unraisable):
+    error = unraisable.exc_value
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+      return
+    previous(unraisable)
+
+  hook._mdjax_drops_closed_loop = True
+  sys.unraisablehook = hook
+
+
 def _set_aside(manager: ocp.CheckpointManager, step: int) -> str:
   """Moves an unreadable step to workdir/checkpoints_corrupt/<step>-<time>; returns the path."""
   checkpoints = os.fspath(manager.directory)
@@ -287,6 +308,7 @@ def _newest_readable(manager, abstract_for, log, move_aside: bool, steps=None):
     except CheckpointMismatch:
       raise
     except Exception as error:  # truncated, deleted or empty: the step cannot be read
+      _drop_late_read_callbacks()
       if move_aside:
         where = f"moved to {_set_aside(manager, step)}"
       else:
