@@ -15,7 +15,10 @@ import functools
 import json
 import math
 import os
+import signal
 import sys
+import tempfile
+import threading
 import time
 import warnings
 from typing import Any, Callable
@@ -480,12 +483,257 @@ def sample_and_score(config, task: tasks.Task, apply_fn, params) -> dict:
   return {f"sample_{k}": v for k, v in task.sample_metrics(np.asarray(out.tokens_BxL)).items()}
 
 
+# ----------------------------------------------------------------------------
+# Config checks, the workdir lock, interruption, the metrics file.
+# ----------------------------------------------------------------------------
+
+
+def _integer(low):
+  return (lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= low,
+          f"must be an integer >= {low}")
+
+
+def _number(test, allowed):
+  return (lambda v: isinstance(v, (int, float, np.number)) and not isinstance(v, bool)
+          and math.isfinite(v) and test(v), f"must be a finite number {allowed}")
+
+
+# Every numeric field a config may set: (field, (test, what is allowed)). Absent optional
+# fields are skipped.
+CONFIG_RANGES = (
+    ("seed", _integer(0)), ("batch_size", _integer(1)), ("num_devices", _integer(0)),
+    ("log_every", _integer(1)), ("eval_every", _integer(0)), ("eval_batches", _integer(1)),
+    ("num_eval_samples", _integer(0)),
+    ("model.d_model", _integer(1)), ("model.num_layers", _integer(1)),
+    ("model.num_heads", _integer(1)), ("model.d_ff", _integer(1)),
+    ("train.num_steps", _integer(1)), ("train.lr", _number(lambda v: v > 0, "> 0")),
+    ("train.lr_floor", _number(lambda v: 0 <= v <= 1, "in [0, 1]")),
+    ("train.warmup_steps", _integer(0)),
+    ("train.b1", _number(lambda v: 0 <= v < 1, "in [0, 1)")),
+    ("train.b2", _number(lambda v: 0 <= v < 1, "in [0, 1)")),
+    ("train.weight_decay", _number(lambda v: v >= 0, ">= 0")),
+    ("train.grad_clip", _number(lambda v: v > 0, "> 0")),
+    ("train.ema_decay", _number(lambda v: 0 <= v < 1, "in [0, 1)")),
+    ("checkpoint.every", _integer(1)), ("checkpoint.keep", _integer(1)),
+)
+OBJECTIVES = ("nelbo", "mlm", "causal")
+
+
+def _field(config, path: str):
+  node = config
+  for name in path.split("."):
+    if node is None or name not in node:
+      return _ABSENT
+    node = node[name]
+  return node
+
+
+_ABSENT = object()
+
+
+def check_config(config) -> None:
+  """Range checks of every numeric field: a ValueError naming the field, its value and what
+  is allowed. Runs before anything is built, compiled or written."""
+
+  def refuse(path, value, allowed):
+    raise ValueError(f"config field {path}={value!r}: {allowed}.")
+
+  for path, (test, allowed) in CONFIG_RANGES:
+    value = _field(config, path)
+    if value is not _ABSENT and not test(value):
+      refuse(path, value, allowed)
+  heads, width = config.model.num_heads, config.model.d_model
+  if width % heads:
+    refuse("model.num_heads", heads, f"must divide model.d_model={width}")
+  steps = _field(config, "sampler.steps")
+  if steps is not _ABSENT and steps is not None and not _integer(1)[0](steps):
+    refuse("sampler.steps", steps, "must be an integer >= 1 (or None for families without)")
+  if config.objective not in OBJECTIVES:
+    refuse("objective", config.objective, f"must be one of {OBJECTIVES}")
+  tensorboard = _field(config, "log_tensorboard")
+  if tensorboard is not _ABSENT and not isinstance(tensorboard, bool):
+    refuse("log_tensorboard", tensorboard, "must be True or False")
+  if tensorboard is True:
+    try:
+      import tensorboardX  # noqa: F401
+    except ImportError:
+      refuse("log_tensorboard", tensorboard,
+             "needs the tensorboardX package (pip install 'mdjax[tensorboard]')")
+
+
+class WorkdirBusy(RuntimeError):
+  """Another process trains in this workdir."""
+
+
+class WorkdirLock:
+  """An exclusive lock on a workdir (fcntl.flock on workdir/train.lock, holding the pid).
+
+  The kernel drops the lock when its process dies, so a lock left by a dead process is
+  simply taken over; a live holder makes a second run stop at once.
+  """
+
+  def __init__(self, workdir: str, log=print):
+    self.path, self.log, self.fd = os.path.join(workdir, "train.lock"), log, None
+
+  def __enter__(self):
+    import fcntl
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    previous = os.read(fd, 200).decode(errors="replace").split()
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      os.close(fd)
+      holder = f"pid {previous[0]}" if previous else "another process"
+      raise WorkdirBusy(
+          f"workdir={os.path.dirname(self.path)!r} is in use by {holder} (lock "
+          f"{self.path}); wait for it to finish, or stop it (SIGTERM saves a checkpoint)."
+      ) from None
+    if previous:
+      self.log(f"taking over the workdir lock of pid {previous[0]} (no longer running)")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} {os.uname().nodename}\n".encode(), 0)
+    self.fd = fd
+    return self
+
+  def __exit__(self, *exc):
+    os.ftruncate(self.fd, 0)  # the file stays: removing it would race with a new holder
+    os.close(self.fd)
+
+
+class Interrupts:
+  """SIGTERM and SIGINT (Ctrl-C) set `signal_name`; the loop saves and stops at a step's end.
+
+  A second signal restores the previous handlers and is handled by them (a second Ctrl-C
+  stops at once). Handlers are only installed from the main thread.
+  """
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.signal_name, self.previous = None, {}
+
+  def _handle(self, signum, frame):
+    del frame
+    self.signal_name = signal.Signals(signum).name
+    self._restore()
+
+  def _restore(self):
+    for signum, handler in self.previous.items():
+      signal.signal(signum, handler)
+    self.previous = {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+    return self
+
+  def __exit__(self, *exc):
+    self._restore()
+
+
+def _keep_metrics_through(path: str, step: int) -> None:
+  """Drops metrics rows past `step` (written after the checkpoint a run resumes from)."""
+  if not os.path.exists(path):
+    return
+  kept = []
+  with open(path) as f:
+    for line in f:
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:  # a row cut short by a kill
+        continue
+      if row.get("step", 0) <= step:
+        kept.append(line if line.endswith("\n") else line + "\n")
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.writelines(kept)
+  os.replace(tmp, path)
+
+
+class MetricsLog:
+  """metrics.jsonl, one row per line, flushed as written; TensorBoard too when asked."""
+
+  def __init__(self, workdir: str, tensorboard: bool):
+    self.file = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    self.writer = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter
+      self.writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+  def write(self, row: dict) -> None:
+    self.file.write(json.dumps(row) + "\n")
+    self.file.flush()
+    if self.writer is not None:
+      for name, value in row.items():
+        if name != "step" and isinstance(value, (int, float)):
+          self.writer.add_scalar(name, value, row["step"])
+      self.writer.flush()
+
+  def close(self) -> None:
+    self.file.close()
+    if self.writer is not None:
+      self.writer.close()
+
+
+def _writable(path: str) -> bool:
+  """Whether files can be created in `path` (tried: permission bits are not the whole story)."""
+  try:
+    fd, name = tempfile.mkstemp(dir=path, prefix=".write-test-")
+  except OSError:
+    return False
+  os.close(fd)
+  os.remove(name)
+  return True
+
+
+def _finished_read_only(config, workdir: str, log) -> TrainState:
+  """A read-only workdir: its finished state, or a PermissionError before anything is built."""
+  num_steps = config.train.num_steps
+  steps = []
+  if os.path.isdir(os.path.join(workdir, "checkpoints")):
+    steps = _step_dirs(checkpoint_manager(workdir, read_only=True))
+  if num_steps not in steps:
+    raise PermissionError(
+        f"workdir={workdir!r} is not writable; training to step {num_steps} needs to write "
+        f"checkpoints there (saved steps: {sorted(steps)}). Sampling and evaluation only read "
+        "it; train in a writable copy.")
+  mesh = make_mesh(config.get("num_devices") or None)
+  task = tasks.from_config(config)
+  state, *_ = init_state(config, mesh, task)
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+  manager = checkpoint_manager(workdir, read_only=True)
+  found = _newest_readable(manager, lambda *_: abstract, log, move_aside=False,
+                           steps=[num_steps])
+  if found is None:
+    raise PermissionError(f"workdir={workdir!r} is not writable and its step {num_steps} is "
+                          "unreadable.")
+  return found[-1]
+
+
 def train(config, workdir: str, log=print) -> TrainState:
-  """Trains (or resumes) the configured job in `workdir`; returns the final state."""
-  os.makedirs(workdir, exist_ok=True)
+  """Trains (or resumes) the configured job in `workdir`; returns the final state.
+
+  Checks the config first (`check_config`), then locks the workdir (`WorkdirLock`).
+  SIGTERM or Ctrl-C saves a checkpoint at the current step and returns (see `Interrupts`).
+  A read-only workdir holding the finished run is only read.
+  """
+  check_config(config)
+  if os.path.isdir(workdir) and not _writable(workdir):
+    return _finished_read_only(config, workdir, log)
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as error:
+    raise PermissionError(f"workdir={workdir!r} cannot be created: {error}") from error
+  if jax.process_index() != 0:
+    return _train(config, workdir, log, Interrupts())
+  with WorkdirLock(workdir, log), Interrupts() as interrupts:
+    return _train(config, workdir, log, interrupts)
+
+
+def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
   mesh = make_mesh(config.get("num_devices") or None)
   if config.batch_size % mesh.shape["data"]:
-    raise ValueError(f"batch_size={config.batch_size} must be divisible by the "
+    raise ValueError(f"config field batch_size={config.batch_size}: must be divisible by the "
                      f"{mesh.shape['data']} devices of the mesh.")
   task = tasks.from_config(config)
   state, graphdef, apply_fn, shardings = init_state(config, mesh, task)
@@ -496,6 +744,7 @@ def train(config, workdir: str, log=print) -> TrainState:
   if restored is not None:
     state = jax.device_put(restored, shardings)
     log(f"resumed from step {int(state.step)}")
+  saved_step = int(state.step) if restored is not None else None
   clock = TrainClock(workdir, int(state.step))
   loss_fn = make_loss_fn(config, apply_fn, task)
   optimizer = make_optimizer(config.train)
@@ -513,6 +762,9 @@ def train(config, workdir: str, log=print) -> TrainState:
   num_steps = config.train.num_steps
   progress = _Progress(num_steps, int(state.step))
   metrics_path = os.path.join(workdir, "metrics.jsonl")
+  # Rows past the restored step were written after its checkpoint: the resumed run
+  # writes them again, so every step is logged exactly once.
+  _keep_metrics_through(metrics_path, int(state.step))
   pending = None  # metrics of the previous step: fetched one step late (async dispatch)
   tty = sys.stdout.isatty()
 
@@ -527,13 +779,14 @@ def train(config, workdir: str, log=print) -> TrainState:
   def report(step_metrics, step):
     host = flush(step_metrics, step)
     if step % config.log_every == 0 or step == num_steps:
-      metrics_file.write(json.dumps({"step": step, **host}) + "\n")
+      metrics.write({"step": step, **host})
       line = progress.line(step, host["loss"])
       print("\r" + line if tty else line, end="" if tty else "\n", flush=True)
 
-  with open(metrics_path, "a") as metrics_file:
+  metrics = MetricsLog(workdir, bool(config.get("log_tensorboard", False)))
+  try:
     step = int(state.step)
-    while step < num_steps:
+    while step < num_steps and interrupts.signal_name is None:
       x = jax.device_put(batch_for_step(config, step, task),
                          NamedSharding(mesh, PartitionSpec("data")))
       state, step_metrics = step_fn(state, x)
@@ -548,17 +801,25 @@ def train(config, workdir: str, log=print) -> TrainState:
       if save_now:
         save(manager, state, config, task)
         clock.save(step)
+        saved_step = step
       if eval_now:
         params = state.ema_params if state.ema_params is not None else state.params
         record = {"step": step, **evaluate(config, task, params, eval_loss)}
         if config.objective != "causal" and config.num_eval_samples:
           record.update(sample_and_score(config, task, apply_fn, params))
-        metrics_file.write(json.dumps(record) + "\n")
-        metrics_file.flush()
+        metrics.write(record)
         log(("\n" if tty else "") + "eval " + " ".join(
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
     if pending is not None:
       report(*pending)
+    if interrupts.signal_name is not None:
+      if saved_step != step:
+        save(manager, state, config, task)
+        clock.save(step)
+      log(("\n" if tty else "") + f"{interrupts.signal_name}: checkpoint saved at step {step} "
+          f"of {num_steps} in {workdir}/checkpoints; the same command resumes.")
+  finally:
+    metrics.close()
   return state
 
 
