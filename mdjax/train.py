@@ -531,12 +531,16 @@ def _field(config, path: str):
 _ABSENT = object()
 
 
+class ConfigError(ValueError):
+  """A config value out of its range (the message names the field)."""
+
+
 def check_config(config) -> None:
   """Range checks of every numeric field: a ValueError naming the field, its value and what
   is allowed. Runs before anything is built, compiled or written."""
 
   def refuse(path, value, allowed):
-    raise ValueError(f"config field {path}={value!r}: {allowed}.")
+    raise ConfigError(f"config field {path}={value!r}: {allowed}.")
 
   for path, (test, allowed) in CONFIG_RANGES:
     value = _field(config, path)
@@ -733,7 +737,7 @@ def train(config, workdir: str, log=print) -> TrainState:
 def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
   mesh = make_mesh(config.get("num_devices") or None)
   if config.batch_size % mesh.shape["data"]:
-    raise ValueError(f"config field batch_size={config.batch_size}: must be divisible by the "
+    raise ConfigError(f"config field batch_size={config.batch_size}: must be divisible by the "
                      f"{mesh.shape['data']} devices of the mesh.")
   task = tasks.from_config(config)
   state, graphdef, apply_fn, shardings = init_state(config, mesh, task)

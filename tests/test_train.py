@@ -282,3 +282,20 @@ def test_unreadable_newest_checkpoint_is_moved_aside(two_color_run, tmp_path, co
   proc = sample_cli(f"--workdir={workdir}", "--sampler=random_order", "--num_samples=4",
                     "--batch_size=4")
   assert proc.returncode == 0 and "step=300" in proc.stdout, proc.stderr[-2000:]
+
+
+@pytest.mark.xdist_group("two_color_run")
+def test_load_is_quiet_and_self_contained(two_color_run, capfd):
+  import mdjax
+  capfd.readouterr()
+  model = mdjax.load(str(two_color_run))
+  out, err = capfd.readouterr()
+  assert out == "" and err == "", (out, err)
+  assert model.step == 300 and model.tokenizer is None and model.task.name == "two_color"
+  assert model.config.train.num_steps == 300
+  tokens = model.task.empty_canvas(3)
+  logits = model.apply_fn(model.params, tokens, jax.numpy.ones(3))
+  assert logits.shape == (3, model.task.length, model.task.vocab_size)
+  assert mdjax.load(str(two_color_run), step=200).step == 200
+  with pytest.raises(ValueError, match="step=7 is not saved"):
+    mdjax.load(str(two_color_run), step=7)

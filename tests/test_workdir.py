@@ -151,3 +151,29 @@ def test_bad_config_value_names_the_field(tmp_path, field, value):
   message = str(info.value)
   assert f"{field}={value!r}" in message and "must" in message, message
   assert not os.path.exists(tmp_path / "run"), "checked before anything is written"
+
+
+def test_train_cli_errors_are_one_line_and_help_lists_configs(tmp_path):
+  run = lambda *flags: subprocess.run(
+      [sys.executable, os.path.join(REPO, "train.py"), *flags], capture_output=True,
+      text=True, cwd=REPO, timeout=300, env=dict(os.environ, PYTHONPATH=REPO))
+  proc = run("--config=configs/two_color.py", f"--workdir={tmp_path / 'run'}",
+             "--config.train.num_steps=0")
+  assert proc.returncode == 1
+  assert proc.stderr.strip() == ("train.py: error: config field train.num_steps=0: must be "
+                                 "an integer >= 1."), proc.stderr[-2000:]
+  proc = run("--help")
+  assert "configs/two_color.py: Two-color corpus" in proc.stdout, proc.stdout[-3000:]
+  assert "train.num_steps=1000" in proc.stdout and "task_kwargs.text_path=FILE" in proc.stdout
+
+
+def test_tensorboard_logging_is_optional(tmp_path):
+  config = _config(num_steps=5, log_tensorboard=True)
+  try:
+    import tensorboardX  # noqa: F401
+  except ImportError:
+    with pytest.raises(ValueError, match=r"log_tensorboard=True: needs the tensorboardX"):
+      train.train(config, str(tmp_path), log=_quiet)
+    return
+  train.train(config, str(tmp_path), log=_quiet)
+  assert any(n.startswith("events.") for n in os.listdir(tmp_path / "tensorboard"))
