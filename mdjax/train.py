@@ -519,16 +519,17 @@ CONFIG_RANGES = (
 OBJECTIVES = ("nelbo", "mlm", "causal")
 
 
+_ABSENT = object()
+
+
 def _field(config, path: str):
+  """The value at a dotted path, or _ABSENT."""
   node = config
   for name in path.split("."):
     if node is None or name not in node:
       return _ABSENT
     node = node[name]
   return node
-
-
-_ABSENT = object()
 
 
 class ConfigError(ValueError):
