@@ -7,10 +7,19 @@
 Text tasks take --prefix / --suffix (fixed left and right context: prefix-conditioned
 generation or infilling) and --reference=CAUSAL_WORKDIR (generative bits per character of
 the samples under a causal reference model).
+
+Every registered sampler family is a --sampler choice; a flag that does not apply to the
+chosen family is an error. Write orders: --sampler=field_order --order="[VOA][v×9]o×10[ht1]"
+(ScanAndAdd's fields), --sampler=ordered --groups="0,1;2-4;5" (positions per step).
+Localized remasking: --sampler=local_remask --base=confidence --steps=8 --refill=ancestral
+--refill_steps=4 --rounds=2 --window=2. Usage errors are one line on stderr, exit status 2.
 """
 
+import dataclasses
 import json
 import os
+import sys
+import tempfile
 import time
 
 from absl import app, flags, logging
@@ -31,12 +40,11 @@ _SUFFIX = flags.DEFINE_string("suffix", None, "Text fixed at the end (text tasks
 _REFERENCE = flags.DEFINE_string("reference", None,
                                  "Causal reference workdir: adds gen_bits_per_char (text tasks).")
 _NUM_SHOWN = flags.DEFINE_integer("show", 5, "Number of decoded samples printed.")
-_SAMPLER = flags.DEFINE_string(
-    "sampler", "ancestral",
-    "ancestral | confidence | entropy_bounded | remask | random_order | left_to_right | "
-    "speculative | defer | revision.")
-_STEPS = flags.DEFINE_integer("steps", 8, "Number of steps (not for random_order/left_to_right/"
-                              "speculative).")
+_SAMPLER = flags.DEFINE_enum(
+    "sampler", "ancestral", sorted(sampling.families()) + ["left_to_right"],
+    "Sampler family (mdjax.sampling.families(), and left_to_right).")
+_STEPS = flags.DEFINE_integer("steps", 8, "Number of steps (families with steps; local_remask: "
+                              "the base sampler's).")
 _K = flags.DEFINE_integer("k", 4, "Drafts per round (speculative sampler).")
 _TEMPERATURE = flags.DEFINE_float("temperature", None, "Softmax temperature; 0 = argmax.")
 _TOP_K = flags.DEFINE_integer("top_k", None, "Keep the k most likely values.")
@@ -52,6 +60,18 @@ _SCORE_GROUPS = flags.DEFINE_integer("score_groups", None,
                                      "Revision: leave-group-out contexts for visible tokens.")
 _BLOCK = flags.DEFINE_integer("block_length", None,
                               "Semi-autoregressive blocks (ancestral, confidence, entropy_bounded).")
+_ORDER = flags.DEFINE_string("order", None, "Write order notation (field_order), e.g. "
+                             "\"[VOA][v×9]o×10[ht1]\" over the task's fields.")
+_GROUPS = flags.DEFINE_string("groups", None, "Positions written per step (ordered), "
+                              "e.g. \"0,1;2-4;5\".")
+_BASE = flags.DEFINE_string("base", "confidence", "local_remask: the family that fills.")
+_REFILL = flags.DEFINE_string("refill", "ancestral", "local_remask: the family that refills.")
+_REFILL_STEPS = flags.DEFINE_integer("refill_steps", 4, "local_remask: the refill's steps.")
+_ROUNDS = flags.DEFINE_integer("rounds", None, "local_remask: repair rounds.")
+_SEEDS = flags.DEFINE_integer("seeds", None, "local_remask: worst positions per round.")
+_WINDOW = flags.DEFINE_integer("window", None, "local_remask: positions remasked either side.")
+_CONTEXT_FRACTION = flags.DEFINE_float("context_fraction", None,
+                                       "local_remask: random extra fraction remasked.")
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 10_000, "Number of samples.")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
 _OUT = flags.DEFINE_string("out", None, "Directory for samples.jsonl and metrics.json.")
@@ -90,47 +110,126 @@ def reference_bits_per_char(workdir: str, task: tasks.Task, tokens_NxL: np.ndarr
   return float(bits_N.mean() / task.length)
 
 
+# Flags that are fields of a family's spec, passed through by name.
+SPEC_FLAGS = {"steps": _STEPS, "k": _K, "temperature": _TEMPERATURE, "top_k": _TOP_K,
+              "top_p": _TOP_P, "min_p": _MIN_P, "score": _SCORE, "eta": _ETA, "gamma": _GAMMA,
+              "threshold": _THRESHOLD, "score_groups": _SCORE_GROUPS, "block_length": _BLOCK,
+              "rounds": _ROUNDS, "seeds": _SEEDS, "window": _WINDOW,
+              "context_fraction": _CONTEXT_FRACTION}
+DRAW_FLAGS = ("temperature", "top_k", "top_p", "min_p")  # local_remask: its base and refill's
+LOCAL_REMASK_FLAGS = ("steps", "base", "refill", "refill_steps") + DRAW_FLAGS
+SPECIAL_FLAGS = {"field_order": ("order",), "ordered": ("groups",),
+                 "local_remask": LOCAL_REMASK_FLAGS}
+ALL_SAMPLER_FLAGS = set(SPEC_FLAGS) | {f for names in SPECIAL_FLAGS.values() for f in names}
+
+
+def _given(name: str) -> bool:
+  return flags.FLAGS[name].present
+
+
+def _spec_fields(family: str) -> set[str]:
+  name = "ordered" if family == "left_to_right" else family
+  return {f.name for f in dataclasses.fields(sampling.families()[name].spec_type)}
+
+
+def applicable_flags(family: str) -> set[str]:
+  """The sampler flags the family takes."""
+  fields = _spec_fields(family) - {"groups", "fields", "counts", "notation", "base", "refill"}
+  return (fields & set(SPEC_FLAGS)) | set(SPECIAL_FLAGS.get(family, ()))
+
+
+def parse_groups(text: str) -> tuple[tuple[int, ...], ...]:
+  """"0,1;2-4;5" -> ((0, 1), (2, 3, 4), (5,))."""
+  groups = []
+  for group in text.split(";"):
+    positions = []
+    for part in group.split(","):
+      low, _, high = part.strip().partition("-")
+      try:
+        positions.extend(range(int(low), int(high or low) + 1))
+      except ValueError:
+        raise app.UsageError(f"--groups={text!r}: {part!r} is not a position or a range "
+                             "a-b (groups ';'-separated, positions ','-separated).") from None
+    groups.append(tuple(positions))
+  return tuple(groups)
+
+
+def sampler_spec(task: tasks.Task) -> sampling.SamplerSpec:
+  """The spec of --sampler and its flags; a flag that does not apply is a UsageError."""
+  family = _SAMPLER.value
+  allowed = applicable_flags(family)
+  wrong = sorted(n for n in ALL_SAMPLER_FLAGS - allowed if _given(n))
+  if wrong:
+    raise app.UsageError(
+        f"--{wrong[0]} does not apply to --sampler={family}; its flags: "
+        + (", ".join(f"--{n}" for n in sorted(allowed)) or "none") + ".")
+  knobs = {n: SPEC_FLAGS[n].value for n in allowed & set(SPEC_FLAGS)
+           if _given(n) or n in ("steps", "k")}  # required fields: the flag defaults
+  try:
+    if family == "local_remask":
+      draw = {n: knobs.pop(n) for n in DRAW_FLAGS if n in knobs}
+      base = sampling.make_spec(_BASE.value, length=task.length, steps=knobs.pop("steps"),
+                                **draw)
+      refill = sampling.make_spec(_REFILL.value, length=task.length,
+                                  steps=_REFILL_STEPS.value, **draw)
+      return sampling.LocalRemaskSpec(base=base, refill=refill, **knobs)
+    if family == "field_order":
+      fields_of = getattr(tasks.TASKS.get(task.name), "write_order_fields", None)
+      if fields_of is None or task.params is None:
+        raise app.UsageError(f"--sampler=field_order needs a task with named fields "
+                             f"(scan_and_add); --task={task.name} has none.")
+      if not _ORDER.value:
+        raise app.UsageError("--sampler=field_order needs --order=NOTATION, e.g. "
+                             "\"[VOA][v×9]o×10[ht1]\".")
+      return sampling.parse_write_order(_ORDER.value, fields_of(task.params), **knobs)
+    if family == "ordered":
+      if not _GROUPS.value:
+        raise app.UsageError("--sampler=ordered needs --groups, e.g. \"0,1;2-4;5\".")
+      return sampling.OrderedSpec(groups=parse_groups(_GROUPS.value), **knobs)
+    return sampling.make_spec(family, length=task.length, **knobs)
+  except (ValueError, TypeError) as error:
+    raise app.UsageError(str(error)) from error
+
+
+def check_out(out: str) -> None:
+  """--out is (or can be made) a writable directory: checked before anything is sampled."""
+  try:
+    os.makedirs(out, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=out, prefix=".write-test-")
+    os.close(fd)
+    os.remove(probe)
+  except OSError as error:
+    raise app.UsageError(f"--out={out!r} is not a writable directory ({error.strerror or error})."
+                         ) from error
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it reads at INFO
   if bool(_WORKDIR.value) == _ORACLE.value:
     raise app.UsageError("give exactly one of --workdir=DIR and --oracle.")
+  if _OUT.value:
+    check_out(_OUT.value)
   if _WORKDIR.value:
-    from mdjax import train
+    import mdjax
     try:
-      config, apply_fn, params, step = train.load_for_sampling(_WORKDIR.value, _STEP.value)
+      model = mdjax.load(_WORKDIR.value, _STEP.value)
     except ValueError as error:
       raise app.UsageError(str(error)) from error
-    task = tasks.from_config(config)
-    print(f"workdir={_WORKDIR.value} step={step}")
+    task, apply_fn, params = model.task, model.apply_fn, model.params
+    print(f"workdir={_WORKDIR.value} step={model.step}")
   else:
     task = tasks.get(_TASK.value)
     if task.exact_denoiser is None:
       raise app.UsageError(f"--task={task.name} has no exact denoiser (its joint is unknown); "
                            "sample a trained model with --workdir=DIR.")
     apply_fn, params = task.exact_denoiser, None
-  knobs = dict(temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
-               min_p=_MIN_P.value)
-  if _SAMPLER.value == "speculative":
-    knobs["k"] = _K.value
-  elif _SAMPLER.value not in ("random_order", "left_to_right"):
-    knobs["steps"] = _STEPS.value
-  if _SCORE.value is not None:
-    knobs["score"] = _SCORE.value
-  if _ETA.value is not None:
-    knobs["eta"] = _ETA.value
-  for name, flag in (("block_length", _BLOCK), ("threshold", _THRESHOLD), ("gamma", _GAMMA),
-                     ("score_groups", _SCORE_GROUPS)):
-    if flag.value is not None:
-      knobs[name] = flag.value
-  try:
-    spec = sampling.make_spec(_SAMPLER.value, length=task.length, **knobs)
-  except (ValueError, TypeError) as error:
-    raise app.UsageError(str(error)) from error
+  spec = sampler_spec(task)
   for name, value in (("num_samples", _NUM_SAMPLES.value), ("batch_size", _BATCH.value)):
     if value < 1:
       raise app.UsageError(f"--{name}={value} must be >= 1.")
-  canvas = np.array(task.empty_canvas(_BATCH.value))
+  batch_size = min(_BATCH.value, _NUM_SAMPLES.value)
+  canvas = np.array(task.empty_canvas(batch_size))
   if _PROMPT.value:
     try:
       prompt = [int(t) for t in _PROMPT.value.split(",")]
@@ -147,16 +246,23 @@ def main(argv):
   print(f"task={task.name} sampler={spec}")
   start = time.perf_counter()
   batches, nfe = [], 0
-  num_batches = -(-_NUM_SAMPLES.value // _BATCH.value)
+  num_batches = -(-_NUM_SAMPLES.value // batch_size)
   for i in range(num_batches):
-    result = sampling.sample(apply_fn, params, jax.random.fold_in(jax.random.key(_SEED.value), i),
-                             canvas, spec, mask_id=task.mask_id)
+    rows = min(batch_size, _NUM_SAMPLES.value - i * batch_size)  # the last batch: the rest
+    try:
+      result = sampling.sample(apply_fn, params,
+                               jax.random.fold_in(jax.random.key(_SEED.value), i),
+                               canvas[:rows], spec, mask_id=task.mask_id)
+    except (ValueError, TypeError) as error:  # the spec checked against the canvas
+      if i:
+        raise
+      raise app.UsageError(str(error)) from error
     batches.append(np.asarray(result.tokens_BxL))
     nfe += int(result.nfe)
     print(f"\rbatch {i + 1}/{num_batches} [{time.perf_counter() - start:.1f}s]", end="",
           flush=True)
   print()
-  tokens = np.concatenate(batches)[:_NUM_SAMPLES.value]
+  tokens = np.concatenate(batches)
   elapsed = time.perf_counter() - start
   metrics = task.sample_metrics(tokens)
   metrics.update(nfe_per_batch=nfe // num_batches, seconds=round(elapsed, 3))
@@ -168,7 +274,6 @@ def main(argv):
   for name, value in metrics.items():
     print(f"{name:<{width}}  {value}")
   if _OUT.value:
-    os.makedirs(_OUT.value, exist_ok=True)
     with open(os.path.join(_OUT.value, "samples.jsonl"), "w") as f:
       for row in tokens:
         f.write(json.dumps({"tokens": row.tolist(), "text": task.decode(row)}) + "\n")
@@ -176,5 +281,26 @@ def main(argv):
       json.dump(metrics, f, indent=2)
 
 
+def _usage_error(message: str) -> None:
+  """One line on stderr and exit status 2 (absl would print every flag first)."""
+  lines = str(message).strip().splitlines() or [""]
+  print(f"sample.py: error: {lines[0]}", file=sys.stderr)
+  sys.exit(2)
+
+
+def parse_flags(argv):
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as error:
+    _usage_error(str(error))
+
+
+def run(argv):
+  try:
+    main(argv)
+  except app.UsageError as error:
+    _usage_error(str(error))
+
+
 if __name__ == "__main__":
-  app.run(main)
+  app.run(run, flags_parser=parse_flags)

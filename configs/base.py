@@ -17,6 +17,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval_every = 0  # 0: evaluate only at the end
   c.eval_batches = 4
   c.num_eval_samples = 200
+  c.log_tensorboard = False  # also write metrics for TensorBoard (needs tensorboardX)
   c.model = ml_collections.ConfigDict(dict(
       d_model=64, num_layers=2, num_heads=4, d_ff=256, positions="rope", norm="rms",
       mlp="swiglu", time_conditioning=False, causal=False, dtype="float32"))

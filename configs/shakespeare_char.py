@@ -4,6 +4,8 @@ The MD4 NELBO with the linear schedule; whole plays are held out for validation 
 mdjax/tasks/text.py). Another UTF-8 file: --config.task_kwargs.text_path=FILE.
 """
 
+from ml_collections import config_dict
+
 from configs.base import base_config
 
 
@@ -11,6 +13,7 @@ def get_config():
   c = base_config()
   c.task = "text"
   c.task_kwargs.update(corpus="shakespeare", length=64)
+  c.task_kwargs.text_path = config_dict.placeholder(str)  # a UTF-8 file instead of the corpus
   c.objective = "nelbo"
   c.batch_size = 64
   c.model.update(d_model=128, num_layers=4, num_heads=4, d_ff=512, positions="rope")

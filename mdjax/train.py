@@ -9,12 +9,18 @@ sees exactly what an uninterrupted one would; the random streams are named in
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import json
 import math
 import os
+import signal
 import sys
+import tempfile
+import threading
 import time
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -23,6 +29,7 @@ import ml_collections
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+from absl import logging
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -157,97 +164,246 @@ def state_sharding(mesh: Mesh, state: TrainState, fsdp: bool):
 # ----------------------------------------------------------------------------
 
 
-def checkpoint_manager(workdir: str, config) -> ocp.CheckpointManager:
-  options = ocp.CheckpointManagerOptions(
-      max_to_keep=config.checkpoint.keep, create=True, enable_async_checkpointing=False)
-  return ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
-                               options=options)
+CORRUPT_DIR = "checkpoints_corrupt"  # unreadable checkpoints are moved here, never deleted
+
+
+class CheckpointMismatch(ValueError):
+  """A readable checkpoint of another model, task or tokenizer than the config asks for."""
+
+
+@contextlib.contextmanager
+def quiet_orbax():
+  """Silences orbax's informational warnings (read-only managers, unrestored items) in scope."""
+  level = logging.get_verbosity()
+  logging.set_verbosity(logging.ERROR)
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      yield
+  finally:
+    logging.set_verbosity(level)
+
+
+def _item_handlers():
+  return {"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
+          "task": ocp.JsonCheckpointHandler()}
+
+
+def checkpoint_manager(workdir: str, config=None, read_only: bool = False
+                       ) -> ocp.CheckpointManager:
+  """The workdir's orbax manager (writes go to a temporary dir, then a rename: atomic)."""
+  with quiet_orbax():
+    if read_only:
+      options = ocp.CheckpointManagerOptions(read_only=True)
+    else:
+      options = ocp.CheckpointManagerOptions(
+          max_to_keep=config.checkpoint.keep, create=True, enable_async_checkpointing=False)
+    return ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
+                                 options=options, item_handlers=_item_handlers())
 
 
 def save(manager: ocp.CheckpointManager, state: TrainState, config, task: tasks.Task) -> None:
   """Saves state, config and task metadata; orbax writes to a temporary dir, then renames."""
   step = int(state.step)
-  manager.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict()),
-      task=ocp.args.JsonSave(task.checkpoint_metadata())), force=True)
-  manager.wait_until_finished()
-
-
-def _restore_task_metadata(manager: ocp.CheckpointManager, step: int) -> dict:
-  """The saved task metadata ({} for checkpoints written before it was saved)."""
-  if "task" not in (manager.item_metadata(step) or {}):
-    return {}
-  return manager.restore(step, args=ocp.args.Composite(task=ocp.args.JsonRestore()))["task"]
+  with quiet_orbax():
+    manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict()),
+        task=ocp.args.JsonSave(task.checkpoint_metadata())), force=True)
+    manager.wait_until_finished()
 
 
 def _check_model_matches(saved: dict, config, step: int) -> None:
   saved_model, model = saved.get("model", {}), config.model.to_dict()
   diffs = {k: (saved_model.get(k), v) for k, v in model.items() if saved_model.get(k) != v}
+  saved_kwargs = {k: v for k, v in (saved.get("task_kwargs") or {}).items() if v is not None}
   for name, saved_value, value in (("task", saved.get("task"), config.task),
-                                   ("task_kwargs", saved.get("task_kwargs") or {},
-                                    tasks.kwargs_of(config))):
+                                   ("task_kwargs", saved_kwargs, tasks.kwargs_of(config))):
     if saved_value != value:
       diffs[name] = (saved_value, value)
   if diffs:
-    raise ValueError(
+    raise CheckpointMismatch(
         f"checkpoint step {step} holds a model of another shape or task: (saved, requested) = "
         f"{diffs}. Use another workdir or the saved config.")
 
 
-def restore_latest(manager: ocp.CheckpointManager, abstract_state: TrainState, config,
-                   task: tasks.Task, log=print) -> TrainState | None:
-  """The newest restorable checkpoint, falling back past corrupt ones."""
-  for step in sorted(manager.all_steps(), reverse=True):
+def _summary(error: BaseException) -> str:
+  """One line of an error: its type and the start of its first line (no TensorStore dump)."""
+  lines = str(error).strip().splitlines()
+  text = lines[0] if lines else ""
+  return f"{type(error).__name__}: {text[:160]}{'...' if len(text) > 160 else ''}"
+
+
+def _read_json(manager, step: int, name: str) -> dict:
+  return manager.restore(step, args=ocp.args.Composite(**{name: ocp.args.JsonRestore()}))[name]
+
+
+def _read_step(manager, step: int, abstract_for: Callable[[int, dict, dict], Any]):
+  """(config dict, task metadata, state) of a step; any unreadable part raises."""
+  with quiet_orbax():
+    saved_config = _read_json(manager, step, "config")
+    items = manager.item_metadata(step) or {}
+    saved_task = _read_json(manager, step, "task") if "task" in items else {}
+    abstract = abstract_for(step, saved_config, saved_task)
+    if items.get("state") is None:
+      raise FileNotFoundError("the state's metadata is missing")
+    saved = sorted(tuple(m.shape) for m in jax.tree.leaves(items["state"]))
+    wanted = sorted(tuple(x.shape) for x in jax.tree.leaves(abstract))
+    if saved != wanted:  # readable, but another state (e.g. EMA parameters on or off)
+      raise CheckpointMismatch(
+          f"checkpoint step {step} does not fit the model: it holds {len(saved)} arrays, the "
+          f"config's state {len(wanted)} (or other shapes). Use another workdir or the saved "
+          "config.")
+    state = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract)))["state"]
+  return saved_config, saved_task, state
+
+
+def _drop_late_read_callbacks() -> None:
+  """Hides the 'Event loop is closed' errors of reads still in flight when a restore failed.
+
+  TensorStore completes the other reads of a failed restore on its own threads after orbax
+  has closed the event loop; each reports an unraisable RuntimeError (dozens of tracebacks
+  that say nothing about the checkpoint). Only that exact error is dropped.
+  """
+  previous = sys.unraisablehook
+  if getattr(previous, "_mdjax_drops_closed_loop", False):
+    return
+
+  def hook(unraisable):
+    error = unraisable.exc_value
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+      return
+    previous(unraisable)
+
+  hook._mdjax_drops_closed_loop = True
+  sys.unraisablehook = hook
+
+
+def _set_aside(manager: ocp.CheckpointManager, step: int) -> str:
+  """Moves an unreadable step to workdir/checkpoints_corrupt/<step>-<time>; returns the path."""
+  checkpoints = os.fspath(manager.directory)
+  aside = os.path.join(os.path.dirname(checkpoints), CORRUPT_DIR)
+  os.makedirs(aside, exist_ok=True)
+  target = os.path.join(aside, f"{step}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+  os.rename(os.path.join(checkpoints, str(step)), target)
+  with quiet_orbax():
+    manager.reload()
+  return target
+
+
+def _step_dirs(manager: ocp.CheckpointManager) -> list[int]:
+  """Every finished step folder, listed by orbax or not (an emptied folder is not listed)."""
+  checkpoints = os.fspath(manager.directory)
+  on_disk = {int(n) for n in os.listdir(checkpoints) if n.isdigit()} if os.path.isdir(
+      checkpoints) else set()
+  return sorted(on_disk | set(manager.all_steps()), reverse=True)
+
+
+def _newest_readable(manager, abstract_for, log, move_aside: bool, steps=None):
+  """(step, config, task metadata, state) of the newest readable step, or None.
+
+  Unreadable steps are reported in one line each and, with `move_aside`, moved to
+  workdir/checkpoints_corrupt (kept for inspection, out of the manager's way).
+  """
+  for step in (_step_dirs(manager) if steps is None else steps):
     try:
-      saved_config = manager.restore(step, args=ocp.args.Composite(
-          config=ocp.args.JsonRestore()))["config"]
-    except Exception as error:  # a truncated or corrupt checkpoint
-      log(f"checkpoint step {step} is unreadable ({type(error).__name__}: {error}); "
-          "trying the previous one.")
-      continue
-    _check_model_matches(saved_config, config, step)
-    saved_task = _restore_task_metadata(manager, step)
-    if saved_task and saved_task != task.checkpoint_metadata():
-      raise ValueError(
-          f"checkpoint step {step} was trained with another tokenizer: saved {saved_task}, "
-          f"now {task.checkpoint_metadata()}. Use another workdir or the saved corpus.")
-    try:
-      restored = manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state)))["state"]
-    except ValueError as error:
-      if "shape" in str(error).lower():
-        raise ValueError(f"checkpoint step {step} does not fit the model: {error}") from error
-      log(f"checkpoint step {step} is unreadable ({error}); trying the previous one.")
-      continue
-    except Exception as error:
-      log(f"checkpoint step {step} is unreadable ({type(error).__name__}: {error}); "
-          "trying the previous one.")
-      continue
-    return restored
+      return (step, *_read_step(manager, step, abstract_for))
+    except CheckpointMismatch:
+      raise
+    except Exception as error:  # truncated, deleted or empty: the step cannot be read
+      _drop_late_read_callbacks()
+      if move_aside:
+        where = f"moved to {_set_aside(manager, step)}"
+      else:
+        where = "left in place"
+      log(f"checkpoint step {step} is unreadable ({_summary(error)}); {where}; "
+          "using the previous one.")
   return None
 
 
-def load_for_sampling(workdir: str, step: int | None = None):
-  """(config, apply_fn, params) of a trained workdir (EMA params when kept)."""
-  manager = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
-                                  options=ocp.CheckpointManagerOptions(read_only=True))
-  steps = manager.all_steps()
-  if not steps:
+def restore_latest(manager: ocp.CheckpointManager, abstract_state: TrainState, config,
+                   task: tasks.Task, log=print, move_aside: bool = True) -> TrainState | None:
+  """The newest readable checkpoint (unreadable newer ones moved aside), or None."""
+
+  def abstract_for(step, saved_config, saved_task):
+    _check_model_matches(saved_config, config, step)
+    if saved_task and saved_task != task.checkpoint_metadata():
+      raise CheckpointMismatch(
+          f"checkpoint step {step} was trained with another tokenizer: saved {saved_task}, "
+          f"now {task.checkpoint_metadata()}. Use another workdir or the saved corpus.")
+    return abstract_state
+
+  found = _newest_readable(manager, abstract_for, log, move_aside)
+  return None if found is None else found[-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """A trained denoiser loaded from a workdir (`mdjax.load`).
+
+  `apply_fn(params, tokens_BxL, t_B) -> logits_BxLxV` is the denoiser contract; `params`
+  are the EMA parameters when the run kept them. `task` is rebuilt from the saved config and
+  tokenizer (no corpus file needed: a text task without its corpus samples and decodes, but
+  has no training data). `tokenizer` is the task's (None for synthetic tasks).
+  """
+
+  config: ml_collections.ConfigDict
+  apply_fn: Callable
+  params: Any
+  task: tasks.Task
+  step: int
+  workdir: str
+
+  @property
+  def tokenizer(self):
+    return self.task.tokenizer
+
+
+def _warn(message: str) -> None:
+  print(message, file=sys.stderr, flush=True)
+
+
+def load(workdir: str, step: int | None = None, log: Callable[[str], None] = _warn) -> Model:
+  """The trained model of a workdir: its newest readable checkpoint, or `step`.
+
+  Reads only (a read-only workdir is fine); an unreadable newest checkpoint is reported in
+  one line through `log` and the previous one is used. Orbax's own warnings are silenced.
+  """
+  if not os.path.isdir(os.path.join(workdir, "checkpoints")):
     raise ValueError(f"workdir={workdir!r} holds no checkpoint.")
-  step = max(steps) if step is None else step
-  if step not in steps:
-    raise ValueError(f"step={step} is not saved in {workdir!r}; saved steps: {sorted(steps)}.")
-  config = ml_collections.ConfigDict(manager.restore(step, args=ocp.args.Composite(
-      config=ocp.args.JsonRestore()))["config"])
-  # The saved tokenizer decides the ids, whatever the corpus files hold today.
-  config.task_kwargs.update(_restore_task_metadata(manager, step))
-  mesh = make_mesh(1)
-  abstract, graphdef, apply_fn, _ = init_state(config, mesh, tasks.from_config(config))
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract)
-  state = manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(abstract)))["state"]
+  manager = checkpoint_manager(workdir, read_only=True)
+  saved_steps = _step_dirs(manager)
+  if not saved_steps:
+    raise ValueError(f"workdir={workdir!r} holds no checkpoint.")
+  if step is not None and step not in saved_steps:
+    raise ValueError(f"step={step} is not saved in {workdir!r}; saved steps: "
+                     f"{sorted(saved_steps)}.")
+  built = {}
+
+  def abstract_for(step, saved_config, saved_task):
+    config = ml_collections.ConfigDict(saved_config)
+    # The saved tokenizer decides the ids, whatever the corpus files hold today.
+    config.task_kwargs.update(saved_task)
+    task = tasks.from_config(config)
+    state, _, apply_fn, _ = init_state(config, make_mesh(1), task)
+    built.update(config=config, task=task, apply_fn=apply_fn)
+    return jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+
+  found = _newest_readable(manager, abstract_for, log, move_aside=False,
+                           steps=None if step is None else [step])
+  if found is None:
+    raise ValueError(f"workdir={workdir!r}: no readable checkpoint"
+                     + (f" at step {step}." if step is not None else "."))
+  step, _, _, state = found
   params = state.ema_params if state.ema_params is not None else state.params
-  return config, apply_fn, params, step
+  return Model(config=built["config"], apply_fn=built["apply_fn"], params=params,
+               task=built["task"], step=step, workdir=workdir)
+
+
+def load_for_sampling(workdir: str, step: int | None = None):
+  """(config, apply_fn, params, step) of a trained workdir: `mdjax.load` as a tuple."""
+  model = load(workdir, step)
+  return model.config, model.apply_fn, model.params, model.step
 
 
 # ----------------------------------------------------------------------------
@@ -327,12 +483,262 @@ def sample_and_score(config, task: tasks.Task, apply_fn, params) -> dict:
   return {f"sample_{k}": v for k, v in task.sample_metrics(np.asarray(out.tokens_BxL)).items()}
 
 
+# ----------------------------------------------------------------------------
+# Config checks, the workdir lock, interruption, the metrics file.
+# ----------------------------------------------------------------------------
+
+
+def _integer(low):
+  return (lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= low,
+          f"must be an integer >= {low}")
+
+
+def _number(test, allowed):
+  return (lambda v: isinstance(v, (int, float, np.number)) and not isinstance(v, bool)
+          and math.isfinite(v) and test(v), f"must be a finite number {allowed}")
+
+
+# Every numeric field a config may set: (field, (test, what is allowed)). Absent optional
+# fields are skipped.
+CONFIG_RANGES = (
+    ("seed", _integer(0)), ("batch_size", _integer(1)), ("num_devices", _integer(0)),
+    ("log_every", _integer(1)), ("eval_every", _integer(0)), ("eval_batches", _integer(1)),
+    ("num_eval_samples", _integer(0)),
+    ("model.d_model", _integer(1)), ("model.num_layers", _integer(1)),
+    ("model.num_heads", _integer(1)), ("model.d_ff", _integer(1)),
+    ("train.num_steps", _integer(1)), ("train.lr", _number(lambda v: v > 0, "> 0")),
+    ("train.lr_floor", _number(lambda v: 0 <= v <= 1, "in [0, 1]")),
+    ("train.warmup_steps", _integer(0)),
+    ("train.b1", _number(lambda v: 0 <= v < 1, "in [0, 1)")),
+    ("train.b2", _number(lambda v: 0 <= v < 1, "in [0, 1)")),
+    ("train.weight_decay", _number(lambda v: v >= 0, ">= 0")),
+    ("train.grad_clip", _number(lambda v: v > 0, "> 0")),
+    ("train.ema_decay", _number(lambda v: 0 <= v < 1, "in [0, 1)")),
+    ("checkpoint.every", _integer(1)), ("checkpoint.keep", _integer(1)),
+)
+OBJECTIVES = ("nelbo", "mlm", "causal")
+
+
+_ABSENT = object()
+
+
+def _field(config, path: str):
+  """The value at a dotted path, or _ABSENT."""
+  node = config
+  for name in path.split("."):
+    if node is None or name not in node:
+      return _ABSENT
+    node = node[name]
+  return node
+
+
+class ConfigError(ValueError):
+  """A config value out of its range (the message names the field)."""
+
+
+def check_config(config) -> None:
+  """Range checks of every numeric field: a ValueError naming the field, its value and what
+  is allowed. Runs before anything is built, compiled or written."""
+
+  def refuse(path, value, allowed):
+    raise ConfigError(f"config field {path}={value!r}: {allowed}.")
+
+  for path, (test, allowed) in CONFIG_RANGES:
+    value = _field(config, path)
+    if value is not _ABSENT and not test(value):
+      refuse(path, value, allowed)
+  heads, width = config.model.num_heads, config.model.d_model
+  if width % heads:
+    refuse("model.num_heads", heads, f"must divide model.d_model={width}")
+  steps = _field(config, "sampler.steps")
+  if steps is not _ABSENT and steps is not None and not _integer(1)[0](steps):
+    refuse("sampler.steps", steps, "must be an integer >= 1 (or None for families without)")
+  if config.objective not in OBJECTIVES:
+    refuse("objective", config.objective, f"must be one of {OBJECTIVES}")
+  tensorboard = _field(config, "log_tensorboard")
+  if tensorboard is not _ABSENT and not isinstance(tensorboard, bool):
+    refuse("log_tensorboard", tensorboard, "must be True or False")
+  if tensorboard is True:
+    try:
+      import tensorboardX  # noqa: F401
+    except ImportError:
+      refuse("log_tensorboard", tensorboard,
+             "needs the tensorboardX package (pip install 'mdjax[tensorboard]')")
+
+
+class WorkdirBusy(RuntimeError):
+  """Another process trains in this workdir."""
+
+
+class WorkdirLock:
+  """An exclusive lock on a workdir (fcntl.flock on workdir/train.lock, holding the pid).
+
+  The kernel drops the lock when its process dies, so a lock left by a dead process is
+  simply taken over; a live holder makes a second run stop at once.
+  """
+
+  def __init__(self, workdir: str, log=print):
+    self.path, self.log, self.fd = os.path.join(workdir, "train.lock"), log, None
+
+  def __enter__(self):
+    import fcntl
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    previous = os.read(fd, 200).decode(errors="replace").split()
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+      os.close(fd)
+      holder = f"pid {previous[0]}" if previous else "another process"
+      raise WorkdirBusy(
+          f"workdir={os.path.dirname(self.path)!r} is in use by {holder} (lock "
+          f"{self.path}); wait for it to finish, or stop it (SIGTERM saves a checkpoint)."
+      ) from None
+    if previous:
+      self.log(f"taking over the workdir lock of pid {previous[0]} (no longer running)")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} {os.uname().nodename}\n".encode(), 0)
+    self.fd = fd
+    return self
+
+  def __exit__(self, *exc):
+    os.ftruncate(self.fd, 0)  # the file stays: removing it would race with a new holder
+    os.close(self.fd)
+
+
+class Interrupts:
+  """SIGTERM and SIGINT (Ctrl-C) set `signal_name`; the loop saves and stops at a step's end.
+
+  A second signal restores the previous handlers and is handled by them (a second Ctrl-C
+  stops at once). Handlers are only installed from the main thread.
+  """
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.signal_name, self.previous = None, {}
+
+  def _handle(self, signum, frame):
+    del frame
+    self.signal_name = signal.Signals(signum).name
+    self._restore()
+
+  def _restore(self):
+    for signum, handler in self.previous.items():
+      signal.signal(signum, handler)
+    self.previous = {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+    return self
+
+  def __exit__(self, *exc):
+    self._restore()
+
+
+def _keep_metrics_through(path: str, step: int) -> None:
+  """Drops metrics rows past `step` (written after the checkpoint a run resumes from)."""
+  if not os.path.exists(path):
+    return
+  kept = []
+  with open(path) as f:
+    for line in f:
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:  # a row cut short by a kill
+        continue
+      if row.get("step", 0) <= step:
+        kept.append(line if line.endswith("\n") else line + "\n")
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.writelines(kept)
+  os.replace(tmp, path)
+
+
+class MetricsLog:
+  """metrics.jsonl, one row per line, flushed as written; TensorBoard too when asked."""
+
+  def __init__(self, workdir: str, tensorboard: bool):
+    self.file = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    self.writer = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter
+      self.writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+  def write(self, row: dict) -> None:
+    self.file.write(json.dumps(row) + "\n")
+    self.file.flush()
+    if self.writer is not None:
+      for name, value in row.items():
+        if name != "step" and isinstance(value, (int, float)):
+          self.writer.add_scalar(name, value, row["step"])
+      self.writer.flush()
+
+  def close(self) -> None:
+    self.file.close()
+    if self.writer is not None:
+      self.writer.close()
+
+
+def _writable(path: str) -> bool:
+  """Whether files can be created in `path` (tried: permission bits are not the whole story)."""
+  try:
+    fd, name = tempfile.mkstemp(dir=path, prefix=".write-test-")
+  except OSError:
+    return False
+  os.close(fd)
+  os.remove(name)
+  return True
+
+
+def _finished_read_only(config, workdir: str, log) -> TrainState:
+  """A read-only workdir: its finished state, or a PermissionError before anything is built."""
+  num_steps = config.train.num_steps
+  steps = []
+  if os.path.isdir(os.path.join(workdir, "checkpoints")):
+    steps = _step_dirs(checkpoint_manager(workdir, read_only=True))
+  if num_steps not in steps:
+    raise PermissionError(
+        f"workdir={workdir!r} is not writable; training to step {num_steps} needs to write "
+        f"checkpoints there (saved steps: {sorted(steps)}). Sampling and evaluation only read "
+        "it; train in a writable copy.")
+  mesh = make_mesh(config.get("num_devices") or None)
+  task = tasks.from_config(config)
+  state, *_ = init_state(config, mesh, task)
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+  manager = checkpoint_manager(workdir, read_only=True)
+  found = _newest_readable(manager, lambda *_: abstract, log, move_aside=False,
+                           steps=[num_steps])
+  if found is None:
+    raise PermissionError(f"workdir={workdir!r} is not writable and its step {num_steps} is "
+                          "unreadable.")
+  return found[-1]
+
+
 def train(config, workdir: str, log=print) -> TrainState:
-  """Trains (or resumes) the configured job in `workdir`; returns the final state."""
-  os.makedirs(workdir, exist_ok=True)
+  """Trains (or resumes) the configured job in `workdir`; returns the final state.
+
+  Checks the config first (`check_config`), then locks the workdir (`WorkdirLock`).
+  SIGTERM or Ctrl-C saves a checkpoint at the current step and returns (see `Interrupts`).
+  A read-only workdir holding the finished run is only read.
+  """
+  check_config(config)
+  if os.path.isdir(workdir) and not _writable(workdir):
+    return _finished_read_only(config, workdir, log)
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as error:
+    raise PermissionError(f"workdir={workdir!r} cannot be created: {error}") from error
+  if jax.process_index() != 0:
+    return _train(config, workdir, log, Interrupts())
+  with WorkdirLock(workdir, log), Interrupts() as interrupts:
+    return _train(config, workdir, log, interrupts)
+
+
+def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
   mesh = make_mesh(config.get("num_devices") or None)
   if config.batch_size % mesh.shape["data"]:
-    raise ValueError(f"batch_size={config.batch_size} must be divisible by the "
+    raise ConfigError(f"config field batch_size={config.batch_size}: must be divisible by the "
                      f"{mesh.shape['data']} devices of the mesh.")
   task = tasks.from_config(config)
   state, graphdef, apply_fn, shardings = init_state(config, mesh, task)
@@ -343,6 +749,7 @@ def train(config, workdir: str, log=print) -> TrainState:
   if restored is not None:
     state = jax.device_put(restored, shardings)
     log(f"resumed from step {int(state.step)}")
+  saved_step = int(state.step) if restored is not None else None
   clock = TrainClock(workdir, int(state.step))
   loss_fn = make_loss_fn(config, apply_fn, task)
   optimizer = make_optimizer(config.train)
@@ -360,6 +767,9 @@ def train(config, workdir: str, log=print) -> TrainState:
   num_steps = config.train.num_steps
   progress = _Progress(num_steps, int(state.step))
   metrics_path = os.path.join(workdir, "metrics.jsonl")
+  # Rows past the restored step were written after its checkpoint: the resumed run
+  # writes them again, so every step is logged exactly once.
+  _keep_metrics_through(metrics_path, int(state.step))
   pending = None  # metrics of the previous step: fetched one step late (async dispatch)
   tty = sys.stdout.isatty()
 
@@ -374,13 +784,14 @@ def train(config, workdir: str, log=print) -> TrainState:
   def report(step_metrics, step):
     host = flush(step_metrics, step)
     if step % config.log_every == 0 or step == num_steps:
-      metrics_file.write(json.dumps({"step": step, **host}) + "\n")
+      metrics.write({"step": step, **host})
       line = progress.line(step, host["loss"])
       print("\r" + line if tty else line, end="" if tty else "\n", flush=True)
 
-  with open(metrics_path, "a") as metrics_file:
+  metrics = MetricsLog(workdir, bool(config.get("log_tensorboard", False)))
+  try:
     step = int(state.step)
-    while step < num_steps:
+    while step < num_steps and interrupts.signal_name is None:
       x = jax.device_put(batch_for_step(config, step, task),
                          NamedSharding(mesh, PartitionSpec("data")))
       state, step_metrics = step_fn(state, x)
@@ -395,17 +806,25 @@ def train(config, workdir: str, log=print) -> TrainState:
       if save_now:
         save(manager, state, config, task)
         clock.save(step)
+        saved_step = step
       if eval_now:
         params = state.ema_params if state.ema_params is not None else state.params
         record = {"step": step, **evaluate(config, task, params, eval_loss)}
         if config.objective != "causal" and config.num_eval_samples:
           record.update(sample_and_score(config, task, apply_fn, params))
-        metrics_file.write(json.dumps(record) + "\n")
-        metrics_file.flush()
+        metrics.write(record)
         log(("\n" if tty else "") + "eval " + " ".join(
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
     if pending is not None:
       report(*pending)
+    if interrupts.signal_name is not None:
+      if saved_step != step:
+        save(manager, state, config, task)
+        clock.save(step)
+      log(("\n" if tty else "") + f"{interrupts.signal_name}: checkpoint saved at step {step} "
+          f"of {num_steps} in {workdir}/checkpoints; the same command resumes.")
+  finally:
+    metrics.close()
   return state
 
 

@@ -182,7 +182,9 @@ def test_nelbo_estimate_of_the_exact_two_color_denoiser():
 def test_sample_cli_infills_between_fixed_context(trained, tmp_path, sampler, sample_cli):
   root, _ = trained
   out = tmp_path / "out"
-  proc = sample_cli(f"--workdir={root / 'char'}", f"--sampler={sampler}", "--steps=4",
+  # --steps only where the family has steps: a flag that does not apply is an error.
+  steps = [] if sampler in ("random_order", "left_to_right", "speculative") else ["--steps=4"]
+  proc = sample_cli(f"--workdir={root / 'char'}", f"--sampler={sampler}", *steps,
                     "--prefix=Thou ", "--suffix=love.", "--num_samples=6", "--batch_size=3",
                     f"--reference={root / 'causal'}", f"--out={out}")
   assert proc.returncode == 0, proc.stderr[-2000:]
@@ -243,3 +245,44 @@ def test_text_quality_experiment_schema(trained, tmp_path, monkeypatch):
     assert row["calls"] <= row["K"]
   held_out = data["references"][0]
   assert held_out["sampler"] == "held-out text" and held_out["word_validity"] > 0.9
+
+
+# ----------------------------------------------------------------------------
+# One's own text: the config override, any character, sampling without the corpus.
+# ----------------------------------------------------------------------------
+
+
+def test_text_path_override_any_character_and_sampling_without_the_corpus(
+    tmp_path, sample_cli, monkeypatch):
+  from absl import flags
+  from ml_collections import config_flags
+
+  import mdjax
+  corpus = _write_corpus(tmp_path / "own.txt", first_line="Thou · art · the king.\n")
+  # --config.task_kwargs.text_path=FILE on the locked config, as train.py parses it.
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "", flag_values=values, lock_config=True)
+  argv = ["train.py", f"--config={ROOT}/configs/shakespeare_char.py",
+          f"--config.task_kwargs.text_path={corpus}"]
+  monkeypatch.setattr(sys, "argv", argv)  # config_flags reads its overrides from sys.argv
+  values(argv)
+  assert values.config.task_kwargs.text_path == corpus
+  # "·" is an ordinary character of the corpus; masks then show as another one.
+  task = tasks.get("text", {"text_path": corpus, "length": 16})
+  assert "·" in task.tokenizer.vocab
+  assert task.decode(task.encode("art · the")) == "art · the"
+  assert task.tokenizer.mask_char not in task.tokenizer.vocab
+  assert task.decode([task.mask_id]) == task.tokenizer.mask_char
+  # A checkpoint samples and decodes with the corpus file gone: the tokenizer is saved.
+  c = tiny_config(corpus)
+  c.train.num_steps, c.checkpoint.every = 15, 15
+  train.train(c, str(tmp_path / "run"), log=lambda *a: None)
+  os.remove(corpus)
+  model = mdjax.load(str(tmp_path / "run"))
+  assert model.tokenizer.vocab == task.tokenizer.vocab and model.step == 15
+  proc = sample_cli(f"--workdir={tmp_path / 'run'}", "--prefix=Thou ·", "--num_samples=3",
+                    "--batch_size=3", "--steps=4")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert proc.stdout.count("--- Thou ·") == 3
+  with pytest.raises(ValueError, match="corpus.*not available"):
+    model.task.sample_data(jax.random.key(0), 2)

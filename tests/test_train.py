@@ -220,3 +220,82 @@ def test_every_config_builds_and_traces_a_train_step(name):  # (bench_*: samplin
   assert x.shape == (config.batch_size, task.length)
   loss, _ = jax.eval_shape(loss_fn, state.params, jax.random.key(0), x)
   assert loss.shape == ()
+
+
+# ----------------------------------------------------------------------------
+# Recovery from an unreadable newest checkpoint (train.py and sample.py alike).
+# ----------------------------------------------------------------------------
+
+
+def _truncate_data(step_dir):
+  for root, _, files in os.walk(step_dir / "state"):
+    for name in files:
+      if name not in ("_METADATA", "commit_success.txt", "_CHECKPOINT_METADATA"):
+        open(os.path.join(root, name), "w").close()
+
+
+def _delete_data(step_dir):
+  for root, _, files in os.walk(step_dir / "state"):
+    if os.path.basename(root) == "d":
+      for name in files:
+        os.remove(os.path.join(root, name))
+
+
+def _empty(step_dir):
+  shutil.rmtree(step_dir)
+  step_dir.mkdir()
+
+
+CORRUPTIONS = {
+    "truncated_data": _truncate_data,
+    "deleted_data": _delete_data,
+    "deleted_state_metadata": lambda d: os.remove(d / "state" / "_METADATA"),
+    "deleted_config_metadata": lambda d: os.remove(d / "config" / "metadata"),
+    "empty_folder": _empty,
+}
+
+
+@pytest.mark.xdist_group("two_color_run")
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def test_unreadable_newest_checkpoint_is_moved_aside(two_color_run, tmp_path, corruption,
+                                                     sample_cli):
+  import mdjax
+  workdir = _copy(two_color_run, tmp_path)
+  CORRUPTIONS[corruption](workdir / "checkpoints" / "300")
+  # Sampling falls back to step 200 and leaves the workdir as it is.
+  model = mdjax.load(str(workdir))
+  assert model.step == 200
+  proc = sample_cli(f"--workdir={workdir}", "--sampler=random_order", "--num_samples=4",
+                    "--batch_size=4")
+  assert proc.returncode == 0 and "step=200" in proc.stdout, proc.stderr[-2000:]
+  warning = [line for line in proc.stderr.splitlines() if "step 300" in line]
+  assert len(warning) == 1 and "unreadable" in warning[0], proc.stderr
+  # Training moves it aside (kept, not deleted), resumes from 200 and finishes.
+  messages = []
+  train.train(_config(num_steps=300), str(workdir), log=messages.append)
+  unreadable = [m for m in messages if "step 300" in m and "unreadable" in m]
+  assert len(unreadable) == 1 and "\n" not in unreadable[0] and len(unreadable[0]) < 400
+  aside = os.listdir(workdir / "checkpoints_corrupt")
+  assert len(aside) == 1 and aside[0].startswith("300-"), aside
+  assert any("resumed from step 200" in m for m in messages), messages
+  assert mdjax.load(str(workdir)).step == 300
+  proc = sample_cli(f"--workdir={workdir}", "--sampler=random_order", "--num_samples=4",
+                    "--batch_size=4")
+  assert proc.returncode == 0 and "step=300" in proc.stdout, proc.stderr[-2000:]
+
+
+@pytest.mark.xdist_group("two_color_run")
+def test_load_is_quiet_and_self_contained(two_color_run, capfd):
+  import mdjax
+  capfd.readouterr()
+  model = mdjax.load(str(two_color_run))
+  out, err = capfd.readouterr()
+  assert out == "" and err == "", (out, err)
+  assert model.step == 300 and model.tokenizer is None and model.task.name == "two_color"
+  assert model.config.train.num_steps == 300
+  tokens = model.task.empty_canvas(3)
+  logits = model.apply_fn(model.params, tokens, jax.numpy.ones(3))
+  assert logits.shape == (3, model.task.length, model.task.vocab_size)
+  assert mdjax.load(str(two_color_run), step=200).step == 200
+  with pytest.raises(ValueError, match="step=7 is not saved"):
+    mdjax.load(str(two_color_run), step=7)

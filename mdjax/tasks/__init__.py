@@ -21,9 +21,10 @@ def get(name: str, task_kwargs: dict | None = None) -> Task:
 
 
 def kwargs_of(config) -> dict:
-  """A training config's task parameters as a plain dict ({} when it has none)."""
+  """A training config's task parameters as a plain dict, unset (None) ones left out."""
   kwargs = config.get("task_kwargs")
-  return dict(kwargs.to_dict() if hasattr(kwargs, "to_dict") else kwargs or {})
+  kwargs = dict(kwargs.to_dict() if hasattr(kwargs, "to_dict") else kwargs or {})
+  return {k: v for k, v in kwargs.items() if v is not None}  # None: the task's default
 
 
 def from_config(config, metadata: dict | None = None) -> Task:

@@ -36,7 +36,9 @@ from mdjax.tasks.base import Task
 SHAKESPEARE = "shakespeare"
 # About 10% of the 5.06M characters; every character of these plays also occurs in the rest.
 DEFAULT_HELDOUT = ("hamlet", "julius_caesar", "tempest", "twelfth_night")
-MASK_CHAR = "\u00b7"  # how a still-masked position is shown in decoded text
+MASK_CHAR = "\u00b7"  # how a still-masked position is shown in decoded text...
+# ...unless the corpus holds it: then the first of these it does not hold.
+MASK_CHAR_CHOICES = (MASK_CHAR, "\u2591", "\u25a1", "\ufffd", "_", "?", "#", "\x00")
 _WORD = re.compile(r"[A-Za-z]+(?:'[A-Za-z]+)*")
 
 
@@ -47,19 +49,23 @@ _WORD = re.compile(r"[A-Za-z]+(?:'[A-Za-z]+)*")
 
 @dataclasses.dataclass(frozen=True)
 class CharTokenizer:
-  """Characters <-> ids 0..V-1 (sorted); the mask id is V."""
+  """Characters <-> ids 0..V-1 (sorted); the mask id is V, shown as `mask_char`."""
 
   vocab: str
 
   def __post_init__(self):
     if not self.vocab or len(set(self.vocab)) != len(self.vocab):
       raise ValueError(f"vocab={self.vocab!r} must be a non-empty string of distinct characters.")
-    if MASK_CHAR in self.vocab:
-      raise ValueError(f"vocab must not hold {MASK_CHAR!r}: it shows masked positions.")
 
   @classmethod
   def from_text(cls, text: str) -> "CharTokenizer":
     return cls("".join(sorted(set(text))))
+
+  @functools.cached_property
+  def mask_char(self) -> str:
+    """How a masked position shows in decoded text: a character outside the vocabulary."""
+    return next(c for c in MASK_CHAR_CHOICES + tuple(map(chr, range(0xE000, 0xF900)))
+                if c not in self.vocab)
 
   @property
   def size(self) -> int:
@@ -85,8 +91,8 @@ class CharTokenizer:
     return order[where].astype(np.int32)
 
   def decode(self, ids) -> str:
-    """Text of `ids`; the mask id (and anything out of range) shows as MASK_CHAR."""
-    return "".join(self.vocab[i] if 0 <= i < self.size else MASK_CHAR
+    """Text of `ids`; the mask id (and anything out of range) shows as `mask_char`."""
+    return "".join(self.vocab[i] if 0 <= i < self.size else self.mask_char
                    for i in np.asarray(ids).tolist())
 
 
@@ -195,11 +201,14 @@ def unigram_entropy_bits(texts: Sequence[str]) -> float:
   return float(-(p * np.log2(p)).sum())
 
 
-def text_metrics(texts: Sequence[str], word_set: frozenset[str]) -> dict[str, float]:
-  return {"word_validity": word_validity(texts, word_set),
+def text_metrics(texts: Sequence[str], word_set: frozenset[str] | None,
+                 mask_char: str = MASK_CHAR) -> dict[str, float]:
+  """Metrics of decoded samples; word_validity is nan without a word list (no corpus)."""
+  return {"word_validity": (float("nan") if word_set is None
+                            else word_validity(texts, word_set)),
           "distinct_1": distinct_n(texts, 1), "distinct_2": distinct_n(texts, 2),
           "unigram_entropy_bits": unigram_entropy_bits(texts),
-          "masked_fraction": float(np.mean([t.count(MASK_CHAR) / max(len(t), 1) for t in texts]))}
+          "masked_fraction": float(np.mean([t.count(mask_char) / max(len(t), 1) for t in texts]))}
 
 
 # ----------------------------------------------------------------------------
@@ -246,7 +255,7 @@ class _TextData:
 
   def sample_metrics(self, tokens_BxL) -> dict[str, float]:
     texts = [self.tokenizer.decode(row) for row in np.asarray(tokens_BxL)]
-    return text_metrics(texts, self.word_set)
+    return text_metrics(texts, self.word_set, self.tokenizer.mask_char)
 
 
 def make_task(length: int, corpus: Corpus, tokenizer: CharTokenizer) -> Task:
@@ -269,11 +278,37 @@ def _bind_cached(length, corpus, text_path, heldout, validation_fraction, vocab,
   return make_task(length, data, tokenizer)
 
 
+def _without_corpus(length: int, tokenizer: CharTokenizer, why: str) -> Task:
+  """The task of a checkpoint whose corpus is gone: it encodes, decodes and scores samples
+  (word_validity is nan: the word list came from the corpus), but has no data."""
+
+  def no_data(key, batch):
+    raise ValueError(f"the corpus of this text task is not available ({why}): rebuilt from a "
+                     "checkpoint's tokenizer, it samples and decodes but has no windows to "
+                     "train or evaluate on.")
+
+  def sample_metrics(tokens_BxL):
+    texts = [tokenizer.decode(row) for row in np.asarray(tokens_BxL)]
+    return text_metrics(texts, None, tokenizer.mask_char)
+
+  return Task(
+      name="text", length=length, vocab_size=tokenizer.size, mask_id=tokenizer.size,
+      sample_data=no_data, decode=tokenizer.decode, encode=tokenizer.encode,
+      sample_metrics=sample_metrics, tokenizer=tokenizer, metadata={"vocab": tokenizer.vocab},
+      description=f"TextTask(length={length}, vocab={tokenizer.size}, no corpus: {why})")
+
+
 def bind(length: int = 64, corpus: str = SHAKESPEARE, text_path: str | None = None,
          heldout: Sequence[str] = DEFAULT_HELDOUT, validation_fraction: float = 0.1,
          vocab: str | None = None) -> Task:
   """The text task with these parameters; `vocab` (from a checkpoint) fixes the tokenizer."""
   if not (isinstance(length, int) and length >= 2):
     raise ValueError(f"length={length!r} must be an integer >= 2.")
+  if vocab:  # a checkpoint's tokenizer: the corpus is only needed for data and word lists
+    try:
+      signature = _file_signature(text_path)
+      load_corpus(corpus, text_path, tuple(heldout), validation_fraction)
+    except (ValueError, OSError) as error:
+      return _without_corpus(length, CharTokenizer(vocab), str(error).split("\n")[0])
   return _bind_cached(length, corpus, text_path or None, tuple(heldout), validation_fraction,
                       vocab or None, _file_signature(text_path))

@@ -1,0 +1,96 @@
+"""sample.py: one-line usage errors, --out checked first, exact counts, every family."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mdjax import sampling
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_usage_errors_are_one_line_with_status_2():
+  # One real process: absl alone prints the whole flag list before the message.
+  for flags, expected in (
+      (["--steps=abc"], "--steps"),
+      (["--sampler=confidence", "--gamma=0.3"], "--gamma does not apply to --sampler=confidence"),
+  ):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), "--task=two_color",
+                           "--oracle", *flags], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sample.py: error: "), proc.stderr[-2000:]
+    assert expected in lines[0], lines
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--sampler=confidence", "--gamma=0.3"], "--gamma does not apply to --sampler=confidence"),
+    (["--sampler=random_order", "--steps=4"], "--steps does not apply"),
+    (["--sampler=ancestral", "--k=3"], "--k does not apply"),
+    (["--sampler=ancestral", "--order=[VOA]"], "--order does not apply"),
+    (["--sampler=ancestral", "--block_length=7", "--task=scan_and_add"], "block_length"),
+    (["--sampler=ancestral", "--block_length=0"], "block_length"),
+    (["--sampler=field_order"], "needs a task with named fields"),
+    (["--sampler=field_order", "--task=scan_and_add"], "needs --order"),
+    (["--sampler=field_order", "--order=[VOA]", "--task=scan_and_add"], "unwritten"),
+    (["--sampler=ordered", "--groups=0;x"], "--groups"),
+    (["--sampler=local_remask", "--base=nope"], "sampler"),
+])
+def test_bad_sampler_flags_are_usage_errors(sample_cli, flags, expected):
+  proc = sample_cli("--task=two_color", "--oracle", *flags)
+  assert proc.returncode == 1 and expected in proc.stderr, proc.stderr[-2000:]
+  assert "batch 1/" not in proc.stdout
+
+
+def test_unwritable_out_fails_before_sampling(sample_cli, tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("")
+  proc = sample_cli("--task=two_color", "--oracle", f"--out={blocker}")
+  assert proc.returncode == 1 and f"--out={str(blocker)!r} is not a writable" in proc.stderr
+  assert "batch 1/" not in proc.stdout
+
+
+def test_exactly_num_samples_are_drawn(sample_cli, tmp_path, monkeypatch):
+  import sample
+  shapes = []
+  real = sampling.sample
+  monkeypatch.setattr(sample.sampling, "sample",
+                      lambda fn, p, k, canvas, *a, **kw: shapes.append(canvas.shape[0])
+                      or real(fn, p, k, canvas, *a, **kw))
+  proc = sample_cli("--task=two_color", "--oracle", "--num_samples=250", "--batch_size=100",
+                    f"--out={tmp_path}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert shapes == [100, 100, 50]
+  assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == 250
+  shapes.clear()
+  assert sample_cli("--task=two_color", "--oracle", "--num_samples=7").returncode == 0
+  assert shapes == [7]  # not a whole batch of 1000
+
+
+FAMILY_FLAGS = {
+    "ancestral": ["--steps=10", "--block_length=5"],
+    "confidence": ["--steps=5", "--threshold=0.9"],
+    "defer": ["--steps=5"],
+    "entropy_bounded": ["--steps=5", "--gamma=0.3"],
+    "field_order": ["--order=[VOA][v×9]o×10[ht1]"],
+    "local_remask": ["--steps=5", "--refill_steps=3", "--rounds=1", "--window=1"],
+    "ordered": ["--groups=0-4;5-14;15-24"],
+    "random_order": [],
+    "remask": ["--steps=6", "--eta=0.02"],
+    "revision": ["--steps=5"],
+    "speculative": ["--k=3"],
+    "left_to_right": [],
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_FLAGS))
+def test_every_family_is_choosable(sample_cli, family):
+  assert set(FAMILY_FLAGS) == set(sampling.families()) | {"left_to_right"}
+  proc = sample_cli("--task=scan_and_add", "--oracle", f"--sampler={family}",
+                    *FAMILY_FLAGS[family], "--num_samples=4", "--batch_size=4")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "well_formed" in proc.stdout or "correct" in proc.stdout, proc.stdout[-2000:]

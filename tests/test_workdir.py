@@ -1,0 +1,179 @@
+"""Interruption (SIGTERM, Ctrl-C), the workdir lock, read-only workdirs, config checks."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from configs import two_color as two_color_config
+from mdjax import train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _config(num_steps=40, **overrides):
+  config = two_color_config.get_config()
+  config.train.update(num_steps=num_steps, warmup_steps=5)
+  config.checkpoint.every = 20
+  config.log_every = 5
+  config.num_eval_samples = 50
+  config.update(overrides)
+  return config
+
+
+def _quiet(*args, **kwargs):
+  pass
+
+
+def _logged_steps(workdir):
+  rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  return [r["step"] for r in rows if "loss" in r]
+
+
+def _wait_for(predicate, seconds=180):
+  deadline = time.time() + seconds
+  while not predicate():
+    assert time.time() < deadline, "timed out"
+    time.sleep(0.05)
+
+
+def _start_train(workdir, num_steps):
+  command = [sys.executable, os.path.join(REPO, "train.py"), "--config",
+             os.path.join(REPO, "configs", "two_color.py"), f"--workdir={workdir}",
+             f"--config.train.num_steps={num_steps}", "--config.checkpoint.every=100000",
+             "--config.log_every=5", "--config.num_eval_samples=50"]
+  return subprocess.Popen(command, env=dict(os.environ, PYTHONPATH=REPO), text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _rows_reach(workdir, step):
+  path = os.path.join(workdir, "metrics.jsonl")
+  return os.path.exists(path) and any(json.loads(line)["step"] >= step
+                                      for line in open(path) if line.endswith("\n"))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_saves_a_checkpoint_and_resume_logs_every_step_once(tmp_path, signum):
+  workdir = tmp_path / "run"
+  proc = _start_train(workdir, num_steps=1_000_000)
+  try:
+    # Rows are flushed as they are produced: they show up while the run goes on.
+    _wait_for(lambda: _rows_reach(workdir, 20))
+    if signum == signal.SIGTERM:
+      # A second train.py on the busy workdir stops at once, naming the holder.
+      with pytest.raises(RuntimeError, match=rf"in use by .*pid {proc.pid}"):
+        train.train(_config(), str(workdir), log=_quiet)
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  assert proc.returncode == 0, err[-3000:]
+  last = out.strip().splitlines()[-1]
+  assert signal.Signals(signum).name in last and "checkpoint saved at step" in last, out[-2000:]
+  saved = max(int(s) for s in os.listdir(workdir / "checkpoints") if s.isdigit())
+  assert saved >= 20 and f"step {saved}" in last
+  assert max(_logged_steps(workdir)) <= saved
+  # Resumed to a later end: every logged step exactly once.
+  end = (saved // 5 + 3) * 5
+  train.train(_config(num_steps=end), str(workdir), log=_quiet)
+  steps = _logged_steps(workdir)
+  assert steps == list(range(5, end + 1, 5)), steps
+
+
+def test_rows_past_the_restored_step_are_dropped_on_resume(tmp_path):
+  # As after a SIGKILL: metrics rows were written past the last checkpoint (step 20).
+  train.train(_config(num_steps=20), str(tmp_path), log=_quiet)
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    for step in (25, 30):
+      f.write(json.dumps({"step": step, "loss": 1.0}) + "\n")
+    f.write('{"step": 3')  # a row cut by the kill
+  train.train(_config(num_steps=30), str(tmp_path), log=_quiet)
+  assert _logged_steps(tmp_path) == [5, 10, 15, 20, 25, 30]
+
+
+def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
+  dead = subprocess.Popen([sys.executable, "-c", "pass"])
+  dead.wait()
+  (tmp_path / "train.lock").write_text(f"{dead.pid} somehost\n")
+  messages = []
+  state = train.train(_config(num_steps=5), str(tmp_path), log=messages.append)
+  assert int(state.step) == 5
+
+
+def test_read_only_workdir_samples_and_refuses_training_early(tmp_path, monkeypatch):
+  import mdjax
+  train.train(_config(num_steps=20), str(tmp_path), log=_quiet)
+  # (root ignores permission bits, so the read-only mount is simulated.)
+  monkeypatch.setattr(train, "_writable", lambda path: False)
+  before = sorted(os.listdir(tmp_path))
+  assert mdjax.load(str(tmp_path)).step == 20
+  state = train.train(_config(num_steps=20), str(tmp_path), log=_quiet)  # finished: reads
+  assert int(state.step) == 20
+  with pytest.raises(PermissionError, match=r"not writable.*step 40"):
+    train.train(_config(num_steps=40), str(tmp_path), log=_quiet)
+  assert sorted(os.listdir(tmp_path)) == before
+
+
+# ----------------------------------------------------------------------------
+# Config checks: every numeric field, by name, before anything is built.
+# ----------------------------------------------------------------------------
+
+BAD_CONFIGS = [
+    ("train.num_steps", -5), ("train.num_steps", 0), ("train.num_steps", 2.5),
+    ("train.lr", -1.0), ("train.lr", 0.0), ("train.lr", math.nan), ("train.lr", math.inf),
+    ("train.lr_floor", 1.5), ("train.warmup_steps", -1), ("train.b1", 1.0),
+    ("train.b2", -0.1), ("train.weight_decay", -1.0), ("train.grad_clip", 0.0),
+    ("train.ema_decay", 1.0), ("batch_size", 0), ("batch_size", True), ("seed", -1),
+    ("num_devices", -1), ("log_every", 0), ("eval_every", -1), ("eval_batches", 0),
+    ("num_eval_samples", -3), ("checkpoint.every", 0), ("checkpoint.keep", 0),
+    ("model.d_model", 0), ("model.num_layers", 0), ("model.num_heads", 0),
+    ("model.num_heads", 3), ("model.d_ff", -4), ("sampler.steps", 0),
+    ("objective", "elbo"), ("log_tensorboard", "yes"),
+]
+
+
+@pytest.mark.parametrize("field,value", BAD_CONFIGS)
+def test_bad_config_value_names_the_field(tmp_path, field, value):
+  import ml_collections
+  config = ml_collections.ConfigDict(_config().to_dict(), type_safe=False)
+  *parents, name = field.split(".")
+  node = config
+  for parent in parents:
+    node = node[parent]
+  node[name] = value
+  with pytest.raises(ValueError) as info:
+    train.train(config, str(tmp_path / "run"), log=_quiet)
+  message = str(info.value)
+  assert f"{field}={value!r}" in message and "must" in message, message
+  assert not os.path.exists(tmp_path / "run"), "checked before anything is written"
+
+
+def test_train_cli_errors_are_one_line_and_help_lists_configs(tmp_path):
+  run = lambda *flags: subprocess.run(
+      [sys.executable, os.path.join(REPO, "train.py"), *flags], capture_output=True,
+      text=True, cwd=REPO, timeout=300, env=dict(os.environ, PYTHONPATH=REPO))
+  proc = run("--config=configs/two_color.py", f"--workdir={tmp_path / 'run'}",
+             "--config.train.num_steps=0")
+  assert proc.returncode == 1
+  assert proc.stderr.strip() == ("train.py: error: config field train.num_steps=0: must be "
+                                 "an integer >= 1."), proc.stderr[-2000:]
+  proc = run("--help")
+  assert "configs/two_color.py: Two-color corpus" in proc.stdout, proc.stdout[-3000:]
+  assert "train.num_steps=1000" in proc.stdout and "task_kwargs.text_path=FILE" in proc.stdout
+
+
+def test_tensorboard_logging_is_optional(tmp_path):
+  config = _config(num_steps=5, log_tensorboard=True)
+  try:
+    import tensorboardX  # noqa: F401
+  except ImportError:
+    with pytest.raises(ValueError, match=r"log_tensorboard=True: needs the tensorboardX"):
+      train.train(config, str(tmp_path), log=_quiet)
+    return
+  train.train(config, str(tmp_path), log=_quiet)
+  assert any(n.startswith("events.") for n in os.listdir(tmp_path / "tensorboard"))
