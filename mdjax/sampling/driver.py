@@ -72,13 +72,15 @@ def _is_key_batch(key: Array) -> bool:
   return key.ndim == 2
 
 
+def _check_key_rows(key: Array, batch: int) -> None:
+  if _is_key_batch(key) and key.shape[0] != batch:
+    raise ValueError(f"key holds {key.shape[0]} row keys; tokens_BxL has B={batch} rows.")
+
+
 def row_keys(key: Array, batch: int) -> Array:
   """Per-row keys: a batch of keys as given, or `split(key, B)` of one key."""
-  if _is_key_batch(key):
-    if key.shape[0] != batch:
-      raise ValueError(f"key holds {key.shape[0]} row keys; tokens_BxL has B={batch} rows.")
-    return key
-  return jax.random.split(key, batch)
+  _check_key_rows(key, batch)
+  return key if _is_key_batch(key) else jax.random.split(key, batch)
 
 
 def _host_array(x) -> np.ndarray | None:
@@ -149,9 +151,7 @@ def _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id):
   batch, length = shape
   if batch < 1 or length < 1:
     raise ValueError(f"tokens_BxL has shape {shape}; it needs at least one row and position.")
-  key_shape = np.shape(key)
-  if _is_key_batch(key) and key_shape[0] != batch:
-    raise ValueError(f"key holds {key_shape[0]} row keys; tokens_BxL has B={batch} rows.")
+  _check_key_rows(key, batch)
   logits_shape = None
   if mask_id is None:
     logits_shape = _logits_shape(apply_fn, params, batch, length)
@@ -160,16 +160,18 @@ def _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id):
     raise ValueError(f"fixed_BxL has shape {np.shape(fixed_BxL)}; tokens_BxL has {shape}.")
   tokens = _host_array(tokens_BxL)
   fixed = None if fixed_BxL is None else _host_array(fixed_BxL)
+  if fixed is not None:
+    fixed = fixed.astype(bool)  # known even with traced tokens: blocks can be counted
+  elif fixed_BxL is not None:
+    tokens = None  # a traced layout: nothing value-dependent can be checked before the run
   if tokens is not None:
-    fixed = tokens != mask_id if fixed is None else fixed.astype(bool)
+    fixed = tokens != mask_id if fixed is None else fixed
     _check_values(tokens, fixed, mask_id)
     if logits_shape is not None and not family.rewrites and not (tokens == mask_id).any():
       raise ValueError(
           f"tokens_BxL holds no mask id {mask_id} (taken from apply_fn's {mask_id} logits per "
           "position): there is nothing to generate. If the denoiser's logits include the mask "
           "class, pass mask_id=V.")
-  elif fixed is not None:
-    fixed = fixed.astype(bool)  # tokens traced, the layout known: blocks can be counted
   canvas = Canvas(batch=batch, length=length, mask_id=mask_id, tokens=tokens, fixed=fixed)
   streams.check_steps(family.num_steps(spec, length))
   family.validate(spec, canvas)

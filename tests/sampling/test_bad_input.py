@@ -143,3 +143,10 @@ def test_nonfinite_logits_are_counted(spec):
   result = _sample(spec, apply_fn=broken)
   np.testing.assert_array_equal(result.nonfinite_B, [1, 1])
   assert int(_sample(spec).nonfinite_B.sum()) == 0
+
+
+def test_a_traced_layout_with_concrete_tokens_is_not_guessed():
+  # The host must not stand in `tokens != mask` for a fixed_BxL it cannot read.
+  spec = sampling.ConfidenceSpec(steps=4, block_length=4)
+  with pytest.raises(ValueError, match="block_length=4 needs the generation length"):
+    jax.jit(lambda fixed: _sample(spec, fixed=fixed))(np.asarray(TOKENS) != VOCAB)
