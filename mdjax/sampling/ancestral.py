@@ -87,9 +87,8 @@ class Ancestral(Family):
     still_NxJ = np.cumprod(1.0 - plan.reveal_p.reshape(num_blocks, -1), axis=1)
     # Step 0 of a block is idle only if no row has anything in it; step j >= 1 if every row
     # finished the block by step j - 1.
-    done_before_BxNxJ = np.concatenate(
-        [np.zeros_like(still_NxJ[:, :1]), 1.0 - still_NxJ[:, :-1]], axis=1)[None] ** n_BxN[..., None]
-    return float(done_before_BxNxJ.prod(0).sum())
+    done_NxJ = np.concatenate([np.zeros_like(still_NxJ[:, :1]), 1.0 - still_NxJ[:, :-1]], axis=1)
+    return float((done_NxJ[None] ** n_BxN[..., None]).prod(0).sum())
 
   def init(self, spec: AncestralSpec, core, ctx) -> Array:
     return blocks.block_ids(ctx.editable_BxL, spec.block_length)
