@@ -34,7 +34,8 @@ from mdjax.sampling.orders import parse_write_order
 
 __all__ = [
     "AncestralSpec", "Canvas", "ConfidenceSpec", "DeferSpec", "EntropyBoundedSpec", "Family",
-    "FieldOrderSpec", "IDLE_FRACTION_FOR_COND", "LocalRemaskSpec", "OrderedSpec", "RandomOrderSpec", "RemaskSpec",
+    "FieldOrderSpec", "IDLE_FRACTION_FOR_COND", "LocalRemaskSpec", "OrderedSpec",
+    "RandomOrderSpec", "RemaskSpec",
     "RevisionSpec", "SCORES", "SampleResult", "SamplerSpec", "SpeculativeSpec", "families",
     "family_of", "lower", "make_spec", "num_steps", "parse_write_order", "register",
     "row_keys", "sample", "sample_python_loop", "time_grid",
