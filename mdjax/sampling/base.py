@@ -54,6 +54,9 @@ def check_block_length(block_length):
           "block_length", block_length, "must be None or an integer >= 1")
 
 
+KV_CACHES = ("none", "dual")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplerSpec:
   """Knobs shared by every family: the value transform and recording.
@@ -77,6 +80,8 @@ class SamplerSpec:
   min_p: float = 0.0
   record_trajectory: bool = False
   skip_idle_steps: bool | None = None
+  kv_cache: str = "none"
+  refresh_every: int | None = None
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -101,6 +106,14 @@ class SamplerSpec:
     check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must lie in [0, 1]")
     check(self.skip_idle_steps in (None, True, False), "skip_idle_steps",
           self.skip_idle_steps, "must be None (decide from the plan), True or False")
+    check(self.kv_cache in KV_CACHES, "kv_cache", self.kv_cache, f"must be one of {KV_CACHES}")
+    check(self.refresh_every is None or (isinstance(self.refresh_every, int)
+                                         and not isinstance(self.refresh_every, bool)
+                                         and self.refresh_every >= 1),
+          "refresh_every", self.refresh_every,
+          "must be None (refresh at each block's first step) or an integer >= 1")
+    check(self.refresh_every is None or self.kv_cache != "none", "refresh_every",
+          self.refresh_every, "applies only with a KV cache: set kv_cache='dual'")
 
   @property
   def transform(self) -> dict:
