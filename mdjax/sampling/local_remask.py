@@ -112,6 +112,10 @@ class LocalRemask(Family):
             + spec.rounds * family_of(spec.refill).num_steps(spec.refill, length))
 
   def validate(self, spec: LocalRemaskSpec, canvas: Canvas):
+    for name in ("base", "refill"):
+      inner = getattr(spec, name)
+      check(inner.kv_cache == "none", f"{name}.kv_cache", inner.kv_cache,
+            "local remasking runs its samplers uncached: use 'none'")
     family_of(spec.base).validate(spec.base, canvas)
 
   def plan(self, spec: LocalRemaskSpec, canvas: Canvas) -> LocalRemaskPlan:
