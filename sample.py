@@ -11,8 +11,10 @@ the samples under a causal reference model).
 Every registered sampler family is a --sampler choice; a flag that does not apply to the
 chosen family is an error. Write orders: --sampler=field_order --order="[VOA][v×9]o×10[ht1]"
 (ScanAndAdd's fields), --sampler=ordered --groups="0,1;2-4;5" (positions per step).
-Localized remasking: --sampler=local_remask --base=confidence --steps=8 --refill=ancestral
---refill_steps=4 --rounds=2 --window=2. Usage errors are one line on stderr, exit status 2.
+KV-cached block decoding: --sampler=confidence --block_length=16 --steps=32 --kv_cache=dual
+[--refresh_every=4]. Localized remasking: --sampler=local_remask --base=confidence --steps=8
+--refill=ancestral --refill_steps=4 --rounds=2 --window=2. Usage errors are one line on
+stderr, exit status 2.
 """
 
 import dataclasses
@@ -60,6 +62,13 @@ _SCORE_GROUPS = flags.DEFINE_integer("score_groups", None,
                                      "Revision: leave-group-out contexts for visible tokens.")
 _BLOCK = flags.DEFINE_integer("block_length", None,
                               "Semi-autoregressive blocks (ancestral, confidence, entropy_bounded).")
+_KV_CACHE = flags.DEFINE_enum(
+    "kv_cache", None, list(sampling.KV_CACHES),
+    "KV-cached block decoding (with --block_length): 'dual' runs one full pass per block, "
+    "then passes over the block only. Exact oracles run it through the recompute adapter.")
+_REFRESH_EVERY = flags.DEFINE_integer(
+    "refresh_every", None, "With --kv_cache: also refresh the cache every N steps of a block "
+    "(1: every step, the uncached tokens).")
 _ORDER = flags.DEFINE_string("order", None, "Write order notation (field_order), e.g. "
                              "\"[VOA][v×9]o×10[ht1]\" over the task's fields.")
 _GROUPS = flags.DEFINE_string("groups", None, "Positions written per step (ordered), "
@@ -115,7 +124,8 @@ SPEC_FLAGS = {"steps": _STEPS, "k": _K, "temperature": _TEMPERATURE, "top_k": _T
               "top_p": _TOP_P, "min_p": _MIN_P, "score": _SCORE, "eta": _ETA, "gamma": _GAMMA,
               "threshold": _THRESHOLD, "score_groups": _SCORE_GROUPS, "block_length": _BLOCK,
               "rounds": _ROUNDS, "seeds": _SEEDS, "window": _WINDOW,
-              "context_fraction": _CONTEXT_FRACTION}
+              "context_fraction": _CONTEXT_FRACTION, "kv_cache": _KV_CACHE,
+              "refresh_every": _REFRESH_EVERY}
 DRAW_FLAGS = ("temperature", "top_k", "top_p", "min_p")  # local_remask: its base and refill's
 LOCAL_REMASK_FLAGS = ("steps", "base", "refill", "refill_steps") + DRAW_FLAGS
 SPECIAL_FLAGS = {"field_order": ("order",), "ordered": ("groups",),
@@ -225,6 +235,8 @@ def main(argv):
                            "sample a trained model with --workdir=DIR.")
     apply_fn, params = task.exact_denoiser, None
   spec = sampler_spec(task)
+  if spec.kv_cache != "none" and not sampling.offers_cache(apply_fn):
+    apply_fn = sampling.recompute_cache(apply_fn)  # an oracle: exact, by recomputation
   for name, value in (("num_samples", _NUM_SAMPLES.value), ("batch_size", _BATCH.value)):
     if value < 1:
       raise app.UsageError(f"--{name}={value} must be >= 1.")

@@ -39,6 +39,10 @@ def test_usage_errors_are_one_line_with_status_2():
     (["--sampler=field_order", "--order=[VOA]", "--task=scan_and_add"], "unwritten"),
     (["--sampler=ordered", "--groups=0;x"], "--groups"),
     (["--sampler=local_remask", "--base=nope"], "sampler"),
+    (["--sampler=remask", "--kv_cache=dual"], "the remask family decodes no blocks"),
+    (["--sampler=confidence", "--kv_cache=dual"], "needs blocks: set block_length"),
+    (["--sampler=confidence", "--refresh_every=2"], "applies only with a KV cache"),
+    (["--sampler=confidence", "--kv_cache=prefix"], "--kv_cache"),
 ])
 def test_bad_sampler_flags_are_usage_errors(sample_cli, flags, expected):
   proc = sample_cli("--task=two_color", "--oracle", *flags)
@@ -75,7 +79,8 @@ FAMILY_FLAGS = {
     "ancestral": ["--steps=10", "--block_length=5"],
     "confidence": ["--steps=5", "--threshold=0.9"],
     "defer": ["--steps=5"],
-    "entropy_bounded": ["--steps=5", "--gamma=0.3"],
+    "entropy_bounded": ["--steps=10", "--gamma=0.3", "--block_length=5", "--kv_cache=dual",
+                        "--refresh_every=2"],
     "field_order": ["--order=[VOA][v×9]o×10[ht1]"],
     "local_remask": ["--steps=5", "--refill_steps=3", "--rounds=1", "--window=1"],
     "ordered": ["--groups=0-4;5-14;15-24"],
