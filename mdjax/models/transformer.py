@@ -6,7 +6,8 @@ which meets the denoiser contract apply_fn(params, tokens_BxL, t_B) -> logits_Bx
 and the cached one beside it (`apply_fn.prefill`, `apply_fn.decode`):
 
   prefill(params, tokens_BxL, t_B) -> (logits_BxLxV, KVCache)
-      one full pass that also returns every layer's keys and values;
+      one full pass that also returns every layer's keys and values (KVCache.layers,
+      each a LayerKV of keys_BxHxLxK and values_BxHxLxK);
   decode(params, cache, tokens_BxW, start, t_B) -> (logits_BxWxV, KVCache)
       a pass over the W positions [start, start + W) (start may be traced): their
       queries attend to the cached keys and values of every other position and to
@@ -163,18 +164,21 @@ class LayerKV:
 
 @struct.dataclass
 class KVCache:
-  """Every layer's keys and values, stacked on a leading layer axis N."""
+  """Every layer's keys and values: a tuple of N layers (separate buffers, so a window pass
+  reads each layer's in place)."""
 
-  keys_NxBxHxLxK: Array
-  values_NxBxHxLxK: Array
+  layers: tuple[LayerKV, ...]
 
   def layer(self, n: int) -> LayerKV:
-    return LayerKV(keys_BxHxLxK=self.keys_NxBxHxLxK[n], values_BxHxLxK=self.values_NxBxHxLxK[n])
+    return self.layers[n]
 
   @classmethod
   def stack(cls, layers: list[LayerKV]) -> "KVCache":
-    return cls(keys_NxBxHxLxK=jnp.stack([x.keys_BxHxLxK for x in layers]),
-               values_NxBxHxLxK=jnp.stack([x.values_BxHxLxK for x in layers]))
+    return cls(layers=tuple(layers))
+
+  @property
+  def length(self) -> int:
+    return self.layers[0].keys_BxHxLxK.shape[2]
 
 
 def _attend(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, causal: bool, head_dim: int) -> Array:
@@ -244,7 +248,7 @@ class Transformer(nnx.Module):
              t_B: Array) -> tuple[Array, KVCache]:
     """A pass over positions [start, start + W) against `cache`: (logits_BxWxV, the cache
     with the window's keys and values written in)."""
-    length, width = cache.keys_NxBxHxLxK.shape[3], tokens_BxW.shape[1]
+    length, width = cache.length, tokens_BxW.shape[1]
     if width > length:
       raise ValueError(f"window of {width} positions is longer than the cache ({length}).")
     logits_BxWxV, layers = self._forward(tokens_BxW, t_B, start, cache)
@@ -254,7 +258,7 @@ class Transformer(nnx.Module):
                cache: KVCache | None = None) -> tuple[Array, list[LayerKV]]:
     cfg = self.cfg
     width = tokens_BxW.shape[1]
-    length = width if cache is None else cache.keys_NxBxHxLxK.shape[3]
+    length = width if cache is None else cache.length
     if length > cfg.max_len:
       raise ValueError(f"sequence length {length} exceeds max_len={cfg.max_len}.")
     h_BxWxD = self.embed(tokens_BxW)
