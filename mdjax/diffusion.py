@@ -409,3 +409,175 @@ def causal_lm_loss(
   nll_BxL = _token_nll(apply_fn(params, inputs_BxL, jnp.zeros((batch,))), x_BxL)
   loss = nll_BxL.mean()
   return loss, {"nll_nats_B": nll_BxL.sum(-1), "bits_per_token": loss / LN2}
+
+
+# ----------------------------------------------------------------------------
+# Block diffusion (BD3-LM): blocks generated left to right, each by masked diffusion.
+# ----------------------------------------------------------------------------
+
+
+def check_block_size(block_size, length: int, field: str = "block_size") -> None:
+  """A ValueError unless `block_size` is an integer >= 1 dividing the sequence length."""
+  if not (isinstance(block_size, (int, np.integer)) and not isinstance(block_size, bool)
+          and block_size >= 1 and length % block_size == 0):
+    raise ValueError(f"{field}={block_size!r} must be an integer >= 1 that divides the "
+                     f"sequence length {length}.")
+
+
+def block_times(key: Array, batch: int, num_blocks: int, *, t_min: float = 1e-5,
+                t_max: float = 1.0, antithetic: bool = True) -> Array:
+  """One time per block, t_BxN in [t_min, t_max]: antithetic (stratified over all B x N
+  blocks, as BD3-LM) or independent uniform draws. With N = 1 and t_max = 1 the antithetic
+  times are `stratified_times(key, batch, t_min)`."""
+  count = batch * num_blocks
+  if antithetic:
+    u = jax.random.uniform(key, ())
+    u_BxN = jnp.mod(u + jnp.arange(count) / count, 1.0).reshape(batch, num_blocks)
+  else:
+    u_BxN = jax.random.uniform(key, (batch, num_blocks))
+  return t_min + (t_max - t_min) * u_BxN
+
+
+def _check_time_range(t_min, t_max) -> None:
+  for name, value in (("t_min", t_min), ("t_max", t_max)):
+    if not (isinstance(value, (int, float, np.floating)) and not isinstance(value, bool)
+            and math.isfinite(value)):
+      raise ValueError(f"{name}={value!r} must be a finite number in [0, 1].")
+  if not 0.0 <= t_min < t_max <= 1.0:
+    raise ValueError(f"(t_min, t_max)=({t_min!r}, {t_max!r}) must satisfy "
+                     "0 <= t_min < t_max <= 1.")
+
+
+def block_nelbo_loss(
+    apply_fn: ApplyFn,
+    params: Any,
+    key: Array,
+    x_BxL: Array,
+    *,
+    block_size: int,
+    schedule: Schedule,
+    mask_id: int,
+    maskable_BxL: Array | None = None,
+    t_min: float = 1e-5,
+    t_max: float = 1.0,
+    antithetic: bool = True,
+) -> tuple[Array, dict[str, Array]]:
+  """Block-diffusion (BD3-LM) negative ELBO of a batch, in nats per sequence.
+
+  The sequence is cut into N = L / block_size blocks; -log p(x) = sum_b -log p(x_b | x_<b)
+  and each term is bounded by MD4's NELBO of block b conditioned on the clean blocks
+  before it: E_{t_b}[w(t_b) sum_{masked i in b} -log p(x_i | z_b, x_<b)], with one time
+  per block. All blocks are trained by one denoiser pass over [noisy; clean]
+  (`apply_fn.block_pair(params, z_BxL, x_BxL, t_B)`: a block-causal Transformer, or an
+  exact oracle through `block_causal`). block_size = L is `nelbo_loss` (the same draws for
+  the same key); block_size = 1 is an unbiased estimate of the autoregressive NLL.
+
+  Times are antithetic over the batch's B x N blocks (`antithetic=False`: independent).
+  A clipped range (t_min, t_max) is BD3-LM's variance-reduction knob for training: the
+  loss is then the weighted loss averaged over t ~ U[t_min, t_max], no longer a bound, so
+  evaluate with the default range. The denoiser is told the row's mean block time
+  (block-causal models are not time-conditioned; for N = 1 it is the block's time).
+
+  Returns (loss, aux) with the keys of `nelbo_loss`.
+  """
+  schedule = as_schedule(schedule)
+  if not isinstance(mask_id, (int, np.integer)) or isinstance(mask_id, bool) or mask_id < 1:
+    raise ValueError(f"mask_id={mask_id!r} must be an integer >= 1 (the vocabulary size V).")
+  batch, length = x_BxL.shape
+  check_block_size(block_size, length)
+  _check_time_range(t_min, t_max)
+  if not isinstance(antithetic, bool):
+    raise ValueError(f"antithetic={antithetic!r} must be True or False.")
+  pair = getattr(apply_fn, "block_pair", None)
+  if not callable(pair):
+    raise ValueError("apply_fn has no block_pair: the block NELBO needs a block-causal "
+                     "denoiser (TransformerConfig.block_size, or diffusion.block_causal("
+                     "apply_fn, block_size) for an exact oracle).")
+  model_block = getattr(apply_fn, "block_size", None)
+  if model_block is not None and model_block != block_size:
+    raise ValueError(f"block_size={block_size} but the denoiser is block-causal with blocks "
+                     f"of {model_block}; they must match.")
+  if maskable_BxL is None:
+    maskable_BxL = jnp.ones(x_BxL.shape, bool)
+  num_blocks = length // block_size
+  time_key, mask_key = jax.random.split(key)
+  t_BxN = block_times(time_key, batch, num_blocks, t_min=t_min, t_max=t_max,
+                      antithetic=antithetic)
+  alpha_BxL = jnp.repeat(schedule.alpha(t_BxN), block_size, axis=1)
+  # The same draw as forward_mask, per position, so block_size = L is nelbo_loss.
+  keep_BxL = (jax.random.uniform(mask_key, x_BxL.shape) < alpha_BxL) | ~maskable_BxL
+  z_BxL = jnp.where(keep_BxL, x_BxL, mask_id)
+  logits_BxLxV = pair(params, z_BxL, x_BxL, t_BxN.mean(-1))
+  if logits_BxLxV.shape[-1] != mask_id:  # a static shape: raised while tracing
+    raise ValueError(f"mask_id={mask_id} but apply_fn returns {logits_BxLxV.shape[-1]} logits "
+                     "per position; the mask id is the vocabulary size V.")
+  masked_BxL = z_BxL == mask_id
+  nll_BxL = jnp.where(masked_BxL, _token_nll(logits_BxLxV, x_BxL), 0.0)
+  nll_BxN = nll_BxL.reshape(batch, num_blocks, block_size).sum(-1)
+  nelbo_B = (schedule.weight(t_BxN) * nll_BxN).sum(-1)
+  loss = nelbo_B.mean()
+  tokens = jnp.maximum(maskable_BxL.sum(), 1)
+  aux = {
+      "nelbo_nats": loss,
+      "nelbo_nats_B": nelbo_B,
+      "bits_per_token": nelbo_B.sum() / tokens / LN2,
+      "masked_fraction": masked_BxL.sum() / tokens,
+  }
+  return loss, aux
+
+
+_BLOCK_ADAPTERS: dict[Any, Any] = {}
+
+
+def block_causal(apply_fn: ApplyFn, block_size: int) -> ApplyFn:
+  """A plain denoiser (an exact oracle) as the block-causal denoiser it implies.
+
+  On a canvas, block b's logits are the denoiser's on the canvas with every later block
+  masked: for an exact denoiser of the data law that is the exact conditional
+  p(x_b | x_<b, z_b), later blocks marginalized. `.block_pair(params, noisy, clean, t_B)`
+  gives noisy block b's logits on [clean blocks < b, noisy block b, masked after], the
+  pass `block_nelbo_loss` needs. Each call evaluates N = L / block_size canvases per row
+  in one batched call. One adapter per (apply_fn, block_size), so compiled programs are
+  reused.
+  """
+  if not (isinstance(block_size, (int, np.integer)) and not isinstance(block_size, bool)
+          and block_size >= 1):
+    raise ValueError(f"block_size={block_size!r} must be an integer >= 1.")
+  found = _BLOCK_ADAPTERS.get((apply_fn, block_size))
+  if found is not None:
+    return found
+
+  def per_block(params, canvas_fn, length, t_B):
+    """Logits of each block b from the canvas canvas_fn(b): one call on N x B canvases."""
+    check_block_size(block_size, length)
+    num_blocks = length // block_size
+    canvases_NxBxL = jnp.stack([canvas_fn(b) for b in range(num_blocks)])
+    n, batch = canvases_NxBxL.shape[:2]
+    logits = apply_fn(params, canvases_NxBxL.reshape(n * batch, length), jnp.tile(t_B, n))
+    logits_NxBxLxV = logits.reshape(n, batch, length, -1)
+    block_L = np.arange(length) // block_size
+    # Position i reads the canvas of its own block.
+    return logits_NxBxLxV[block_L, :, np.arange(length)].transpose(1, 0, 2)
+
+  def adapter(params, tokens_BxL, t_B):
+    length = tokens_BxL.shape[1]
+    block_L = jnp.arange(length) // block_size
+    mask_id = _mask_id_of(apply_fn, params, tokens_BxL, t_B)
+    return per_block(params, lambda b: jnp.where(block_L <= b, tokens_BxL, mask_id), length, t_B)
+
+  def block_pair(params, noisy_BxL, clean_BxL, t_B):
+    length = noisy_BxL.shape[1]
+    block_L = jnp.arange(length) // block_size
+    mask_id = _mask_id_of(apply_fn, params, noisy_BxL, t_B)
+    canvas = lambda b: jnp.where(block_L < b, clean_BxL,
+                                 jnp.where(block_L == b, noisy_BxL, mask_id))
+    return per_block(params, canvas, length, t_B)
+
+  adapter.block_pair, adapter.block_size = block_pair, block_size
+  _BLOCK_ADAPTERS[(apply_fn, block_size)] = adapter
+  return adapter
+
+
+def _mask_id_of(apply_fn, params, tokens_BxL, t_B) -> int:
+  """The mask id V: the denoiser's number of logits (a static shape)."""
+  return int(jax.eval_shape(apply_fn, params, tokens_BxL, t_B).shape[-1])

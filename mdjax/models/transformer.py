@@ -1,4 +1,4 @@
-"""A bidirectional Transformer denoiser (Flax NNX), or a causal reference model.
+"""A bidirectional Transformer denoiser (Flax NNX), a block-causal one, or a causal reference.
 
 Build with `Transformer(TransformerConfig(...), rngs=nnx.Rngs(0))`; compiled
 code uses the functional form `make_apply_fn(graphdef)` on `nnx.split` params,
@@ -12,6 +12,14 @@ and the cached one beside it (`apply_fn.prefill`, `apply_fn.decode`):
       a pass over the W positions [start, start + W) (start may be traced): their
       queries attend to the cached keys and values of every other position and to
       their own fresh ones, which the returned cache holds in place of the old.
+
+With `block_size` set (block diffusion, BD3-LM) attention is block-causal: a position
+attends to every position of earlier blocks and to all of its own block. Such a model
+also offers `apply_fn.block_pair(params, noisy_BxL, clean_BxL, t_B) -> logits_BxLxV`: one
+pass over the noisy and the clean sequence side by side (2L positions, the clean copy at
+the same positions 0..L-1), where noisy block b sees itself and clean blocks < b and clean
+block b sees clean blocks <= b; the logits are the noisy half's. Noisy block b's logits are
+those of a plain pass over [clean blocks < b, noisy block b, anything after].
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 Array = jax.Array
@@ -45,6 +54,8 @@ class TransformerConfig:
   mlp: str = "swiglu"
   time_conditioning: bool = False
   causal: bool = False
+  # Block-causal attention (block diffusion): None is full bidirectional attention.
+  block_size: int | None = None
   dtype: str = "float32"  # compute dtype; parameters stay float32
 
   def __post_init__(self):
@@ -60,6 +71,19 @@ class TransformerConfig:
     for name, allowed in (("positions", POSITIONS), ("norm", NORMS), ("mlp", MLPS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}.")
+    if self.block_size is not None:
+      size = self.block_size
+      if not (isinstance(size, int) and not isinstance(size, bool) and 1 <= size <= self.max_len):
+        raise ValueError(f"block_size={size!r} must be None or an integer in [1, max_len="
+                         f"{self.max_len}].")
+      if self.causal:
+        raise ValueError(f"block_size={size} with causal=True: choose one attention pattern "
+                         "(block_size=1 is the block-causal form of a left-to-right model).")
+      if self.time_conditioning:
+        # The keys of finished blocks must not depend on the time of the block being
+        # generated, or they could not be cached exactly.
+        raise ValueError(f"block_size={size} needs time_conditioning=False: finished blocks' "
+                         "keys and values must not depend on the current block's time.")
 
 
 def sinusoidal(length: int, dim: int) -> Array:
@@ -104,9 +128,11 @@ class Block(nnx.Module):
       self.ada = nnx.Linear(d, 6 * d, kernel_init=nnx.initializers.zeros, dtype=dtype, rngs=rngs)
 
   def __call__(self, h_BxWxD: Array, temb_BxD: Array | None, start: Array | int = 0,
-               cached: "LayerKV | None" = None) -> tuple[Array, "LayerKV"]:
+               cached: "LayerKV | None" = None, positions_W: Array | None = None,
+               visible_WxW: np.ndarray | None = None) -> tuple[Array, "LayerKV"]:
     """The block on W positions starting at `start`; returns (h, this layer's keys and
-    values). Without `cached` the W positions are the whole sequence; with it, the window
+    values). Without `cached` the W positions are the whole sequence (at `positions_W`,
+    default 0..W-1, attending where `visible_WxW`, default everywhere); with it, the window
     attends to the cached keys and values outside itself and to its own fresh ones."""
     cfg = self.cfg
     batch, width, d = h_BxWxD.shape
@@ -121,13 +147,14 @@ class Block(nnx.Module):
     x = self.norm1(h_BxWxD) * (1.0 + scale1) + shift1
     q, k, v = jnp.split(self.qkv(x).reshape(batch, width, 3 * heads, head_dim), 3, axis=2)
     if cfg.positions == "rope":
-      positions_W = None if cached is None else start + jnp.arange(width)
+      if cached is not None:
+        positions_W = start + jnp.arange(width)
       q, k = rope(q, positions_W), rope(k, positions_W)
     if cached is None:
-      out = _attend(q, k, v, cfg.causal, head_dim)
+      out = _attend(q, k, v, visible_WxW, head_dim)
       fresh = LayerKV.heads_major(k, v)
     else:
-      out = _attend_window(q, k, v, cached, start, cfg.causal, head_dim)
+      out = _attend_window(q, k, v, cached, start, cfg, head_dim)
       fresh = cached.write(k, v, start)
     h_BxWxD = h_BxWxD + gate1 * self.proj(out.reshape(batch, width, d))
     x = self.norm2(h_BxWxD) * (1.0 + scale2) + shift2
@@ -181,19 +208,38 @@ class KVCache:
     return self.layers[0].keys_BxHxLxK.shape[2]
 
 
-def _attend(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, causal: bool, head_dim: int) -> Array:
-  """Full self-attention over L positions (causal or bidirectional)."""
-  length = q_BxLxHxK.shape[1]
+def visible(cfg: TransformerConfig, query_Q, key_K):
+  """Whether each query position attends to each key position (Q x K, numpy or jax by the
+  inputs); None when every key is visible (bidirectional)."""
+  if cfg.causal:
+    return key_K[None] <= query_Q[:, None]
+  if cfg.block_size is not None:
+    return key_K[None] // cfg.block_size <= query_Q[:, None] // cfg.block_size
+  return None
+
+
+def block_pair_mask(length: int, block_size: int) -> np.ndarray:
+  """The BD3-LM attention mask over [noisy; clean] (2L x 2L): noisy block b sees itself and
+  clean blocks < b; clean block b sees clean blocks <= b; no clean position sees noise."""
+  block_L = np.arange(length) // block_size
+  q, k = block_L[:, None], block_L[None]
+  noisy_to_noisy, noisy_to_clean, clean_to_clean = q == k, k < q, k <= q
+  top = np.concatenate([noisy_to_noisy, noisy_to_clean], 1)
+  bottom = np.concatenate([np.zeros((length, length), bool), clean_to_clean], 1)
+  return np.concatenate([top, bottom], 0)
+
+
+def _attend(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, visible_LxL, head_dim: int) -> Array:
+  """Full self-attention over L positions (every key visible when `visible_LxL` is None)."""
   logits_BxHxLxL = jnp.einsum("blhk,bmhk->bhlm", q_BxLxHxK, k_BxLxHxK) / math.sqrt(head_dim)
-  if causal:
-    causal_LxL = jnp.tril(jnp.ones((length, length), bool))
-    logits_BxHxLxL = jnp.where(causal_LxL, logits_BxHxLxL, -1e30)
+  if visible_LxL is not None:
+    logits_BxHxLxL = jnp.where(visible_LxL, logits_BxHxLxL, -1e30)
   attn = jax.nn.softmax(logits_BxHxLxL.astype(jnp.float32), -1).astype(v_BxLxHxK.dtype)
   return jnp.einsum("bhlm,bmhk->blhk", attn, v_BxLxHxK)
 
 
-def _attend_window(q_BxWxHxK, k_BxWxHxK, v_BxWxHxK, cached: LayerKV, start, causal: bool,
-                   head_dim: int) -> Array:
+def _attend_window(q_BxWxHxK, k_BxWxHxK, v_BxWxHxK, cached: LayerKV, start,
+                   cfg: TransformerConfig, head_dim: int) -> Array:
   """The window's queries over the cached keys outside [start, start + W) and the window's
   own fresh keys, under one softmax. The cache is only read: writing the window into it
   first would copy it at every step."""
@@ -202,9 +248,10 @@ def _attend_window(q_BxWxHxK, k_BxWxHxK, v_BxWxHxK, cached: LayerKV, start, caus
   key_L = jnp.arange(length)
   visible_WxL = ((key_L < start) | (key_L >= start + width))[None]
   own_WxW = jnp.ones((width, width), bool)
-  if causal:
-    visible_WxL = visible_WxL & (key_L[None] <= query_W[:, None])
-    own_WxW = jnp.tril(own_WxW)
+  pattern_WxL = visible(cfg, query_W, key_L)
+  if pattern_WxL is not None:
+    visible_WxL = visible_WxL & pattern_WxL
+    own_WxW = visible(cfg, query_W, query_W)
   dtype = v_BxWxHxK.dtype
   q_BxHxWxK = q_BxWxHxK.transpose(0, 2, 1, 3) / math.sqrt(head_dim)
   cached_BxHxWxL = jnp.einsum("bhwk,bhlk->bhwl", q_BxHxWxK, cached.keys_BxHxLxK.astype(dtype))
@@ -254,11 +301,37 @@ class Transformer(nnx.Module):
     logits_BxWxV, layers = self._forward(tokens_BxW, t_B, start, cache)
     return logits_BxWxV, KVCache.stack(layers)
 
+  def block_pair(self, noisy_BxL: Array, clean_BxL: Array, t_B: Array) -> Array:
+    """Noisy blocks' logits_BxLxV, each conditioned on the clean blocks before it: one pass
+    over [noisy; clean] under `block_pair_mask` (BD3-LM's vectorized training pass)."""
+    cfg = self.cfg
+    if cfg.block_size is None:
+      raise ValueError("block_pair needs a block-causal model: set TransformerConfig."
+                       "block_size.")
+    if noisy_BxL.shape != clean_BxL.shape:
+      raise ValueError(f"noisy_BxL has shape {noisy_BxL.shape}, clean_BxL {clean_BxL.shape}; "
+                       "they must match.")
+    length = noisy_BxL.shape[1]
+    positions_W = np.concatenate([np.arange(length)] * 2)
+    logits_BxWxV, _ = self._forward(
+        jnp.concatenate([noisy_BxL, clean_BxL], axis=1), t_B, positions_W=positions_W,
+        visible_WxW=block_pair_mask(length, cfg.block_size), logits_for=length)
+    return logits_BxWxV
+
   def _forward(self, tokens_BxW: Array, t_B: Array, start: Array | int = 0,
-               cache: KVCache | None = None) -> tuple[Array, list[LayerKV]]:
+               cache: KVCache | None = None, positions_W: np.ndarray | None = None,
+               visible_WxW: np.ndarray | None = None,
+               logits_for: int | None = None) -> tuple[Array, list[LayerKV]]:
+    """The pass over W tokens. Full passes take positions 0..W-1 and the config's attention
+    pattern unless `positions_W` and `visible_WxW` say otherwise (the block pair); logits
+    come for the first `logits_for` positions (default all)."""
     cfg = self.cfg
     width = tokens_BxW.shape[1]
     length = width if cache is None else cache.length
+    if positions_W is not None:
+      length = int(positions_W.max()) + 1
+    elif cache is None:
+      visible_WxW = visible(cfg, np.arange(width), np.arange(width))
     if length > cfg.max_len:
       raise ValueError(f"sequence length {length} exceeds max_len={cfg.max_len}.")
     h_BxWxD = self.embed(tokens_BxW)
@@ -266,14 +339,20 @@ class Transformer(nnx.Module):
       table_WxD = sinusoidal(length, cfg.d_model)
       if cache is not None:
         table_WxD = jax.lax.dynamic_slice_in_dim(table_WxD, start, width)
+      elif positions_W is not None:
+        table_WxD = table_WxD[positions_W]
       h_BxWxD = h_BxWxD + table_WxD.astype(h_BxWxD.dtype)[None]
     temb_BxD = None
     if cfg.time_conditioning:
       temb_BxD = jax.nn.silu(self.time_mlp(_time_features(t_B, cfg.d_model)))
+    rope_W = None if positions_W is None else jnp.asarray(positions_W)
     layers = []
     for n, block in enumerate(self.blocks):
-      h_BxWxD, layer = block(h_BxWxD, temb_BxD, start, None if cache is None else cache.layer(n))
+      h_BxWxD, layer = block(h_BxWxD, temb_BxD, start, None if cache is None else cache.layer(n),
+                             rope_W, visible_WxW)
       layers.append(layer)
+    if logits_for is not None:
+      h_BxWxD = h_BxWxD[:, :logits_for]
     return self.head(self.final_norm(h_BxWxD)).astype(jnp.float32), layers
 
 
@@ -286,9 +365,11 @@ def _time_features(t_B: Array, dim: int) -> Array:
   return jnp.pad(feats, ((0, 0), (0, dim - feats.shape[-1])))
 
 
-def make_apply_fn(graphdef):
+def make_apply_fn(graphdef, block_size: int | None = None):
   """The denoiser contract for a split model: apply_fn(params, tokens_BxL, t_B), with the
-  cached contract as `apply_fn.prefill` and `apply_fn.decode` (see the module docstring)."""
+  cached contract as `apply_fn.prefill` and `apply_fn.decode` (see the module docstring).
+  A block-causal model (its config's `block_size`, passed here) also has
+  `apply_fn.block_pair` and `apply_fn.block_size`; others have `block_size = None`."""
 
   def apply_fn(params, tokens_BxL, t_B):
     return nnx.merge(graphdef, params)(tokens_BxL, t_B)
@@ -299,7 +380,13 @@ def make_apply_fn(graphdef):
   def decode(params, cache, tokens_BxW, start, t_B):
     return nnx.merge(graphdef, params).decode(cache, tokens_BxW, start, t_B)
 
+  def block_pair(params, noisy_BxL, clean_BxL, t_B):
+    return nnx.merge(graphdef, params).block_pair(noisy_BxL, clean_BxL, t_B)
+
   apply_fn.prefill, apply_fn.decode = prefill, decode
+  apply_fn.block_size = block_size
+  if block_size is not None:
+    apply_fn.block_pair = block_pair
   return apply_fn
 
 
@@ -307,7 +394,7 @@ def init(cfg: TransformerConfig, seed: int = 0):
   """Builds the model and returns (graphdef, params, apply_fn)."""
   model = Transformer(cfg, rngs=nnx.Rngs(seed))
   graphdef, params = nnx.split(model, nnx.Param)
-  return graphdef, params, make_apply_fn(graphdef)
+  return graphdef, params, make_apply_fn(graphdef, cfg.block_size)
 
 
 def count_params(params) -> int:
