@@ -1,6 +1,7 @@
 """Defaults every config starts from; task configs override what they need."""
 
 import ml_collections
+from ml_collections import config_dict
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -20,7 +21,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.log_tensorboard = False  # also write metrics for TensorBoard (needs tensorboardX)
   c.model = ml_collections.ConfigDict(dict(
       d_model=64, num_layers=2, num_heads=4, d_ff=256, positions="rope", norm="rms",
-      mlp="swiglu", time_conditioning=False, causal=False, dtype="float32"))
+      mlp="swiglu", time_conditioning=False, causal=False, dtype="float32",
+      # block_size: block diffusion (BD3-LM), block-causal attention; a divisor of the length.
+      block_size=config_dict.placeholder(int)))
+  # The block NELBO's times (models with block_size): BD3-LM's clipped noise range
+  # [t_min, t_max] (a training objective, not a bound; evaluation uses the full range) and
+  # antithetic times over the batch's blocks.
+  c.block_nelbo = ml_collections.ConfigDict(dict(t_min=1e-5, t_max=1.0, antithetic=True))
   c.train = ml_collections.ConfigDict(dict(
       num_steps=1000, lr=1e-3, lr_floor=0.1, warmup_steps=100, b1=0.9, b2=0.99,
       weight_decay=0.0, grad_clip=1.0, ema_decay=0.0, fsdp=False))

@@ -52,8 +52,21 @@ class TrainState:
 
 
 def model_config(config, task: tasks.Task) -> models.TransformerConfig:
+  block_size = config.model.get("block_size")
+  if block_size is not None:
+    try:
+      diffusion.check_block_size(block_size, task.length, "model.block_size")
+    except ValueError as error:
+      raise ConfigError(f"config field {error}") from None
   return models.TransformerConfig(vocab_size=task.vocab_size, max_len=task.length,
                                   **config.model.to_dict())
+
+
+def block_nelbo_options(config) -> dict:
+  """t_min, t_max and antithetic of the block NELBO (config.block_nelbo, defaults if absent)."""
+  options = dict(t_min=1e-5, t_max=1.0, antithetic=True)
+  options.update(config.get("block_nelbo", ml_collections.ConfigDict()).to_dict())
+  return options
 
 
 def make_optimizer(cfg) -> optax.GradientTransformation:
@@ -74,6 +87,10 @@ def masking_schedule(config) -> diffusion.Schedule:
 
 def make_loss_fn(config, apply_fn, task: tasks.Task) -> Callable:
   """loss_fn(params, key, x_BxL) -> (loss, aux) for the configured objective."""
+  if config.objective == "nelbo" and config.model.get("block_size") is not None:
+    return functools.partial(diffusion.block_nelbo_loss, apply_fn, schedule=masking_schedule(config),
+                             mask_id=task.mask_id, block_size=config.model.block_size,
+                             **block_nelbo_options(config))
   if config.objective == "nelbo":
     return functools.partial(diffusion.nelbo_loss, apply_fn, schedule=masking_schedule(config),
                              mask_id=task.mask_id)
@@ -515,6 +532,8 @@ CONFIG_RANGES = (
     ("train.grad_clip", _number(lambda v: v > 0, "> 0")),
     ("train.ema_decay", _number(lambda v: 0 <= v < 1, "in [0, 1)")),
     ("checkpoint.every", _integer(1)), ("checkpoint.keep", _integer(1)),
+    ("block_nelbo.t_min", _number(lambda v: 0 <= v < 1, "in [0, 1)")),
+    ("block_nelbo.t_max", _number(lambda v: 0 < v <= 1, "in (0, 1]")),
 )
 OBJECTIVES = ("nelbo", "mlm", "causal")
 
@@ -555,6 +574,23 @@ def check_config(config) -> None:
     refuse("sampler.steps", steps, "must be an integer >= 1 (or None for families without)")
   if config.objective not in OBJECTIVES:
     refuse("objective", config.objective, f"must be one of {OBJECTIVES}")
+  block_size = _field(config, "model.block_size")
+  if block_size is not _ABSENT and block_size is not None:
+    if not _integer(1)[0](block_size):
+      refuse("model.block_size", block_size, "must be None or an integer >= 1 (dividing the "
+             "sequence length)")
+    if config.objective != "nelbo":
+      refuse("model.block_size", block_size, f"needs objective='nelbo' (the block NELBO), not "
+             f"{config.objective!r}")
+    if config.model.get("time_conditioning") or config.model.get("causal"):
+      refuse("model.block_size", block_size, "needs model.time_conditioning=False and "
+             "model.causal=False")
+  t_min, t_max = _field(config, "block_nelbo.t_min"), _field(config, "block_nelbo.t_max")
+  if t_min is not _ABSENT and t_max is not _ABSENT and not t_min < t_max:
+    refuse("block_nelbo.t_min", t_min, f"must be below block_nelbo.t_max={t_max}")
+  antithetic = _field(config, "block_nelbo.antithetic")
+  if antithetic is not _ABSENT and not isinstance(antithetic, bool):
+    refuse("block_nelbo.antithetic", antithetic, "must be True or False")
   tensorboard = _field(config, "log_tensorboard")
   if tensorboard is not _ABSENT and not isinstance(tensorboard, bool):
     refuse("log_tensorboard", tensorboard, "must be True or False")
@@ -761,6 +797,11 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
   eval_schedule = masking_schedule(config)
   if config.objective == "causal":
     eval_loss = jax.jit(lambda p, k, x: loss_fn(p, k, x)[1]["bits_per_token"])
+  elif config.model.get("block_size") is not None:
+    # The block NELBO over the full time range: a bound, whatever range training clips to.
+    eval_loss = jax.jit(lambda p, k, x: diffusion.block_nelbo_loss(
+        apply_fn, p, k, x, schedule=eval_schedule, mask_id=task.mask_id,
+        block_size=config.model.block_size)[1]["bits_per_token"])
   else:
     eval_loss = jax.jit(lambda p, k, x: diffusion.nelbo_loss(
         apply_fn, p, k, x, schedule=eval_schedule, mask_id=task.mask_id)[1]["bits_per_token"])

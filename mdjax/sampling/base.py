@@ -54,7 +54,7 @@ def check_block_length(block_length):
           "block_length", block_length, "must be None or an integer >= 1")
 
 
-KV_CACHES = ("none", "dual")
+KV_CACHES = ("none", "dual", "exact")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -114,6 +114,9 @@ class SamplerSpec:
           "must be None (refresh at each block's first step) or an integer >= 1")
     check(self.refresh_every is None or self.kv_cache != "none", "refresh_every",
           self.refresh_every, "applies only with a KV cache: set kv_cache='dual'")
+    check(self.refresh_every is None or self.kv_cache != "exact", "refresh_every",
+          self.refresh_every, "applies only to the dual KV cache (the exact cache of a "
+          "block-causal model never needs a refresh)")
 
   @property
   def transform(self) -> dict:

@@ -13,6 +13,16 @@ run the denoiser on the block's W = block_length positions only (decode): their 
 attend to the cached keys and values of the prefix and the suffix, as last refreshed,
 and to their own fresh ones.
 
+With `kv_cache="exact"` on a block-causal denoiser (`apply_fn.block_size`, a Transformer
+with `block_size`, or `diffusion.block_causal` of an oracle) the cache is exact: finished
+blocks' keys and values never depend on later positions, and a block's queries see no
+later block. One full pass at the first step fills the prompt's keys; at the first step of
+every later block one pass over [finished block, current block] (2W positions) appends the
+finished block's keys and values and gives the step's logits; the other steps run on the
+block's W positions. The tokens are those of the same sampler without the cache on the
+same block-causal model. The sampler's blocks must be whole model blocks, aligned with
+them (block_length and the prompt length multiples of the model's block size).
+
 What is exact: with `refresh_every=1` every step is a full pass, so the tokens are the
 uncached sampler's; with `recompute_cache(apply_fn)` (any plain denoiser: exact oracles,
 stubs) the window pass recomputes the full canvas, so again the tokens are the uncached
@@ -40,6 +50,9 @@ class KVPlan:
 
   refresh: Array  # bool: a full pass that refreshes the cache
   start: Array  # int32: first position of the step's block (the window)
+  # kv_cache="exact": bool, the first step of a block after the first (append the finished
+  # block's keys); None for the dual cache.
+  append: Array | None = None
 
 
 @struct.dataclass
@@ -85,6 +98,7 @@ def recompute_cache(apply_fn):
       return jax.lax.dynamic_slice_in_dim(logits_BxLxV, start, width, axis=1), canvas_BxL
 
     adapter.prefill, adapter.decode = prefill, decode
+    adapter.block_size = getattr(apply_fn, "block_size", None)
     _ADAPTERS[apply_fn] = adapter
   return adapter
 
@@ -116,10 +130,33 @@ def plan(apply_fn, family: Family, spec, canvas: Canvas) -> KVPlan | None:
   span_start = _generation_start(canvas)
   per_block = steps // num_blocks
   j = np.arange(steps) % per_block
+  block_K = blocks.step_blocks(num_blocks, per_block)
+  start = (span_start + block_K * block_length).astype(np.int32)
+  if spec.kv_cache == "exact":
+    _check_exact(apply_fn, name, block_length, span_start)
+    first = np.arange(steps) == 0
+    # One block: the first pass fills the prompt's keys and no block is ever appended.
+    append = (j == 0) & (block_K > 0) if num_blocks > 1 else None
+    return KVPlan(refresh=first, start=start, append=append)
   every = spec.refresh_every or per_block
-  return KVPlan(refresh=j % every == 0,
-                start=(span_start + blocks.step_blocks(num_blocks, per_block) * block_length
-                       ).astype(np.int32))
+  return KVPlan(refresh=j % every == 0, start=start)
+
+
+def _check_exact(apply_fn, name: str, block_length: int, span_start: int) -> None:
+  """kv_cache='exact' needs a block-causal denoiser whose blocks the sampler's tile."""
+  model_block = getattr(apply_fn, "block_size", None)
+  if model_block is None:
+    raise ValueError(f"kv_cache='exact' is invalid for {name} on this denoiser: it has no "
+                     "block-causal attention (apply_fn.block_size is None), so finished "
+                     "blocks' keys depend on later positions. Use a Transformer with "
+                     "block_size, diffusion.block_causal(apply_fn, block_size) for an oracle, "
+                     "or kv_cache='dual' (approximate).")
+  check(block_length % model_block == 0, "block_length", block_length,
+        f"kv_cache='exact' needs a multiple of the model's block size {model_block}")
+  if span_start % model_block:
+    raise ValueError(f"the prompt holds {span_start} positions; kv_cache='exact' needs the "
+                     f"generation to start on a model block boundary (a prompt length that "
+                     f"is a multiple of the block size {model_block}).")
 
 
 def _generation_start(canvas: Canvas) -> int:
@@ -174,9 +211,28 @@ def call(denoiser: Denoiser, state: KVState, tokens_BxL: Array, t, kv_plan: KVPl
                                                        kv_plan.start, axis=1)
     return logits_BxLxV, state
 
-  return jax.lax.cond(kv_plan.refresh | state.stale, full, window)
+  if kv_plan.append is None:
+    return jax.lax.cond(kv_plan.refresh | state.stale, full, window)
+
+  def append_and_window():
+    # The finished block and the current one in one pass: the finished block's queries
+    # see no later block (block-causal), so its fresh keys are final; keep them.
+    begin = kv_plan.start - width
+    tokens_Bx2W = jax.lax.dynamic_slice_in_dim(tokens_BxL, begin, 2 * width, axis=1)
+    logits_Bx2WxV, cache = denoiser.apply_fn.decode(denoiser.params, state.cache, tokens_Bx2W,
+                                                    begin, t_B)
+    batch, length = tokens_BxL.shape
+    zeros_BxLxV = jnp.zeros((batch, length, logits_Bx2WxV.shape[-1]), logits_Bx2WxV.dtype)
+    logits_BxLxV = jax.lax.dynamic_update_slice_in_dim(zeros_BxLxV, logits_Bx2WxV[:, width:],
+                                                       kv_plan.start, axis=1)
+    return logits_BxLxV, KVState(cache=cache, stale=jnp.array(False))
+
+  branch = jnp.where(kv_plan.refresh | state.stale, 0, jnp.where(kv_plan.append, 1, 2))
+  return jax.lax.switch(branch, [full, append_and_window, window])
 
 
 def skipped(state: KVState, kv_plan: KVPlan) -> KVState:
-  """The state after a step whose call was skipped: a skipped refresh is owed."""
-  return state.replace(stale=state.stale | kv_plan.refresh)
+  """The state after a step whose call was skipped: a skipped refresh is owed (a skipped
+  append too: the next call makes a full pass, which is exact on a block-causal model)."""
+  owed = kv_plan.refresh if kv_plan.append is None else kv_plan.refresh | kv_plan.append
+  return state.replace(stale=state.stale | owed)
