@@ -45,7 +45,7 @@ def _canvas(batch=5, prompt=PROMPT):
   return tokens
 
 
-@pytest.mark.parametrize("kw", [{}, {"positions": "sinusoidal", "causal": True},
+@pytest.mark.parametrize("kw", [{}, {"positions": "sinusoidal", "causal": True}, {"block_size": 4},
                                 {"time_conditioning": True, "norm": "layer", "mlp": "gelu"}])
 def test_window_pass_equals_prefill(kw):
   """Prefill's logits are the plain pass's; a window pass over the same tokens gives the
