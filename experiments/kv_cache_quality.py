@@ -2,7 +2,7 @@
 
   python experiments/kv_cache_quality.py [--n=1000] [--workdir=/tmp/kv_cache_quality] [--out=results]
 
-Trains (or reuses, when done) three models in WORKDIR: ScanAndAdd (configs/scan_and_add_cpu.py),
+Trains (or reuses, when done) three models in WORKDIR: ScanAndAdd (configs/quickstart.py),
 the character-level Shakespeare denoiser (configs/shakespeare_char.py at 3,000 steps) and
 its causal reference (configs/shakespeare_causal.py). Each sampler in blocks then runs
 uncached and with the dual cache (one full pass per block, window passes in between), with
@@ -25,7 +25,7 @@ if __package__ in (None, ""):  # run as a script: configs/ and experiments/ live
 import jax
 import numpy as np
 
-from configs import scan_and_add_cpu, shakespeare_causal, shakespeare_char
+from configs import quickstart, shakespeare_causal, shakespeare_char
 from mdjax import likelihood, report, sampling, tasks, train
 from mdjax.tasks import scan_and_add
 
@@ -44,7 +44,7 @@ def trained(workdir: str):
   char = shakespeare_char.get_config()
   char.train.num_steps = CHAR_STEPS
   out = {}
-  for name, config in (("scan_and_add", scan_and_add_cpu.get_config()), ("char", char),
+  for name, config in (("scan_and_add", quickstart.get_config()), ("char", char),
                        ("causal", shakespeare_causal.get_config())):
     out[name] = (config, *train.ensure_trained(config, os.path.join(workdir, name)))
   return out
@@ -128,7 +128,7 @@ def write(results: dict, out: str) -> None:
   report.write_json(os.path.join(out, "kv_cache_quality.json"), results)
   text = ("# KV cache: quality cost of the dual cache\n\n"
           f"N = {results['n']} samples per point, seed {results['seed']}; the same keys with "
-          "and without the cache.\n\n## ScanAndAdd (configs/scan_and_add_cpu.py model), blocks of "
+          "and without the cache.\n\n## ScanAndAdd (configs/quickstart.py model), blocks of "
           f"{SA_BLOCK}\n\n"
           + _table(results["scan_and_add"], ("well_formed", "correct", "impossible"))
           + f"\n## Character-level Shakespeare ({results['char_train_steps']}-step denoiser), "
