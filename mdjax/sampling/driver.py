@@ -19,7 +19,8 @@ from flax import struct
 
 from mdjax import streams
 from mdjax.sampling.base import (Canvas, Context, Core, Denoiser, Family, SamplerSpec,
-                                 StepInfo, family_of, skips_idle_steps)
+                                 StepInfo, eos_state, family_of, finish_rows,
+                                 generated_length, open_rows, skips_idle_steps)
 
 Array = jax.Array
 
@@ -43,6 +44,8 @@ class SampleResult:
   unfilled_B: editable positions of the row still masked at the end (0 for every family
     when the spec covers the canvas; inside a jit, a write order that misses positions
     shows here).
+  generated_length_B: editable positions of the row before its first EOS (`spec.eos_id`;
+    every editable position when the row has none or eos_id is None).
   trajectory_KxBxL: the canvas after each step, if the spec records it.
   extras: family-specific outputs (RevisionSpec: `changes_KxB`).
   """
@@ -57,6 +60,7 @@ class SampleResult:
   nonfinite_B: Array
   invalid_B: Array
   unfilled_B: Array
+  generated_length_B: Array
   trajectory_KxBxL: Array | None = None
   extras: dict = struct.field(default_factory=dict)
 
@@ -172,6 +176,9 @@ def _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id):
           f"tokens_BxL holds no mask id {mask_id} (taken from apply_fn's {mask_id} logits per "
           "position): there is nothing to generate. If the denoiser's logits include the mask "
           "class, pass mask_id=V.")
+  if spec.eos_id is not None and not spec.eos_id < mask_id:
+    raise ValueError(f"spec.eos_id={spec.eos_id} is outside the vocabulary: token ids are "
+                     f"0..{mask_id - 1} (the mask id is {mask_id}).")
   canvas = Canvas(batch=batch, length=length, mask_id=mask_id, tokens=tokens, fixed=fixed)
   streams.check_steps(family.num_steps(spec, length))
   family.validate(spec, canvas)
@@ -214,13 +221,18 @@ def _step(family: Family, spec, skip: bool, denoiser: Denoiser, core: Core, aux,
   step = StepInfo(index=index, keys_B=jax.vmap(jax.random.fold_in, (0, None))(ctx.keys_B, index),
                   plan=plan)
   call = lambda: denoiser(core.tokens_BxL, plan.t)
+  full_ctx, ctx = ctx, open_rows(ctx, core.tokens_BxL, spec.eos_id)  # finished rows freeze
   active_B = ctx.masked(core.tokens_BxL).any(-1)
+  ends = spec.eos_id is not None and spec.skip_idle_steps is not False
   if reuse is not None:
     need = jnp.any(core.tokens_BxL != reuse.tokens_BxL)
     logits = jax.lax.cond(need, call, lambda: reuse.logits_BxLxV)
     reuse = _Reuse(tokens_BxL=core.tokens_BxL, logits_BxLxV=logits)
-  elif skip:
-    need = family.needs_call(spec, core, aux, ctx, plan)
+  elif skip or ends:
+    need = jnp.array(True) if family.rewrites else family.needs_call(spec, core, aux, ctx, plan)
+    if ends:  # once every row has finished, no step calls the denoiser
+      need &= ~eos_state(core.tokens_BxL, full_ctx.editable_BxL, ctx.mask_id,
+                         spec.eos_id)[1].all()
     out = jax.eval_shape(call)
     logits = jax.lax.cond(need, call, lambda: jnp.zeros(out.shape, out.dtype))
   else:
@@ -230,6 +242,8 @@ def _step(family: Family, spec, skip: bool, denoiser: Denoiser, core: Core, aux,
                                        rounds_B=core.rounds_B + (need & active_B))
   denoise = lambda tokens_NxL: denoiser(tokens_NxL, plan.t)
   core, aux = family.update(spec, core, aux, ctx, step, logits, denoise)
+  if spec.eos_id is not None:
+    core = finish_rows(core, full_ctx, spec.eos_id, index)
   return core, aux, reuse
 
 
@@ -255,7 +269,11 @@ def run(spec, denoiser: Denoiser, core: Core, ctx: Context, plan, skip: bool | N
   if skip is None:
     skip = not family.rewrites and spec.skip_idle_steps is not False
   if family.composite:
-    return family.run(spec, denoiser, core, ctx, plan)
+    core, aux, trajectory = family.run(spec, denoiser, core, ctx, plan)
+    if spec.eos_id is not None:  # the composite's own rounds freeze finished rows; this fills
+      last = family.num_steps(spec, core.tokens_BxL.shape[1]) - 1
+      core = finish_rows(core, ctx, spec.eos_id, jnp.int32(last))
+    return core, aux, trajectory
   aux, reuse = _init(family, spec, denoiser, core, ctx)
   length = core.tokens_BxL.shape[1]
   indices = jnp.arange(family.num_steps(spec, length), dtype=jnp.int32)
@@ -282,6 +300,8 @@ def _result(family: Family, spec, core: Core, aux, trajectory, ctx: Context,
                       rounds_B=core.rounds_B, reopened_B=core.reopened_B,
                       nonfinite_B=core.nonfinite_B, invalid_B=invalid_B,
                       unfilled_B=ctx.masked(core.tokens_BxL).sum(-1),
+                      generated_length_B=generated_length(core.tokens_BxL, ctx.editable_BxL,
+                                                          ctx.mask_id, spec.eos_id),
                       trajectory_KxBxL=trajectory, extras=family.extras(spec, aux))
 
 
