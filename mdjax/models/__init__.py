@@ -1,6 +1,7 @@
 """Flax denoisers meeting the denoiser contract."""
 
 from mdjax.models.transformer import (
+    KVCache,
     Transformer,
     TransformerConfig,
     count_params,
@@ -8,4 +9,4 @@ from mdjax.models.transformer import (
     make_apply_fn,
 )
 
-__all__ = ["Transformer", "TransformerConfig", "count_params", "init", "make_apply_fn"]
+__all__ = ["KVCache", "Transformer", "TransformerConfig", "count_params", "init", "make_apply_fn"]

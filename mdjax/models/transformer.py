@@ -2,7 +2,15 @@
 
 Build with `Transformer(TransformerConfig(...), rngs=nnx.Rngs(0))`; compiled
 code uses the functional form `make_apply_fn(graphdef)` on `nnx.split` params,
-which meets the denoiser contract apply_fn(params, tokens_BxL, t_B) -> logits_BxLxV.
+which meets the denoiser contract apply_fn(params, tokens_BxL, t_B) -> logits_BxLxV
+and the cached one beside it (`apply_fn.prefill`, `apply_fn.decode`):
+
+  prefill(params, tokens_BxL, t_B) -> (logits_BxLxV, KVCache)
+      one full pass that also returns every layer's keys and values;
+  decode(params, cache, tokens_BxW, start, t_B) -> (logits_BxWxV, KVCache)
+      a pass over the W positions [start, start + W) (start may be traced): their
+      queries attend to the cached keys and values of every other position and to
+      their own fresh ones, which the returned cache holds in place of the old.
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 Array = jax.Array
 
@@ -61,11 +69,13 @@ def sinusoidal(length: int, dim: int) -> Array:
   return jnp.concatenate([jnp.sin(angle), jnp.cos(angle)], -1)[:, :dim]
 
 
-def rope(x_BxLxHxK: Array) -> Array:
-  """Rotary position embedding on the head dimension."""
+def rope(x_BxLxHxK: Array, positions_L: Array | None = None) -> Array:
+  """Rotary position embedding on the head dimension (positions default to 0..L-1)."""
   length, half = x_BxLxHxK.shape[1], x_BxLxHxK.shape[-1] // 2
+  if positions_L is None:
+    positions_L = jnp.arange(length)
   freq = jnp.exp(-math.log(10_000.0) * jnp.arange(half) / half)
-  angle = jnp.arange(length)[:, None] * freq[None]  # L x K/2
+  angle = positions_L[:, None] * freq[None]  # L x K/2
   cos, sin = jnp.cos(angle)[None, :, None], jnp.sin(angle)[None, :, None]
   x1, x2 = x_BxLxHxK[..., :half], x_BxLxHxK[..., half:]
   return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x_BxLxHxK.dtype)
@@ -92,9 +102,13 @@ class Block(nnx.Module):
       # shift, scale, gate for both sublayers; zero-init so training starts plain.
       self.ada = nnx.Linear(d, 6 * d, kernel_init=nnx.initializers.zeros, dtype=dtype, rngs=rngs)
 
-  def __call__(self, h_BxLxD: Array, temb_BxD: Array | None) -> Array:
+  def __call__(self, h_BxWxD: Array, temb_BxD: Array | None, start: Array | int = 0,
+               cached: "LayerKV | None" = None) -> tuple[Array, "LayerKV"]:
+    """The block on W positions starting at `start`; returns (h, this layer's keys and
+    values). Without `cached` the W positions are the whole sequence; with it, the window
+    attends to the cached keys and values outside itself and to its own fresh ones."""
     cfg = self.cfg
-    batch, length, d = h_BxLxD.shape
+    batch, width, d = h_BxWxD.shape
     heads, head_dim = cfg.num_heads, d // cfg.num_heads
     if cfg.time_conditioning:
       mods = jnp.split(self.ada(temb_BxD)[:, None], 6, axis=-1)
@@ -103,25 +117,89 @@ class Block(nnx.Module):
     shift1, scale1, gate1, shift2, scale2, gate2 = mods
     if cfg.time_conditioning:
       gate1, gate2 = 1.0 + gate1, 1.0 + gate2
-    x = self.norm1(h_BxLxD) * (1.0 + scale1) + shift1
-    q, k, v = jnp.split(self.qkv(x).reshape(batch, length, 3 * heads, head_dim), 3, axis=2)
+    x = self.norm1(h_BxWxD) * (1.0 + scale1) + shift1
+    q, k, v = jnp.split(self.qkv(x).reshape(batch, width, 3 * heads, head_dim), 3, axis=2)
     if cfg.positions == "rope":
-      q, k = rope(q), rope(k)
-    logits_BxHxLxL = jnp.einsum("blhk,bmhk->bhlm", q, k) / math.sqrt(head_dim)
-    if cfg.causal:
-      causal_LxL = jnp.tril(jnp.ones((length, length), bool))
-      logits_BxHxLxL = jnp.where(causal_LxL, logits_BxHxLxL, -1e30)
-    attn = jax.nn.softmax(logits_BxHxLxL.astype(jnp.float32), -1).astype(v.dtype)
-    out = jnp.einsum("bhlm,bmhk->blhk", attn, v).reshape(batch, length, d)
-    h_BxLxD = h_BxLxD + gate1 * self.proj(out)
-    x = self.norm2(h_BxLxD) * (1.0 + scale2) + shift2
+      positions_W = None if cached is None else start + jnp.arange(width)
+      q, k = rope(q, positions_W), rope(k, positions_W)
+    if cached is None:
+      out = _attend(q, k, v, cfg.causal, head_dim)
+      fresh = LayerKV(keys_BxLxHxK=k, values_BxLxHxK=v)
+    else:
+      out = _attend_window(q, k, v, cached, start, cfg.causal, head_dim)
+      fresh = cached.write(k, v, start)
+    h_BxWxD = h_BxWxD + gate1 * self.proj(out.reshape(batch, width, d))
+    x = self.norm2(h_BxWxD) * (1.0 + scale2) + shift2
     y = self.mlp_in(x)
     if cfg.mlp == "swiglu":
       a, b = jnp.split(y, 2, axis=-1)
       y = jax.nn.silu(a) * b
     else:
       y = jax.nn.gelu(y)
-    return h_BxLxD + gate2 * self.mlp_out(y)
+    return h_BxWxD + gate2 * self.mlp_out(y), fresh
+
+
+@struct.dataclass
+class LayerKV:
+  """One layer's keys (after RoPE) and values at every position."""
+
+  keys_BxLxHxK: Array
+  values_BxLxHxK: Array
+
+  def write(self, keys_BxWxHxK: Array, values_BxWxHxK: Array, start) -> "LayerKV":
+    put = lambda old, new: jax.lax.dynamic_update_slice_in_dim(old, new.astype(old.dtype),
+                                                               start, axis=1)
+    return LayerKV(keys_BxLxHxK=put(self.keys_BxLxHxK, keys_BxWxHxK),
+                   values_BxLxHxK=put(self.values_BxLxHxK, values_BxWxHxK))
+
+
+@struct.dataclass
+class KVCache:
+  """Every layer's keys and values, stacked on a leading layer axis N."""
+
+  keys_NxBxLxHxK: Array
+  values_NxBxLxHxK: Array
+
+  def layer(self, n: int) -> LayerKV:
+    return LayerKV(keys_BxLxHxK=self.keys_NxBxLxHxK[n], values_BxLxHxK=self.values_NxBxLxHxK[n])
+
+  @classmethod
+  def stack(cls, layers: list[LayerKV]) -> "KVCache":
+    return cls(keys_NxBxLxHxK=jnp.stack([x.keys_BxLxHxK for x in layers]),
+               values_NxBxLxHxK=jnp.stack([x.values_BxLxHxK for x in layers]))
+
+
+def _attend(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, causal: bool, head_dim: int) -> Array:
+  """Full self-attention over L positions (causal or bidirectional)."""
+  length = q_BxLxHxK.shape[1]
+  logits_BxHxLxL = jnp.einsum("blhk,bmhk->bhlm", q_BxLxHxK, k_BxLxHxK) / math.sqrt(head_dim)
+  if causal:
+    causal_LxL = jnp.tril(jnp.ones((length, length), bool))
+    logits_BxHxLxL = jnp.where(causal_LxL, logits_BxHxLxL, -1e30)
+  attn = jax.nn.softmax(logits_BxHxLxL.astype(jnp.float32), -1).astype(v_BxLxHxK.dtype)
+  return jnp.einsum("bhlm,bmhk->blhk", attn, v_BxLxHxK)
+
+
+def _attend_window(q_BxWxHxK, k_BxWxHxK, v_BxWxHxK, cached: LayerKV, start, causal: bool,
+                   head_dim: int) -> Array:
+  """The window's queries over the cached keys outside [start, start + W) and the
+  window's own fresh keys: one softmax over both, so the cache is only read (writing the
+  window into it first would copy the whole cache at every step)."""
+  width, length = q_BxWxHxK.shape[1], cached.keys_BxLxHxK.shape[1]
+  query_W = start + jnp.arange(width)
+  key_L = jnp.arange(length)
+  outside_L = (key_L < start) | (key_L >= start + width)
+  cached_WxL = outside_L[None] & (key_L[None] <= query_W[:, None] if causal else True)
+  own_WxW = jnp.tril(jnp.ones((width, width), bool)) if causal else jnp.ones((width, width), bool)
+  scale = 1.0 / math.sqrt(head_dim)
+  cached_keys = cached.keys_BxLxHxK.astype(q_BxWxHxK.dtype)
+  logits_BxHxWxL = jnp.einsum("bwhk,blhk->bhwl", q_BxWxHxK, cached_keys) * scale
+  logits_BxHxWxW = jnp.einsum("bwhk,buhk->bhwu", q_BxWxHxK, k_BxWxHxK) * scale
+  logits = jnp.concatenate([jnp.where(cached_WxL, logits_BxHxWxL, -1e30),
+                            jnp.where(own_WxW, logits_BxHxWxW, -1e30)], axis=-1)
+  attn = jax.nn.softmax(logits.astype(jnp.float32), -1).astype(v_BxWxHxK.dtype)
+  values = jnp.concatenate([cached.values_BxLxHxK.astype(v_BxWxHxK.dtype), v_BxWxHxK], axis=1)
+  return jnp.einsum("bhwm,bmhk->bwhk", attn, values)
 
 
 class Transformer(nnx.Module):
@@ -138,19 +216,44 @@ class Transformer(nnx.Module):
       self.time_mlp = nnx.Linear(cfg.d_model, cfg.d_model, dtype=dtype, rngs=rngs)
 
   def __call__(self, tokens_BxL: Array, t_B: Array) -> Array:
+    return self._forward(tokens_BxL, t_B)[0]
+
+  def prefill(self, tokens_BxL: Array, t_B: Array) -> tuple[Array, KVCache]:
+    """One full pass: (logits_BxLxV, every layer's keys and values)."""
+    logits_BxLxV, layers = self._forward(tokens_BxL, t_B)
+    return logits_BxLxV, KVCache.stack(layers)
+
+  def decode(self, cache: KVCache, tokens_BxW: Array, start: Array | int,
+             t_B: Array) -> tuple[Array, KVCache]:
+    """A pass over positions [start, start + W) against `cache`: (logits_BxWxV, the cache
+    with the window's keys and values written in)."""
+    length, width = cache.keys_NxBxLxHxK.shape[2], tokens_BxW.shape[1]
+    if width > length:
+      raise ValueError(f"window of {width} positions is longer than the cache ({length}).")
+    logits_BxWxV, layers = self._forward(tokens_BxW, t_B, start, cache)
+    return logits_BxWxV, KVCache.stack(layers)
+
+  def _forward(self, tokens_BxW: Array, t_B: Array, start: Array | int = 0,
+               cache: KVCache | None = None) -> tuple[Array, list[LayerKV]]:
     cfg = self.cfg
-    length = tokens_BxL.shape[1]
+    width = tokens_BxW.shape[1]
+    length = width if cache is None else cache.keys_NxBxLxHxK.shape[2]
     if length > cfg.max_len:
       raise ValueError(f"sequence length {length} exceeds max_len={cfg.max_len}.")
-    h_BxLxD = self.embed(tokens_BxL)
+    h_BxWxD = self.embed(tokens_BxW)
     if cfg.positions == "sinusoidal":
-      h_BxLxD = h_BxLxD + sinusoidal(length, cfg.d_model).astype(h_BxLxD.dtype)[None]
+      table_WxD = sinusoidal(length, cfg.d_model)
+      if cache is not None:
+        table_WxD = jax.lax.dynamic_slice_in_dim(table_WxD, start, width)
+      h_BxWxD = h_BxWxD + table_WxD.astype(h_BxWxD.dtype)[None]
     temb_BxD = None
     if cfg.time_conditioning:
       temb_BxD = jax.nn.silu(self.time_mlp(_time_features(t_B, cfg.d_model)))
-    for block in self.blocks:
-      h_BxLxD = block(h_BxLxD, temb_BxD)
-    return self.head(self.final_norm(h_BxLxD)).astype(jnp.float32)
+    layers = []
+    for n, block in enumerate(self.blocks):
+      h_BxWxD, layer = block(h_BxWxD, temb_BxD, start, None if cache is None else cache.layer(n))
+      layers.append(layer)
+    return self.head(self.final_norm(h_BxWxD)).astype(jnp.float32), layers
 
 
 def _time_features(t_B: Array, dim: int) -> Array:
@@ -163,11 +266,19 @@ def _time_features(t_B: Array, dim: int) -> Array:
 
 
 def make_apply_fn(graphdef):
-  """The denoiser contract for a split model: apply_fn(params, tokens_BxL, t_B)."""
+  """The denoiser contract for a split model: apply_fn(params, tokens_BxL, t_B), with the
+  cached contract as `apply_fn.prefill` and `apply_fn.decode` (see the module docstring)."""
 
   def apply_fn(params, tokens_BxL, t_B):
     return nnx.merge(graphdef, params)(tokens_BxL, t_B)
 
+  def prefill(params, tokens_BxL, t_B):
+    return nnx.merge(graphdef, params).prefill(tokens_BxL, t_B)
+
+  def decode(params, cache, tokens_BxW, start, t_B):
+    return nnx.merge(graphdef, params).decode(cache, tokens_BxW, start, t_B)
+
+  apply_fn.prefill, apply_fn.decode = prefill, decode
   return apply_fn
 
 

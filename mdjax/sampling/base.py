@@ -54,6 +54,9 @@ def check_block_length(block_length):
           "block_length", block_length, "must be None or an integer >= 1")
 
 
+KV_CACHES = ("none", "dual")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplerSpec:
   """Knobs shared by every family: the value transform and recording.
@@ -90,6 +93,8 @@ class SamplerSpec:
   eos_penalty: float = 0.0
   eos_never: bool = False
   eos_rank_last: bool = False
+  kv_cache: str = "none"
+  refresh_every: int | None = None
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -127,6 +132,14 @@ class SamplerSpec:
       for name, off in (("eos_penalty", 0.0), ("eos_never", False), ("eos_rank_last", False)):
         check(getattr(self, name) == off, name, getattr(self, name),
               "needs eos_id (the end-of-sequence id) to be set")
+    check(self.kv_cache in KV_CACHES, "kv_cache", self.kv_cache, f"must be one of {KV_CACHES}")
+    check(self.refresh_every is None or (isinstance(self.refresh_every, int)
+                                         and not isinstance(self.refresh_every, bool)
+                                         and self.refresh_every >= 1),
+          "refresh_every", self.refresh_every,
+          "must be None (refresh at each block's first step) or an integer >= 1")
+    check(self.refresh_every is None or self.kv_cache != "none", "refresh_every",
+          self.refresh_every, "applies only with a KV cache: set kv_cache='dual'")
 
   @property
   def transform(self) -> dict:

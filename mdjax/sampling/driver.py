@@ -18,6 +18,7 @@ import numpy as np
 from flax import struct
 
 from mdjax import streams
+from mdjax.sampling import kv_cache
 from mdjax.sampling.base import (Canvas, Context, Core, Denoiser, Family, SamplerSpec,
                                  StepInfo, eos_state, family_of, finish_rows,
                                  generated_length, open_rows, skips_idle_steps)
@@ -183,12 +184,13 @@ def _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id):
   streams.check_steps(family.num_steps(spec, length))
   family.validate(spec, canvas)
   plan = family.plan(spec, canvas)
+  kv_plan = kv_cache.plan(apply_fn, family, spec, canvas)
   # Last: the only check that traces the denoiser (abstractly, once per signature).
   logits_shape = logits_shape or _logits_shape(apply_fn, params, batch, length)
   if logits_shape != (batch, length, mask_id):
     raise ValueError(f"apply_fn returns logits of shape {logits_shape}; expected "
                      f"(B, L, V) = {(batch, length, mask_id)} with V = mask id.")
-  args = (params, key, tokens_BxL, fixed_BxL, plan)
+  args = (params, key, tokens_BxL, fixed_BxL, plan, kv_plan)
   skip = skips_idle_steps(family, spec, canvas, plan)
   return family, args, dict(spec=spec, mask_id=mask_id, skip=skip)
 
@@ -214,51 +216,59 @@ def _start(key, tokens_BxL, fixed_BxL, mask_id) -> tuple[Core, Context]:
   return Core.start(tokens_BxL), Context(mask_id=mask_id, editable_BxL=~fixed_BxL, keys_B=keys_B)
 
 
-def _step(family: Family, spec, skip: bool, denoiser: Denoiser, core: Core, aux, reuse,
-          ctx: Context, index: Array, plan):
+def _step(family: Family, spec, skip: bool, denoiser: Denoiser, core: Core, aux, reuse, kv,
+          ctx: Context, index: Array, plan, kv_plan):
   """One step of a step-wise family: call (or, when `skip`, maybe skip) the denoiser, count,
-  update."""
+  update. With a KV cache (`kv`, `kv_plan`) the call is a full pass or a window pass."""
   step = StepInfo(index=index, keys_B=jax.vmap(jax.random.fold_in, (0, None))(ctx.keys_B, index),
                   plan=plan)
-  call = lambda: denoiser(core.tokens_BxL, plan.t)
+  if kv is None:
+    call = lambda: (denoiser(core.tokens_BxL, plan.t), None)
+    keep = lambda logits: (logits, None)
+  else:
+    width = family.block_length(spec)
+    call = lambda: kv_cache.call(denoiser, kv, core.tokens_BxL, plan.t, kv_plan, width)
+    keep = lambda logits: (logits, kv_cache.skipped(kv, kv_plan))
   full_ctx, ctx = ctx, open_rows(ctx, core.tokens_BxL, spec.eos_id)  # finished rows freeze
   active_B = ctx.masked(core.tokens_BxL).any(-1)
   ends = spec.eos_id is not None and spec.skip_idle_steps is not False
   if reuse is not None:
     need = jnp.any(core.tokens_BxL != reuse.tokens_BxL)
-    logits = jax.lax.cond(need, call, lambda: reuse.logits_BxLxV)
+    logits, kv = jax.lax.cond(need, call, lambda: keep(reuse.logits_BxLxV))
     reuse = _Reuse(tokens_BxL=core.tokens_BxL, logits_BxLxV=logits)
   elif skip or ends:
     need = jnp.array(True) if family.rewrites else family.needs_call(spec, core, aux, ctx, plan)
     if ends:  # once every row has finished, no step calls the denoiser
       need &= ~eos_state(core.tokens_BxL, full_ctx.editable_BxL, ctx.mask_id,
                          spec.eos_id)[1].all()
-    out = jax.eval_shape(call)
-    logits = jax.lax.cond(need, call, lambda: jnp.zeros(out.shape, out.dtype))
+    out = jax.eval_shape(call)[0]
+    logits, kv = jax.lax.cond(need, call, lambda: keep(jnp.zeros(out.shape, out.dtype)))
   else:
     need = jnp.array(True)
-    logits = call()
+    logits, kv = call()
   core = core.count_call(need).replace(saved_calls=core.saved_calls + (~need),
                                        rounds_B=core.rounds_B + (need & active_B))
   denoise = lambda tokens_NxL: denoiser(tokens_NxL, plan.t)
   core, aux = family.update(spec, core, aux, ctx, step, logits, denoise)
   if spec.eos_id is not None:
     core = finish_rows(core, full_ctx, spec.eos_id, index)
-  return core, aux, reuse
+  return core, aux, reuse, kv
 
 
-def _init(family: Family, spec, denoiser: Denoiser, core: Core, ctx: Context):
-  """The family's carry and, when it reuses logits, the reuse slot."""
+def _init(family: Family, spec, denoiser: Denoiser, core: Core, ctx: Context, cached: bool):
+  """The family's carry, the reuse slot when it reuses logits, the KV cache when `cached`."""
   aux = family.init(spec, core, ctx)
   reuse = None
   if family.reuses_logits(spec):
     out = jax.eval_shape(denoiser, core.tokens_BxL, 1.0)
     reuse = _Reuse(tokens_BxL=jnp.full_like(core.tokens_BxL, -1),
                    logits_BxLxV=jnp.zeros(out.shape, out.dtype))
-  return aux, reuse
+  kv = kv_cache.init(denoiser, core.tokens_BxL) if cached else None
+  return aux, reuse, kv
 
 
-def run(spec, denoiser: Denoiser, core: Core, ctx: Context, plan, skip: bool | None = None):
+def run(spec, denoiser: Denoiser, core: Core, ctx: Context, plan, skip: bool | None = None,
+        kv_plan: kv_cache.KVPlan | None = None):
   """Runs a family from `core` in the current trace: (core, aux, trajectory or None).
 
   skip: whether idle steps may skip the denoiser (`base.skips_idle_steps`); None (a run
@@ -274,15 +284,16 @@ def run(spec, denoiser: Denoiser, core: Core, ctx: Context, plan, skip: bool | N
       last = family.num_steps(spec, core.tokens_BxL.shape[1]) - 1
       core = finish_rows(core, ctx, spec.eos_id, jnp.int32(last))
     return core, aux, trajectory
-  aux, reuse = _init(family, spec, denoiser, core, ctx)
+  aux, reuse, kv = _init(family, spec, denoiser, core, ctx, cached=kv_plan is not None)
   length = core.tokens_BxL.shape[1]
   indices = jnp.arange(family.num_steps(spec, length), dtype=jnp.int32)
 
   def body(carry, xs):
-    core, aux, reuse = _step(family, spec, skip, denoiser, *carry, ctx, *xs)
-    return (core, aux, reuse), (core.tokens_BxL if spec.record_trajectory else None)
+    carry = _step(family, spec, skip, denoiser, *carry, ctx, *xs)
+    return carry, (carry[0].tokens_BxL if spec.record_trajectory else None)
 
-  (core, aux, _), trajectory = jax.lax.scan(body, (core, aux, reuse), (indices, plan))
+  (core, aux, _, _), trajectory = jax.lax.scan(body, (core, aux, reuse, kv),
+                                               (indices, plan, kv_plan))
   return core, aux, trajectory
 
 
@@ -306,13 +317,14 @@ def _result(family: Family, spec, core: Core, aux, trajectory, ctx: Context,
 
 
 @functools.partial(jax.jit, static_argnames=("apply_fn", "spec", "mask_id", "skip"))
-def _program(apply_fn, params, key, tokens_BxL, fixed_BxL, plan, *, spec, mask_id,
+def _program(apply_fn, params, key, tokens_BxL, fixed_BxL, plan, kv_plan, *, spec, mask_id,
              skip) -> SampleResult:
   family = family_of(spec)
   denoiser = Denoiser(apply_fn, params)
   core, ctx = _start(key, tokens_BxL, fixed_BxL, mask_id)
   invalid_B = _invalid_input(core.tokens_BxL, ctx)
-  return _result(family, spec, *run(spec, denoiser, core, ctx, plan, skip), ctx, invalid_B)
+  return _result(family, spec, *run(spec, denoiser, core, ctx, plan, skip, kv_plan), ctx,
+                 invalid_B)
 
 
 # ----------------------------------------------------------------------------
@@ -352,19 +364,21 @@ def lower(apply_fn, params: Any, key: Array, tokens_BxL: Array, spec: SamplerSpe
 _STEP_STATIC = ("family", "spec", "apply_fn")
 
 
-@functools.partial(jax.jit, static_argnames=_STEP_STATIC + ("mask_id", "skip"))
-def _start_jit(apply_fn, params, key, tokens_BxL, fixed_BxL, *, family, spec, mask_id, skip):
+@functools.partial(jax.jit, static_argnames=_STEP_STATIC + ("mask_id", "skip", "cached"))
+def _start_jit(apply_fn, params, key, tokens_BxL, fixed_BxL, *, family, spec, mask_id, skip,
+               cached):
   del skip
   denoiser = Denoiser(apply_fn, params)
   core, ctx = _start(key, tokens_BxL, fixed_BxL, mask_id)
-  return core, ctx, *_init(family, spec, denoiser, core, ctx)
+  return core, ctx, *_init(family, spec, denoiser, core, ctx, cached)
 
 
 @functools.partial(jax.jit, static_argnames=_STEP_STATIC + ("skip",),
                    donate_argnames=("core",))
-def _step_jit(apply_fn, params, core, aux, reuse, ctx, index, plan, *, family, spec, skip):
-  return _step(family, spec, skip, Denoiser(apply_fn, params), core, aux, reuse, ctx, index,
-               plan)
+def _step_jit(apply_fn, params, core, aux, reuse, kv, ctx, index, plan, kv_plan, *, family, spec,
+              skip):
+  return _step(family, spec, skip, Denoiser(apply_fn, params), core, aux, reuse, kv, ctx, index,
+               plan, kv_plan)
 
 
 def sample_python_loop(apply_fn, params: Any, key: Array, tokens_BxL: Array, spec: SamplerSpec,
@@ -382,12 +396,13 @@ def sample_python_loop(apply_fn, params: Any, key: Array, tokens_BxL: Array, spe
                      "use sample.")
   if spec.record_trajectory:
     raise ValueError("record_trajectory=True: use sample; the Python loop keeps no record.")
-  params, key, tokens_BxL, fixed_BxL, plan = args
-  core, ctx, aux, reuse = _start_jit(apply_fn, params, key, tokens_BxL, fixed_BxL,
-                                     family=family, **static)
+  params, key, tokens_BxL, fixed_BxL, plan, kv_plan = args
+  core, ctx, aux, reuse, kv = _start_jit(apply_fn, params, key, tokens_BxL, fixed_BxL,
+                                         family=family, cached=kv_plan is not None, **static)
   invalid_B = _invalid_input(core.tokens_BxL, ctx)
   for i in range(family.num_steps(spec, np.shape(tokens_BxL)[1])):
-    plan_i = jax.tree.map(lambda x: x[i], plan)
-    core, aux, reuse = _step_jit(apply_fn, params, core, aux, reuse, ctx, np.int32(i), plan_i,
-                                 family=family, spec=spec, skip=static["skip"])
+    plan_i, kv_plan_i = jax.tree.map(lambda x: x[i], (plan, kv_plan))
+    core, aux, reuse, kv = _step_jit(apply_fn, params, core, aux, reuse, kv, ctx, np.int32(i),
+                                     plan_i, kv_plan_i, family=family, spec=spec,
+                                     skip=static["skip"])
   return _result(family, spec, core, aux, None, ctx, invalid_B)

@@ -1,0 +1,182 @@
+"""KV-cached block decoding: the cached denoiser contract, its recompute adapter, the plan.
+
+A denoiser offers the cached contract beside the plain one when `apply_fn` has two
+attributes (mdjax's Transformer has them: `models.make_apply_fn`):
+
+  apply_fn.prefill(params, tokens_BxL, t_B) -> (logits_BxLxV, cache)
+  apply_fn.decode(params, cache, tokens_BxW, start, t_B) -> (logits_BxWxV, cache)
+
+With `kv_cache="dual"` (Fast-dLLM's DualCache) a family that decodes in blocks runs one
+full pass (prefill) at the first step of each block, and every `refresh_every` steps
+after it: that refreshes the cache and gives the step's logits. The block's other steps
+run the denoiser on the block's W = block_length positions only (decode): their queries
+attend to the cached keys and values of the prefix and the suffix, as last refreshed,
+and to their own fresh ones.
+
+What is exact: with `refresh_every=1` every step is a full pass, so the tokens are the
+uncached sampler's; with `recompute_cache(apply_fn)` (any plain denoiser: exact oracles,
+stubs) the window pass recomputes the full canvas, so again the tokens are the uncached
+sampler's. What is approximate: between refreshes, the prefix and suffix keys and values
+of a bidirectional model do not see the tokens the block wrote since the last refresh.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from mdjax.sampling import blocks
+from mdjax.sampling.base import KV_CACHES, Canvas, Denoiser, Family, check
+
+Array = jax.Array
+
+@struct.dataclass
+class KVPlan:
+  """Per step (leading axis K): whether the step runs a full pass, and its window."""
+
+  refresh: Array  # bool: a full pass that refreshes the cache
+  start: Array  # int32: first position of the step's block (the window)
+
+
+@struct.dataclass
+class KVState:
+  """The cache carried across steps."""
+
+  cache: Any  # the denoiser's cache pytree, as its prefill returned it
+  stale: Array  # a planned refresh was skipped (an idle step): the next call refreshes
+
+
+def offers_cache(apply_fn) -> bool:
+  """Whether `apply_fn` meets the cached contract (has `prefill` and `decode`)."""
+  return callable(getattr(apply_fn, "prefill", None)) and callable(
+      getattr(apply_fn, "decode", None))
+
+
+_ADAPTERS: dict[Any, Any] = {}
+
+
+def recompute_cache(apply_fn):
+  """Any plain denoiser as a cached one that recomputes the full canvas.
+
+  Its cache is the canvas itself: a window pass writes the window's tokens into it and
+  runs `apply_fn` on the whole, so the cached sampler equals the uncached one token for
+  token (no saving: for exact oracles and tests). One adapter per `apply_fn`, so
+  repeated calls reuse the compiled program.
+  """
+  if offers_cache(apply_fn):
+    return apply_fn
+  adapter = _ADAPTERS.get(apply_fn)
+  if adapter is None:
+
+    def adapter(params, tokens_BxL, t_B):
+      return apply_fn(params, tokens_BxL, t_B)
+
+    def prefill(params, tokens_BxL, t_B):
+      return apply_fn(params, tokens_BxL, t_B), tokens_BxL
+
+    def decode(params, canvas_BxL, tokens_BxW, start, t_B):
+      canvas_BxL = jax.lax.dynamic_update_slice_in_dim(canvas_BxL, tokens_BxW, start, axis=1)
+      logits_BxLxV = apply_fn(params, canvas_BxL, t_B)
+      width = tokens_BxW.shape[1]
+      return jax.lax.dynamic_slice_in_dim(logits_BxLxV, start, width, axis=1), canvas_BxL
+
+    adapter.prefill, adapter.decode = prefill, decode
+    _ADAPTERS[apply_fn] = adapter
+  return adapter
+
+
+# ----------------------------------------------------------------------------
+# Host side: checks and the plan, before tracing.
+# ----------------------------------------------------------------------------
+
+
+def plan(apply_fn, family: Family, spec, canvas: Canvas) -> KVPlan | None:
+  """The refresh plan of a cached spec (None without a cache), after checking the call."""
+  if spec.kv_cache == "none":
+    return None
+  name = type(spec).__name__
+  if type(family).block_length is Family.block_length:
+    raise ValueError(f"kv_cache={spec.kv_cache!r} is invalid for {name}: the {family.name} "
+                     "family decodes no blocks; a KV cache needs ancestral, confidence or "
+                     "entropy-bounded decoding with block_length.")
+  block_length = family.block_length(spec)
+  check(block_length is not None, "block_length", block_length,
+        f"kv_cache={spec.kv_cache!r} needs blocks: set block_length (the cached window)")
+  if not offers_cache(apply_fn):
+    raise ValueError(f"kv_cache={spec.kv_cache!r}: apply_fn offers no cached contract "
+                     "(apply_fn.prefill and apply_fn.decode); wrap a plain denoiser with "
+                     "mdjax.sampling.recompute_cache(apply_fn) to run the cached sampler by "
+                     "full recomputation (exact, no saving).")
+  steps = family.num_steps(spec, canvas.length)
+  num_blocks = blocks.count(block_length, steps, canvas)
+  span_start = _generation_start(canvas)
+  per_block = steps // num_blocks
+  j = np.arange(steps) % per_block
+  every = spec.refresh_every or per_block
+  return KVPlan(refresh=j % every == 0,
+                start=(span_start + blocks.step_blocks(num_blocks, per_block) * block_length
+                       ).astype(np.int32))
+
+
+def _generation_start(canvas: Canvas) -> int:
+  """First generated position: the cached window is a static-size slice, so the
+  generated positions must be one span, the same in every row."""
+  editable_BxL = ~canvas.fixed
+  span = np.flatnonzero(editable_BxL[0])
+  contiguous = span.size and span[-1] - span[0] + 1 == span.size
+  if not contiguous or (editable_BxL != editable_BxL[0]).any():
+    rows = [np.flatnonzero(row).tolist() for row in editable_BxL[:2]]
+    raise ValueError(f"fixed_BxL leaves editable positions {rows} (first rows); a KV cache "
+                     "needs the generated positions to be one span shared by every row (a "
+                     "prompt, the generation, then an optional fixed suffix).")
+  return int(span[0])
+
+
+# ----------------------------------------------------------------------------
+# In the program.
+# ----------------------------------------------------------------------------
+
+
+def init(denoiser: Denoiser, tokens_BxL: Array) -> KVState:
+  """An empty cache of the prefill's shapes, marked stale so the first call refreshes."""
+  t_B = jnp.ones(tokens_BxL.shape[:1], jnp.float32)
+  _, cache = jax.eval_shape(denoiser.apply_fn.prefill, denoiser.params, tokens_BxL, t_B)
+  cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), cache)
+  return KVState(cache=cache, stale=jnp.array(True))
+
+
+def call(denoiser: Denoiser, state: KVState, tokens_BxL: Array, t, kv_plan: KVPlan,
+         width: int) -> tuple[Array, KVState]:
+  """This step's logits_BxLxV: a full pass that refreshes the cache, or a window pass.
+
+  A window pass gives logits only on its W positions; the others are zeros (a step
+  writes only inside its block). The window's fresh keys and values are not kept:
+  the block is recomputed at each of its steps, and the prefix and suffix stay as
+  refreshed.
+  """
+  t_B = jnp.full(tokens_BxL.shape[:1], t, jnp.float32)
+
+  def full():
+    logits_BxLxV, cache = denoiser.apply_fn.prefill(denoiser.params, tokens_BxL, t_B)
+    return logits_BxLxV, KVState(cache=cache, stale=jnp.array(False))
+
+  def window():
+    tokens_BxW = jax.lax.dynamic_slice_in_dim(tokens_BxL, kv_plan.start, width, axis=1)
+    logits_BxWxV, _ = denoiser.apply_fn.decode(denoiser.params, state.cache, tokens_BxW,
+                                               kv_plan.start, t_B)
+    batch, length = tokens_BxL.shape
+    zeros_BxLxV = jnp.zeros((batch, length, logits_BxWxV.shape[-1]), logits_BxWxV.dtype)
+    logits_BxLxV = jax.lax.dynamic_update_slice_in_dim(zeros_BxLxV, logits_BxWxV,
+                                                       kv_plan.start, axis=1)
+    return logits_BxLxV, state
+
+  return jax.lax.cond(kv_plan.refresh | state.stale, full, window)
+
+
+def skipped(state: KVState, kv_plan: KVPlan) -> KVState:
+  """The state after a step whose call was skipped: a skipped refresh is owed."""
+  return state.replace(stale=state.stale | kv_plan.refresh)
