@@ -299,14 +299,33 @@ class StepInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Denoiser:
-  """`apply_fn` with its parameters: `denoiser(tokens_NxL, t)` -> logits_NxLxV."""
+  """`apply_fn` with its parameters: `denoiser(tokens_NxL, t)` -> logits_NxLxV.
+
+  With `valid_BxL` (the caller's validity mask: False on padding) every call passes
+  `valid_BxL=` to apply_fn; N = J x B contexts get it tiled context-major (J blocks of B
+  rows), or repeated row-major when the caller says so (`valid_for`).
+  """
 
   apply_fn: Callable
   params: Any
+  valid_BxL: Array | None = None
 
-  def __call__(self, tokens_NxL: Array, t) -> Array:
-    return self.apply_fn(self.params, tokens_NxL,
-                         jnp.full((tokens_NxL.shape[0],), t, jnp.float32))
+  def valid_for(self, num: int, row_major: bool = False) -> Array | None:
+    """The validity mask of N = J x B contexts (None without one)."""
+    if self.valid_BxL is None:
+      return None
+    repeats = num // self.valid_BxL.shape[0]
+    if row_major:
+      return jnp.repeat(self.valid_BxL, repeats, axis=0)
+    return jnp.tile(self.valid_BxL, (repeats, 1))
+
+  def __call__(self, tokens_NxL: Array, t, valid_NxL: Array | None = None) -> Array:
+    t_N = jnp.full((tokens_NxL.shape[0],), t, jnp.float32)
+    if self.valid_BxL is None:
+      return self.apply_fn(self.params, tokens_NxL, t_N)
+    if valid_NxL is None:
+      valid_NxL = self.valid_for(tokens_NxL.shape[0])
+    return self.apply_fn(self.params, tokens_NxL, t_N, valid_BxL=valid_NxL)
 
 
 # ----------------------------------------------------------------------------

@@ -134,7 +134,7 @@ def _logits_shape(apply_fn, params, batch: int, length: int) -> tuple[int, ...]:
   return shape
 
 
-def _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id):
+def _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id, valid_BxL=None):
   """Checks the call on the host; returns (family, traced args, static args).
 
   Shapes, the spec and the denoiser's output shape are checked without touching values
@@ -191,8 +191,38 @@ def _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id):
     raise ValueError(f"apply_fn returns logits of shape {logits_shape}; expected "
                      f"(B, L, V) = {(batch, length, mask_id)} with V = mask id.")
   args = (params, key, tokens_BxL, fixed_BxL, plan, kv_plan)
+  if valid_BxL is not None:
+    args += (_check_valid(apply_fn, params, valid_BxL, canvas),)
   skip = skips_idle_steps(family, spec, canvas, plan)
   return family, args, dict(spec=spec, mask_id=mask_id, skip=skip)
+
+
+def _check_valid(apply_fn, params, valid_BxL, canvas: Canvas):
+  """The validity mask as a bool array, after checking it against the canvas and that
+  apply_fn takes it (`apply_fn(params, tokens_BxL, t_B, valid_BxL=...)`)."""
+  shape = (canvas.batch, canvas.length)
+  if np.shape(valid_BxL) != shape:
+    raise ValueError(f"valid_BxL has shape {np.shape(valid_BxL)}; tokens_BxL has {shape}.")
+  valid = _host_array(valid_BxL)
+  if valid is not None:
+    valid = valid.astype(bool)
+    if not valid.any(-1).all():
+      raise ValueError(f"valid_BxL leaves row {int(np.flatnonzero(~valid.any(-1))[0])} "
+                       "without a valid position.")
+    if canvas.fixed is not None and (~valid & ~canvas.fixed).any():
+      row, pos = np.argwhere(~valid & ~canvas.fixed)[0]
+      raise ValueError(f"valid_BxL marks position {pos} of row {row} as padding, but it is "
+                       "editable; padding must be fixed (hold any id but the mask id).")
+  try:
+    jax.eval_shape(lambda p, x, t, v: apply_fn(p, x, t, valid_BxL=v), params,
+                   jax.ShapeDtypeStruct(shape, jnp.int32),
+                   jax.ShapeDtypeStruct(shape[:1], jnp.float32),
+                   jax.ShapeDtypeStruct(shape, jnp.bool_))
+  except TypeError as error:
+    raise ValueError(f"valid_BxL is given but apply_fn does not take it ({error}); the "
+                     "denoiser contract with padding is apply_fn(params, tokens_BxL, t_B, "
+                     "valid_BxL=...).") from None
+  return jnp.asarray(valid_BxL, bool) if valid is None else valid
 
 
 # ----------------------------------------------------------------------------
@@ -317,10 +347,10 @@ def _result(family: Family, spec, core: Core, aux, trajectory, ctx: Context,
 
 
 @functools.partial(jax.jit, static_argnames=("apply_fn", "spec", "mask_id", "skip"))
-def _program(apply_fn, params, key, tokens_BxL, fixed_BxL, plan, kv_plan, *, spec, mask_id,
-             skip) -> SampleResult:
+def _program(apply_fn, params, key, tokens_BxL, fixed_BxL, plan, kv_plan, valid_BxL=None, *,
+             spec, mask_id, skip) -> SampleResult:
   family = family_of(spec)
-  denoiser = Denoiser(apply_fn, params)
+  denoiser = Denoiser(apply_fn, params, valid_BxL)
   core, ctx = _start(key, tokens_BxL, fixed_BxL, mask_id)
   invalid_B = _invalid_input(core.tokens_BxL, ctx)
   return _result(family, spec, *run(spec, denoiser, core, ctx, plan, skip, kv_plan), ctx,
@@ -333,7 +363,8 @@ def _program(apply_fn, params, key, tokens_BxL, fixed_BxL, plan, kv_plan, *, spe
 
 
 def sample(apply_fn, params: Any, key: Array, tokens_BxL: Array, spec: SamplerSpec,
-           fixed_BxL: Array | None = None, *, mask_id: int | None = None) -> SampleResult:
+           fixed_BxL: Array | None = None, *, mask_id: int | None = None,
+           valid_BxL: Array | None = None) -> SampleResult:
   """Samples with any family; the whole trajectory is one compiled program.
 
   Args:
@@ -344,20 +375,25 @@ def sample(apply_fn, params: Any, key: Array, tokens_BxL: Array, spec: SamplerSp
     spec: the sampler and its knobs (a frozen spec from `mdjax.sampling`).
     fixed_BxL: positions that never change; default: every visible position.
     mask_id: the mask id V; inferred from the denoiser's output when None.
+    valid_BxL: False on padding (left-padded prompts of different lengths); passed to
+      apply_fn as `valid_BxL=` only when given. Padding must be fixed.
   """
-  _, args, static = _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id)
+  _, args, static = _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id,
+                             valid_BxL)
   return _program(apply_fn, *args, **static)
 
 
 def lower(apply_fn, params: Any, key: Array, tokens_BxL: Array, spec: SamplerSpec,
-          fixed_BxL: Array | None = None, *, mask_id: int | None = None):
+          fixed_BxL: Array | None = None, *, mask_id: int | None = None,
+          valid_BxL: Array | None = None):
   """The `sample` program, lowered, and the arguments to call it with.
 
   Returns (lowered, args): `lowered.compile()(*args)` runs the same program
   as `sample(...)`; `.memory_analysis()` and `.cost_analysis()` of the
   compiled program measure it, `.as_text()` shows it.
   """
-  _, args, static = _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id)
+  _, args, static = _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id,
+                             valid_BxL)
   return _program.lower(apply_fn, *args, **static), args
 
 
