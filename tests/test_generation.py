@@ -164,3 +164,57 @@ def test_mesh_split_equals_one_device():
   proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                         timeout=300)
   assert "MESH OK" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_bpe_documents_checkpoint_and_prompts_cli(tmp_path):
+  """A tiny BPE model of padded documents: the tokenizer survives the checkpoint, a mismatched
+  config is refused, and sample.py --prompts writes one completion per prompt."""
+  import json
+
+  import mdjax
+  from mdjax import tasks, train
+  from tests.text_fixtures import tiny_config, write_corpus
+
+  corpus = write_corpus(tmp_path / "corpus.txt")
+  config = tiny_config(corpus)
+  config.task_kwargs.update(tokenizer="bpe", bpe_vocab_size=300, documents="padded")
+  config.train.num_steps = 15
+  config.num_eval_samples = 0
+  workdir = str(tmp_path / "run")
+  train.train(config, workdir, log=lambda *_: None)
+  model = mdjax.load(workdir)
+  task = tasks.from_config(config)
+  assert model.tokenizer == task.tokenizer and model.task.eos_id == task.tokenizer.eos_id
+  window = np.asarray(task.sample_data(jax.random.key(0), 4))
+  # Padded documents: after the first EOS of a window every position is EOS.
+  for row in window:
+    hits = np.flatnonzero(row == task.eos_id)
+    assert hits.size == 0 or (row[hits[0]:] == task.eos_id).all()
+  with pytest.raises(ValueError, match="bpe_vocab_size=299"):
+    tasks.get("text", dict(tasks.kwargs_of(config), bpe_vocab_size=299,
+                           **task.checkpoint_metadata()))
+  with pytest.raises(ValueError, match="holds a BPE tokenizer"):
+    tasks.get("text", dict(tasks.kwargs_of(config), tokenizer="char",
+                           **task.checkpoint_metadata()))
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text('{"prompt": "Thou art"}\n{"prompt": "The"}\n{"prompt": "And the king of"}\n')
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run(
+      [sys.executable, os.path.join(root, "sample.py"), f"--workdir={workdir}",
+       f"--prompts={prompts}", f"--out={tmp_path / 'out'}", "--sampler=confidence",
+       "--steps=4", "--batch_size=2"], capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, PYTHONPATH=root))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "output tokens/s" in proc.stdout
+  rows = [json.loads(line) for line in (tmp_path / "out" / "completions.jsonl").open()]
+  assert [r["prompt"] for r in rows] == ["Thou art", "The", "And the king of"]
+  for r in rows:
+    assert r["generated_length"] == len(r["token_ids"]) <= 16
+    assert task.eos_id not in r["token_ids"]
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"prompt": "' + "word " * 40 + '"}\n')
+  proc = subprocess.run(
+      [sys.executable, os.path.join(root, "sample.py"), f"--workdir={workdir}",
+       f"--prompts={bad}", "--sampler=confidence", "--steps=4"], capture_output=True,
+      text=True, timeout=300, env=dict(os.environ, PYTHONPATH=root))
+  assert proc.returncode == 2 and "line 1 encodes to" in proc.stderr, proc.stderr[-500:]
