@@ -2,6 +2,7 @@
 
   python -m mdjax.bench --config=configs/bench_cpu.py [--config.batch=8 ...]
   python -m mdjax.bench --config=configs/bench_cpu.py --workdir=DIR   # a trained checkpoint
+  python -m mdjax.bench --config=configs/bench_kv_cache.py   # KV cache (mdjax.bench_kv_cache)
 
 For each sampler family and step count K it times, in one run:
   scan         mdjax's sampler: the whole trajectory in one lax.scan program;
@@ -555,12 +556,18 @@ def main(argv=None) -> None:
     config = config_flag.value
     if config is None:
       raise app.UsageError("--config=configs/bench_cpu.py (or bench_gpu.py) is required.")
-    try:
-      result = run(config, workdir_flag.value)
-    except ValueError as error:
-      raise app.UsageError(str(error)) from error
     prefix = out_flag.value or config.out
-    write(result, prefix)
+    if "kv_cache" in config:  # configs/bench_kv_cache*.py: cached against uncached
+      from mdjax import bench_kv_cache
+      if workdir_flag.value:
+        raise app.UsageError("--workdir: the KV-cache benchmark runs its config's model.")
+      bench_kv_cache.write(bench_kv_cache.run(config), prefix)
+    else:
+      try:
+        result = run(config, workdir_flag.value)
+      except ValueError as error:
+        raise app.UsageError(str(error)) from error
+      write(result, prefix)
     with open(prefix + ".md") as f:
       print(f.read())
 

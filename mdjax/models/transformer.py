@@ -134,8 +134,13 @@ class Block(nnx.Module):
         positions_W = positions_BxW
       q, k = rope(q, positions_W), rope(k, positions_W)
     if cached is None:
+<<<<<<< HEAD
       out = _attend(q, k, v, cfg.causal, head_dim, valid_BxL)
       fresh = LayerKV(keys_BxLxHxK=k, values_BxLxHxK=v)
+=======
+      out = _attend(q, k, v, cfg.causal, head_dim)
+      fresh = LayerKV.heads_major(k, v)
+>>>>>>> main
     else:
       out = _attend_window(q, k, v, cached, start, cfg.causal, head_dim, valid_BxL)
       fresh = cached.write(k, v, start)
@@ -152,32 +157,40 @@ class Block(nnx.Module):
 
 @struct.dataclass
 class LayerKV:
-  """One layer's keys (after RoPE) and values at every position."""
+  """One layer's keys (after RoPE) and values at every position, heads-major so a window's
+  queries read them with one batched matmul per head (no transpose per step)."""
 
-  keys_BxLxHxK: Array
-  values_BxLxHxK: Array
+  keys_BxHxLxK: Array
+  values_BxHxLxK: Array
+
+  @classmethod
+  def heads_major(cls, keys_BxLxHxK: Array, values_BxLxHxK: Array) -> "LayerKV":
+    return cls(keys_BxHxLxK=keys_BxLxHxK.transpose(0, 2, 1, 3),
+               values_BxHxLxK=values_BxLxHxK.transpose(0, 2, 1, 3))
 
   def write(self, keys_BxWxHxK: Array, values_BxWxHxK: Array, start) -> "LayerKV":
+    """The cache with positions [start, start + W) replaced."""
+    window = LayerKV.heads_major(keys_BxWxHxK, values_BxWxHxK)
     put = lambda old, new: jax.lax.dynamic_update_slice_in_dim(old, new.astype(old.dtype),
-                                                               start, axis=1)
-    return LayerKV(keys_BxLxHxK=put(self.keys_BxLxHxK, keys_BxWxHxK),
-                   values_BxLxHxK=put(self.values_BxLxHxK, values_BxWxHxK))
+                                                               start, axis=2)
+    return LayerKV(keys_BxHxLxK=put(self.keys_BxHxLxK, window.keys_BxHxLxK),
+                   values_BxHxLxK=put(self.values_BxHxLxK, window.values_BxHxLxK))
 
 
 @struct.dataclass
 class KVCache:
   """Every layer's keys and values, stacked on a leading layer axis N."""
 
-  keys_NxBxLxHxK: Array
-  values_NxBxLxHxK: Array
+  keys_NxBxHxLxK: Array
+  values_NxBxHxLxK: Array
 
   def layer(self, n: int) -> LayerKV:
-    return LayerKV(keys_BxLxHxK=self.keys_NxBxLxHxK[n], values_BxLxHxK=self.values_NxBxLxHxK[n])
+    return LayerKV(keys_BxHxLxK=self.keys_NxBxHxLxK[n], values_BxHxLxK=self.values_NxBxHxLxK[n])
 
   @classmethod
   def stack(cls, layers: list[LayerKV]) -> "KVCache":
-    return cls(keys_NxBxLxHxK=jnp.stack([x.keys_BxLxHxK for x in layers]),
-               values_NxBxLxHxK=jnp.stack([x.values_BxLxHxK for x in layers]))
+    return cls(keys_NxBxHxLxK=jnp.stack([x.keys_BxHxLxK for x in layers]),
+               values_NxBxHxLxK=jnp.stack([x.values_BxHxLxK for x in layers]))
 
 
 def _attend(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, causal: bool, head_dim: int,
@@ -199,6 +212,7 @@ def _attend(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, causal: bool, head_dim: int,
 
 
 def _attend_window(q_BxWxHxK, k_BxWxHxK, v_BxWxHxK, cached: LayerKV, start, causal: bool,
+<<<<<<< HEAD
                    head_dim: int, valid_BxL: Array | None = None) -> Array:
   """The window's queries over the cached keys outside [start, start + W) and the
   window's own fresh keys: one softmax over both, so the cache is only read (writing the
@@ -225,6 +239,36 @@ def _attend_window(q_BxWxHxK, k_BxWxHxK, v_BxWxHxK, cached: LayerKV, start, caus
   if valid_BxL is not None:
     out_BxWxHxK = jnp.where(valid_BxW[:, :, None, None], out_BxWxHxK, 0)
   return out_BxWxHxK
+=======
+                   head_dim: int) -> Array:
+  """The window's queries over the cached keys outside [start, start + W) and the window's
+  own fresh keys, under one softmax. The cache is only read: writing the window into it
+  first would copy it at every step."""
+  width, length = q_BxWxHxK.shape[1], cached.keys_BxHxLxK.shape[2]
+  query_W = start + jnp.arange(width)
+  key_L = jnp.arange(length)
+  visible_WxL = ((key_L < start) | (key_L >= start + width))[None]
+  own_WxW = jnp.ones((width, width), bool)
+  if causal:
+    visible_WxL = visible_WxL & (key_L[None] <= query_W[:, None])
+    own_WxW = jnp.tril(own_WxW)
+  dtype = v_BxWxHxK.dtype
+  q_BxHxWxK = q_BxWxHxK.transpose(0, 2, 1, 3) / math.sqrt(head_dim)
+  cached_BxHxWxL = jnp.einsum("bhwk,bhlk->bhwl", q_BxHxWxK, cached.keys_BxHxLxK.astype(dtype))
+  own_BxHxWxW = jnp.einsum("bhwk,buhk->bhwu", q_BxHxWxK, k_BxWxHxK)
+  cached_BxHxWxL = jnp.where(visible_WxL, cached_BxHxWxL.astype(jnp.float32), -1e30)
+  own_BxHxWxW = jnp.where(own_WxW, own_BxHxWxW.astype(jnp.float32), -1e30)
+  # One softmax over [cached keys, own keys], without concatenating the cached values.
+  top_BxHxW = jnp.maximum(cached_BxHxWxL.max(-1), own_BxHxWxW.max(-1))[..., None]
+  p_cached = jnp.exp(cached_BxHxWxL - top_BxHxW)
+  p_own = jnp.exp(own_BxHxWxW - top_BxHxW)
+  total_BxHxW = p_cached.sum(-1) + p_own.sum(-1)
+  out_BxHxWxK = (jnp.einsum("bhwl,bhlk->bhwk", p_cached.astype(dtype),
+                            cached.values_BxHxLxK.astype(dtype))
+                 + jnp.einsum("bhwu,buhk->bhwk", p_own.astype(dtype), v_BxWxHxK))
+  out_BxHxWxK = out_BxHxWxK / total_BxHxW[..., None].astype(dtype)
+  return out_BxHxWxK.transpose(0, 2, 1, 3)
+>>>>>>> main
 
 
 class Transformer(nnx.Module):
@@ -253,7 +297,7 @@ class Transformer(nnx.Module):
              t_B: Array, valid_BxL: Array | None = None) -> tuple[Array, KVCache]:
     """A pass over positions [start, start + W) against `cache`: (logits_BxWxV, the cache
     with the window's keys and values written in)."""
-    length, width = cache.keys_NxBxLxHxK.shape[2], tokens_BxW.shape[1]
+    length, width = cache.keys_NxBxHxLxK.shape[3], tokens_BxW.shape[1]
     if width > length:
       raise ValueError(f"window of {width} positions is longer than the cache ({length}).")
     logits_BxWxV, layers = self._forward(tokens_BxW, t_B, start, cache, valid_BxL)
@@ -264,7 +308,7 @@ class Transformer(nnx.Module):
                valid_BxL: Array | None = None) -> tuple[Array, list[LayerKV]]:
     cfg = self.cfg
     width = tokens_BxW.shape[1]
-    length = width if cache is None else cache.keys_NxBxLxHxK.shape[2]
+    length = width if cache is None else cache.keys_NxBxHxLxK.shape[3]
     if length > cfg.max_len:
       raise ValueError(f"sequence length {length} exceeds max_len={cfg.max_len}.")
     h_BxWxD = self.embed(tokens_BxW)
