@@ -134,13 +134,8 @@ class Block(nnx.Module):
         positions_W = positions_BxW
       q, k = rope(q, positions_W), rope(k, positions_W)
     if cached is None:
-<<<<<<< HEAD
       out = _attend(q, k, v, cfg.causal, head_dim, valid_BxL)
-      fresh = LayerKV(keys_BxLxHxK=k, values_BxLxHxK=v)
-=======
-      out = _attend(q, k, v, cfg.causal, head_dim)
       fresh = LayerKV.heads_major(k, v)
->>>>>>> main
     else:
       out = _attend_window(q, k, v, cached, start, cfg.causal, head_dim, valid_BxL)
       fresh = cached.write(k, v, start)
@@ -212,35 +207,7 @@ def _attend(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, causal: bool, head_dim: int,
 
 
 def _attend_window(q_BxWxHxK, k_BxWxHxK, v_BxWxHxK, cached: LayerKV, start, causal: bool,
-<<<<<<< HEAD
                    head_dim: int, valid_BxL: Array | None = None) -> Array:
-  """The window's queries over the cached keys outside [start, start + W) and the
-  window's own fresh keys: one softmax over both, so the cache is only read (writing the
-  window into it first would copy the whole cache at every step)."""
-  width, length = q_BxWxHxK.shape[1], cached.keys_BxLxHxK.shape[1]
-  query_W = start + jnp.arange(width)
-  key_L = jnp.arange(length)
-  outside_L = (key_L < start) | (key_L >= start + width)
-  cached_WxL = outside_L[None] & (key_L[None] <= query_W[:, None] if causal else True)
-  own_WxW = jnp.tril(jnp.ones((width, width), bool)) if causal else jnp.ones((width, width), bool)
-  scale = 1.0 / math.sqrt(head_dim)
-  cached_keys = cached.keys_BxLxHxK.astype(q_BxWxHxK.dtype)
-  logits_BxHxWxL = jnp.einsum("bwhk,blhk->bhwl", q_BxWxHxK, cached_keys) * scale
-  logits_BxHxWxW = jnp.einsum("bwhk,buhk->bhwu", q_BxWxHxK, k_BxWxHxK) * scale
-  if valid_BxL is not None:
-    valid_BxW = jax.lax.dynamic_slice_in_dim(valid_BxL, start, width, axis=1)
-    cached_WxL = cached_WxL & valid_BxL[:, None, None, :]
-    own_WxW = own_WxW & valid_BxW[:, None, None, :]
-  logits = jnp.concatenate([jnp.where(cached_WxL, logits_BxHxWxL, -1e30),
-                            jnp.where(own_WxW, logits_BxHxWxW, -1e30)], axis=-1)
-  attn = jax.nn.softmax(logits.astype(jnp.float32), -1).astype(v_BxWxHxK.dtype)
-  values = jnp.concatenate([cached.values_BxLxHxK.astype(v_BxWxHxK.dtype), v_BxWxHxK], axis=1)
-  out_BxWxHxK = jnp.einsum("bhwm,bmhk->bwhk", attn, values)
-  if valid_BxL is not None:
-    out_BxWxHxK = jnp.where(valid_BxW[:, :, None, None], out_BxWxHxK, 0)
-  return out_BxWxHxK
-=======
-                   head_dim: int) -> Array:
   """The window's queries over the cached keys outside [start, start + W) and the window's
   own fresh keys, under one softmax. The cache is only read: writing the window into it
   first would copy it at every step."""
@@ -252,12 +219,17 @@ def _attend_window(q_BxWxHxK, k_BxWxHxK, v_BxWxHxK, cached: LayerKV, start, caus
   if causal:
     visible_WxL = visible_WxL & (key_L[None] <= query_W[:, None])
     own_WxW = jnp.tril(own_WxW)
+  visible_BxWxL, own_BxWxW = visible_WxL[None], own_WxW[None]
+  if valid_BxL is not None:  # padding is attended by nothing
+    valid_BxW = jax.lax.dynamic_slice_in_dim(valid_BxL, start, width, axis=1)
+    visible_BxWxL = visible_BxWxL & valid_BxL[:, None, :]
+    own_BxWxW = own_BxWxW & valid_BxW[:, None, :]
   dtype = v_BxWxHxK.dtype
   q_BxHxWxK = q_BxWxHxK.transpose(0, 2, 1, 3) / math.sqrt(head_dim)
   cached_BxHxWxL = jnp.einsum("bhwk,bhlk->bhwl", q_BxHxWxK, cached.keys_BxHxLxK.astype(dtype))
   own_BxHxWxW = jnp.einsum("bhwk,buhk->bhwu", q_BxHxWxK, k_BxWxHxK)
-  cached_BxHxWxL = jnp.where(visible_WxL, cached_BxHxWxL.astype(jnp.float32), -1e30)
-  own_BxHxWxW = jnp.where(own_WxW, own_BxHxWxW.astype(jnp.float32), -1e30)
+  cached_BxHxWxL = jnp.where(visible_BxWxL[:, None], cached_BxHxWxL.astype(jnp.float32), -1e30)
+  own_BxHxWxW = jnp.where(own_BxWxW[:, None], own_BxHxWxW.astype(jnp.float32), -1e30)
   # One softmax over [cached keys, own keys], without concatenating the cached values.
   top_BxHxW = jnp.maximum(cached_BxHxWxL.max(-1), own_BxHxWxW.max(-1))[..., None]
   p_cached = jnp.exp(cached_BxHxWxL - top_BxHxW)
@@ -267,8 +239,10 @@ def _attend_window(q_BxWxHxK, k_BxWxHxK, v_BxWxHxK, cached: LayerKV, start, caus
                             cached.values_BxHxLxK.astype(dtype))
                  + jnp.einsum("bhwu,buhk->bhwk", p_own.astype(dtype), v_BxWxHxK))
   out_BxHxWxK = out_BxHxWxK / total_BxHxW[..., None].astype(dtype)
-  return out_BxHxWxK.transpose(0, 2, 1, 3)
->>>>>>> main
+  out_BxWxHxK = out_BxHxWxK.transpose(0, 2, 1, 3)
+  if valid_BxL is not None:  # padding attends to nothing
+    out_BxWxHxK = jnp.where(valid_BxW[:, :, None, None], out_BxWxHxK, 0)
+  return out_BxWxHxK
 
 
 class Transformer(nnx.Module):
