@@ -12,6 +12,11 @@ and the cached one beside it (`apply_fn.prefill`, `apply_fn.decode`):
       a pass over the W positions [start, start + W) (start may be traced): their
       queries attend to the cached keys and values of every other position and to
       their own fresh ones, which the returned cache holds in place of the old.
+
+Each takes an optional `valid_BxL` (bool, the whole canvas): padding positions (False)
+attend to nothing (their output is zero) and no position attends to them, and positions
+are counted from each row's first valid token (cumsum(valid) - 1), so a left-padded row
+gives the logits of the same row without its padding.
 """
 
 from __future__ import annotations
@@ -71,13 +76,16 @@ def sinusoidal(length: int, dim: int) -> Array:
 
 
 def rope(x_BxLxHxK: Array, positions_L: Array | None = None) -> Array:
-  """Rotary position embedding on the head dimension (positions default to 0..L-1)."""
+  """Rotary position embedding on the head dimension (positions default to 0..L-1; an
+  L or B x L array of positions)."""
   length, half = x_BxLxHxK.shape[1], x_BxLxHxK.shape[-1] // 2
   if positions_L is None:
     positions_L = jnp.arange(length)
   freq = jnp.exp(-math.log(10_000.0) * jnp.arange(half) / half)
-  angle = positions_L[:, None] * freq[None]  # L x K/2
-  cos, sin = jnp.cos(angle)[None, :, None], jnp.sin(angle)[None, :, None]
+  angle = positions_L[..., None] * freq  # [B x] L x K/2
+  if angle.ndim == 2:
+    angle = angle[None]
+  cos, sin = jnp.cos(angle)[:, :, None], jnp.sin(angle)[:, :, None]
   x1, x2 = x_BxLxHxK[..., :half], x_BxLxHxK[..., half:]
   return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x_BxLxHxK.dtype)
 
@@ -104,7 +112,8 @@ class Block(nnx.Module):
       self.ada = nnx.Linear(d, 6 * d, kernel_init=nnx.initializers.zeros, dtype=dtype, rngs=rngs)
 
   def __call__(self, h_BxWxD: Array, temb_BxD: Array | None, start: Array | int = 0,
-               cached: "LayerKV | None" = None) -> tuple[Array, "LayerKV"]:
+               cached: "LayerKV | None" = None, positions_BxW: Array | None = None,
+               valid_BxL: Array | None = None) -> tuple[Array, "LayerKV"]:
     """The block on W positions starting at `start`; returns (h, this layer's keys and
     values). Without `cached` the W positions are the whole sequence; with it, the window
     attends to the cached keys and values outside itself and to its own fresh ones."""
@@ -122,12 +131,14 @@ class Block(nnx.Module):
     q, k, v = jnp.split(self.qkv(x).reshape(batch, width, 3 * heads, head_dim), 3, axis=2)
     if cfg.positions == "rope":
       positions_W = None if cached is None else start + jnp.arange(width)
+      if positions_BxW is not None:
+        positions_W = positions_BxW
       q, k = rope(q, positions_W), rope(k, positions_W)
     if cached is None:
-      out = _attend(q, k, v, cfg.causal, head_dim)
+      out = _attend(q, k, v, cfg.causal, head_dim, valid_BxL)
       fresh = LayerKV.heads_major(k, v)
     else:
-      out = _attend_window(q, k, v, cached, start, cfg.causal, head_dim)
+      out = _attend_window(q, k, v, cached, start, cfg.causal, head_dim, valid_BxL)
       fresh = cached.write(k, v, start)
     h_BxWxD = h_BxWxD + gate1 * self.proj(out.reshape(batch, width, d))
     x = self.norm2(h_BxWxD) * (1.0 + scale2) + shift2
@@ -181,19 +192,26 @@ class KVCache:
     return self.layers[0].keys_BxHxLxK.shape[2]
 
 
-def _attend(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, causal: bool, head_dim: int) -> Array:
-  """Full self-attention over L positions (causal or bidirectional)."""
+def _attend(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, causal: bool, head_dim: int,
+            valid_BxL: Array | None = None) -> Array:
+  """Full self-attention over L positions (causal or bidirectional); padding (not
+  `valid_BxL`) is attended by nothing and attends to nothing."""
   length = q_BxLxHxK.shape[1]
   logits_BxHxLxL = jnp.einsum("blhk,bmhk->bhlm", q_BxLxHxK, k_BxLxHxK) / math.sqrt(head_dim)
   if causal:
     causal_LxL = jnp.tril(jnp.ones((length, length), bool))
     logits_BxHxLxL = jnp.where(causal_LxL, logits_BxHxLxL, -1e30)
+  if valid_BxL is not None:
+    logits_BxHxLxL = jnp.where(valid_BxL[:, None, None, :], logits_BxHxLxL, -1e30)
   attn = jax.nn.softmax(logits_BxHxLxL.astype(jnp.float32), -1).astype(v_BxLxHxK.dtype)
-  return jnp.einsum("bhlm,bmhk->blhk", attn, v_BxLxHxK)
+  out_BxLxHxK = jnp.einsum("bhlm,bmhk->blhk", attn, v_BxLxHxK)
+  if valid_BxL is not None:
+    out_BxLxHxK = jnp.where(valid_BxL[:, :, None, None], out_BxLxHxK, 0)
+  return out_BxLxHxK
 
 
 def _attend_window(q_BxWxHxK, k_BxWxHxK, v_BxWxHxK, cached: LayerKV, start, causal: bool,
-                   head_dim: int) -> Array:
+                   head_dim: int, valid_BxL: Array | None = None) -> Array:
   """The window's queries over the cached keys outside [start, start + W) and the window's
   own fresh keys, under one softmax. The cache is only read: writing the window into it
   first would copy it at every step."""
@@ -205,12 +223,17 @@ def _attend_window(q_BxWxHxK, k_BxWxHxK, v_BxWxHxK, cached: LayerKV, start, caus
   if causal:
     visible_WxL = visible_WxL & (key_L[None] <= query_W[:, None])
     own_WxW = jnp.tril(own_WxW)
+  visible_BxWxL, own_BxWxW = visible_WxL[None], own_WxW[None]
+  if valid_BxL is not None:  # padding is attended by nothing
+    valid_BxW = jax.lax.dynamic_slice_in_dim(valid_BxL, start, width, axis=1)
+    visible_BxWxL = visible_BxWxL & valid_BxL[:, None, :]
+    own_BxWxW = own_BxWxW & valid_BxW[:, None, :]
   dtype = v_BxWxHxK.dtype
   q_BxHxWxK = q_BxWxHxK.transpose(0, 2, 1, 3) / math.sqrt(head_dim)
   cached_BxHxWxL = jnp.einsum("bhwk,bhlk->bhwl", q_BxHxWxK, cached.keys_BxHxLxK.astype(dtype))
   own_BxHxWxW = jnp.einsum("bhwk,buhk->bhwu", q_BxHxWxK, k_BxWxHxK)
-  cached_BxHxWxL = jnp.where(visible_WxL, cached_BxHxWxL.astype(jnp.float32), -1e30)
-  own_BxHxWxW = jnp.where(own_WxW, own_BxHxWxW.astype(jnp.float32), -1e30)
+  cached_BxHxWxL = jnp.where(visible_BxWxL[:, None], cached_BxHxWxL.astype(jnp.float32), -1e30)
+  own_BxHxWxW = jnp.where(own_BxWxW[:, None], own_BxHxWxW.astype(jnp.float32), -1e30)
   # One softmax over [cached keys, own keys], without concatenating the cached values.
   top_BxHxW = jnp.maximum(cached_BxHxWxL.max(-1), own_BxHxWxW.max(-1))[..., None]
   p_cached = jnp.exp(cached_BxHxWxL - top_BxHxW)
@@ -220,7 +243,10 @@ def _attend_window(q_BxWxHxK, k_BxWxHxK, v_BxWxHxK, cached: LayerKV, start, caus
                             cached.values_BxHxLxK.astype(dtype))
                  + jnp.einsum("bhwu,buhk->bhwk", p_own.astype(dtype), v_BxWxHxK))
   out_BxHxWxK = out_BxHxWxK / total_BxHxW[..., None].astype(dtype)
-  return out_BxHxWxK.transpose(0, 2, 1, 3)
+  out_BxWxHxK = out_BxHxWxK.transpose(0, 2, 1, 3)
+  if valid_BxL is not None:  # padding attends to nothing
+    out_BxWxHxK = jnp.where(valid_BxW[:, :, None, None], out_BxWxHxK, 0)
+  return out_BxWxHxK
 
 
 class Transformer(nnx.Module):
@@ -236,43 +262,54 @@ class Transformer(nnx.Module):
     if cfg.time_conditioning:
       self.time_mlp = nnx.Linear(cfg.d_model, cfg.d_model, dtype=dtype, rngs=rngs)
 
-  def __call__(self, tokens_BxL: Array, t_B: Array) -> Array:
-    return self._forward(tokens_BxL, t_B)[0]
+  def __call__(self, tokens_BxL: Array, t_B: Array, valid_BxL: Array | None = None) -> Array:
+    return self._forward(tokens_BxL, t_B, valid_BxL=valid_BxL)[0]
 
-  def prefill(self, tokens_BxL: Array, t_B: Array) -> tuple[Array, KVCache]:
+  def prefill(self, tokens_BxL: Array, t_B: Array,
+              valid_BxL: Array | None = None) -> tuple[Array, KVCache]:
     """One full pass: (logits_BxLxV, every layer's keys and values)."""
-    logits_BxLxV, layers = self._forward(tokens_BxL, t_B)
+    logits_BxLxV, layers = self._forward(tokens_BxL, t_B, valid_BxL=valid_BxL)
     return logits_BxLxV, KVCache.stack(layers)
 
   def decode(self, cache: KVCache, tokens_BxW: Array, start: Array | int,
-             t_B: Array) -> tuple[Array, KVCache]:
+             t_B: Array, valid_BxL: Array | None = None) -> tuple[Array, KVCache]:
     """A pass over positions [start, start + W) against `cache`: (logits_BxWxV, the cache
     with the window's keys and values written in)."""
     length, width = cache.length, tokens_BxW.shape[1]
     if width > length:
       raise ValueError(f"window of {width} positions is longer than the cache ({length}).")
-    logits_BxWxV, layers = self._forward(tokens_BxW, t_B, start, cache)
+    logits_BxWxV, layers = self._forward(tokens_BxW, t_B, start, cache, valid_BxL)
     return logits_BxWxV, KVCache.stack(layers)
 
   def _forward(self, tokens_BxW: Array, t_B: Array, start: Array | int = 0,
-               cache: KVCache | None = None) -> tuple[Array, list[LayerKV]]:
+               cache: KVCache | None = None,
+               valid_BxL: Array | None = None) -> tuple[Array, list[LayerKV]]:
     cfg = self.cfg
     width = tokens_BxW.shape[1]
     length = width if cache is None else cache.length
     if length > cfg.max_len:
       raise ValueError(f"sequence length {length} exceeds max_len={cfg.max_len}.")
     h_BxWxD = self.embed(tokens_BxW)
+    positions_BxW = None
+    if valid_BxL is not None:  # counted from each row's first valid position
+      valid_BxL = valid_BxL.astype(bool)
+      positions_BxL = jnp.maximum(jnp.cumsum(valid_BxL, -1, dtype=jnp.int32) - 1, 0)
+      positions_BxW = jax.lax.dynamic_slice_in_dim(positions_BxL, start, width, axis=1)
     if cfg.positions == "sinusoidal":
       table_WxD = sinusoidal(length, cfg.d_model)
-      if cache is not None:
-        table_WxD = jax.lax.dynamic_slice_in_dim(table_WxD, start, width)
-      h_BxWxD = h_BxWxD + table_WxD.astype(h_BxWxD.dtype)[None]
+      if positions_BxW is not None:
+        h_BxWxD = h_BxWxD + table_WxD[positions_BxW].astype(h_BxWxD.dtype)
+      else:
+        if cache is not None:
+          table_WxD = jax.lax.dynamic_slice_in_dim(table_WxD, start, width)
+        h_BxWxD = h_BxWxD + table_WxD.astype(h_BxWxD.dtype)[None]
     temb_BxD = None
     if cfg.time_conditioning:
       temb_BxD = jax.nn.silu(self.time_mlp(_time_features(t_B, cfg.d_model)))
     layers = []
     for n, block in enumerate(self.blocks):
-      h_BxWxD, layer = block(h_BxWxD, temb_BxD, start, None if cache is None else cache.layer(n))
+      h_BxWxD, layer = block(h_BxWxD, temb_BxD, start, None if cache is None else cache.layer(n),
+                             positions_BxW, valid_BxL)
       layers.append(layer)
     return self.head(self.final_norm(h_BxWxD)).astype(jnp.float32), layers
 
@@ -290,14 +327,14 @@ def make_apply_fn(graphdef):
   """The denoiser contract for a split model: apply_fn(params, tokens_BxL, t_B), with the
   cached contract as `apply_fn.prefill` and `apply_fn.decode` (see the module docstring)."""
 
-  def apply_fn(params, tokens_BxL, t_B):
-    return nnx.merge(graphdef, params)(tokens_BxL, t_B)
+  def apply_fn(params, tokens_BxL, t_B, valid_BxL=None):
+    return nnx.merge(graphdef, params)(tokens_BxL, t_B, valid_BxL)
 
-  def prefill(params, tokens_BxL, t_B):
-    return nnx.merge(graphdef, params).prefill(tokens_BxL, t_B)
+  def prefill(params, tokens_BxL, t_B, valid_BxL=None):
+    return nnx.merge(graphdef, params).prefill(tokens_BxL, t_B, valid_BxL)
 
-  def decode(params, cache, tokens_BxW, start, t_B):
-    return nnx.merge(graphdef, params).decode(cache, tokens_BxW, start, t_B)
+  def decode(params, cache, tokens_BxW, start, t_B, valid_BxL=None):
+    return nnx.merge(graphdef, params).decode(cache, tokens_BxW, start, t_B, valid_BxL)
 
   apply_fn.prefill, apply_fn.decode = prefill, decode
   return apply_fn

@@ -75,12 +75,12 @@ def recompute_cache(apply_fn):
     def adapter(params, tokens_BxL, t_B):
       return apply_fn(params, tokens_BxL, t_B)
 
-    def prefill(params, tokens_BxL, t_B):
-      return apply_fn(params, tokens_BxL, t_B), tokens_BxL
+    def prefill(params, tokens_BxL, t_B, **valid):
+      return apply_fn(params, tokens_BxL, t_B, **valid), tokens_BxL
 
-    def decode(params, canvas_BxL, tokens_BxW, start, t_B):
+    def decode(params, canvas_BxL, tokens_BxW, start, t_B, **valid):
       canvas_BxL = jax.lax.dynamic_update_slice_in_dim(canvas_BxL, tokens_BxW, start, axis=1)
-      logits_BxLxV = apply_fn(params, canvas_BxL, t_B)
+      logits_BxLxV = apply_fn(params, canvas_BxL, t_B, **valid)
       width = tokens_BxW.shape[1]
       return jax.lax.dynamic_slice_in_dim(logits_BxLxV, start, width, axis=1), canvas_BxL
 
@@ -159,15 +159,17 @@ def call(denoiser: Denoiser, state: KVState, tokens_BxL: Array, t, kv_plan: KVPl
   refreshed.
   """
   t_B = jnp.full(tokens_BxL.shape[:1], t, jnp.float32)
+  # The caller's validity mask (left-padded prompts), passed only when given.
+  valid = {} if denoiser.valid_BxL is None else {"valid_BxL": denoiser.valid_BxL}
 
   def full():
-    logits_BxLxV, cache = denoiser.apply_fn.prefill(denoiser.params, tokens_BxL, t_B)
+    logits_BxLxV, cache = denoiser.apply_fn.prefill(denoiser.params, tokens_BxL, t_B, **valid)
     return logits_BxLxV, KVState(cache=cache, stale=jnp.array(False))
 
   def window():
     tokens_BxW = jax.lax.dynamic_slice_in_dim(tokens_BxL, kv_plan.start, width, axis=1)
     logits_BxWxV, _ = denoiser.apply_fn.decode(denoiser.params, state.cache, tokens_BxW,
-                                               kv_plan.start, t_B)
+                                               kv_plan.start, t_B, **valid)
     batch, length = tokens_BxL.shape
     zeros_BxLxV = jnp.zeros((batch, length, logits_BxWxV.shape[-1]), logits_BxWxV.dtype)
     logits_BxLxV = jax.lax.dynamic_update_slice_in_dim(zeros_BxLxV, logits_BxWxV,
