@@ -1,6 +1,7 @@
 """What the dual KV cache costs in quality: cached against uncached at the same blocks and steps.
 
-  python experiments/kv_cache_quality.py [--n=1000] [--workdir=/tmp/kv_cache_quality] [--out=results]
+  python experiments/kv_cache_quality.py [--n=1000] [--workdir=/tmp/kv_cache_quality]
+      [--out=results]
 
 Trains (or reuses, when done) three models in WORKDIR: ScanAndAdd (configs/quickstart.py),
 the character-level Shakespeare denoiser (configs/shakespeare_char.py at 3,000 steps) and
