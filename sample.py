@@ -29,7 +29,7 @@ from absl import app, flags, logging
 import jax
 import numpy as np
 
-from mdjax import sampling, tasks
+from mdjax import generation, sampling, tasks
 
 _TASK = flags.DEFINE_enum("task", "two_color", sorted(tasks.TASKS), "Task (with --oracle).")
 _ORACLE = flags.DEFINE_bool("oracle", False, "Use the task's exact denoiser (no --workdir).")
@@ -83,7 +83,14 @@ _CONTEXT_FRACTION = flags.DEFINE_float("context_fraction", None,
                                        "local_remask: random extra fraction remasked.")
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 10_000, "Number of samples.")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
-_OUT = flags.DEFINE_string("out", None, "Directory for samples.jsonl and metrics.json.")
+_OUT = flags.DEFINE_string("out", None, "Directory for samples.jsonl and metrics.json "
+                           "(with --prompts: completions.jsonl).")
+_PROMPTS = flags.DEFINE_string("prompts", None, "A JSONL file of {\"prompt\": TEXT} lines (text "
+                               "tasks): completions of every prompt, any lengths in one batch.")
+_EOS = flags.DEFINE_bool("eos", True, "End rows at the task's EOS id (text tasks of documents).")
+_EOS_PENALTY = flags.DEFINE_float("eos_penalty", None, "Subtracted from the EOS logit.")
+_EOS_NEVER = flags.DEFINE_bool("eos_never", False, "Never propose EOS.")
+_EOS_RANK_LAST = flags.DEFINE_bool("eos_rank_last", False, "Rank EOS proposals last.")
 
 
 def fix_context(task: tasks.Task, canvas_BxL: np.ndarray, prefix: str | None,
@@ -213,6 +220,61 @@ def check_out(out: str) -> None:
                          ) from error
 
 
+def eos_spec(task: tasks.Task, spec):
+  """The spec with the task's end of sequence (--eos) and the EOS knobs."""
+  knobs = dict(eos_penalty=_EOS_PENALTY.value or 0.0, eos_never=_EOS_NEVER.value,
+               eos_rank_last=_EOS_RANK_LAST.value)
+  if task.eos_id is None or not _EOS.value:
+    if any(knobs.values()):
+      raise app.UsageError("--eos_penalty, --eos_never and --eos_rank_last need a task with an "
+                           "end of sequence (text of documents) and --eos.")
+    return spec
+  try:
+    return generation.with_eos(spec, task.eos_id, **knobs)
+  except ValueError as error:
+    raise app.UsageError(str(error)) from error
+
+
+def complete_prompts(task, apply_fn, params, spec) -> None:
+  """--prompts: left-padded batches of prompts, completions.jsonl, output tokens per second."""
+  try:
+    prompts = generation.read_prompts(_PROMPTS.value)
+    encoded = generation.encode_prompts(task, prompts, where=f"--prompts={_PROMPTS.value!r}")
+  except (ValueError, OSError) as error:
+    raise app.UsageError(str(error)) from error
+  batch_size = min(_BATCH.value, len(prompts))
+  num_batches = -(-len(prompts) // batch_size)
+  print(f"task={task.name} sampler={spec} prompts={len(prompts)}")
+  rows, start_time, output_tokens = [], time.perf_counter(), 0
+  for i in range(num_batches):
+    part = encoded[i * batch_size:(i + 1) * batch_size]
+    tokens, valid, start = generation.left_padded(part, task.length, task.mask_id)
+    try:
+      out = sampling.sample(apply_fn, params, jax.random.fold_in(jax.random.key(_SEED.value), i),
+                            tokens, spec, mask_id=task.mask_id, valid_BxL=valid)
+    except ValueError as error:
+      raise app.UsageError(str(error)) from error
+    final, lengths = np.asarray(out.tokens_BxL), np.asarray(out.generated_length_B)
+    for j, ids in enumerate(part):
+      gen = generation.completion_ids(final[j], start, lengths[j])
+      rows.append({"prompt": prompts[i * batch_size + j], "completion": task.decode(gen),
+                   "token_ids": gen.tolist(), "generated_length": int(lengths[j])})
+    output_tokens += int(lengths.sum())
+    done = (i + 1) / num_batches
+    print(f"\r[{'#' * int(24 * done):<24}] batch {i + 1}/{num_batches} "
+          f"[{time.perf_counter() - start_time:.1f}s]", end="", flush=True)
+  print()
+  elapsed = time.perf_counter() - start_time
+  for row in rows[:_NUM_SHOWN.value]:
+    print(f"--- {row['prompt']!r} -> {row['completion']!r}")
+  print(f"{len(rows)} completions, {output_tokens} output tokens (up to EOS) in {elapsed:.2f}s: "
+        f"{output_tokens / elapsed:.1f} output tokens/s")
+  if _OUT.value:
+    with open(os.path.join(_OUT.value, "completions.jsonl"), "w") as f:
+      for row in rows:
+        f.write(json.dumps(row) + "\n")
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it reads at INFO
@@ -234,9 +296,14 @@ def main(argv):
       raise app.UsageError(f"--task={task.name} has no exact denoiser (its joint is unknown); "
                            "sample a trained model with --workdir=DIR.")
     apply_fn, params = task.exact_denoiser, None
-  spec = sampler_spec(task)
+  spec = eos_spec(task, sampler_spec(task))
   if spec.kv_cache != "none" and not sampling.offers_cache(apply_fn):
     apply_fn = sampling.recompute_cache(apply_fn)  # an oracle: exact, by recomputation
+  if _PROMPTS.value:
+    if task.encode is None:
+      raise app.UsageError(f"--prompts needs a text task; --task={task.name} has no text "
+                           "encoding.")
+    return complete_prompts(task, apply_fn, params, spec)
   for name, value in (("num_samples", _NUM_SAMPLES.value), ("batch_size", _BATCH.value)):
     if value < 1:
       raise app.UsageError(f"--{name}={value} must be >= 1.")

@@ -13,13 +13,19 @@ and the cached one beside it (`apply_fn.prefill`, `apply_fn.decode`):
       queries attend to the cached keys and values of every other position and to
       their own fresh ones, which the returned cache holds in place of the old.
 
+Each takes an optional `valid_BxL` (bool, the whole canvas): padding positions (False)
+attend to nothing (their output is zero) and no position attends to them, and positions
+are counted from each row's first valid token (cumsum(valid) - 1), so a left-padded row
+gives the logits of the same row without its padding.
+
 With `block_size` set (block diffusion, BD3-LM) attention is block-causal: a position
-attends to every position of earlier blocks and to all of its own block. Such a model
-also offers `apply_fn.block_pair(params, noisy_BxL, clean_BxL, t_B) -> logits_BxLxV`: one
-pass over the noisy and the clean sequence side by side (2L positions, the clean copy at
-the same positions 0..L-1), where noisy block b sees itself and clean blocks < b and clean
-block b sees clean blocks <= b; the logits are the noisy half's. Noisy block b's logits are
-those of a plain pass over [clean blocks < b, noisy block b, anything after].
+attends to every position of earlier blocks and to all of its own block (blocks counted in
+those positions). Such a model also offers `apply_fn.block_pair(params, noisy_BxL,
+clean_BxL, t_B) -> logits_BxLxV`: one pass over the noisy and the clean sequence side by
+side (2L positions, the clean copy at the same positions 0..L-1), where noisy block b sees
+itself and clean blocks < b and clean block b sees clean blocks <= b; the logits are the
+noisy half's. Noisy block b's logits are those of a plain pass over [clean blocks < b,
+noisy block b, anything after].
 """
 
 from __future__ import annotations
@@ -95,13 +101,16 @@ def sinusoidal(length: int, dim: int) -> Array:
 
 
 def rope(x_BxLxHxK: Array, positions_L: Array | None = None) -> Array:
-  """Rotary position embedding on the head dimension (positions default to 0..L-1)."""
+  """Rotary position embedding on the head dimension (positions default to 0..L-1; an
+  L or B x L array of positions)."""
   length, half = x_BxLxHxK.shape[1], x_BxLxHxK.shape[-1] // 2
   if positions_L is None:
     positions_L = jnp.arange(length)
   freq = jnp.exp(-math.log(10_000.0) * jnp.arange(half) / half)
-  angle = positions_L[:, None] * freq[None]  # L x K/2
-  cos, sin = jnp.cos(angle)[None, :, None], jnp.sin(angle)[None, :, None]
+  angle = positions_L[..., None] * freq  # [B x] L x K/2
+  if angle.ndim == 2:
+    angle = angle[None]
+  cos, sin = jnp.cos(angle)[:, :, None], jnp.sin(angle)[:, :, None]
   x1, x2 = x_BxLxHxK[..., :half], x_BxLxHxK[..., half:]
   return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x_BxLxHxK.dtype)
 
@@ -128,12 +137,13 @@ class Block(nnx.Module):
       self.ada = nnx.Linear(d, 6 * d, kernel_init=nnx.initializers.zeros, dtype=dtype, rngs=rngs)
 
   def __call__(self, h_BxWxD: Array, temb_BxD: Array | None, start: Array | int = 0,
-               cached: "LayerKV | None" = None, positions_W: Array | None = None,
-               visible_WxW: np.ndarray | None = None) -> tuple[Array, "LayerKV"]:
+               cached: "LayerKV | None" = None, positions_BxW: Array | None = None,
+               valid_BxL: Array | None = None,
+               visible_WxW: Array | None = None) -> tuple[Array, "LayerKV"]:
     """The block on W positions starting at `start`; returns (h, this layer's keys and
-    values). Without `cached` the W positions are the whole sequence (at `positions_W`,
-    default 0..W-1, attending where `visible_WxW`, default everywhere); with it, the window
-    attends to the cached keys and values outside itself and to its own fresh ones."""
+    values). Without `cached` the W positions are the whole sequence, attending where
+    `visible_WxW` ([B x] W x W; None: everywhere); with it, the window attends to the cached
+    keys and values outside itself and to its own fresh ones."""
     cfg = self.cfg
     batch, width, d = h_BxWxD.shape
     heads, head_dim = cfg.num_heads, d // cfg.num_heads
@@ -147,14 +157,15 @@ class Block(nnx.Module):
     x = self.norm1(h_BxWxD) * (1.0 + scale1) + shift1
     q, k, v = jnp.split(self.qkv(x).reshape(batch, width, 3 * heads, head_dim), 3, axis=2)
     if cfg.positions == "rope":
-      if cached is not None:
-        positions_W = start + jnp.arange(width)
+      positions_W = None if cached is None else start + jnp.arange(width)
+      if positions_BxW is not None:
+        positions_W = positions_BxW
       q, k = rope(q, positions_W), rope(k, positions_W)
     if cached is None:
-      out = _attend(q, k, v, visible_WxW, head_dim)
+      out = _attend(q, k, v, visible_WxW, head_dim, valid_BxL)
       fresh = LayerKV.heads_major(k, v)
     else:
-      out = _attend_window(q, k, v, cached, start, cfg, head_dim)
+      out = _attend_window(q, k, v, cached, start, cfg, head_dim, valid_BxL)
       fresh = cached.write(k, v, start)
     h_BxWxD = h_BxWxD + gate1 * self.proj(out.reshape(batch, width, d))
     x = self.norm2(h_BxWxD) * (1.0 + scale2) + shift2
@@ -209,12 +220,14 @@ class KVCache:
 
 
 def visible(cfg: TransformerConfig, query_Q, key_K):
-  """Whether each query position attends to each key position (Q x K, numpy or jax by the
-  inputs); None when every key is visible (bidirectional)."""
+  """Whether each query position attends to each key position ([B x] Q x K from positions
+  of shape [B x] Q and [B x] K, numpy or jax by the inputs); None when every key is
+  visible (bidirectional)."""
+  query, key = query_Q[..., :, None], key_K[..., None, :]
   if cfg.causal:
-    return key_K[None] <= query_Q[:, None]
+    return key <= query
   if cfg.block_size is not None:
-    return key_K[None] // cfg.block_size <= query_Q[:, None] // cfg.block_size
+    return key // cfg.block_size <= query // cfg.block_size
   return None
 
 
@@ -229,17 +242,30 @@ def block_pair_mask(length: int, block_size: int) -> np.ndarray:
   return np.concatenate([top, bottom], 0)
 
 
-def _attend(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, visible_LxL, head_dim: int) -> Array:
-  """Full self-attention over L positions (every key visible when `visible_LxL` is None)."""
+def _per_head(mask):
+  """A [B x] Q x K mask broadcast against B x H x Q x K logits."""
+  return mask[:, None] if mask.ndim == 3 else mask
+
+
+def _attend(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, visible_LxL, head_dim: int,
+            valid_BxL: Array | None = None) -> Array:
+  """Full self-attention over L positions, where `visible_LxL` ([B x] L x L; None: every
+  key); padding (not `valid_BxL`) is attended by nothing and attends to nothing."""
   logits_BxHxLxL = jnp.einsum("blhk,bmhk->bhlm", q_BxLxHxK, k_BxLxHxK) / math.sqrt(head_dim)
   if visible_LxL is not None:
-    logits_BxHxLxL = jnp.where(visible_LxL, logits_BxHxLxL, -1e30)
+    logits_BxHxLxL = jnp.where(_per_head(visible_LxL), logits_BxHxLxL, -1e30)
+  if valid_BxL is not None:
+    logits_BxHxLxL = jnp.where(valid_BxL[:, None, None, :], logits_BxHxLxL, -1e30)
   attn = jax.nn.softmax(logits_BxHxLxL.astype(jnp.float32), -1).astype(v_BxLxHxK.dtype)
-  return jnp.einsum("bhlm,bmhk->blhk", attn, v_BxLxHxK)
+  out_BxLxHxK = jnp.einsum("bhlm,bmhk->blhk", attn, v_BxLxHxK)
+  if valid_BxL is not None:
+    out_BxLxHxK = jnp.where(valid_BxL[:, :, None, None], out_BxLxHxK, 0)
+  return out_BxLxHxK
 
 
 def _attend_window(q_BxWxHxK, k_BxWxHxK, v_BxWxHxK, cached: LayerKV, start,
-                   cfg: TransformerConfig, head_dim: int) -> Array:
+                   cfg: TransformerConfig, head_dim: int,
+                   valid_BxL: Array | None = None) -> Array:
   """The window's queries over the cached keys outside [start, start + W) and the window's
   own fresh keys, under one softmax. The cache is only read: writing the window into it
   first would copy it at every step."""
@@ -248,16 +274,26 @@ def _attend_window(q_BxWxHxK, k_BxWxHxK, v_BxWxHxK, cached: LayerKV, start,
   key_L = jnp.arange(length)
   visible_WxL = ((key_L < start) | (key_L >= start + width))[None]
   own_WxW = jnp.ones((width, width), bool)
+  if cfg.block_size is not None and valid_BxL is not None:
+    # Blocks are counted in each row's positions (from its first valid token).
+    key_L = jnp.maximum(jnp.cumsum(valid_BxL.astype(bool), -1, dtype=jnp.int32) - 1, 0)
+    query_W = jax.lax.dynamic_slice_in_dim(key_L, start, width, axis=1)
   pattern_WxL = visible(cfg, query_W, key_L)
   if pattern_WxL is not None:
     visible_WxL = visible_WxL & pattern_WxL
     own_WxW = visible(cfg, query_W, query_W)
+  visible_BxWxL = visible_WxL if visible_WxL.ndim == 3 else visible_WxL[None]
+  own_BxWxW = own_WxW if own_WxW.ndim == 3 else own_WxW[None]
+  if valid_BxL is not None:  # padding is attended by nothing
+    valid_BxW = jax.lax.dynamic_slice_in_dim(valid_BxL, start, width, axis=1)
+    visible_BxWxL = visible_BxWxL & valid_BxL[:, None, :]
+    own_BxWxW = own_BxWxW & valid_BxW[:, None, :]
   dtype = v_BxWxHxK.dtype
   q_BxHxWxK = q_BxWxHxK.transpose(0, 2, 1, 3) / math.sqrt(head_dim)
   cached_BxHxWxL = jnp.einsum("bhwk,bhlk->bhwl", q_BxHxWxK, cached.keys_BxHxLxK.astype(dtype))
   own_BxHxWxW = jnp.einsum("bhwk,buhk->bhwu", q_BxHxWxK, k_BxWxHxK)
-  cached_BxHxWxL = jnp.where(visible_WxL, cached_BxHxWxL.astype(jnp.float32), -1e30)
-  own_BxHxWxW = jnp.where(own_WxW, own_BxHxWxW.astype(jnp.float32), -1e30)
+  cached_BxHxWxL = jnp.where(visible_BxWxL[:, None], cached_BxHxWxL.astype(jnp.float32), -1e30)
+  own_BxHxWxW = jnp.where(own_BxWxW[:, None], own_BxHxWxW.astype(jnp.float32), -1e30)
   # One softmax over [cached keys, own keys], without concatenating the cached values.
   top_BxHxW = jnp.maximum(cached_BxHxWxL.max(-1), own_BxHxWxW.max(-1))[..., None]
   p_cached = jnp.exp(cached_BxHxWxL - top_BxHxW)
@@ -267,7 +303,10 @@ def _attend_window(q_BxWxHxK, k_BxWxHxK, v_BxWxHxK, cached: LayerKV, start,
                             cached.values_BxHxLxK.astype(dtype))
                  + jnp.einsum("bhwu,buhk->bhwk", p_own.astype(dtype), v_BxWxHxK))
   out_BxHxWxK = out_BxHxWxK / total_BxHxW[..., None].astype(dtype)
-  return out_BxHxWxK.transpose(0, 2, 1, 3)
+  out_BxWxHxK = out_BxHxWxK.transpose(0, 2, 1, 3)
+  if valid_BxL is not None:  # padding attends to nothing
+    out_BxWxHxK = jnp.where(valid_BxW[:, :, None, None], out_BxWxHxK, 0)
+  return out_BxWxHxK
 
 
 class Transformer(nnx.Module):
@@ -283,22 +322,23 @@ class Transformer(nnx.Module):
     if cfg.time_conditioning:
       self.time_mlp = nnx.Linear(cfg.d_model, cfg.d_model, dtype=dtype, rngs=rngs)
 
-  def __call__(self, tokens_BxL: Array, t_B: Array) -> Array:
-    return self._forward(tokens_BxL, t_B)[0]
+  def __call__(self, tokens_BxL: Array, t_B: Array, valid_BxL: Array | None = None) -> Array:
+    return self._forward(tokens_BxL, t_B, valid_BxL=valid_BxL)[0]
 
-  def prefill(self, tokens_BxL: Array, t_B: Array) -> tuple[Array, KVCache]:
+  def prefill(self, tokens_BxL: Array, t_B: Array,
+              valid_BxL: Array | None = None) -> tuple[Array, KVCache]:
     """One full pass: (logits_BxLxV, every layer's keys and values)."""
-    logits_BxLxV, layers = self._forward(tokens_BxL, t_B)
+    logits_BxLxV, layers = self._forward(tokens_BxL, t_B, valid_BxL=valid_BxL)
     return logits_BxLxV, KVCache.stack(layers)
 
   def decode(self, cache: KVCache, tokens_BxW: Array, start: Array | int,
-             t_B: Array) -> tuple[Array, KVCache]:
+             t_B: Array, valid_BxL: Array | None = None) -> tuple[Array, KVCache]:
     """A pass over positions [start, start + W) against `cache`: (logits_BxWxV, the cache
     with the window's keys and values written in)."""
     length, width = cache.length, tokens_BxW.shape[1]
     if width > length:
       raise ValueError(f"window of {width} positions is longer than the cache ({length}).")
-    logits_BxWxV, layers = self._forward(tokens_BxW, t_B, start, cache)
+    logits_BxWxV, layers = self._forward(tokens_BxW, t_B, start, cache, valid_BxL)
     return logits_BxWxV, KVCache.stack(layers)
 
   def block_pair(self, noisy_BxL: Array, clean_BxL: Array, t_B: Array) -> Array:
@@ -314,42 +354,55 @@ class Transformer(nnx.Module):
     length = noisy_BxL.shape[1]
     positions_W = np.concatenate([np.arange(length)] * 2)
     logits_BxWxV, _ = self._forward(
-        jnp.concatenate([noisy_BxL, clean_BxL], axis=1), t_B, positions_W=positions_W,
+        jnp.concatenate([noisy_BxL, clean_BxL], axis=1), t_B, pair_positions_W=positions_W,
         visible_WxW=block_pair_mask(length, cfg.block_size), logits_for=length)
     return logits_BxWxV
 
   def _forward(self, tokens_BxW: Array, t_B: Array, start: Array | int = 0,
-               cache: KVCache | None = None, positions_W: np.ndarray | None = None,
+               cache: KVCache | None = None, valid_BxL: Array | None = None,
+               pair_positions_W: np.ndarray | None = None,
                visible_WxW: np.ndarray | None = None,
                logits_for: int | None = None) -> tuple[Array, list[LayerKV]]:
-    """The pass over W tokens. Full passes take positions 0..W-1 and the config's attention
-    pattern unless `positions_W` and `visible_WxW` say otherwise (the block pair); logits
-    come for the first `logits_for` positions (default all)."""
+    """The pass over W tokens. Full passes take positions 0..W-1 (or counted in
+    `valid_BxL`) and the config's attention pattern, unless `pair_positions_W` and
+    `visible_WxW` say otherwise (the block pair); logits come for the first `logits_for`
+    positions (default all)."""
     cfg = self.cfg
     width = tokens_BxW.shape[1]
     length = width if cache is None else cache.length
-    if positions_W is not None:
-      length = int(positions_W.max()) + 1
-    elif cache is None:
-      visible_WxW = visible(cfg, np.arange(width), np.arange(width))
+    if pair_positions_W is not None:
+      length = int(pair_positions_W.max()) + 1
     if length > cfg.max_len:
       raise ValueError(f"sequence length {length} exceeds max_len={cfg.max_len}.")
     h_BxWxD = self.embed(tokens_BxW)
+    positions_BxW = None
+    if valid_BxL is not None:  # counted from each row's first valid position
+      valid_BxL = valid_BxL.astype(bool)
+      positions_BxL = jnp.maximum(jnp.cumsum(valid_BxL, -1, dtype=jnp.int32) - 1, 0)
+      positions_BxW = jax.lax.dynamic_slice_in_dim(positions_BxL, start, width, axis=1)
+    if cache is None and pair_positions_W is None:
+      if positions_BxW is not None and cfg.block_size is not None:
+        visible_WxW = visible(cfg, positions_BxW, positions_BxW)  # blocks per row
+      else:
+        visible_WxW = visible(cfg, np.arange(width), np.arange(width))
+    if pair_positions_W is not None:
+      positions_BxW = jnp.asarray(pair_positions_W)
     if cfg.positions == "sinusoidal":
       table_WxD = sinusoidal(length, cfg.d_model)
-      if cache is not None:
-        table_WxD = jax.lax.dynamic_slice_in_dim(table_WxD, start, width)
-      elif positions_W is not None:
-        table_WxD = table_WxD[positions_W]
-      h_BxWxD = h_BxWxD + table_WxD.astype(h_BxWxD.dtype)[None]
+      if positions_BxW is not None:
+        # (B x W, or W for the block pair: both broadcast against B x W x D)
+        h_BxWxD = h_BxWxD + table_WxD[positions_BxW].astype(h_BxWxD.dtype)
+      else:
+        if cache is not None:
+          table_WxD = jax.lax.dynamic_slice_in_dim(table_WxD, start, width)
+        h_BxWxD = h_BxWxD + table_WxD.astype(h_BxWxD.dtype)[None]
     temb_BxD = None
     if cfg.time_conditioning:
       temb_BxD = jax.nn.silu(self.time_mlp(_time_features(t_B, cfg.d_model)))
-    rope_W = None if positions_W is None else jnp.asarray(positions_W)
     layers = []
     for n, block in enumerate(self.blocks):
       h_BxWxD, layer = block(h_BxWxD, temb_BxD, start, None if cache is None else cache.layer(n),
-                             rope_W, visible_WxW)
+                             positions_BxW, valid_BxL, visible_WxW)
       layers.append(layer)
     if logits_for is not None:
       h_BxWxD = h_BxWxD[:, :logits_for]
@@ -371,14 +424,14 @@ def make_apply_fn(graphdef, block_size: int | None = None):
   A block-causal model (its config's `block_size`, passed here) also has
   `apply_fn.block_pair` and `apply_fn.block_size`; others have `block_size = None`."""
 
-  def apply_fn(params, tokens_BxL, t_B):
-    return nnx.merge(graphdef, params)(tokens_BxL, t_B)
+  def apply_fn(params, tokens_BxL, t_B, valid_BxL=None):
+    return nnx.merge(graphdef, params)(tokens_BxL, t_B, valid_BxL)
 
-  def prefill(params, tokens_BxL, t_B):
-    return nnx.merge(graphdef, params).prefill(tokens_BxL, t_B)
+  def prefill(params, tokens_BxL, t_B, valid_BxL=None):
+    return nnx.merge(graphdef, params).prefill(tokens_BxL, t_B, valid_BxL)
 
-  def decode(params, cache, tokens_BxW, start, t_B):
-    return nnx.merge(graphdef, params).decode(cache, tokens_BxW, start, t_B)
+  def decode(params, cache, tokens_BxW, start, t_B, valid_BxL=None):
+    return nnx.merge(graphdef, params).decode(cache, tokens_BxW, start, t_B, valid_BxL)
 
   def block_pair(params, noisy_BxL, clean_BxL, t_B):
     return nnx.merge(graphdef, params).block_pair(noisy_BxL, clean_BxL, t_B)

@@ -65,6 +65,15 @@ class SamplerSpec:
   top_k: keep the k most likely values (None: all). top_p: nucleus mass.
   min_p: keep values with probability >= min_p times the row's largest (0: all).
   record_trajectory: also return the canvas after every step (K x B x L).
+  eos_id: the end-of-sequence id (None: no end of sequence). A row that has written EOS
+    at an editable position i, with every position before i written, is finished: its
+    editable positions after i become EOS and it stops changing (`SampleResult.
+    generated_length_B` counts the positions before i).
+  eos_penalty: subtracted from the EOS logit where values are proposed (>= 0).
+  eos_never: EOS is never proposed (its logit is -inf): the canvas is filled to the end.
+  eos_rank_last: EOS proposals rank below every other proposal wherever a family ranks
+    proposals by a score (confidence, entropy-bounded, write orders, test-and-defer,
+    revision, speculative drafts), so a row's end is committed last (LLaDA's knob).
   skip_idle_steps: skip the denoiser (a lax.cond) at steps with nothing to write in
     any row. None (default) decides from the plan before tracing: the cond is used
     where at least `IDLE_FRACTION_FOR_COND` of the steps are idle (counted exactly,
@@ -80,6 +89,10 @@ class SamplerSpec:
   min_p: float = 0.0
   record_trajectory: bool = False
   skip_idle_steps: bool | None = None
+  eos_id: int | None = None
+  eos_penalty: float = 0.0
+  eos_never: bool = False
+  eos_rank_last: bool = False
   kv_cache: str = "none"
   refresh_every: int | None = None
 
@@ -106,6 +119,19 @@ class SamplerSpec:
     check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must lie in [0, 1]")
     check(self.skip_idle_steps in (None, True, False), "skip_idle_steps",
           self.skip_idle_steps, "must be None (decide from the plan), True or False")
+    check(self.eos_id is None or (isinstance(self.eos_id, int) and not isinstance(self.eos_id, bool)
+                                  and self.eos_id >= 0),
+          "eos_id", self.eos_id, "must be None or an integer id >= 0 (below the mask id V)")
+    check(isinstance(self.eos_penalty, (int, float)) and not isinstance(self.eos_penalty, bool)
+          and math.isfinite(self.eos_penalty) and self.eos_penalty >= 0.0,
+          "eos_penalty", self.eos_penalty, "must be a finite number >= 0")
+    for name in ("eos_never", "eos_rank_last"):
+      check(isinstance(getattr(self, name), bool), name, getattr(self, name),
+            "must be True or False")
+    if self.eos_id is None:
+      for name, off in (("eos_penalty", 0.0), ("eos_never", False), ("eos_rank_last", False)):
+        check(getattr(self, name) == off, name, getattr(self, name),
+              "needs eos_id (the end-of-sequence id) to be set")
     check(self.kv_cache in KV_CACHES, "kv_cache", self.kv_cache, f"must be one of {KV_CACHES}")
     check(self.refresh_every is None or (isinstance(self.refresh_every, int)
                                          and not isinstance(self.refresh_every, bool)
@@ -121,7 +147,8 @@ class SamplerSpec:
   @property
   def transform(self) -> dict:
     return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                min_p=self.min_p)
+                min_p=self.min_p, eos_id=self.eos_id, eos_penalty=self.eos_penalty,
+                eos_never=self.eos_never)
 
 
 # ----------------------------------------------------------------------------
@@ -218,6 +245,45 @@ class Context:
     return (tokens_BxL == self.mask_id) & self.editable_BxL
 
 
+def eos_state(tokens_BxL: Array, editable_BxL: Array, mask_id: int, eos_id: int):
+  """(first_B, finished_B): each row's first EOS at an editable position (L if none), and
+  whether the row is finished: it has one and every position before it is written."""
+  length = tokens_BxL.shape[1]
+  eos_BxL = (tokens_BxL == eos_id) & editable_BxL
+  has_eos_B = eos_BxL.any(-1)
+  first_B = jnp.where(has_eos_B, jnp.argmax(eos_BxL, -1), length).astype(jnp.int32)
+  before_BxL = jnp.arange(length)[None] < first_B[:, None]
+  return first_B, has_eos_B & ~((tokens_BxL == mask_id) & before_BxL).any(-1)
+
+
+def finish_rows(core: "Core", ctx: "Context", eos_id: int, step: Array) -> "Core":
+  """Writes EOS at the editable positions after the first EOS of every finished row."""
+  first_B, finished_B = eos_state(core.tokens_BxL, ctx.editable_BxL, ctx.mask_id, eos_id)
+  after_BxL = jnp.arange(core.tokens_BxL.shape[1])[None] > first_B[:, None]
+  fill_BxL = (finished_B[:, None] & after_BxL & ctx.editable_BxL
+              & (core.tokens_BxL != eos_id))
+  return core.commit(fill_BxL, jnp.full_like(core.tokens_BxL, eos_id),
+                     jnp.ones(core.write_conf_BxL.shape, core.write_conf_BxL.dtype), step)
+
+
+def open_rows(ctx: "Context", tokens_BxL: Array, eos_id: int | None) -> "Context":
+  """`ctx` with the positions of finished rows no longer editable (they stop changing)."""
+  if eos_id is None:
+    return ctx
+  _, finished_B = eos_state(tokens_BxL, ctx.editable_BxL, ctx.mask_id, eos_id)
+  return ctx.replace(editable_BxL=ctx.editable_BxL & ~finished_B[:, None])
+
+
+def generated_length(tokens_BxL: Array, editable_BxL: Array, mask_id: int,
+                     eos_id: int | None) -> Array:
+  """Editable positions of each row before its first EOS (all of them without one)."""
+  if eos_id is None:
+    return editable_BxL.sum(-1, dtype=jnp.int32)
+  first_B, _ = eos_state(tokens_BxL, editable_BxL, mask_id, eos_id)
+  before_BxL = jnp.arange(tokens_BxL.shape[1])[None] < first_B[:, None]
+  return (editable_BxL & before_BxL).sum(-1, dtype=jnp.int32)
+
+
 @struct.dataclass
 class StepPlan:
   """The fields every per-step plan has; families add their own in a subclass."""
@@ -236,14 +302,33 @@ class StepInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Denoiser:
-  """`apply_fn` with its parameters: `denoiser(tokens_NxL, t)` -> logits_NxLxV."""
+  """`apply_fn` with its parameters: `denoiser(tokens_NxL, t)` -> logits_NxLxV.
+
+  With `valid_BxL` (the caller's validity mask: False on padding) every call passes
+  `valid_BxL=` to apply_fn; N = J x B contexts get it tiled context-major (J blocks of B
+  rows), or repeated row-major when the caller says so (`valid_for`).
+  """
 
   apply_fn: Callable
   params: Any
+  valid_BxL: Array | None = None
 
-  def __call__(self, tokens_NxL: Array, t) -> Array:
-    return self.apply_fn(self.params, tokens_NxL,
-                         jnp.full((tokens_NxL.shape[0],), t, jnp.float32))
+  def valid_for(self, num: int, row_major: bool = False) -> Array | None:
+    """The validity mask of N = J x B contexts (None without one)."""
+    if self.valid_BxL is None:
+      return None
+    repeats = num // self.valid_BxL.shape[0]
+    if row_major:
+      return jnp.repeat(self.valid_BxL, repeats, axis=0)
+    return jnp.tile(self.valid_BxL, (repeats, 1))
+
+  def __call__(self, tokens_NxL: Array, t, valid_NxL: Array | None = None) -> Array:
+    t_N = jnp.full((tokens_NxL.shape[0],), t, jnp.float32)
+    if self.valid_BxL is None:
+      return self.apply_fn(self.params, tokens_NxL, t_N)
+    if valid_NxL is None:
+      valid_NxL = self.valid_for(tokens_NxL.shape[0])
+    return self.apply_fn(self.params, tokens_NxL, t_N, valid_BxL=valid_NxL)
 
 
 # ----------------------------------------------------------------------------
@@ -323,8 +408,8 @@ def skips_idle_steps(family: Family, spec, canvas: Canvas, plan) -> bool:
   """Whether the program wraps the denoiser call in a lax.cond (see `SamplerSpec`)."""
   if family.rewrites or spec.skip_idle_steps is False:
     return False
-  if spec.skip_idle_steps:
-    return True
+  if spec.skip_idle_steps or spec.eos_id is not None:
+    return True  # rows that end early leave idle steps that cannot be counted before the run
   idle = family.idle_steps(spec, canvas, plan)
   return idle is None or idle >= IDLE_FRACTION_FOR_COND * family.num_steps(spec, canvas.length)
 

@@ -132,12 +132,14 @@ class Confidence(Family):
     if spec.threshold is not None:
       above_B = (cand_BxL & (score_BxL >= spec.threshold)).sum(-1)
       k_B = jnp.where(plan.last_in_block, cand_BxL.sum(-1), jnp.maximum(above_B, 1))
+    score_BxL = scores.eos_last(score_BxL, values_BxL, spec)
     rank_score_BxL = score_BxL
     if spec.gumbel_temperature > 0:
       gumbel_BxL = transforms.row_gumbel(keys_B, StepStream.SELECT, (length,))
       log_score = (score_BxL if spec.score == "neg_entropy"
                    else jnp.log(jnp.maximum(score_BxL, 1e-30)))
-      rank_score_BxL = log_score + plan.choice_temperature * gumbel_BxL
+      rank_score_BxL = scores.eos_last(log_score + plan.choice_temperature * gumbel_BxL,
+                                       values_BxL, spec)
     write_BxL = scores.select_top_k(rank_score_BxL, cand_BxL, k_B)
     core = core.commit(write_BxL, values_BxL, conf_BxL, step.index)
     return core, aux.replace(block_count_B=block_count_B)

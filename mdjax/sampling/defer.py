@@ -89,7 +89,9 @@ class Defer(Family):
     cand_BxL = ctx.masked(core.tokens_BxL)
     values_BxL = transforms.draw_values(step.keys_B, logits_BxLxV, **spec.transform)
     probs_BxLxV, conf_BxL = transforms.value_probs(logits_BxLxV, values_BxL)
-    score_BxL = scores.confidence_score(spec.score, probs_BxLxV, values_BxL, step.keys_B)
+    score_BxL = scores.eos_last(
+        scores.confidence_score(spec.score, probs_BxLxV, values_BxL, step.keys_B), values_BxL,
+        spec)
     rank_BxL = scores.rank_descending(score_BxL, cand_BxL)
     level_BxL = levels(rank_BxL)
 

@@ -20,7 +20,8 @@ from flax import struct
 from mdjax import streams
 from mdjax.sampling import kv_cache
 from mdjax.sampling.base import (Canvas, Context, Core, Denoiser, Family, SamplerSpec,
-                                 StepInfo, family_of, skips_idle_steps)
+                                 StepInfo, eos_state, family_of, finish_rows,
+                                 generated_length, open_rows, skips_idle_steps)
 
 Array = jax.Array
 
@@ -44,6 +45,8 @@ class SampleResult:
   unfilled_B: editable positions of the row still masked at the end (0 for every family
     when the spec covers the canvas; inside a jit, a write order that misses positions
     shows here).
+  generated_length_B: editable positions of the row before its first EOS (`spec.eos_id`;
+    every editable position when the row has none or eos_id is None).
   trajectory_KxBxL: the canvas after each step, if the spec records it.
   extras: family-specific outputs (RevisionSpec: `changes_KxB`).
   """
@@ -58,6 +61,7 @@ class SampleResult:
   nonfinite_B: Array
   invalid_B: Array
   unfilled_B: Array
+  generated_length_B: Array
   trajectory_KxBxL: Array | None = None
   extras: dict = struct.field(default_factory=dict)
 
@@ -130,7 +134,7 @@ def _logits_shape(apply_fn, params, batch: int, length: int) -> tuple[int, ...]:
   return shape
 
 
-def _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id):
+def _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id, valid_BxL=None):
   """Checks the call on the host; returns (family, traced args, static args).
 
   Shapes, the spec and the denoiser's output shape are checked without touching values
@@ -173,6 +177,9 @@ def _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id):
           f"tokens_BxL holds no mask id {mask_id} (taken from apply_fn's {mask_id} logits per "
           "position): there is nothing to generate. If the denoiser's logits include the mask "
           "class, pass mask_id=V.")
+  if spec.eos_id is not None and not spec.eos_id < mask_id:
+    raise ValueError(f"spec.eos_id={spec.eos_id} is outside the vocabulary: token ids are "
+                     f"0..{mask_id - 1} (the mask id is {mask_id}).")
   canvas = Canvas(batch=batch, length=length, mask_id=mask_id, tokens=tokens, fixed=fixed)
   streams.check_steps(family.num_steps(spec, length))
   family.validate(spec, canvas)
@@ -184,8 +191,39 @@ def _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id):
     raise ValueError(f"apply_fn returns logits of shape {logits_shape}; expected "
                      f"(B, L, V) = {(batch, length, mask_id)} with V = mask id.")
   args = (params, key, tokens_BxL, fixed_BxL, plan, kv_plan)
+  if valid_BxL is not None:
+    args += (_check_valid(apply_fn, params, valid_BxL, canvas),)
+    kv_cache.check_exact_valid(apply_fn, spec, canvas, args[-1])
   skip = skips_idle_steps(family, spec, canvas, plan)
   return family, args, dict(spec=spec, mask_id=mask_id, skip=skip)
+
+
+def _check_valid(apply_fn, params, valid_BxL, canvas: Canvas):
+  """The validity mask as a bool array, after checking it against the canvas and that
+  apply_fn takes it (`apply_fn(params, tokens_BxL, t_B, valid_BxL=...)`)."""
+  shape = (canvas.batch, canvas.length)
+  if np.shape(valid_BxL) != shape:
+    raise ValueError(f"valid_BxL has shape {np.shape(valid_BxL)}; tokens_BxL has {shape}.")
+  valid = _host_array(valid_BxL)
+  if valid is not None:
+    valid = valid.astype(bool)
+    if not valid.any(-1).all():
+      raise ValueError(f"valid_BxL leaves row {int(np.flatnonzero(~valid.any(-1))[0])} "
+                       "without a valid position.")
+    if canvas.fixed is not None and (~valid & ~canvas.fixed).any():
+      row, pos = np.argwhere(~valid & ~canvas.fixed)[0]
+      raise ValueError(f"valid_BxL marks position {pos} of row {row} as padding, but it is "
+                       "editable; padding must be fixed (hold any id but the mask id).")
+  try:
+    jax.eval_shape(lambda p, x, t, v: apply_fn(p, x, t, valid_BxL=v), params,
+                   jax.ShapeDtypeStruct(shape, jnp.int32),
+                   jax.ShapeDtypeStruct(shape[:1], jnp.float32),
+                   jax.ShapeDtypeStruct(shape, jnp.bool_))
+  except TypeError as error:
+    raise ValueError(f"valid_BxL is given but apply_fn does not take it ({error}); the "
+                     "denoiser contract with padding is apply_fn(params, tokens_BxL, t_B, "
+                     "valid_BxL=...).") from None
+  return jnp.asarray(valid_BxL, bool) if valid is None else valid
 
 
 # ----------------------------------------------------------------------------
@@ -222,13 +260,18 @@ def _step(family: Family, spec, skip: bool, denoiser: Denoiser, core: Core, aux,
     width = family.block_length(spec)
     call = lambda: kv_cache.call(denoiser, kv, core.tokens_BxL, plan.t, kv_plan, width)
     keep = lambda logits: (logits, kv_cache.skipped(kv, kv_plan))
+  full_ctx, ctx = ctx, open_rows(ctx, core.tokens_BxL, spec.eos_id)  # finished rows freeze
   active_B = ctx.masked(core.tokens_BxL).any(-1)
+  ends = spec.eos_id is not None and spec.skip_idle_steps is not False
   if reuse is not None:
     need = jnp.any(core.tokens_BxL != reuse.tokens_BxL)
     logits, kv = jax.lax.cond(need, call, lambda: keep(reuse.logits_BxLxV))
     reuse = _Reuse(tokens_BxL=core.tokens_BxL, logits_BxLxV=logits)
-  elif skip:
-    need = family.needs_call(spec, core, aux, ctx, plan)
+  elif skip or ends:
+    need = jnp.array(True) if family.rewrites else family.needs_call(spec, core, aux, ctx, plan)
+    if ends:  # once every row has finished, no step calls the denoiser
+      need &= ~eos_state(core.tokens_BxL, full_ctx.editable_BxL, ctx.mask_id,
+                         spec.eos_id)[1].all()
     out = jax.eval_shape(call)[0]
     logits, kv = jax.lax.cond(need, call, lambda: keep(jnp.zeros(out.shape, out.dtype)))
   else:
@@ -238,6 +281,8 @@ def _step(family: Family, spec, skip: bool, denoiser: Denoiser, core: Core, aux,
                                        rounds_B=core.rounds_B + (need & active_B))
   denoise = lambda tokens_NxL: denoiser(tokens_NxL, plan.t)
   core, aux = family.update(spec, core, aux, ctx, step, logits, denoise)
+  if spec.eos_id is not None:
+    core = finish_rows(core, full_ctx, spec.eos_id, index)
   return core, aux, reuse, kv
 
 
@@ -265,7 +310,11 @@ def run(spec, denoiser: Denoiser, core: Core, ctx: Context, plan, skip: bool | N
   if skip is None:
     skip = not family.rewrites and spec.skip_idle_steps is not False
   if family.composite:
-    return family.run(spec, denoiser, core, ctx, plan)
+    core, aux, trajectory = family.run(spec, denoiser, core, ctx, plan)
+    if spec.eos_id is not None:  # the composite's own rounds freeze finished rows; this fills
+      last = family.num_steps(spec, core.tokens_BxL.shape[1]) - 1
+      core = finish_rows(core, ctx, spec.eos_id, jnp.int32(last))
+    return core, aux, trajectory
   aux, reuse, kv = _init(family, spec, denoiser, core, ctx, cached=kv_plan is not None)
   length = core.tokens_BxL.shape[1]
   indices = jnp.arange(family.num_steps(spec, length), dtype=jnp.int32)
@@ -293,14 +342,16 @@ def _result(family: Family, spec, core: Core, aux, trajectory, ctx: Context,
                       rounds_B=core.rounds_B, reopened_B=core.reopened_B,
                       nonfinite_B=core.nonfinite_B, invalid_B=invalid_B,
                       unfilled_B=ctx.masked(core.tokens_BxL).sum(-1),
+                      generated_length_B=generated_length(core.tokens_BxL, ctx.editable_BxL,
+                                                          ctx.mask_id, spec.eos_id),
                       trajectory_KxBxL=trajectory, extras=family.extras(spec, aux))
 
 
 @functools.partial(jax.jit, static_argnames=("apply_fn", "spec", "mask_id", "skip"))
-def _program(apply_fn, params, key, tokens_BxL, fixed_BxL, plan, kv_plan, *, spec, mask_id,
-             skip) -> SampleResult:
+def _program(apply_fn, params, key, tokens_BxL, fixed_BxL, plan, kv_plan, valid_BxL=None, *,
+             spec, mask_id, skip) -> SampleResult:
   family = family_of(spec)
-  denoiser = Denoiser(apply_fn, params)
+  denoiser = Denoiser(apply_fn, params, valid_BxL)
   core, ctx = _start(key, tokens_BxL, fixed_BxL, mask_id)
   invalid_B = _invalid_input(core.tokens_BxL, ctx)
   return _result(family, spec, *run(spec, denoiser, core, ctx, plan, skip, kv_plan), ctx,
@@ -313,7 +364,8 @@ def _program(apply_fn, params, key, tokens_BxL, fixed_BxL, plan, kv_plan, *, spe
 
 
 def sample(apply_fn, params: Any, key: Array, tokens_BxL: Array, spec: SamplerSpec,
-           fixed_BxL: Array | None = None, *, mask_id: int | None = None) -> SampleResult:
+           fixed_BxL: Array | None = None, *, mask_id: int | None = None,
+           valid_BxL: Array | None = None) -> SampleResult:
   """Samples with any family; the whole trajectory is one compiled program.
 
   Args:
@@ -324,20 +376,25 @@ def sample(apply_fn, params: Any, key: Array, tokens_BxL: Array, spec: SamplerSp
     spec: the sampler and its knobs (a frozen spec from `mdjax.sampling`).
     fixed_BxL: positions that never change; default: every visible position.
     mask_id: the mask id V; inferred from the denoiser's output when None.
+    valid_BxL: False on padding (left-padded prompts of different lengths); passed to
+      apply_fn as `valid_BxL=` only when given. Padding must be fixed.
   """
-  _, args, static = _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id)
+  _, args, static = _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id,
+                             valid_BxL)
   return _program(apply_fn, *args, **static)
 
 
 def lower(apply_fn, params: Any, key: Array, tokens_BxL: Array, spec: SamplerSpec,
-          fixed_BxL: Array | None = None, *, mask_id: int | None = None):
+          fixed_BxL: Array | None = None, *, mask_id: int | None = None,
+          valid_BxL: Array | None = None):
   """The `sample` program, lowered, and the arguments to call it with.
 
   Returns (lowered, args): `lowered.compile()(*args)` runs the same program
   as `sample(...)`; `.memory_analysis()` and `.cost_analysis()` of the
   compiled program measure it, `.as_text()` shows it.
   """
-  _, args, static = _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id)
+  _, args, static = _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id,
+                             valid_BxL)
   return _program.lower(apply_fn, *args, **static), args
 
 

@@ -115,8 +115,9 @@ class EntropyBounded(Family):
       values_BxL = transforms.draw_values(step.keys_B, tempered_BxLxV,
                                           **{**spec.transform, "temperature": 1.0})
     probs_BxLxV, conf_BxL = transforms.value_probs(logits_BxLxV, values_BxL)
-    neg_entropy_BxL = scores.confidence_score("neg_entropy", probs_BxLxV, values_BxL,
-                                              step.keys_B)
+    neg_entropy_BxL = scores.eos_last(
+        scores.confidence_score("neg_entropy", probs_BxLxV, values_BxL, step.keys_B),
+        values_BxL, spec)
     k_B = entropy_prefix_counts(-neg_entropy_BxL, cand_BxL, spec.gamma)
     k_B = jnp.where(plan.last_in_block, cand_BxL.sum(-1), k_B)
     write_BxL = scores.select_top_k(neg_entropy_BxL, cand_BxL, k_B)

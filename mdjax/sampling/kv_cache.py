@@ -88,12 +88,12 @@ def recompute_cache(apply_fn):
     def adapter(params, tokens_BxL, t_B):
       return apply_fn(params, tokens_BxL, t_B)
 
-    def prefill(params, tokens_BxL, t_B):
-      return apply_fn(params, tokens_BxL, t_B), tokens_BxL
+    def prefill(params, tokens_BxL, t_B, **valid):
+      return apply_fn(params, tokens_BxL, t_B, **valid), tokens_BxL
 
-    def decode(params, canvas_BxL, tokens_BxW, start, t_B):
+    def decode(params, canvas_BxL, tokens_BxW, start, t_B, **valid):
       canvas_BxL = jax.lax.dynamic_update_slice_in_dim(canvas_BxL, tokens_BxW, start, axis=1)
-      logits_BxLxV = apply_fn(params, canvas_BxL, t_B)
+      logits_BxLxV = apply_fn(params, canvas_BxL, t_B, **valid)
       width = tokens_BxW.shape[1]
       return jax.lax.dynamic_slice_in_dim(logits_BxLxV, start, width, axis=1), canvas_BxL
 
@@ -159,6 +159,20 @@ def _check_exact(apply_fn, name: str, block_length: int, span_start: int) -> Non
                      f"is a multiple of the block size {model_block}).")
 
 
+def check_exact_valid(apply_fn, spec, canvas: Canvas, valid_BxL) -> None:
+  """kv_cache='exact' with a validity mask: a block-causal model counts blocks from each
+  row's first valid token, so every row's valid prompt must fill whole blocks."""
+  if spec.kv_cache != "exact" or valid_BxL is None or isinstance(valid_BxL, jax.core.Tracer):
+    return  # (a traced mask cannot be read before the run)
+  valid = np.asarray(valid_BxL).astype(bool)
+  prompt_B = valid[:, :_generation_start(canvas)].sum(-1)
+  block = apply_fn.block_size
+  if (prompt_B % block).any():
+    raise ValueError(f"valid_BxL leaves valid prompts of {sorted(set(prompt_B.tolist()))} "
+                     f"positions; kv_cache='exact' needs each a multiple of the model's block "
+                     f"size {block}.")
+
+
 def _generation_start(canvas: Canvas) -> int:
   """First generated position: the cached window is a static-size slice, so the
   generated positions must be one span, the same in every row."""
@@ -196,15 +210,17 @@ def call(denoiser: Denoiser, state: KVState, tokens_BxL: Array, t, kv_plan: KVPl
   refreshed.
   """
   t_B = jnp.full(tokens_BxL.shape[:1], t, jnp.float32)
+  # The caller's validity mask (left-padded prompts), passed only when given.
+  valid = {} if denoiser.valid_BxL is None else {"valid_BxL": denoiser.valid_BxL}
 
   def full():
-    logits_BxLxV, cache = denoiser.apply_fn.prefill(denoiser.params, tokens_BxL, t_B)
+    logits_BxLxV, cache = denoiser.apply_fn.prefill(denoiser.params, tokens_BxL, t_B, **valid)
     return logits_BxLxV, KVState(cache=cache, stale=jnp.array(False))
 
   def window():
     tokens_BxW = jax.lax.dynamic_slice_in_dim(tokens_BxL, kv_plan.start, width, axis=1)
     logits_BxWxV, _ = denoiser.apply_fn.decode(denoiser.params, state.cache, tokens_BxW,
-                                               kv_plan.start, t_B)
+                                               kv_plan.start, t_B, **valid)
     batch, length = tokens_BxL.shape
     zeros_BxLxV = jnp.zeros((batch, length, logits_BxWxV.shape[-1]), logits_BxWxV.dtype)
     logits_BxLxV = jax.lax.dynamic_update_slice_in_dim(zeros_BxLxV, logits_BxWxV,
@@ -220,7 +236,7 @@ def call(denoiser: Denoiser, state: KVState, tokens_BxL: Array, t, kv_plan: KVPl
     begin = kv_plan.start - width
     tokens_Bx2W = jax.lax.dynamic_slice_in_dim(tokens_BxL, begin, 2 * width, axis=1)
     logits_Bx2WxV, cache = denoiser.apply_fn.decode(denoiser.params, state.cache, tokens_Bx2W,
-                                                    begin, t_B)
+                                                    begin, t_B, **valid)
     batch, length = tokens_BxL.shape
     zeros_BxLxV = jnp.zeros((batch, length, logits_Bx2WxV.shape[-1]), logits_Bx2WxV.dtype)
     logits_BxLxV = jax.lax.dynamic_update_slice_in_dim(zeros_BxLxV, logits_Bx2WxV[:, width:],

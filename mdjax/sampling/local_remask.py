@@ -12,7 +12,7 @@ from flax import struct
 
 from mdjax.sampling import contexts, driver, scores, transforms
 from mdjax.sampling.base import (Canvas, Context, Core, Family, SamplerSpec, check,
-                                 family_of, make_spec, register)
+                                 family_of, make_spec, open_rows, register)
 from mdjax.streams import RowStream, StepStream
 
 Array = jax.Array
@@ -127,7 +127,10 @@ class LocalRemask(Family):
   def run(self, spec: LocalRemaskSpec, denoiser, core: Core, ctx: Context,
           plan: LocalRemaskPlan):
     batch, length = core.tokens_BxL.shape
-    core, _, _ = driver.run(spec.base, denoiser, core, ctx, plan.base)
+    # The end of sequence is the outer spec's: base and refill end rows by it too.
+    eos = {f: getattr(spec, f) for f in ("eos_id", "eos_penalty", "eos_never", "eos_rank_last")}
+    base_spec, refill_spec = (dataclasses.replace(s, **eos) for s in (spec.base, spec.refill))
+    core, _, _ = driver.run(base_spec, denoiser, core, ctx, plan.base)
     base_steps = family_of(spec.base).num_steps(spec.base, length)
     refill_steps = family_of(spec.refill).num_steps(spec.refill, length)
     evaluate = lambda tokens_NxL: denoiser(tokens_NxL, 1.0 / spec.score_groups)
@@ -144,11 +147,12 @@ class LocalRemask(Family):
           axis=-1)[..., 0])
       choice_keys_B = jax.vmap(jax.random.fold_in, (0, None))(round_keys_B,
                                                                RowStream.LOCAL_CHOICE)
-      remask_BxL = choose_remask(spec, choice_keys_B, ctx.editable_BxL, core.write_conf_BxL,
+      open_BxL = open_rows(ctx, core.tokens_BxL, spec.eos_id).editable_BxL  # finished: frozen
+      remask_BxL = choose_remask(spec, choice_keys_B, open_BxL, core.write_conf_BxL,
                                  conf_now_BxL)
       refill_ctx = Context(mask_id=ctx.mask_id, editable_BxL=remask_BxL, keys_B=round_keys_B)
       refill, _, _ = driver.run(
-          spec.refill, denoiser,
+          refill_spec, denoiser,
           Core.start(jnp.where(remask_BxL, ctx.mask_id, core.tokens_BxL)), refill_ctx,
           plan.refill)
       offset = base_steps + r * refill_steps

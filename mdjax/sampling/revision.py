@@ -88,7 +88,9 @@ class Revision(Family):
       core = core.count_call(need, spec.score_groups)
     values_BxL = transforms.draw_values(step.keys_B, logits_BxLxV, **spec.transform)
     probs_BxLxV, conf_BxL = transforms.value_probs(logits_BxLxV, values_BxL)
-    score_BxL = scores.confidence_score(spec.score, probs_BxLxV, values_BxL, step.keys_B)
+    score_BxL = scores.eos_last(
+        scores.confidence_score(spec.score, probs_BxLxV, values_BxL, step.keys_B), values_BxL,
+        spec)
     num_editable_B = editable_BxL.sum(-1)
     # Kept after this step: all but the scheduled remaining fraction (ConfidenceSpec's counts).
     keep_count_B = scores.commit_counts(num_editable_B, num_editable_B, step.plan.remaining)

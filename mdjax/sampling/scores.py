@@ -39,6 +39,16 @@ def confidence_score(name: str, probs_BxLxV: Array, values_BxL: Array,
   raise ValueError(f"score={name!r} is unknown; known scores: {SCORES}.")
 
 
+def eos_last(score_BxL: Array, values_BxL: Array, spec) -> Array:
+  """With `spec.eos_rank_last`, EOS proposals score below every other proposal (ties among
+  them still go to the lower position); otherwise `score_BxL` unchanged."""
+  if spec.eos_id is None or not spec.eos_rank_last:
+    return score_BxL
+  # Finite, so ranks among candidates stay 0..n-1 (non-candidates rank on +inf keys).
+  lowest = jnp.finfo(score_BxL.dtype).min / 2
+  return jnp.where(values_BxL == spec.eos_id, lowest, score_BxL)
+
+
 # Up to this length ranks come from pairwise compares (L^2 work, no sort: 4x faster than
 # two argsorts at L = 25 on CPU); above it from one sort and a scatter (2x faster than two).
 _PAIRWISE_RANK_MAX_L = 256

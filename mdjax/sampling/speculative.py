@@ -31,7 +31,8 @@ import numpy as np
 from flax import struct
 
 from mdjax.sampling import scores, transforms
-from mdjax.sampling.base import Core, Family, SamplerSpec, check, register
+from mdjax.sampling.base import (Core, Family, SamplerSpec, check, finish_rows, open_rows,
+                                 register)
 from mdjax.streams import StepStream
 
 Array = jax.Array
@@ -141,18 +142,19 @@ def run_round(denoiser, core: Core, draft_logits_BxLxV: Array, ctx, round_index:
   keys_B = jax.vmap(jax.random.fold_in, (0, None))(ctx.keys_B, round_index)
   masked_BxL = ctx.masked(z_BxL)
   active_B = masked_BxL.any(-1)
-  rank_BxL = scores.rank_descending(
-      selection_score(spec, draft_logits_BxLxV, order_rank_L), masked_BxL)
+  q_BxLxV = transforms.transformed_probs(draft_logits_BxLxV, spec)
+  draft_BxL = transforms.gumbel_max(keys_B, StepStream.DRAFT, _log(q_BxLxV))
+  rank_BxL = scores.rank_descending(scores.eos_last(
+      selection_score(spec, draft_logits_BxLxV, order_rank_L), draft_BxL, spec), masked_BxL)
   slot_BxKxL = rank_BxL[:, None, :] == jnp.arange(k)[None, :, None]
   valid_BxK = slot_BxKxL.any(-1)
   pos_BxK = jnp.argmax(slot_BxKxL, -1)
-  q_BxLxV = transforms.transformed_probs(draft_logits_BxLxV, spec)
-  draft_BxL = transforms.gumbel_max(keys_B, StepStream.DRAFT, _log(q_BxLxV))
   # Context j: z with the drafts of slots < j written in.
   in_context_BxKxL = masked_BxL[:, None] & (rank_BxL[:, None, :] < jnp.arange(k)[None, :, None])
   contexts_BxKxL = jnp.where(in_context_BxKxL, draft_BxL[:, None], z_BxL[:, None])
   logits_BxKxLxV = denoiser(contexts_BxKxL.reshape(batch * k, length),
-                            1.0 - round_index / length)
+                            1.0 - round_index / length,
+                            denoiser.valid_for(batch * k, row_major=True))
   logits_BxKxLxV = logits_BxKxLxV.reshape(batch, k, length, -1)
   at_slot = lambda x_BxKxLxV: jnp.take_along_axis(
       x_BxKxLxV, pos_BxK[:, :, None, None], axis=2)[:, :, 0]
@@ -217,13 +219,17 @@ class Speculative(Family):
 
     def body(carry, round_index):
       core, draft_logits_BxLxV = carry
+      round_ctx = open_rows(ctx, core.tokens_BxL, spec.eos_id)  # finished rows freeze
 
       def go():
-        return run_round(denoiser, core, draft_logits_BxLxV, ctx, round_index, spec=spec,
-                         order_rank_L=plan.order_rank_L)
+        out, logits = run_round(denoiser, core, draft_logits_BxLxV, round_ctx, round_index,
+                                spec=spec, order_rank_L=plan.order_rank_L)
+        if spec.eos_id is not None:
+          out = finish_rows(out, ctx, spec.eos_id, round_index)
+        return out, logits
 
       if spec.skip_idle_steps is not False:  # rounds end early by design: skip idle ones
-        busy = ctx.masked(core.tokens_BxL).any()
+        busy = round_ctx.masked(core.tokens_BxL).any()
         carry = jax.lax.cond(busy, go, lambda: (core.replace(saved_calls=core.saved_calls + 1),
                                                 draft_logits_BxLxV))
       else:

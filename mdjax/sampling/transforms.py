@@ -62,9 +62,22 @@ def transform_logits(logits_BxLxV: Array, temperature: float, top_k: int | None,
   return x
 
 
+def eos_logits(logits_BxLxV: Array, eos_id: int | None, eos_penalty: float = 0.0,
+               eos_never: bool = False) -> Array:
+  """The EOS knobs: EOS's logit lowered by `eos_penalty`, or -inf with `eos_never`."""
+  if eos_id is None or (eos_penalty == 0.0 and not eos_never):
+    return logits_BxLxV
+  column = logits_BxLxV[..., eos_id]
+  column = jnp.full_like(column, -jnp.inf) if eos_never else column - eos_penalty
+  return logits_BxLxV.at[..., eos_id].set(column)
+
+
 def draw_values(keys_B: Array, logits_BxLxV: Array, *, temperature: float,
-                top_k: int | None, top_p: float, min_p: float = 0.0) -> Array:
-  """One categorical draw per position (Gumbel-max); T = 0 is argmax."""
+                top_k: int | None, top_p: float, min_p: float = 0.0, eos_id: int | None = None,
+                eos_penalty: float = 0.0, eos_never: bool = False) -> Array:
+  """One categorical draw per position (Gumbel-max); T = 0 is argmax. The EOS knobs apply
+  first (`eos_logits`)."""
+  logits_BxLxV = eos_logits(logits_BxLxV, eos_id, eos_penalty, eos_never)
   if temperature == 0.0:
     return argmax_last(logits_BxLxV)
   x = transform_logits(logits_BxLxV, temperature, top_k, top_p, min_p)
@@ -101,10 +114,13 @@ def argmax_last(x_BxNxV: Array) -> Array:
 
 
 def transformed_probs(logits: Array, spec) -> Array:
-  """The distribution values are drawn from: temperature, top-k, top-p; T = 0 is one-hot."""
+  """The distribution values are drawn from: the EOS knobs, temperature, top-k, top-p; T = 0
+  is one-hot."""
+  logits = eos_logits(logits, spec.eos_id, spec.eos_penalty, spec.eos_never)
   if spec.temperature == 0.0:
     return jax.nn.one_hot(argmax_last(logits), logits.shape[-1], dtype=jnp.float32)
-  return jax.nn.softmax(transform_logits(logits, **spec.transform), -1)
+  return jax.nn.softmax(transform_logits(logits, spec.temperature, spec.top_k, spec.top_p,
+                                         spec.min_p), -1)
 
 
 def value_probs(logits_BxLxV: Array, values_BxL: Array) -> tuple[Array, Array]:

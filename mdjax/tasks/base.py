@@ -24,14 +24,15 @@ class Task:
   {name: float}`. Optional (None when the task has none): `validation_data` (held-out draws;
   defaults to `sample_data`), `checks(tokens_BxL) -> {name: bool_B}`, `exact_denoiser` (the
   denoiser contract, exact), `is_impossible(tokens_BxL) -> bool_B`, `encode(text) -> ids`,
-  `tokenizer`, `params` (the bound task parameters), `corpus` and `validation_windows(n)`
-  (text). `metadata` is what a checkpoint keeps to rebuild the task with the same ids.
+  `tokenizer`, `eos_id` (text of documents: the end-of-sequence id), `params` (the bound task
+  parameters), `corpus` and `validation_windows(n)` (text). `metadata` is what a checkpoint keeps to rebuild the task with the same ids.
   """
 
   name: str
   length: int
   vocab_size: int
   mask_id: int
+  eos_id: int | None = None
   sample_data: Callable[[jax.Array, int], jax.Array]
   decode: Callable[[Any], str]
   sample_metrics: Callable[[Any], dict[str, float]]
@@ -53,6 +54,8 @@ class Task:
     if self.mask_id != self.vocab_size:
       raise ValueError(f"mask_id={self.mask_id!r} must equal vocab_size={self.vocab_size!r} "
                        "(the mask id follows the real ids).")
+    if self.eos_id is not None and not 0 <= self.eos_id < self.vocab_size:
+      raise ValueError(f"eos_id={self.eos_id!r} must be a real id in [0, {self.vocab_size}).")
     if self.validation_data is None:
       object.__setattr__(self, "validation_data", self.sample_data)
     object.__setattr__(self, "metadata", types.MappingProxyType(dict(self.metadata)))

@@ -49,17 +49,19 @@ _WORD = re.compile(r"[A-Za-z]+(?:'[A-Za-z]+)*")
 
 @dataclasses.dataclass(frozen=True)
 class CharTokenizer:
-  """Characters <-> ids 0..V-1 (sorted); the mask id is V, shown as `mask_char`."""
+  """Characters <-> ids 0..len(vocab)-1 (sorted); with `eos`, the end-of-document id follows
+  them (id len(vocab)); the mask id is `size`, shown as `mask_char`."""
 
   vocab: str
+  eos: bool = False
 
   def __post_init__(self):
     if not self.vocab or len(set(self.vocab)) != len(self.vocab):
       raise ValueError(f"vocab={self.vocab!r} must be a non-empty string of distinct characters.")
 
   @classmethod
-  def from_text(cls, text: str) -> "CharTokenizer":
-    return cls("".join(sorted(set(text))))
+  def from_text(cls, text: str, eos: bool = False) -> "CharTokenizer":
+    return cls("".join(sorted(set(text))), eos)
 
   @functools.cached_property
   def mask_char(self) -> str:
@@ -69,7 +71,15 @@ class CharTokenizer:
 
   @property
   def size(self) -> int:
-    return len(self.vocab)
+    return len(self.vocab) + int(self.eos)
+
+  @property
+  def eos_id(self) -> int | None:
+    return len(self.vocab) if self.eos else None
+
+  def metadata(self) -> dict:
+    """What a checkpoint keeps of this tokenizer (EOS follows from `documents`)."""
+    return {"vocab": self.vocab}
 
   @functools.cached_property
   def _codepoints(self) -> np.ndarray:
@@ -77,7 +87,7 @@ class CharTokenizer:
 
   def encode(self, text: str) -> np.ndarray:
     """Ids of `text` (int32); a character outside the vocabulary is a ValueError."""
-    points = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+    points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)
     order = np.argsort(self._codepoints)
     where = np.searchsorted(self._codepoints[order], points)
     where = np.minimum(where, len(order) - 1)
@@ -90,10 +100,127 @@ class CharTokenizer:
           f"{unknown!r} (first at index {first}); the vocabulary is {self.vocab!r}.")
     return order[where].astype(np.int32)
 
+  def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    return [self.encode(t) for t in texts]
+
   def decode(self, ids) -> str:
-    """Text of `ids`; the mask id (and anything out of range) shows as `mask_char`."""
-    return "".join(self.vocab[i] if 0 <= i < self.size else self.mask_char
+    """Text of `ids`; EOS shows as nothing, the mask id (and anything out of range) as
+    `mask_char`."""
+    n = len(self.vocab)
+    return "".join(self.vocab[i] if 0 <= i < n else "" if i == self.eos_id else self.mask_char
                    for i in np.asarray(ids).tolist())
+
+
+EOS_TEXT = "<|endoftext|>"  # the BPE tokenizer's end-of-document token
+
+
+def _bpe_pieces(text: str) -> list[str]:
+  # Lines (ends kept): the byte-level pre-tokenizer splits at whitespace anyway, and pieces
+  # let `encode_batch` use every core.
+  return text.splitlines(keepends=True)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BpeTokenizer:
+  """Byte-level BPE (the `tokenizers` package): any text encodes; ids 0..size-1 with the
+  end-of-document token `EOS_TEXT` among them; the mask id is `size`. `spec` is the
+  tokenizer's JSON, saved with every checkpoint."""
+
+  spec: str
+
+  def __eq__(self, other):
+    return isinstance(other, BpeTokenizer) and other.spec == self.spec
+
+  def __hash__(self):
+    return hash(self.spec)
+
+  @classmethod
+  def train(cls, text: str, vocab_size: int) -> "BpeTokenizer":
+    """Trains on `text` (deterministic for a given text and size)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TEXT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_bpe_pieces(text), trainer=trainer)
+    return cls(tok.to_str())
+
+  @functools.cached_property
+  def _tok(self):
+    from tokenizers import Tokenizer
+    return Tokenizer.from_str(self.spec)
+
+  @property
+  def size(self) -> int:
+    return self._tok.get_vocab_size()
+
+  @property
+  def eos_id(self) -> int:
+    return self._tok.token_to_id(EOS_TEXT)
+
+  @functools.cached_property
+  def mask_char(self) -> str:
+    """How a masked position shows: a character no token decodes to."""
+    held = set("".join(self._tok.decode([i]) for i in range(self.size)))
+    return next(c for c in MASK_CHAR_CHOICES + tuple(map(chr, range(0xE000, 0xF900)))
+                if c not in held)
+
+  def metadata(self) -> dict:
+    return {"bpe": self.spec}
+
+  def _check(self, text: str) -> None:
+    if EOS_TEXT in text:
+      raise ValueError(f"text holds the end-of-document marker {EOS_TEXT!r} (first at index "
+                       f"{text.index(EOS_TEXT)}); it is a token of its own, not text.")
+    try:
+      text.encode("utf-8")
+    except UnicodeEncodeError as error:
+      raise ValueError(f"text holds a character that has no UTF-8 bytes: {error}.") from None
+
+  def encode(self, text: str) -> np.ndarray:
+    """Ids of `text` (int32)."""
+    self._check(text)
+    ids = [i for e in self._tok.encode_batch(_bpe_pieces(text), add_special_tokens=False)
+           for i in e.ids]
+    return np.asarray(ids, np.int32)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    for t in texts:
+      self._check(t)
+    return [np.asarray(e.ids, np.int32)
+            for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+  def decode(self, ids) -> str:
+    """Text of `ids`; EOS shows as nothing, the mask id (and anything out of range) as
+    `mask_char`."""
+    out, run = [], []
+    for i in np.asarray(ids).tolist():
+      if 0 <= i < self.size:
+        if i != self.eos_id:
+          run.append(i)
+      else:
+        out += [self._tok.decode(run), self.mask_char]
+        run = []
+    out.append(self._tok.decode(run))
+    return "".join(out)
+
+
+TOKENIZERS = ("char", "bpe")
+DOCUMENTS = ("none", "packed", "padded")
+# Documents are the pieces of the text between blank lines (one speech of a play); in a
+# document stream the EOS id stands where the separator was, so the stream codes the text.
+DOCUMENT_SEPARATOR = "\n\n"
+
+
+def characters_of(tokenizer, ids) -> int:
+  """Characters of the text that `ids` (no mask ids) code, an EOS counting as the document
+  separator it replaced: the denominator of bits per character."""
+  ids = np.asarray(ids)
+  eos = tokenizer.eos_id
+  n_eos = int((ids == eos).sum()) if eos is not None else 0
+  return len(tokenizer.decode(ids)) + n_eos * len(DOCUMENT_SEPARATOR)
 
 
 # ----------------------------------------------------------------------------
@@ -222,63 +349,141 @@ def _windows(tokens_N: jax.Array, key: jax.Array, batch: int, length: int) -> ja
   return tokens_N[offsets_B[:, None] + jnp.arange(length)[None]]
 
 
+@functools.partial(jax.jit, static_argnames=("batch", "length"))
+def _padded_windows(tokens_N: jax.Array, starts_D: jax.Array, lengths_D: jax.Array,
+                    key: jax.Array, eos_id: jax.Array, batch: int, length: int) -> jax.Array:
+  """Windows that start at a document drawn uniformly and hold it (cut at `length`), with
+  EOS in every position after it, as LLaDA's SFT data pads a response."""
+  docs_B = jax.random.randint(key, (batch,), 0, starts_D.shape[0])
+  position_L = jnp.arange(length)
+  index_BxL = jnp.minimum(starts_D[docs_B][:, None] + position_L[None], tokens_N.shape[0] - 1)
+  inside_BxL = position_L[None] < lengths_D[docs_B][:, None]
+  return jnp.where(inside_BxL, tokens_N[index_BxL], eos_id).astype(tokens_N.dtype)
+
+
+def document_stream(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(tokens_N, starts_D, lengths_D): the documents of `text` (pieces between blank lines)
+  encoded and joined by the EOS id, and where each non-empty document starts."""
+  pieces = text.split(DOCUMENT_SEPARATOR)
+  encoded = tokenizer.encode_batch(pieces)
+  lengths = np.array([len(e) for e in encoded], np.int64)
+  starts = np.concatenate([[0], np.cumsum(lengths + 1)[:-1]])
+  eos = np.array([tokenizer.eos_id], np.int32)
+  tokens = np.concatenate([part for e in encoded for part in (e, eos)][:-1]).astype(np.int32)
+  keep = lengths > 0
+  return tokens, starts[keep].astype(np.int32), lengths[keep].astype(np.int32)
+
+
 class _TextData:
   """The token arrays of a corpus and the functions of its task (sample_data, ...)."""
 
-  def __init__(self, length: int, corpus: Corpus, tokenizer: CharTokenizer):
+  def __init__(self, length: int, corpus: Corpus, tokenizer, documents: str = "none"):
     self.length, self.corpus, self.tokenizer = length, corpus, tokenizer
+    self.documents = documents
+    arrays = {}
+    for name, part in (("train", corpus.train_text), ("validation", corpus.validation_text)):
+      if documents == "none":
+        arrays[name] = (tokenizer.encode(part), None, None)
+      else:
+        arrays[name] = document_stream(tokenizer, part)
     # Concrete device arrays even when the task is first built inside a trace (it is cached).
     with jax.ensure_compile_time_eval():
-      self._train_N = jnp.asarray(tokenizer.encode(corpus.train_text))
-      self._validation_N = jnp.asarray(tokenizer.encode(corpus.validation_text))
-    for name, tokens in (("training", self._train_N), ("validation", self._validation_N)):
+      self._train = tuple(None if a is None else jnp.asarray(a) for a in arrays["train"])
+      self._validation = tuple(None if a is None else jnp.asarray(a)
+                               for a in arrays["validation"])
+    for name, (tokens, starts, _) in (("training", self._train),
+                                      ("validation", self._validation)):
       if tokens.shape[0] < length:
-        raise ValueError(f"length={length}: the {name} text has only {tokens.shape[0]} characters.")
+        raise ValueError(f"length={length}: the {name} text has only {tokens.shape[0]} tokens.")
+      if starts is not None and starts.shape[0] == 0:
+        raise ValueError(f"documents={documents!r}: the {name} text holds no document.")
 
   @functools.cached_property
   def word_set(self) -> frozenset[str]:
     """The training text's word list (lower case)."""
     return frozenset(words(self.corpus.train_text, drop_edges=False))
 
+  def _draw(self, arrays, key, batch):
+    tokens, starts, lengths = arrays
+    if self.documents == "padded":
+      return _padded_windows(tokens, starts, lengths, key,
+                             jnp.int32(self.tokenizer.eos_id), batch, self.length)
+    return _windows(tokens, key, batch, self.length)
+
   def sample_data(self, key: jax.Array, batch: int) -> jax.Array:
-    """`batch` training windows at offsets drawn from `key`."""
-    return _windows(self._train_N, key, batch, self.length)
+    """`batch` training windows drawn from `key`."""
+    return self._draw(self._train, key, batch)
 
   def validation_data(self, key: jax.Array, batch: int) -> jax.Array:
-    """`batch` windows of the held-out text at offsets drawn from `key`."""
-    return _windows(self._validation_N, key, batch, self.length)
+    """`batch` windows of the held-out text drawn from `key`."""
+    return self._draw(self._validation, key, batch)
 
   def validation_windows(self, num: int) -> np.ndarray:
-    """`num` held-out windows at evenly spaced offsets: a fixed validation set."""
-    offsets = np.linspace(0, self._validation_N.shape[0] - self.length, num).astype(np.int64)
-    return np.asarray(self._validation_N)[offsets[:, None] + np.arange(self.length)[None]]
+    """`num` held-out windows at evenly spaced offsets (documents, when padded): a fixed
+    validation set."""
+    tokens, starts, lengths = (None if a is None else np.asarray(a) for a in self._validation)
+    if self.documents == "padded":
+      docs = np.linspace(0, starts.shape[0] - 1, num).astype(np.int64)
+      position_L = np.arange(self.length)
+      index = np.minimum(starts[docs][:, None] + position_L[None], tokens.shape[0] - 1)
+      return np.where(position_L[None] < lengths[docs][:, None], tokens[index],
+                      self.tokenizer.eos_id).astype(np.int32)
+    offsets = np.linspace(0, tokens.shape[0] - self.length, num).astype(np.int64)
+    return tokens[offsets[:, None] + np.arange(self.length)[None]]
 
   def sample_metrics(self, tokens_BxL) -> dict[str, float]:
     texts = [self.tokenizer.decode(row) for row in np.asarray(tokens_BxL)]
     return text_metrics(texts, self.word_set, self.tokenizer.mask_char)
 
 
-def make_task(length: int, corpus: Corpus, tokenizer: CharTokenizer) -> Task:
-  """The Task value of `length`-character windows of `corpus`; its metadata is the vocabulary."""
-  data = _TextData(length, corpus, tokenizer)
+def _eos_id(tokenizer, documents: str) -> int | None:
+  # The task has an end of sequence only when its data holds documents.
+  return None if documents == "none" else tokenizer.eos_id
+
+
+def make_task(length: int, corpus: Corpus, tokenizer, documents: str = "none") -> Task:
+  """The Task value of `length`-token windows of `corpus`; its metadata is the tokenizer."""
+  data = _TextData(length, corpus, tokenizer, documents)
   return Task(
       name="text", length=length, vocab_size=tokenizer.size, mask_id=tokenizer.size,
+      eos_id=_eos_id(tokenizer, documents),
       sample_data=data.sample_data, validation_data=data.validation_data,
       decode=tokenizer.decode, encode=tokenizer.encode, sample_metrics=data.sample_metrics,
       tokenizer=tokenizer, corpus=corpus, validation_windows=data.validation_windows,
-      metadata={"vocab": tokenizer.vocab},
-      description=f"TextTask(length={length}, vocab={tokenizer.size}, {corpus.description})")
+      metadata=tokenizer.metadata(),
+      description=(f"TextTask(length={length}, {type(tokenizer).__name__} "
+                   f"vocab={tokenizer.size}, documents={documents}, {corpus.description})"))
+
+
+def _tokenizer_of(kind, vocab, bpe, bpe_vocab_size, documents, train_text):
+  """The task's tokenizer: the checkpoint's (`vocab` or `bpe`), else trained on `train_text`."""
+  if kind == "bpe":
+    if vocab:
+      raise ValueError(f"tokenizer='bpe' but the checkpoint holds a character vocabulary "
+                       f"({len(vocab)} characters); the config must say tokenizer='char'.")
+    tokenizer = BpeTokenizer(bpe) if bpe else BpeTokenizer.train(train_text, bpe_vocab_size)
+    if tokenizer.size != bpe_vocab_size:
+      raise ValueError(f"bpe_vocab_size={bpe_vocab_size}: the checkpoint's BPE tokenizer has "
+                       f"{tokenizer.size} ids; the config must say bpe_vocab_size="
+                       f"{tokenizer.size}.")
+    return tokenizer
+  if bpe:
+    raise ValueError(f"tokenizer={kind!r} but the checkpoint holds a BPE tokenizer; the config "
+                     "must say tokenizer='bpe'.")
+  eos = documents != "none"
+  return CharTokenizer(vocab, eos) if vocab else CharTokenizer.from_text(train_text, eos)
 
 
 @functools.lru_cache(maxsize=4)
-def _bind_cached(length, corpus, text_path, heldout, validation_fraction, vocab, signature):
+def _bind_cached(length, corpus, text_path, heldout, validation_fraction, vocab, signature,
+                 tokenizer, bpe_vocab_size, documents, bpe):
   del signature  # part of the cache key only
   data = load_corpus(corpus, text_path, heldout, validation_fraction)
-  tokenizer = CharTokenizer(vocab) if vocab else CharTokenizer.from_text(data.train_text)
-  return make_task(length, data, tokenizer)
+  tok = _tokenizer_of(tokenizer, vocab, bpe, bpe_vocab_size, documents, data.train_text)
+  return make_task(length, data, tok, documents)
 
 
-def _without_corpus(length: int, tokenizer: CharTokenizer, why: str) -> Task:
+def _without_corpus(length: int, tokenizer, why: str, documents: str = "none") -> Task:
   """The task of a checkpoint whose corpus is gone: it encodes, decodes and scores samples
   (word_validity is nan: the word list came from the corpus), but has no data."""
 
@@ -293,22 +498,40 @@ def _without_corpus(length: int, tokenizer: CharTokenizer, why: str) -> Task:
 
   return Task(
       name="text", length=length, vocab_size=tokenizer.size, mask_id=tokenizer.size,
+      eos_id=_eos_id(tokenizer, documents),
       sample_data=no_data, decode=tokenizer.decode, encode=tokenizer.encode,
-      sample_metrics=sample_metrics, tokenizer=tokenizer, metadata={"vocab": tokenizer.vocab},
-      description=f"TextTask(length={length}, vocab={tokenizer.size}, no corpus: {why})")
+      sample_metrics=sample_metrics, tokenizer=tokenizer, metadata=tokenizer.metadata(),
+      description=(f"TextTask(length={length}, {type(tokenizer).__name__} "
+                   f"vocab={tokenizer.size}, no corpus: {why})"))
 
 
 def bind(length: int = 64, corpus: str = SHAKESPEARE, text_path: str | None = None,
          heldout: Sequence[str] = DEFAULT_HELDOUT, validation_fraction: float = 0.1,
-         vocab: str | None = None) -> Task:
-  """The text task with these parameters; `vocab` (from a checkpoint) fixes the tokenizer."""
+         vocab: str | None = None, tokenizer: str = "char", bpe_vocab_size: int = 1024,
+         documents: str = "none", bpe: str | None = None) -> Task:
+  """The text task with these parameters.
+
+  `tokenizer` is 'char' or 'bpe' (byte-level BPE of `bpe_vocab_size` ids trained on the
+  training text); `documents` is 'none' (windows of the running text), 'packed' (documents
+  joined by EOS, windows anywhere) or 'padded' (a window per document, EOS after it).
+  `vocab` / `bpe` come from a checkpoint and fix the tokenizer.
+  """
   if not (isinstance(length, int) and length >= 2):
     raise ValueError(f"length={length!r} must be an integer >= 2.")
-  if vocab:  # a checkpoint's tokenizer: the corpus is only needed for data and word lists
+  if tokenizer not in TOKENIZERS:
+    raise ValueError(f"tokenizer={tokenizer!r} must be one of {TOKENIZERS}.")
+  if documents not in DOCUMENTS:
+    raise ValueError(f"documents={documents!r} must be one of {DOCUMENTS}.")
+  if tokenizer == "bpe" and not (isinstance(bpe_vocab_size, int) and bpe_vocab_size >= 258):
+    raise ValueError(f"bpe_vocab_size={bpe_vocab_size!r} must be an integer >= 258 (the 256 "
+                     "bytes, EOS and at least one merge).")
+  if vocab or bpe:  # a checkpoint's tokenizer: the corpus is only needed for data and word lists
     try:
-      signature = _file_signature(text_path)
+      _file_signature(text_path)
       load_corpus(corpus, text_path, tuple(heldout), validation_fraction)
     except (ValueError, OSError) as error:
-      return _without_corpus(length, CharTokenizer(vocab), str(error).split("\n")[0])
+      tok = _tokenizer_of(tokenizer, vocab, bpe, bpe_vocab_size, documents, None)
+      return _without_corpus(length, tok, str(error).split("\n")[0], documents)
   return _bind_cached(length, corpus, text_path or None, tuple(heldout), validation_fraction,
-                      vocab or None, _file_signature(text_path))
+                      vocab or None, _file_signature(text_path), tokenizer, bpe_vocab_size,
+                      documents, bpe or None)

@@ -1,0 +1,220 @@
+"""Generation: end of sequence in every family, left-padded prompts, prompts files, a mesh."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mdjax import generation, models, sampling
+from mdjax.sampling import base
+
+pytestmark = pytest.mark.xdist_group("generation")
+
+V, L, EOS = 6, 10, 5
+
+
+def ends_at_4(params, tokens_BxL, t_B):
+  """Predicts id (position % 5) before position 4 and EOS from it on, with certainty."""
+  del params, t_B
+  position_L = jnp.arange(tokens_BxL.shape[1])
+  target_L = jnp.where(position_L < 4, position_L % 5, EOS)
+  return jnp.broadcast_to(30.0 * jax.nn.one_hot(target_L, V), tokens_BxL.shape + (V,))
+
+
+@pytest.mark.parametrize("name", sorted(sampling.families()))
+def test_every_family_ends_rows_at_eos(name):
+  family = sampling.families()[name]
+  generated = tuple(range(1, L))
+  canvas = np.full((2, L), V, np.int32)
+  canvas[:, 0] = 0  # a one-token prompt
+  for spec in family.examples(generated)[:1]:
+    spec = generation.with_eos(spec, EOS)
+    out = sampling.sample(ends_at_4, None, jax.random.key(0), canvas, spec, mask_id=V)
+    tokens = np.asarray(out.tokens_BxL)
+    np.testing.assert_array_equal(tokens[:, :4], np.tile([0, 1, 2, 3], (2, 1)))
+    assert (tokens[:, 4:] == EOS).all()  # EOS at 4, every position after it filled
+    np.testing.assert_array_equal(out.generated_length_B, [3, 3])  # positions 1..3
+    assert int(np.asarray(out.unfilled_B).sum()) == 0
+
+
+def test_eos_knobs_and_early_stop():
+  canvas = np.full((3, L), V, np.int32)
+  spec = sampling.ConfidenceSpec(steps=L, temperature=0.0, eos_id=EOS)
+  out = sampling.sample(ends_at_4, None, jax.random.key(0), canvas, spec, mask_id=V)
+  # One position a step, most confident first (ties: lower position): EOS at 4 is written at
+  # step 4 after positions 0..3; the row is then finished and every later step is skipped.
+  assert int(out.nfe) == 5 and int(out.saved_calls) == L - 5
+  never = sampling.sample(ends_at_4, None, jax.random.key(0), canvas,
+                          sampling.ConfidenceSpec(steps=L, temperature=0.0, eos_id=EOS,
+                                                  eos_never=True), mask_id=V)
+  assert not (np.asarray(never.tokens_BxL) == EOS).any()
+  np.testing.assert_array_equal(never.generated_length_B, [L] * 3)
+  # Ranked last, EOS proposals wait: 4 non-EOS positions are written before the first EOS.
+  last = sampling.sample(ends_at_4, None, jax.random.key(0), canvas,
+                         sampling.ConfidenceSpec(steps=L, eos_id=EOS, eos_rank_last=True),
+                         mask_id=V)
+  np.testing.assert_array_equal(np.asarray(last.write_step_BxL)[:, :4], np.tile(range(4), (3, 1)))
+  # A penalty of 60 nats beats the 30-nat margin: EOS is no longer the argmax.
+  pen = sampling.sample(ends_at_4, None, jax.random.key(0), canvas,
+                        sampling.ConfidenceSpec(steps=L, temperature=0.0, eos_id=EOS,
+                                                eos_penalty=60.0), mask_id=V)
+  assert not (np.asarray(pen.tokens_BxL) == EOS).any()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(eos_id=V), "outside the vocabulary"),
+    (dict(eos_id=-1), "eos_id=-1"),
+    (dict(eos_never=True), "needs eos_id"),
+    (dict(eos_id=EOS, eos_penalty=-1.0), "eos_penalty=-1.0"),
+])
+def test_eos_bad_input(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    sampling.sample(ends_at_4, None, jax.random.key(0), np.full((1, L), V, np.int32),
+                    sampling.ConfidenceSpec(steps=4, **kwargs), mask_id=V)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  cfg = models.TransformerConfig(vocab_size=V, max_len=12, d_model=16, num_layers=2,
+                                 num_heads=2, d_ff=32)
+  _, params, apply_fn = models.init(cfg, seed=3)
+  return apply_fn, params
+
+
+# Families whose draws do not depend on the canvas length at temperature 0 (the others draw
+# their noise as one array of the canvas's shape, so a shorter canvas draws other numbers).
+LENGTH_FREE = [sampling.ConfidenceSpec(steps=6, temperature=0.0),
+               sampling.ConfidenceSpec(steps=6, temperature=0.0, block_length=3,
+                                       kv_cache="dual"),
+               sampling.EntropyBoundedSpec(steps=6, gamma=0.5, temperature=0.0),
+               sampling.SpeculativeSpec(k=2, temperature=0.0)]
+
+
+@pytest.mark.parametrize("spec", LENGTH_FREE, ids=lambda s: type(s).__name__ + str(s.kv_cache))
+def test_left_padded_batch_equals_rows_alone(tiny, spec):
+  apply_fn, params = tiny
+  prompts = [np.array([1, 2, 3], np.int32), np.array([4], np.int32),
+             np.array([2, 0, 1, 3, 4], np.int32)]
+  gen = 6
+  tokens, valid, start = generation.left_padded(prompts, 5 + gen, V, pad_id=0)
+  out = sampling.sample(apply_fn, params, jax.random.key(0), tokens, spec, mask_id=V,
+                        valid_BxL=valid)
+  for row, prompt in enumerate(prompts):
+    alone = np.concatenate([prompt, np.full(gen, V, np.int32)])[None]
+    single = sampling.sample(apply_fn, params, jax.random.key(1), alone, spec, mask_id=V)
+    np.testing.assert_array_equal(np.asarray(out.tokens_BxL)[row, start:],
+                                  np.asarray(single.tokens_BxL)[0, len(prompt):])
+
+
+def test_padding_is_refused_when_editable(tiny):
+  apply_fn, params = tiny
+  tokens = np.full((1, 6), V, np.int32)
+  valid = np.array([[False, True, True, True, True, True]])
+  with pytest.raises(ValueError, match="padding must be fixed"):
+    sampling.sample(apply_fn, params, jax.random.key(0), tokens,
+                    sampling.ConfidenceSpec(steps=2), mask_id=V, valid_BxL=valid)
+  with pytest.raises(ValueError, match="does not take it"):
+    sampling.sample(ends_at_4, None, jax.random.key(0), np.where(valid, V, 0),
+                    sampling.ConfidenceSpec(steps=2), mask_id=V, valid_BxL=valid)
+
+
+def test_prompts_file_errors(tmp_path):
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text("\n")
+  with pytest.raises(ValueError, match="holds no prompt"):
+    generation.read_prompts(str(empty))
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"prompt": "a"}\n{"text": "b"}\n')
+  with pytest.raises(ValueError, match="line 2 has no \"prompt\""):
+    generation.read_prompts(str(bad))
+
+
+def test_mesh_split_equals_one_device():
+  code = textwrap.dedent("""
+    import jax, numpy as np
+    from mdjax import generation, models, sampling
+    from mdjax.train import make_mesh
+    cfg = models.TransformerConfig(vocab_size=6, max_len=8, d_model=16, num_layers=1,
+                                   num_heads=2, d_ff=32)
+    _, params, apply_fn = models.init(cfg, seed=1)
+    canvas = np.full((8, 8), 6, np.int32); canvas[:, 0] = 1
+    spec = sampling.ConfidenceSpec(steps=4, eos_id=5)
+    one = sampling.sample(apply_fn, params, jax.random.key(0), canvas, spec, mask_id=6)
+    mesh = make_mesh(4)
+    four = generation.sample_on_mesh(apply_fn, params, jax.random.key(0), canvas, spec, mesh,
+                                     mask_id=6)
+    assert four.tokens_BxL.sharding.num_devices == 4
+    np.testing.assert_array_equal(np.asarray(one.tokens_BxL), np.asarray(four.tokens_BxL))
+    try:
+      generation.sample_on_mesh(apply_fn, params, jax.random.key(0), canvas[:6], spec, mesh,
+                                mask_id=6)
+    except ValueError as e:
+      assert "does not divide the batch B=6" in str(e), e
+    else:
+      raise AssertionError("no error")
+    print("MESH OK")
+  """)
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        timeout=300)
+  assert "MESH OK" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_bpe_documents_checkpoint_and_prompts_cli(tmp_path):
+  """A tiny BPE model of padded documents: the tokenizer survives the checkpoint, a mismatched
+  config is refused, and sample.py --prompts writes one completion per prompt."""
+  import json
+
+  import mdjax
+  from mdjax import tasks, train
+  from tests.text_fixtures import tiny_config, write_corpus
+
+  corpus = write_corpus(tmp_path / "corpus.txt")
+  config = tiny_config(corpus)
+  config.task_kwargs.update(tokenizer="bpe", bpe_vocab_size=300, documents="padded")
+  config.train.num_steps = 15
+  config.num_eval_samples = 0
+  workdir = str(tmp_path / "run")
+  train.train(config, workdir, log=lambda *_: None)
+  model = mdjax.load(workdir)
+  task = tasks.from_config(config)
+  assert model.tokenizer == task.tokenizer and model.task.eos_id == task.tokenizer.eos_id
+  window = np.asarray(task.sample_data(jax.random.key(0), 4))
+  # Padded documents: after the first EOS of a window every position is EOS.
+  for row in window:
+    hits = np.flatnonzero(row == task.eos_id)
+    assert hits.size == 0 or (row[hits[0]:] == task.eos_id).all()
+  with pytest.raises(ValueError, match="bpe_vocab_size=299"):
+    tasks.get("text", dict(tasks.kwargs_of(config), bpe_vocab_size=299,
+                           **task.checkpoint_metadata()))
+  with pytest.raises(ValueError, match="holds a BPE tokenizer"):
+    tasks.get("text", dict(tasks.kwargs_of(config), tokenizer="char",
+                           **task.checkpoint_metadata()))
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text('{"prompt": "Thou art"}\n{"prompt": "The"}\n{"prompt": "And the king of"}\n')
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run(
+      [sys.executable, os.path.join(root, "sample.py"), f"--workdir={workdir}",
+       f"--prompts={prompts}", f"--out={tmp_path / 'out'}", "--sampler=confidence",
+       "--steps=4", "--batch_size=2"], capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, PYTHONPATH=root))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "output tokens/s" in proc.stdout
+  rows = [json.loads(line) for line in (tmp_path / "out" / "completions.jsonl").open()]
+  assert [r["prompt"] for r in rows] == ["Thou art", "The", "And the king of"]
+  for r in rows:
+    assert r["generated_length"] == len(r["token_ids"]) <= 16
+    assert task.eos_id not in r["token_ids"]
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"prompt": "' + "word " * 40 + '"}\n')
+  proc = subprocess.run(
+      [sys.executable, os.path.join(root, "sample.py"), f"--workdir={workdir}",
+       f"--prompts={bad}", "--sampler=confidence", "--steps=4"], capture_output=True,
+      text=True, timeout=300, env=dict(os.environ, PYTHONPATH=root))
+  assert proc.returncode == 2 and "line 1 encodes to" in proc.stderr, proc.stderr[-500:]
