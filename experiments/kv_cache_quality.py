@@ -62,7 +62,7 @@ def _pairs(task, apply_fn, params, n: int, block: int, steps_list, seed: int, sa
       spec = make(steps, block)
       yield name, steps, {impl: np.asarray(sampling.sample(
           apply_fn, params, key, canvas, dataclasses.replace(spec, kv_cache=impl),
-          mask_id=task.mask_id).tokens_BxL) for impl in sampling.KV_CACHES}
+          mask_id=task.mask_id).tokens_BxL) for impl in ("none", "dual")}
 
 
 def scan_and_add_rows(model, n: int, seed: int) -> list[dict]:

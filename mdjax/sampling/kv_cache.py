@@ -44,6 +44,7 @@ from mdjax.sampling.base import KV_CACHES, Canvas, Denoiser, Family, check
 
 Array = jax.Array
 
+
 @struct.dataclass
 class KVPlan:
   """Per step (leading axis K): whether the step runs a full pass, and its window."""
