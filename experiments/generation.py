@@ -145,13 +145,14 @@ def batch_equals_rows(model) -> bool:
   prompts = held_out_prompts(task)
   spec = generation.with_eos(sampling.ConfidenceSpec(steps=32, temperature=0.0), task.eos_id)
   tokens, valid, start = generation.left_padded(prompts, task.length, task.mask_id)
-  out = np.asarray(sampling.sample(model.apply_fn, model.params, jax.random.key(0), tokens, spec,
+  keys_B = sampling.row_keys(jax.random.key(0), len(prompts))  # each row alone: its own key
+  out = np.asarray(sampling.sample(model.apply_fn, model.params, keys_B, tokens, spec,
                                    mask_id=task.mask_id, valid_BxL=valid).tokens_BxL)
   gen = task.length - start
   for row, p in enumerate(prompts):
     alone = np.concatenate([p, np.full(gen, task.mask_id, np.int32)])[None]
-    single = np.asarray(sampling.sample(model.apply_fn, model.params, jax.random.key(1), alone,
-                                        spec, mask_id=task.mask_id).tokens_BxL)
+    single = np.asarray(sampling.sample(model.apply_fn, model.params, keys_B[row:row + 1],
+                                        alone, spec, mask_id=task.mask_id).tokens_BxL)
     if not (single[0, len(p):] == out[row, start:]).all():
       return False
   return True
