@@ -41,14 +41,19 @@ SAMPLERS = {
 }
 
 
-def trained(workdir: str):
-  """{name: (config, apply_fn, params)}, each trained first where missing."""
+def trained(workdir: str, train_missing: bool = True):
+  """{name: (config, apply_fn, params, step)}, each trained first where missing (or, with
+  train_missing=False, the newest checkpoint as it is)."""
   char = shakespeare_char.get_config()
   char.train.num_steps = CHAR_STEPS
   out = {}
   for name, config in (("scan_and_add", quickstart.get_config()), ("char", char),
                        ("causal", shakespeare_causal.get_config())):
-    out[name] = (config, *train.ensure_trained(config, os.path.join(workdir, name)))
+    path = os.path.join(workdir, name)
+    if train_missing:
+      train.ensure_trained(config, path)
+    _, apply_fn, params, step = train.load_for_sampling(path)
+    out[name] = (config, apply_fn, params, step)
   return out
 
 
@@ -66,7 +71,7 @@ def _pairs(task, apply_fn, params, n: int, block: int, steps_list, seed: int, sa
 
 
 def scan_and_add_rows(model, n: int, seed: int) -> list[dict]:
-  config, apply_fn, params = model
+  config, apply_fn, params, _ = model
   task = tasks.from_config(config)
   rows = []
   for name, steps, runs in _pairs(task, apply_fn, params, n, SA_BLOCK, SA_STEPS, seed,
@@ -83,9 +88,9 @@ def scan_and_add_rows(model, n: int, seed: int) -> list[dict]:
 
 
 def text_rows(model, reference, n: int, seed: int) -> list[dict]:
-  config, apply_fn, params = model
+  config, apply_fn, params, _ = model
   task = tasks.from_config(config)
-  ref_apply, ref_params = reference[1:]
+  ref_apply, ref_params = reference[1:3]
   rows = []
   for name, steps, runs in _pairs(task, apply_fn, params, n, TEXT_BLOCK, TEXT_STEPS, seed,
                                   ("confidence", "ancestral")):
@@ -102,9 +107,12 @@ def text_rows(model, reference, n: int, seed: int) -> list[dict]:
   return rows
 
 
-def run(n: int, workdir: str = "/tmp/kv_cache_quality", seed: int = 0) -> dict:
-  models = trained(workdir)
-  return {"n": n, "seed": seed, "char_train_steps": CHAR_STEPS,
+def run(n: int, workdir: str = "/tmp/kv_cache_quality", train_missing: str = "yes",
+        seed: int = 0) -> dict:
+  models = trained(workdir, train_missing == "yes")
+  return {"n": n, "seed": seed, "char_train_steps": models["char"][3],
+          "causal_train_steps": models["causal"][3],
+          "scan_and_add_train_steps": models["scan_and_add"][3],
           "scan_and_add": scan_and_add_rows(models["scan_and_add"], n, seed),
           "shakespeare_char": text_rows(models["char"], models["causal"], n // TEXT_SHARE,
                                         seed)}
@@ -147,7 +155,9 @@ def write(results: dict, out: str) -> None:
 def main():
   report.experiment_main(__doc__, run, write, "kv_cache_quality.md", default_n=1000,
                          options={"workdir": ("/tmp/kv_cache_quality",
-                                              "where the three models are trained")})
+                                              "where the three models are trained"),
+                                  "train_missing": ("yes", "'no': sample the newest checkpoints "
+                                                    "as they are")})
 
 
 if __name__ == "__main__":
