@@ -286,3 +286,32 @@ def test_text_path_override_any_character_and_sampling_without_the_corpus(
   assert proc.stdout.count("--- Thou ·") == 3
   with pytest.raises(ValueError, match="corpus.*not available"):
     model.task.sample_data(jax.random.key(0), 2)
+
+
+def test_kv_cache_quality_experiment_schema(trained, tmp_path, monkeypatch):
+  from configs import quickstart
+  from experiments import kv_cache_quality as kq
+  from mdjax import models, tasks
+
+  root, corpus = trained
+  monkeypatch.setattr(kq, "SA_STEPS", (5,))
+  monkeypatch.setattr(kq, "TEXT_BLOCK", 8)
+  monkeypatch.setattr(kq, "TEXT_STEPS", (4,))
+  sa_config = quickstart.get_config()
+  _, params, apply_fn = models.init(train.model_config(sa_config, tasks.from_config(sa_config)))
+  char = (tiny_config(corpus), *train.load_for_sampling(str(root / "char"))[1:])
+  causal = (tiny_config(corpus, True), *train.load_for_sampling(str(root / "causal"))[1:])
+  results = {"n": 8, "seed": 0, "char_train_steps": char[3], "causal_train_steps": causal[3],
+             "scan_and_add_train_steps": 0,
+             "scan_and_add": kq.scan_and_add_rows((sa_config, apply_fn, params, 0), 8, 0),
+             "shakespeare_char": kq.text_rows(char, causal, 8, 0)}
+  kq.write(results, str(tmp_path))
+  data = json.loads((tmp_path / "kv_cache_quality.json").read_text())
+  # Every sampler at every K, uncached and dual, with the same keys.
+  assert len(data["scan_and_add"]) == len(kq.SAMPLERS) * 2
+  assert len(data["shakespeare_char"]) == 2 * 2
+  for row in data["scan_and_add"] + data["shakespeare_char"]:
+    assert row["kv_cache"] in ("none", "dual") and 0.0 <= row["same_as_uncached"] <= 1.0
+  for row in data["shakespeare_char"]:
+    assert math.isfinite(row["gen_bits_per_char"]) and row["gen_bits_per_char"] > 0
+  assert "rows equal" in (tmp_path / "kv_cache_quality.md").read_text()
