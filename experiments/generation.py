@@ -44,6 +44,8 @@ _BPE = flags.DEFINE_string("bpe_workdir", "/tmp/models/bpe", "BPE denoiser workd
 _CAUSAL = flags.DEFINE_string("causal_workdir", "/tmp/models/causal", "Causal reference.")
 _OUT = flags.DEFINE_string("out", os.path.join(ROOT, "results"), "Output directory.")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
+_STEP = flags.DEFINE_integer("step", None, "Compare both denoisers at this checkpoint step "
+                             "(the same budget) instead of training them to STEPS.")
 
 STEPS = 3000  # both denoisers' training budget
 NELBO_WINDOWS = 256
@@ -62,11 +64,13 @@ def models():
   bpe = shakespeare_bpe.get_config()
   bpe.train.num_steps = STEPS
   out = {}
+  import mdjax
   for name, config, workdir in (("char", char, _CHAR.value), ("bpe", bpe, _BPE.value),
                                 ("causal", shakespeare_causal.get_config(), _CAUSAL.value)):
-    train.ensure_trained(config, workdir)
-    import mdjax
-    out[name] = mdjax.load(workdir)
+    if _STEP.value is None:
+      train.ensure_trained(config, workdir)
+    # --step: both denoisers at that step; the reference at its newest checkpoint.
+    out[name] = mdjax.load(workdir, None if name == "causal" else _STEP.value)
   return out
 
 
@@ -186,7 +190,8 @@ def main(argv):
   del argv
   m = models()
   results = {"char_bits_per_char": bits_per_char(m["char"]),
-             "bpe_bits_per_char": bits_per_char(m["bpe"]), "rows": []}
+             "bpe_bits_per_char": bits_per_char(m["bpe"]), "rows": [],
+             "train_steps": {name: int(model.step) for name, model in m.items()}}
   for name, spec in SAMPLERS.items():
     for eos in (False, True):
       if "ranked last" in name and not eos:
@@ -200,7 +205,8 @@ def main(argv):
     json.dump(results, f, indent=2)
   lines = ["# Generation", "",
            f"Bits per character on the held-out plays: character model "
-           f"{results['char_bits_per_char']:.3f}, BPE model {results['bpe_bits_per_char']:.3f}.",
+           f"{results['char_bits_per_char']:.3f}, BPE model {results['bpe_bits_per_char']:.3f} "
+           f"(training steps: {results['train_steps']}).",
            "", "| sampler | EOS early stop | prompt lengths | mean generated length | "
            "gen. bits/char | output tokens/s | calls |", "|---|---|---|---|---|---|---|"]
   for r in results["rows"]:
