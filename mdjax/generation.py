@@ -94,12 +94,42 @@ def shard_params(mesh: Mesh, params, fsdp: bool = True):
   return jax.device_put(params, train.param_sharding(mesh, params, fsdp))
 
 
+_GATHERED: dict[tuple, Any] = {}
+
+
+def gathered(apply_fn, mesh: Mesh):
+  """`apply_fn` (and its cached contract) computing with its parameters all-gathered.
+
+  Stored sharded (FSDP), the weights are gathered where they are used, so every device
+  runs one device's arithmetic and the tokens are one device's, bit for bit. Left to
+  partition the matmuls over sharded weights instead, XLA sums in another order: logits
+  move by ~1e-5 and near-ties in a sample flip. One wrapper per (apply_fn, mesh), so
+  repeated calls reuse the compiled program.
+  """
+  wrapper = _GATHERED.get((apply_fn, mesh))
+  if wrapper is not None:
+    return wrapper
+  replicate = lambda params: jax.lax.with_sharding_constraint(
+      params, jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), params))
+
+  def wrapper(params, *args, **kwargs):
+    return apply_fn(replicate(params), *args, **kwargs)
+
+  for name in ("prefill", "decode", "block_pair"):
+    method = getattr(apply_fn, name, None)
+    if callable(method):
+      setattr(wrapper, name, lambda params, *a, _m=method, **kw: _m(replicate(params), *a, **kw))
+  wrapper.block_size = getattr(apply_fn, "block_size", None)
+  _GATHERED[apply_fn, mesh] = wrapper
+  return wrapper
+
+
 def sample_on_mesh(apply_fn, params: Any, key: jax.Array, tokens_BxL, spec, mesh: Mesh, *,
                    fixed_BxL=None, valid_BxL=None, mask_id: int | None = None,
                    fsdp: bool = True) -> sampling.SampleResult:
   """`sampling.sample` with the batch split on the mesh's `data` axis and the parameters
-  sharded (FSDP) over it: one program over every device, the same tokens as on one device
-  (the rows keep their keys: `split(key, B)`)."""
+  stored sharded (FSDP) over it, gathered where used (`gathered`): one program over every
+  device, the same tokens as on one device (the rows keep their keys: `split(key, B)`)."""
   if "data" not in mesh.shape:
     raise ValueError(f"mesh has axes {tuple(mesh.shape)}; sampling splits the batch on 'data'.")
   batch, size = np.shape(tokens_BxL)[0], mesh.shape["data"]
@@ -109,6 +139,7 @@ def sample_on_mesh(apply_fn, params: Any, key: jax.Array, tokens_BxL, spec, mesh
   rows = NamedSharding(mesh, PartitionSpec("data"))
   put = lambda x: None if x is None else jax.device_put(np.asarray(x), rows)
   keys_B = sampling.row_keys(key, batch)
-  return sampling.sample(apply_fn, shard_params(mesh, params, fsdp), jax.device_put(keys_B, rows),
+  return sampling.sample(gathered(apply_fn, mesh), shard_params(mesh, params, fsdp),
+                         jax.device_put(keys_B, rows),
                          put(tokens_BxL), spec, put(fixed_BxL), mask_id=mask_id,
                          valid_BxL=put(valid_BxL))
