@@ -3,9 +3,10 @@
   python experiments/kv_cache_quality.py [--n=1000] [--workdir=/tmp/kv_cache_quality]
       [--out=results]
 
-Trains (or reuses, when done) three models in WORKDIR: ScanAndAdd (configs/quickstart.py),
-the character-level Shakespeare denoiser (configs/shakespeare_char.py at 3,000 steps) and
-its causal reference (configs/shakespeare_causal.py). Each sampler in blocks then runs
+Trains (or reuses, when done) three models in WORKDIR: ScanAndAdd
+(configs/scan_and_add_cpu.py), the character-level Shakespeare denoiser
+(configs/shakespeare_char.py at 3,000 steps) and its causal reference
+(configs/shakespeare_causal.py). Each sampler in blocks then runs
 uncached and with the dual cache (one full pass per block, window passes in between), with
 the same keys: the cache is the only difference. ScanAndAdd: the task's checks and the exact
 probability of the samples (fraction impossible under the true joint). Shakespeare:
@@ -26,11 +27,12 @@ if __package__ in (None, ""):  # run as a script: configs/ and experiments/ live
 import jax
 import numpy as np
 
-from configs import quickstart, shakespeare_causal, shakespeare_char
+from configs import scan_and_add_cpu, shakespeare_causal, shakespeare_char
 from mdjax import likelihood, report, sampling, tasks, train
 from mdjax.tasks import scan_and_add
 
 CHAR_STEPS = 3000  # the Shakespeare denoiser's training budget (the config's is 7,000)
+SA_CONFIG = scan_and_add_cpu  # the ScanAndAdd model: correct 1.0 after its 14,000 steps
 SA_BLOCK, SA_STEPS = 5, (10, 25)  # 5 blocks of 5: 2 and 5 steps per block
 TEXT_BLOCK, TEXT_STEPS = 16, (16, 64)  # 4 blocks of 16: 4 and 16 steps per block
 TEXT_SHARE = 4  # Shakespeare: n / 4 samples per point (a 7x larger model, 2.6x longer rows)
@@ -47,7 +49,7 @@ def trained(workdir: str, train_missing: bool = True):
   char = shakespeare_char.get_config()
   char.train.num_steps = CHAR_STEPS
   out = {}
-  for name, config in (("scan_and_add", quickstart.get_config()), ("char", char),
+  for name, config in (("scan_and_add", SA_CONFIG.get_config()), ("char", char),
                        ("causal", shakespeare_causal.get_config())):
     path = os.path.join(workdir, name)
     if train_missing:
@@ -139,11 +141,12 @@ def write(results: dict, out: str) -> None:
   report.write_json(os.path.join(out, "kv_cache_quality.json"), results)
   text = ("# KV cache: quality cost of the dual cache\n\n"
           f"N = {results['n']} samples per point (Shakespeare: {results['n'] // TEXT_SHARE}), "
-          f"seed {results['seed']}; the same keys with and without the cache.\n\n## ScanAndAdd (configs/quickstart.py model), blocks of "
-          f"{SA_BLOCK}\n\n"
+          f"seed {results['seed']}; the same keys with and without the cache.\n\n"
+          f"## ScanAndAdd (configs/scan_and_add_cpu.py, {results['scan_and_add_train_steps']}"
+          f" steps), blocks of {SA_BLOCK}\n\n"
           + _table(results["scan_and_add"], ("well_formed", "correct", "impossible"))
-          + f"\n## Character-level Shakespeare ({results['char_train_steps']}-step denoiser), "
-          f"blocks of {TEXT_BLOCK}\n\n"
+          + f"\n## Character-level Shakespeare (denoiser {results['char_train_steps']} steps, "
+          f"causal reference {results['causal_train_steps']}), blocks of {TEXT_BLOCK}\n\n"
           + _table(results["shakespeare_char"], ("gen_bits_per_char", "word_validity"))
           + "\n`rows equal`: fraction of rows whose tokens are the uncached run's.\n")
   report.write_text(os.path.join(out, "kv_cache_quality.md"), text)

@@ -289,7 +289,6 @@ def test_text_path_override_any_character_and_sampling_without_the_corpus(
 
 
 def test_kv_cache_quality_experiment_schema(trained, tmp_path, monkeypatch):
-  from configs import quickstart
   from experiments import kv_cache_quality as kq
   from mdjax import models, tasks
 
@@ -297,7 +296,7 @@ def test_kv_cache_quality_experiment_schema(trained, tmp_path, monkeypatch):
   monkeypatch.setattr(kq, "SA_STEPS", (5,))
   monkeypatch.setattr(kq, "TEXT_BLOCK", 8)
   monkeypatch.setattr(kq, "TEXT_STEPS", (4,))
-  sa_config = quickstart.get_config()
+  sa_config = kq.SA_CONFIG.get_config()
   _, params, apply_fn = models.init(train.model_config(sa_config, tasks.from_config(sa_config)))
   char = (tiny_config(corpus), *train.load_for_sampling(str(root / "char"))[1:])
   causal = (tiny_config(corpus, True), *train.load_for_sampling(str(root / "causal"))[1:])
