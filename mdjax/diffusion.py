@@ -260,13 +260,22 @@ def nelbo_loss(
     weight_B = schedule.weight(t_B)
   z_BxL = forward_mask(mask_key, x_BxL, schedule.alpha(t_B), mask_id, maskable_BxL)
   logits_BxLxV = apply_fn(params, z_BxL, t_B)
+  masked_BxL, nll_BxL = _masked_nll(logits_BxLxV, x_BxL, z_BxL, mask_id)
+  return _nelbo_result(weight_B * nll_BxL.sum(axis=-1), masked_BxL, maskable_BxL)
+
+
+def _masked_nll(logits_BxLxV, x_BxL, z_BxL, mask_id: int):
+  """(masked_BxL, nll_BxL): the masked positions and their -log p(x), 0 elsewhere."""
   if logits_BxLxV.shape[-1] != mask_id:  # a static shape: raised while tracing
     raise ValueError(f"mask_id={mask_id} but apply_fn returns {logits_BxLxV.shape[-1]} logits "
                      "per position; the mask id is the vocabulary size V (logits over the V "
                      "tokens, the mask class excluded).")
   masked_BxL = z_BxL == mask_id
-  nll_BxL = jnp.where(masked_BxL, _token_nll(logits_BxLxV, x_BxL), 0.0)
-  nelbo_B = weight_B * nll_BxL.sum(axis=-1)
+  return masked_BxL, jnp.where(masked_BxL, _token_nll(logits_BxLxV, x_BxL), 0.0)
+
+
+def _nelbo_result(nelbo_B, masked_BxL, maskable_BxL):
+  """(loss, aux) of a per-sequence NELBO: its mean, and bits per maskable token."""
   loss = nelbo_B.mean()
   tokens = jnp.maximum(maskable_BxL.sum(), 1)
   aux = {
@@ -508,22 +517,9 @@ def block_nelbo_loss(
   keep_BxL = (jax.random.uniform(mask_key, x_BxL.shape) < alpha_BxL) | ~maskable_BxL
   z_BxL = jnp.where(keep_BxL, x_BxL, mask_id)
   logits_BxLxV = pair(params, z_BxL, x_BxL, t_BxN.mean(-1))
-  if logits_BxLxV.shape[-1] != mask_id:  # a static shape: raised while tracing
-    raise ValueError(f"mask_id={mask_id} but apply_fn returns {logits_BxLxV.shape[-1]} logits "
-                     "per position; the mask id is the vocabulary size V.")
-  masked_BxL = z_BxL == mask_id
-  nll_BxL = jnp.where(masked_BxL, _token_nll(logits_BxLxV, x_BxL), 0.0)
+  masked_BxL, nll_BxL = _masked_nll(logits_BxLxV, x_BxL, z_BxL, mask_id)
   nll_BxN = nll_BxL.reshape(batch, num_blocks, block_size).sum(-1)
-  nelbo_B = (schedule.weight(t_BxN) * nll_BxN).sum(-1)
-  loss = nelbo_B.mean()
-  tokens = jnp.maximum(maskable_BxL.sum(), 1)
-  aux = {
-      "nelbo_nats": loss,
-      "nelbo_nats_B": nelbo_B,
-      "bits_per_token": nelbo_B.sum() / tokens / LN2,
-      "masked_fraction": masked_BxL.sum() / tokens,
-  }
-  return loss, aux
+  return _nelbo_result((schedule.weight(t_BxN) * nll_BxN).sum(-1), masked_BxL, maskable_BxL)
 
 
 _BLOCK_ADAPTERS: dict[Any, Any] = {}
