@@ -214,6 +214,12 @@ def call(denoiser: Denoiser, state: KVState, tokens_BxL: Array, t, kv_plan: KVPl
   # The caller's validity mask (left-padded prompts), passed only when given.
   valid = {} if denoiser.valid_BxL is None else {"valid_BxL": denoiser.valid_BxL}
 
+  def on_canvas(logits_BxWxV):
+    """The block's logits at their positions of the canvas, zeros elsewhere."""
+    batch, length = tokens_BxL.shape
+    zeros_BxLxV = jnp.zeros((batch, length, logits_BxWxV.shape[-1]), logits_BxWxV.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(zeros_BxLxV, logits_BxWxV, kv_plan.start, axis=1)
+
   def full():
     logits_BxLxV, cache = denoiser.apply_fn.prefill(denoiser.params, tokens_BxL, t_B, **valid)
     return logits_BxLxV, KVState(cache=cache, stale=jnp.array(False))
@@ -222,11 +228,7 @@ def call(denoiser: Denoiser, state: KVState, tokens_BxL: Array, t, kv_plan: KVPl
     tokens_BxW = jax.lax.dynamic_slice_in_dim(tokens_BxL, kv_plan.start, width, axis=1)
     logits_BxWxV, _ = denoiser.apply_fn.decode(denoiser.params, state.cache, tokens_BxW,
                                                kv_plan.start, t_B, **valid)
-    batch, length = tokens_BxL.shape
-    zeros_BxLxV = jnp.zeros((batch, length, logits_BxWxV.shape[-1]), logits_BxWxV.dtype)
-    logits_BxLxV = jax.lax.dynamic_update_slice_in_dim(zeros_BxLxV, logits_BxWxV,
-                                                       kv_plan.start, axis=1)
-    return logits_BxLxV, state
+    return on_canvas(logits_BxWxV), state
 
   if kv_plan.append is None:
     return jax.lax.cond(kv_plan.refresh | state.stale, full, window)
@@ -238,11 +240,7 @@ def call(denoiser: Denoiser, state: KVState, tokens_BxL: Array, t, kv_plan: KVPl
     tokens_Bx2W = jax.lax.dynamic_slice_in_dim(tokens_BxL, begin, 2 * width, axis=1)
     logits_Bx2WxV, cache = denoiser.apply_fn.decode(denoiser.params, state.cache, tokens_Bx2W,
                                                     begin, t_B, **valid)
-    batch, length = tokens_BxL.shape
-    zeros_BxLxV = jnp.zeros((batch, length, logits_Bx2WxV.shape[-1]), logits_Bx2WxV.dtype)
-    logits_BxLxV = jax.lax.dynamic_update_slice_in_dim(zeros_BxLxV, logits_Bx2WxV[:, width:],
-                                                       kv_plan.start, axis=1)
-    return logits_BxLxV, KVState(cache=cache, stale=jnp.array(False))
+    return on_canvas(logits_Bx2WxV[:, width:]), KVState(cache=cache, stale=jnp.array(False))
 
   branch = jnp.where(kv_plan.refresh | state.stale, 0, jnp.where(kv_plan.append, 1, 2))
   return jax.lax.switch(branch, [full, append_and_window, window])
