@@ -10,7 +10,9 @@ verification), DeferSpec (PUNT-style test-and-defer), RevisionSpec (D3IM-style
 direct revision) and LocalRemaskSpec (PURE-style localized remasking). Blocks
 (semi-autoregressive decoding) are the `block_length` knob of ancestral, confidence
 and entropy-bounded decoding; with `kv_cache="dual"` they decode each block against a
-KV cache (`sampling.kv_cache`). `sampling.base` defines the family protocol.
+KV cache (`sampling.kv_cache`). `sample_blocks` runs any family one block at a time after a
+sliding window (block diffusion: exact cache, any length). `sampling.base` defines the
+family protocol.
 """
 
 from mdjax.sampling.base import (IDLE_FRACTION_FOR_COND, KV_CACHES, Canvas, Family, SamplerSpec,
@@ -18,6 +20,7 @@ from mdjax.sampling.base import (IDLE_FRACTION_FOR_COND, KV_CACHES, Canvas, Fami
 from mdjax.sampling.driver import (SampleResult, lower, num_steps, row_keys, sample,
                                    sample_python_loop)
 from mdjax.sampling.kv_cache import offers_cache, recompute_cache
+from mdjax.sampling.blockwise import BlocksResult, sample_blocks
 from mdjax.sampling.reveal import time_grid
 from mdjax.sampling.scores import SCORES
 # Each family module registers its family on import.
@@ -35,10 +38,11 @@ from mdjax.sampling.speculative import SpeculativeSpec
 from mdjax.sampling.orders import parse_write_order
 
 __all__ = [
-    "AncestralSpec", "Canvas", "ConfidenceSpec", "DeferSpec", "EntropyBoundedSpec", "Family",
+    "AncestralSpec", "BlocksResult", "Canvas", "ConfidenceSpec", "DeferSpec", "EntropyBoundedSpec", "Family",
     "FieldOrderSpec", "IDLE_FRACTION_FOR_COND", "KV_CACHES", "LocalRemaskSpec", "OrderedSpec",
     "RandomOrderSpec", "RemaskSpec",
     "RevisionSpec", "SCORES", "SampleResult", "SamplerSpec", "SpeculativeSpec", "families",
     "family_of", "lower", "make_spec", "num_steps", "offers_cache", "parse_write_order",
-    "recompute_cache", "register", "row_keys", "sample", "sample_python_loop", "time_grid",
+    "recompute_cache", "register", "row_keys", "sample", "sample_blocks", "sample_python_loop",
+    "time_grid",
 ]

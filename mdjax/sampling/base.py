@@ -306,21 +306,29 @@ class Denoiser:
 
   With `valid_BxL` (the caller's validity mask: False on padding) every call passes
   `valid_BxL=` to apply_fn; N = J x B contexts get it tiled context-major (J blocks of B
-  rows), or repeated row-major when the caller says so (`valid_for`).
+  rows), or repeated row-major when the caller says so (`valid_for`). It may be any
+  pytree of per-row arrays (leading axis B): `sample_blocks` passes each row's context
+  window and cache this way, so they follow the rows of every context a family builds.
   """
 
   apply_fn: Callable
   params: Any
-  valid_BxL: Array | None = None
+  valid_BxL: Any = None
 
-  def valid_for(self, num: int, row_major: bool = False) -> Array | None:
-    """The validity mask of N = J x B contexts (None without one)."""
+  def valid_for(self, num: int, row_major: bool = False) -> Any:
+    """The validity mask (per-row pytree) of N = J x B contexts (None without one)."""
     if self.valid_BxL is None:
       return None
-    repeats = num // self.valid_BxL.shape[0]
-    if row_major:
-      return jnp.repeat(self.valid_BxL, repeats, axis=0)
-    return jnp.tile(self.valid_BxL, (repeats, 1))
+    repeats = num // jax.tree.leaves(self.valid_BxL)[0].shape[0]
+    if repeats == 1:
+      return self.valid_BxL
+
+    def rows(x):
+      if row_major:
+        return jnp.repeat(x, repeats, axis=0)
+      return jnp.tile(x, (repeats,) + (1,) * (x.ndim - 1))
+
+    return jax.tree.map(rows, self.valid_BxL)
 
   def __call__(self, tokens_NxL: Array, t, valid_NxL: Array | None = None) -> Array:
     t_N = jnp.full((tokens_NxL.shape[0],), t, jnp.float32)

@@ -1,0 +1,237 @@
+"""`sample_blocks`: block-by-block generation of any length, any family inside a block.
+
+Block diffusion (BD3-LM) generates a sequence one block at a time, each block by masked
+diffusion conditioned on the clean blocks before it. `sample_blocks` runs any registered
+family on one block of `block_length` positions at a time; the family sees a canvas of
+that one block, and its denoiser calls see the block after its context window: the last
+`window` positions before the block (the prompt, then the blocks written so far).
+
+The window slides: every block is denoised on [window, block] with positions counted from
+the window's first token (left padding while the sequence is still shorter than the
+window), so a model trained on sequences of `window + block_length` positions sees at every
+block what it saw in training, and generation runs past the training length. Each block's
+window is encoded again from scratch; reusing keys computed under an earlier window would
+give the window's first block a context the model never saw in its first block.
+
+With `cached=True` (a block-causal denoiser: `apply_fn.block_size`, `apply_fn.prefill` and
+`apply_fn.decode`) the window is encoded once per block (one prefill) and every call of the
+family runs on the block's positions only, against the window's cached keys and values:
+they are exact, since under block-causal attention no window position sees the block. The
+tokens are those of `cached=False`, which runs the denoiser on [window, block] at every
+call (any denoiser that takes `valid_BxL`, bidirectional ones included).
+
+With `spec.eos_id` a row that has written an end-of-sequence token is finished: its later
+blocks are all EOS, and once every row has finished no further block calls the denoiser.
+The whole generation is one `lax.scan` over blocks, one compiled program.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from mdjax.sampling import driver, kv_cache
+from mdjax.sampling.base import Canvas, Denoiser, check, family_of, skips_idle_steps
+
+Array = jax.Array
+
+
+@struct.dataclass
+class BlocksResult:
+  """What `sample_blocks` returns.
+
+  tokens_BxT: the prompt (as given, padding included) and the T - P generated positions.
+  generated_length_B: generated positions of each row before its first EOS (all of them
+    when the row has none or `spec.eos_id` is None).
+  nfe: sequential denoiser passes (the family's calls, plus one prefill per block when
+    cached).
+  blocks_run: blocks that called the denoiser (fewer than requested once every row ended).
+  """
+
+  tokens_BxT: Array
+  generated_length_B: Array
+  nfe: Array
+  blocks_run: Array
+
+
+def _block_logits(apply_fn, window: int, cached: bool):
+  """The denoiser of one block: (params, tokens_NxW, t_N, valid_BxL=(valid, context)) ->
+  logits_NxWxV, the block after its window (`context` the window's cache or tokens)."""
+
+  def cached_logits(params, tokens_NxW, t_N, valid_BxL):
+    valid_NxC, cache = valid_BxL
+    logits_NxWxV, _ = apply_fn.decode(params, cache, tokens_NxW, window, t_N,
+                                      valid_BxL=valid_NxC)
+    return logits_NxWxV
+
+  def recomputed_logits(params, tokens_NxW, t_N, valid_BxL):
+    valid_NxC, context_NxC = valid_BxL
+    canvas_NxC = jax.lax.dynamic_update_slice_in_dim(context_NxC, tokens_NxW, window, axis=1)
+    return apply_fn(params, canvas_NxC, t_N, valid_BxL=valid_NxC)[:, window:]
+
+  return cached_logits if cached else recomputed_logits
+
+
+def _check(apply_fn, params, prompt: np.ndarray, spec, *, length, block_length, window,
+           mask_id, valid: np.ndarray | None, cached: bool):
+  """The checks that need no tracing of the whole program; returns (family, plan, skip)."""
+  check(isinstance(block_length, (int, np.integer)) and block_length >= 1, "block_length",
+        block_length, "must be an integer >= 1")
+  check(isinstance(length, (int, np.integer)) and length >= 1 and length % block_length == 0,
+        "length", length, f"must be a positive multiple of block_length={block_length}")
+  check(isinstance(window, (int, np.integer)) and window >= block_length, "window", window,
+        f"must be an integer >= block_length={block_length} (a window shorter than one "
+        "block cannot hold the block before it)")
+  check(isinstance(mask_id, (int, np.integer)) and mask_id >= 1, "mask_id", mask_id,
+        "must be the mask id V >= 1")
+  check(spec.kv_cache == "none", "spec.kv_cache", spec.kv_cache,
+        "must be 'none': sample_blocks keeps the cache itself (cached=True)")
+  if prompt.ndim != 2 or not np.issubdtype(prompt.dtype, np.integer):
+    raise ValueError(f"prompt_BxP has shape {prompt.shape} and dtype {prompt.dtype}; it must "
+                     "be a 2-D integer array (P = 0 for no prompt).")
+  if prompt.size and (prompt.min() < 0 or prompt.max() >= mask_id):
+    raise ValueError(f"prompt_BxP holds ids in [{prompt.min()}, {prompt.max()}]; a prompt "
+                     f"holds tokens 0..{mask_id - 1} (the mask id is {mask_id}).")
+  if valid is not None and valid.shape != prompt.shape:
+    raise ValueError(f"valid_BxP has shape {valid.shape}; prompt_BxP has {prompt.shape}.")
+  if spec.eos_id is not None and not 0 <= spec.eos_id < mask_id:
+    raise ValueError(f"spec.eos_id={spec.eos_id} is outside the vocabulary 0..{mask_id - 1}.")
+  if cached:
+    model_block = getattr(apply_fn, "block_size", None)
+    if model_block is None or not kv_cache.offers_cache(apply_fn):
+      raise ValueError("cached=True needs a block-causal denoiser with the cached contract "
+                       "(apply_fn.block_size, apply_fn.prefill, apply_fn.decode: a Transformer "
+                       "with block_size); a bidirectional model's window keys depend on the "
+                       "block, so run it with cached=False.")
+    check(block_length % model_block == 0, "block_length", block_length,
+          f"must be a multiple of the model's block size {model_block} (cached=True)")
+    check(window % model_block == 0, "window", window,
+          f"must be a multiple of the model's block size {model_block} (cached=True)")
+    prompt_B = (np.full(prompt.shape[0], prompt.shape[1]) if valid is None
+                else valid.sum(-1))
+    if (prompt_B % model_block).any():
+      raise ValueError(f"the prompts hold {sorted(set(prompt_B.tolist()))} valid tokens; "
+                       f"cached=True needs each a multiple of the model's block size "
+                       f"{model_block}, so that blocks start where the model's blocks do.")
+  family = family_of(spec)
+  batch = prompt.shape[0]
+  canvas = Canvas(batch=batch, length=block_length, mask_id=mask_id,
+                  tokens=np.full((batch, block_length), mask_id, np.int32),
+                  fixed=np.zeros((batch, block_length), bool))
+  family.validate(spec, canvas)
+  plan = family.plan(spec, canvas)
+  # The denoiser on [window, block], traced abstractly: a model that cannot take
+  # window + block_length positions or valid_BxL fails here, before compiling.
+  context = jax.ShapeDtypeStruct((batch, window + block_length), jnp.int32)
+  try:
+    out = jax.eval_shape(
+        lambda p, x, v: apply_fn(p, x, jnp.ones(batch), valid_BxL=v), params, context,
+        jax.ShapeDtypeStruct(context.shape, jnp.bool_))
+  except TypeError as error:
+    raise ValueError(f"apply_fn does not take valid_BxL ({error}); sample_blocks pads the "
+                     "window on the left and needs apply_fn(params, tokens_BxL, t_B, "
+                     "valid_BxL=...).") from None
+  if tuple(out.shape) != (*context.shape, mask_id):
+    raise ValueError(f"apply_fn returns logits of shape {tuple(out.shape)} on a window of "
+                     f"{context.shape}; expected {(*context.shape, mask_id)} (V = mask id).")
+  return family, plan, skips_idle_steps(family, spec, canvas, plan)
+
+
+def sample_blocks(apply_fn, params: Any, key: Array, prompt_BxP, spec, *, length: int,
+                  block_length: int, window: int, mask_id: int, valid_BxP=None,
+                  cached: bool = True) -> BlocksResult:
+  """Generates `length` positions after each prompt, `block_length` at a time.
+
+  Args:
+    apply_fn: the denoiser; it must take `valid_BxL=`. With `cached`, a block-causal one
+      offering `prefill` and `decode` (mdjax's Transformer with `block_size`).
+    params: its parameters.
+    key: one PRNG key, or B row keys; block n of a row uses fold_in(row key, n).
+    prompt_BxP: the prompts, left-padded to one length P (P may be 0).
+    spec: the sampler of one block: any family; its `steps` are steps per block, its own
+      `block_length` (if any) splits the block further. `spec.kv_cache` must be "none".
+    length: positions to generate (a multiple of block_length; any number of windows).
+    block_length: positions per block (a multiple of the model's block size when cached).
+    window: positions of context before each block (>= block_length); window +
+      block_length should be the length the model was trained on.
+    mask_id: the mask id V.
+    valid_BxP: False on the prompts' left padding (default: every position valid).
+    cached: encode each window once and run the family's calls on the block only.
+  """
+  prompt = np.asarray(prompt_BxP)
+  valid = None if valid_BxP is None else np.asarray(valid_BxP).astype(bool)
+  family, plan, skip = _check(apply_fn, params, prompt, spec, length=length,
+                              block_length=block_length, window=window, mask_id=mask_id,
+                              valid=valid, cached=cached)
+  batch = prompt.shape[0]
+  driver._check_key_rows(key, batch)
+  valid = np.ones(prompt.shape, bool) if valid is None else valid
+  return _program(apply_fn, params, driver.row_keys(key, batch), prompt.astype(np.int32),
+                  valid, plan, spec=spec, mask_id=mask_id, length=length,
+                  block_length=block_length, window=window, cached=cached, skip=skip)
+
+
+@functools.partial(jax.jit, static_argnames=("apply_fn", "spec", "mask_id", "length",
+                                             "block_length", "window", "cached", "skip"))
+def _program(apply_fn, params, keys_B, prompt_BxP, valid_BxP, plan, *, spec, mask_id, length,
+             block_length, window, cached, skip) -> BlocksResult:
+  batch, prompt_len = prompt_BxP.shape
+  eos_id = spec.eos_id
+  # [window of padding, prompt, generation]: block n's window starts at prompt_len + n * W_b.
+  tokens_BxS = jnp.concatenate([jnp.zeros((batch, window), jnp.int32), prompt_BxP,
+                                jnp.full((batch, length), mask_id, jnp.int32)], 1)
+  valid_BxS = jnp.concatenate([jnp.zeros((batch, window), bool), valid_BxP,
+                               jnp.ones((batch, length), bool)], 1)
+  block_logits = _block_logits(apply_fn, window, cached)
+  span = window + block_length
+
+  def denoise_block(n, tokens_BxS):
+    """The block's tokens, by the family on [window, block]; and the passes it made."""
+    begin = prompt_len + n * block_length
+    context_BxC = jax.lax.dynamic_slice_in_dim(tokens_BxS, begin, span, axis=1)
+    valid_BxC = jax.lax.dynamic_slice_in_dim(valid_BxS, begin, span, axis=1)
+    prefills = 0
+    if cached:
+      _, context = apply_fn.prefill(params, context_BxC, jnp.ones(batch), valid_BxL=valid_BxC)
+      prefills = 1
+    else:
+      context = context_BxC
+    denoiser = Denoiser(block_logits, params, (valid_BxC, context))
+    core, ctx = driver._start(jax.vmap(jax.random.fold_in, (0, None))(keys_B, n),
+                              context_BxC[:, window:], None, mask_id)
+    core, _, _ = driver.run(spec, denoiser, core, ctx, plan, skip)
+    return core.tokens_BxL, core.nfe + prefills
+
+  def body(carry, n):
+    tokens_BxS, ended_B, nfe, blocks_run = carry
+    idle = jnp.zeros((batch, block_length), jnp.int32), jnp.zeros((), jnp.int32)
+    if eos_id is None:
+      block_BxW, calls = denoise_block(n, tokens_BxS)
+    else:  # no pass once every row has ended
+      block_BxW, calls = jax.lax.cond(ended_B.all(), lambda: idle,
+                                      lambda: denoise_block(n, tokens_BxS))
+      block_BxW = jnp.where(ended_B[:, None], eos_id, block_BxW)
+      ended_B = ended_B | (block_BxW == eos_id).any(-1)
+    tokens_BxS = jax.lax.dynamic_update_slice_in_dim(
+        tokens_BxS, block_BxW, window + prompt_len + n * block_length, axis=1)
+    return (tokens_BxS, ended_B, nfe + calls, blocks_run + (calls > 0)), None
+
+  zero = jnp.zeros((), jnp.int32)
+  carry = (tokens_BxS, jnp.zeros((batch,), bool), zero, zero)
+  num_blocks = length // block_length
+  (tokens_BxS, _, nfe, blocks_run), _ = jax.lax.scan(body, carry,
+                                                      jnp.arange(num_blocks, dtype=jnp.int32))
+  generated_BxG = tokens_BxS[:, window + prompt_len:]
+  if eos_id is None:
+    generated_length_B = jnp.full((batch,), length, jnp.int32)
+  else:
+    is_eos_BxG = generated_BxG == eos_id
+    generated_length_B = jnp.where(is_eos_BxG.any(-1), jnp.argmax(is_eos_BxG, -1),
+                                   length).astype(jnp.int32)
+  return BlocksResult(tokens_BxT=tokens_BxS[:, window:], generated_length_B=generated_length_B,
+                      nfe=nfe, blocks_run=blocks_run)
