@@ -28,21 +28,28 @@ def _batches(x_NxL: np.ndarray, batch_size: int):
 
 
 def nelbo_estimate(apply_fn, params: Any, x_NxL, *, schedule: diffusion.Schedule, mask_id: int,
-                   time_samples: int = 4, batch_size: int = 256, seed: int = 0) -> dict:
+                   time_samples: int = 4, batch_size: int = 256, seed: int = 0,
+                   block_size: int | None = None) -> dict:
   """NELBO of the rows of `x_NxL`, in bits per token, with its Monte Carlo standard error.
 
   Each of `time_samples` replicates evaluates every row once at its own (antithetic)
   times and masks; the estimate is the replicates' mean and `se` the standard deviation
   of the replicate means over sqrt(time_samples) (replicates are independent). `se` is the
   estimator's noise for this fixed set of rows, not the sampling error of the rows.
+  With `block_size` it is the block-diffusion NELBO (`diffusion.block_nelbo_loss`, the
+  full time range) of a block-causal denoiser.
   """
   x_NxL = np.asarray(x_NxL)
   if time_samples < 2:
     raise ValueError(f"time_samples={time_samples!r} must be >= 2 to give a standard error.")
   if x_NxL.ndim != 2 or len(x_NxL) == 0:
     raise ValueError(f"x_NxL has shape {x_NxL.shape}; expected [N >= 1, L].")
-  loss = jax.jit(lambda p, k, x: diffusion.nelbo_loss(
-      apply_fn, p, k, x, schedule=schedule, mask_id=mask_id)[1]["nelbo_nats_B"])
+  if block_size is None:
+    objective = functools.partial(diffusion.nelbo_loss, apply_fn)
+  else:
+    objective = functools.partial(diffusion.block_nelbo_loss, apply_fn, block_size=block_size)
+  loss = jax.jit(lambda p, k, x: objective(p, k, x, schedule=schedule,
+                                           mask_id=mask_id)[1]["nelbo_nats_B"])
   replicate_means = []
   for r in range(time_samples):
     key = jax.random.fold_in(jax.random.key(seed), r)

@@ -1,5 +1,6 @@
 """Generation: end of sequence in every family, left-padded prompts, prompts files, a mesh."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -86,27 +87,33 @@ def tiny():
   return apply_fn, params
 
 
-# Families whose draws do not depend on the canvas length at temperature 0 (the others draw
-# their noise as one array of the canvas's shape, so a shorter canvas draws other numbers).
-LENGTH_FREE = [sampling.ConfidenceSpec(steps=6, temperature=0.0),
-               sampling.ConfidenceSpec(steps=6, temperature=0.0, block_length=3,
-                                       kv_cache="dual"),
-               sampling.EntropyBoundedSpec(steps=6, gamma=0.5, temperature=0.0),
-               sampling.SpeculativeSpec(k=2, temperature=0.0)]
+# Every family at its example settings (random draws), but the specs that name canvas
+# positions (ordered, field_order, speculative with fixed positions: a left-padded batch
+# shares one layout), and the block families on the dual KV cache.
+POSITION_FREE = [spec for name, family in sorted(sampling.families().items())
+                 if name not in ("ordered", "field_order")
+                 for spec in family.examples(tuple(range(6)))
+                 if getattr(spec, "positions", None) is None]
+POSITION_FREE += [dataclasses.replace(spec, block_length=3, kv_cache="dual") for spec in (
+    sampling.ConfidenceSpec(steps=6), sampling.AncestralSpec(steps=6),
+    sampling.EntropyBoundedSpec(steps=6, gamma=0.5))]
 
 
-@pytest.mark.parametrize("spec", LENGTH_FREE, ids=lambda s: type(s).__name__ + str(s.kv_cache))
+@pytest.mark.parametrize("spec", POSITION_FREE,
+                         ids=lambda s: type(s).__name__ + "-" + str(abs(hash(s)) % 1000))
 def test_left_padded_batch_equals_rows_alone(tiny, spec):
+  """Row for row, the tokens each row gives sampled alone with its own key: positions and
+  random draws are counted from each row's first valid token."""
   apply_fn, params = tiny
   prompts = [np.array([1, 2, 3], np.int32), np.array([4], np.int32),
              np.array([2, 0, 1, 3, 4], np.int32)]
   gen = 6
   tokens, valid, start = generation.left_padded(prompts, 5 + gen, V, pad_id=0)
-  out = sampling.sample(apply_fn, params, jax.random.key(0), tokens, spec, mask_id=V,
-                        valid_BxL=valid)
+  keys_B = sampling.row_keys(jax.random.key(0), len(prompts))
+  out = sampling.sample(apply_fn, params, keys_B, tokens, spec, mask_id=V, valid_BxL=valid)
   for row, prompt in enumerate(prompts):
     alone = np.concatenate([prompt, np.full(gen, V, np.int32)])[None]
-    single = sampling.sample(apply_fn, params, jax.random.key(1), alone, spec, mask_id=V)
+    single = sampling.sample(apply_fn, params, keys_B[row:row + 1], alone, spec, mask_id=V)
     np.testing.assert_array_equal(np.asarray(out.tokens_BxL)[row, start:],
                                   np.asarray(single.tokens_BxL)[0, len(prompt):])
 

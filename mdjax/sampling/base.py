@@ -239,6 +239,7 @@ class Context:
   mask_id: int = struct.field(pytree_node=False)
   editable_BxL: Array  # positions a sampler may write (not fixed)
   keys_B: Array  # the row keys; step i uses fold_in(row key, i)
+  shift_B: Array | None = None  # each row's first valid position (see StepInfo)
 
   def masked(self, tokens_BxL: Array) -> Array:
     """Masked editable positions."""
@@ -298,6 +299,9 @@ class StepInfo:
   index: Array
   keys_B: Array  # fold_in(row key, index)
   plan: Any
+  # Each row's first valid position (left padding; None without a validity mask): draws
+  # indexed by position pass it on (`transforms.row_uniform`).
+  shift_B: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -126,16 +126,18 @@ class Confidence(Family):
     length = core.tokens_BxL.shape[1]
     cand_BxL = blocks.candidates(core.tokens_BxL, ctx, aux.block_id_BxL, plan.block)
     k_B, block_count_B = _scheduled_counts(cand_BxL, aux, plan)
-    values_BxL = transforms.draw_values(keys_B, logits_BxLxV, **spec.transform)
+    values_BxL = transforms.draw_values(keys_B, logits_BxLxV, shift_B=step.shift_B,
+                                        **spec.transform)
     probs_BxLxV, conf_BxL = transforms.value_probs(logits_BxLxV, values_BxL)
-    score_BxL = scores.confidence_score(spec.score, probs_BxLxV, values_BxL, keys_B)
+    score_BxL = scores.confidence_score(spec.score, probs_BxLxV, values_BxL, keys_B,
+                                         step.shift_B)
     if spec.threshold is not None:
       above_B = (cand_BxL & (score_BxL >= spec.threshold)).sum(-1)
       k_B = jnp.where(plan.last_in_block, cand_BxL.sum(-1), jnp.maximum(above_B, 1))
     score_BxL = scores.eos_last(score_BxL, values_BxL, spec)
     rank_score_BxL = score_BxL
     if spec.gumbel_temperature > 0:
-      gumbel_BxL = transforms.row_gumbel(keys_B, StepStream.SELECT, (length,))
+      gumbel_BxL = transforms.row_gumbel(keys_B, StepStream.SELECT, (length,), step.shift_B)
       log_score = (score_BxL if spec.score == "neg_entropy"
                    else jnp.log(jnp.maximum(score_BxL, 1e-30)))
       rank_score_BxL = scores.eos_last(log_score + plan.choice_temperature * gumbel_BxL,

@@ -239,12 +239,15 @@ class _Reuse:
   logits_BxLxV: Array
 
 
-def _start(key, tokens_BxL, fixed_BxL, mask_id) -> tuple[Core, Context]:
-  """The shared carry and the call's constants, from the arguments as `sample` got them."""
+def _start(key, tokens_BxL, fixed_BxL, mask_id, valid_BxL=None) -> tuple[Core, Context]:
+  """The shared carry and the call's constants, from the arguments as `sample` got them.
+  With a validity mask, draws are indexed from each row's first valid position."""
   tokens_BxL = tokens_BxL.astype(jnp.int32)
   fixed_BxL = tokens_BxL != mask_id if fixed_BxL is None else fixed_BxL.astype(bool)
   keys_B = row_keys(key, tokens_BxL.shape[0])
-  return Core.start(tokens_BxL), Context(mask_id=mask_id, editable_BxL=~fixed_BxL, keys_B=keys_B)
+  shift_B = None if valid_BxL is None else jnp.argmax(valid_BxL, -1).astype(jnp.int32)
+  return Core.start(tokens_BxL), Context(mask_id=mask_id, editable_BxL=~fixed_BxL, keys_B=keys_B,
+                                         shift_B=shift_B)
 
 
 def _step(family: Family, spec, skip: bool, denoiser: Denoiser, core: Core, aux, reuse, kv,
@@ -252,7 +255,7 @@ def _step(family: Family, spec, skip: bool, denoiser: Denoiser, core: Core, aux,
   """One step of a step-wise family: call (or, when `skip`, maybe skip) the denoiser, count,
   update. With a KV cache (`kv`, `kv_plan`) the call is a full pass or a window pass."""
   step = StepInfo(index=index, keys_B=jax.vmap(jax.random.fold_in, (0, None))(ctx.keys_B, index),
-                  plan=plan)
+                  plan=plan, shift_B=ctx.shift_B)
   if kv is None:
     call = lambda: (denoiser(core.tokens_BxL, plan.t), None)
     keep = lambda logits: (logits, None)
@@ -352,7 +355,7 @@ def _program(apply_fn, params, key, tokens_BxL, fixed_BxL, plan, kv_plan, valid_
              spec, mask_id, skip) -> SampleResult:
   family = family_of(spec)
   denoiser = Denoiser(apply_fn, params, valid_BxL)
-  core, ctx = _start(key, tokens_BxL, fixed_BxL, mask_id)
+  core, ctx = _start(key, tokens_BxL, fixed_BxL, mask_id, valid_BxL)
   invalid_B = _invalid_input(core.tokens_BxL, ctx)
   return _result(family, spec, *run(spec, denoiser, core, ctx, plan, skip, kv_plan), ctx,
                  invalid_B)

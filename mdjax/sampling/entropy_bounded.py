@@ -109,14 +109,16 @@ class EntropyBounded(Family):
     plan = step.plan
     cand_BxL = blocks.candidates(core.tokens_BxL, ctx, block_id_BxL, plan.block)
     if spec.final_temperature is None:
-      values_BxL = transforms.draw_values(step.keys_B, logits_BxLxV, **spec.transform)
+      values_BxL = transforms.draw_values(step.keys_B, logits_BxLxV, shift_B=step.shift_B,
+                                          **spec.transform)
     else:
       tempered_BxLxV = logits_BxLxV.astype(jnp.float32) / plan.temperature
-      values_BxL = transforms.draw_values(step.keys_B, tempered_BxLxV,
+      values_BxL = transforms.draw_values(step.keys_B, tempered_BxLxV, shift_B=step.shift_B,
                                           **{**spec.transform, "temperature": 1.0})
     probs_BxLxV, conf_BxL = transforms.value_probs(logits_BxLxV, values_BxL)
     neg_entropy_BxL = scores.eos_last(
-        scores.confidence_score("neg_entropy", probs_BxLxV, values_BxL, step.keys_B),
+        scores.confidence_score("neg_entropy", probs_BxLxV, values_BxL, step.keys_B,
+                                step.shift_B),
         values_BxL, spec)
     k_B = entropy_prefix_counts(-neg_entropy_BxL, cand_BxL, spec.gamma)
     k_B = jnp.where(plan.last_in_block, cand_BxL.sum(-1), k_B)

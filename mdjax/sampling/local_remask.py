@@ -79,7 +79,8 @@ def windows_around(seed_BxL: Array, window: int) -> Array:
 
 
 def choose_remask(spec: LocalRemaskSpec, keys_B: Array, editable_BxL: Array,
-                  write_conf_BxL: Array, conf_now_BxL: Array) -> Array:
+                  write_conf_BxL: Array, conf_now_BxL: Array,
+                  shift_B: Array | None = None) -> Array:
   """Seeds (largest confidence drop), their windows, and a random part of what precedes."""
   batch, length = editable_BxL.shape
   drop_BxL = write_conf_BxL - conf_now_BxL
@@ -88,7 +89,8 @@ def choose_remask(spec: LocalRemaskSpec, keys_B: Array, editable_BxL: Array,
   near_BxL = windows_around(seed_BxL, spec.window)
   first_window_B = jnp.where(near_BxL, jnp.arange(length), length).min(-1)
   before_BxL = jnp.arange(length)[None] < first_window_B[:, None]
-  pick_BxL = transforms.row_uniform(keys_B, StepStream.REMASK, (length,)) < spec.context_fraction
+  pick_BxL = transforms.row_uniform(keys_B, StepStream.REMASK, (length,),
+                                    shift_B) < spec.context_fraction
   return editable_BxL & (near_BxL | (before_BxL & pick_BxL))
 
 
@@ -149,8 +151,9 @@ class LocalRemask(Family):
                                                                RowStream.LOCAL_CHOICE)
       open_BxL = open_rows(ctx, core.tokens_BxL, spec.eos_id).editable_BxL  # finished: frozen
       remask_BxL = choose_remask(spec, choice_keys_B, open_BxL, core.write_conf_BxL,
-                                 conf_now_BxL)
-      refill_ctx = Context(mask_id=ctx.mask_id, editable_BxL=remask_BxL, keys_B=round_keys_B)
+                                 conf_now_BxL, ctx.shift_B)
+      refill_ctx = Context(mask_id=ctx.mask_id, editable_BxL=remask_BxL, keys_B=round_keys_B,
+                           shift_B=ctx.shift_B)
       refill, _, _ = driver.run(
           refill_spec, denoiser,
           Core.start(jnp.where(remask_BxL, ctx.mask_id, core.tokens_BxL)), refill_ctx,

@@ -88,7 +88,8 @@ class Ordered(Family):
 
   def update(self, spec: OrderedSpec, core, aux, ctx, step, logits_BxLxV, denoise):
     """Writes this step's group with independent draws from the conditionals."""
-    values_BxL = transforms.draw_values(step.keys_B, logits_BxLxV, **spec.transform)
+    values_BxL = transforms.draw_values(step.keys_B, logits_BxLxV, shift_B=step.shift_B,
+                                        **spec.transform)
     _, conf_BxL = transforms.value_probs(logits_BxLxV, values_BxL)
     write_BxL = step.plan.write_L[None, :] & ctx.masked(core.tokens_BxL)
     return core.commit(write_BxL, values_BxL, conf_BxL, step.index), None

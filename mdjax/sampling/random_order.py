@@ -25,10 +25,11 @@ class RandomOrderSpec(SamplerSpec):
   """
 
 
-def random_order_rank(keys_B: Array, editable_BxL: Array) -> Array:
+def random_order_rank(keys_B: Array, editable_BxL: Array, shift_B: Array | None = None) -> Array:
   """A uniformly random rank 0..n-1 over each row's editable positions."""
   init_keys_B = jax.vmap(jax.random.fold_in, (0, None))(keys_B, RowStream.INIT)
-  noise_BxL = transforms.row_uniform(init_keys_B, StepStream.ORDER, editable_BxL.shape[1:])
+  noise_BxL = transforms.row_uniform(init_keys_B, StepStream.ORDER, editable_BxL.shape[1:],
+                                     shift_B)
   return scores.rank_descending(noise_BxL, editable_BxL)
 
 
@@ -53,11 +54,12 @@ class RandomOrder(Family):
     return float(canvas.length - (~canvas.fixed).sum(-1).max())
 
   def init(self, spec, core, ctx) -> Array:
-    return random_order_rank(ctx.keys_B, ctx.editable_BxL)
+    return random_order_rank(ctx.keys_B, ctx.editable_BxL, ctx.shift_B)
 
   def update(self, spec, core, order_rank_BxL, ctx, step, logits_BxLxV, denoise):
     """Writes the position of rank `step` with a draw from its conditional."""
-    values_BxL = transforms.draw_values(step.keys_B, logits_BxLxV, **spec.transform)
+    values_BxL = transforms.draw_values(step.keys_B, logits_BxLxV, shift_B=step.shift_B,
+                                        **spec.transform)
     _, conf_BxL = transforms.value_probs(logits_BxLxV, values_BxL)
     write_BxL = (order_rank_BxL == step.index) & ctx.masked(core.tokens_BxL)
     return core.commit(write_BxL, values_BxL, conf_BxL, step.index), order_rank_BxL

@@ -118,7 +118,8 @@ class Remask(Family):
     alpha_t = 1.0 - plan.oma_t
     reveal_p_B = jnp.broadcast_to(plan.reveal_p, core.tokens_BxL.shape[:1])
     reveal_p_B = jnp.minimum(1.0, reveal_p_B + mean_sigma_B * alpha_t / plan.oma_t)
-    remask_u_BxL = transforms.row_uniform(step.keys_B, StepStream.REMASK, (length,))
+    remask_u_BxL = transforms.row_uniform(step.keys_B, StepStream.REMASK, (length,),
+                                         step.shift_B)
     remask_BxL = committed_BxL & (remask_u_BxL < sigma_BxL)
     core = reveal.reveal(spec, core, step, masked_BxL, logits_BxLxV, reveal_p_B)
     return core.replace(tokens_BxL=jnp.where(remask_BxL, ctx.mask_id, core.tokens_BxL),

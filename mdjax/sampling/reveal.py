@@ -60,8 +60,10 @@ def reveal(spec, core: Core, step: StepInfo, masked_BxL: Array, logits_BxLxV: Ar
   """Reveals each masked position with probability reveal_p_B, its value drawn from the
   (transformed) categorical."""
   length = core.tokens_BxL.shape[1]
-  values_BxL = transforms.draw_values(step.keys_B, logits_BxLxV, **spec.transform)
+  values_BxL = transforms.draw_values(step.keys_B, logits_BxLxV, shift_B=step.shift_B,
+                                      **spec.transform)
   _, conf_BxL = transforms.value_probs(logits_BxLxV, values_BxL)
-  reveal_u_BxL = transforms.row_uniform(step.keys_B, StepStream.REVEAL, (length,))
+  reveal_u_BxL = transforms.row_uniform(step.keys_B, StepStream.REVEAL, (length,),
+                                        step.shift_B)
   reveal_BxL = masked_BxL & (reveal_u_BxL < reveal_p_B[:, None])
   return core.commit(reveal_BxL, values_BxL, conf_BxL, step.index)

@@ -86,10 +86,12 @@ class Revision(Family):
           lambda: logits_BxLxV)
       logits_BxLxV = jnp.where(visible_BxL[..., None], regrouped, logits_BxLxV)
       core = core.count_call(need, spec.score_groups)
-    values_BxL = transforms.draw_values(step.keys_B, logits_BxLxV, **spec.transform)
+    values_BxL = transforms.draw_values(step.keys_B, logits_BxLxV, shift_B=step.shift_B,
+                                        **spec.transform)
     probs_BxLxV, conf_BxL = transforms.value_probs(logits_BxLxV, values_BxL)
     score_BxL = scores.eos_last(
-        scores.confidence_score(spec.score, probs_BxLxV, values_BxL, step.keys_B), values_BxL,
+        scores.confidence_score(spec.score, probs_BxLxV, values_BxL, step.keys_B,
+                                step.shift_B), values_BxL,
         spec)
     num_editable_B = editable_BxL.sum(-1)
     # Kept after this step: all but the scheduled remaining fraction (ConfidenceSpec's counts).

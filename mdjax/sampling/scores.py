@@ -18,7 +18,7 @@ SCORES = ("prob", "max_prob", "margin", "neg_entropy", "random")
 
 
 def confidence_score(name: str, probs_BxLxV: Array, values_BxL: Array,
-                     keys_B: Array) -> Array:
+                     keys_B: Array, shift_B: Array | None = None) -> Array:
   """Confidence of each proposal, read from the untransformed softmax.
 
   prob: p(proposal); max_prob: max_v p(v); margin: top-1 minus top-2
@@ -35,7 +35,8 @@ def confidence_score(name: str, probs_BxLxV: Array, values_BxL: Array,
     plogp = jnp.where(probs_BxLxV > 0, probs_BxLxV * jnp.log(probs_BxLxV), 0.0)
     return plogp.sum(-1)
   if name == "random":
-    return transforms.row_uniform(keys_B, StepStream.SCORE, values_BxL.shape[1:]).astype(probs_BxLxV.dtype)
+    noise_BxL = transforms.row_uniform(keys_B, StepStream.SCORE, values_BxL.shape[1:], shift_B)
+    return noise_BxL.astype(probs_BxLxV.dtype)
   raise ValueError(f"score={name!r} is unknown; known scores: {SCORES}.")
 
 

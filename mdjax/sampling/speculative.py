@@ -143,7 +143,7 @@ def run_round(denoiser, core: Core, draft_logits_BxLxV: Array, ctx, round_index:
   masked_BxL = ctx.masked(z_BxL)
   active_B = masked_BxL.any(-1)
   q_BxLxV = transforms.transformed_probs(draft_logits_BxLxV, spec)
-  draft_BxL = transforms.gumbel_max(keys_B, StepStream.DRAFT, _log(q_BxLxV))
+  draft_BxL = transforms.gumbel_max(keys_B, StepStream.DRAFT, _log(q_BxLxV), ctx.shift_B)
   rank_BxL = scores.rank_descending(scores.eos_last(
       selection_score(spec, draft_logits_BxLxV, order_rank_L), draft_BxL, spec), masked_BxL)
   slot_BxKxL = rank_BxL[:, None, :] == jnp.arange(k)[None, :, None]

@@ -1,7 +1,11 @@
 """Value transforms and categorical draws.
 
 Randomness is drawn per row from that row's key (`fold_in(row_key, tag)`), so a
-batch of B rows equals B single-row calls with the same per-row keys.
+batch of B rows equals B single-row calls with the same per-row keys. Draws indexed by
+position take `shift_B`, each row's first valid position (left padding): position l of
+row b gets the draw of position l - shift_b, so a left-padded row draws, at each real
+position, what the same row draws alone on a canvas without its padding (jax's default
+partitionable threefry makes element i of a draw independent of the draw's length).
 """
 
 from __future__ import annotations
@@ -23,16 +27,29 @@ def noise_dtype():
   return jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
 
 
-def row_uniform(keys_B: Array, tag: StepStream, shape: tuple[int, ...]) -> Array:
-  """U[0, 1) noise of `shape` per row, from each row's own key."""
-  dtype = noise_dtype()
-  return jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, tag), shape, dtype))(keys_B)
+def _from_first_valid(noise_BxLx: Array, shift_B: Array | None) -> Array:
+  """Row b's draws indexed from its first valid position (see the module docstring)."""
+  if shift_B is None:
+    return noise_BxLx
+  return jax.vmap(lambda x, s: jnp.roll(x, s, axis=0))(noise_BxLx, shift_B)
 
 
-def row_gumbel(keys_B: Array, tag: StepStream, shape: tuple[int, ...]) -> Array:
-  """Standard Gumbel noise of `shape` per row, from each row's own key."""
+def row_uniform(keys_B: Array, tag: StepStream, shape: tuple[int, ...],
+                shift_B: Array | None = None) -> Array:
+  """U[0, 1) noise of `shape` per row, from each row's own key (axis 0 indexed by
+  position from each row's first valid one when `shift_B` is given)."""
   dtype = noise_dtype()
-  return jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, tag), shape, dtype))(keys_B)
+  noise = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, tag), shape, dtype))(keys_B)
+  return _from_first_valid(noise, shift_B)
+
+
+def row_gumbel(keys_B: Array, tag: StepStream, shape: tuple[int, ...],
+               shift_B: Array | None = None) -> Array:
+  """Standard Gumbel noise of `shape` per row, from each row's own key (`shift_B`: as
+  `row_uniform`)."""
+  dtype = noise_dtype()
+  noise = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, tag), shape, dtype))(keys_B)
+  return _from_first_valid(noise, shift_B)
 
 
 def transform_logits(logits_BxLxV: Array, temperature: float, top_k: int | None,
@@ -74,19 +91,21 @@ def eos_logits(logits_BxLxV: Array, eos_id: int | None, eos_penalty: float = 0.0
 
 def draw_values(keys_B: Array, logits_BxLxV: Array, *, temperature: float,
                 top_k: int | None, top_p: float, min_p: float = 0.0, eos_id: int | None = None,
-                eos_penalty: float = 0.0, eos_never: bool = False) -> Array:
+                eos_penalty: float = 0.0, eos_never: bool = False,
+                shift_B: Array | None = None) -> Array:
   """One categorical draw per position (Gumbel-max); T = 0 is argmax. The EOS knobs apply
   first (`eos_logits`)."""
   logits_BxLxV = eos_logits(logits_BxLxV, eos_id, eos_penalty, eos_never)
   if temperature == 0.0:
     return argmax_last(logits_BxLxV)
   x = transform_logits(logits_BxLxV, temperature, top_k, top_p, min_p)
-  return gumbel_max(keys_B, StepStream.VALUES, x)
+  return gumbel_max(keys_B, StepStream.VALUES, x, shift_B)
 
 
-def gumbel_max(keys_B: Array, tag: StepStream, log_weights_BxNxV: Array) -> Array:
+def gumbel_max(keys_B: Array, tag: StepStream, log_weights_BxNxV: Array,
+               shift_B: Array | None = None) -> Array:
   """One categorical draw per slot from unnormalised log-weights (-inf: never drawn)."""
-  gumbel_BxNxV = row_gumbel(keys_B, tag, log_weights_BxNxV.shape[1:])
+  gumbel_BxNxV = row_gumbel(keys_B, tag, log_weights_BxNxV.shape[1:], shift_B)
   return argmax_last(log_weights_BxNxV + gumbel_BxNxV)
 
 
