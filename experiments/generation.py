@@ -15,8 +15,9 @@ Trains (or reuses) the three models with a fixed seed: the character denoiser
   left-padded batch): generated length, generative bits per character of the completion under
   the causal reference (re-encoded in characters), output tokens per second counted up to EOS,
   with and without ending rows at EOS;
-- token-for-token checks: the batch equals its rows sampled alone (no padding), and the batch
-  split over 4 simulated CPU devices (parameters FSDP-sharded) equals one device.
+- token-for-token checks: the batch equals its rows sampled alone (no padding, each row's own
+  key; greedy and random draws, the dual KV cache), and the batch split over 4 simulated CPU
+  devices (parameters FSDP-sharded) equals one device.
 """
 
 from __future__ import annotations
@@ -144,21 +145,30 @@ def generate(model, causal, name, spec, eos: bool) -> dict:
           "example": task.decode(final[0][start - len(prompts[0]):start]) + " | " + texts[0]}
 
 
+BATCH_CHECK_SPECS = (sampling.ConfidenceSpec(steps=32, temperature=0.0),
+                     sampling.ConfidenceSpec(steps=32), sampling.AncestralSpec(steps=32),
+                     sampling.ConfidenceSpec(steps=32, block_length=8, kv_cache="dual"))
+
+
 def batch_equals_rows(model) -> bool:
+  """Whether the left-padded batch gives, row for row, the tokens of each row alone (its own
+  row key, no padding), for greedy and random draws and the dual KV cache."""
   task = model.task
   prompts = held_out_prompts(task)
-  spec = generation.with_eos(sampling.ConfidenceSpec(steps=32, temperature=0.0), task.eos_id)
   tokens, valid, start = generation.left_padded(prompts, task.length, task.mask_id)
   keys_B = sampling.row_keys(jax.random.key(0), len(prompts))  # each row alone: its own key
-  out = np.asarray(sampling.sample(model.apply_fn, model.params, keys_B, tokens, spec,
-                                   mask_id=task.mask_id, valid_BxL=valid).tokens_BxL)
   gen = task.length - start
-  for row, p in enumerate(prompts):
-    alone = np.concatenate([p, np.full(gen, task.mask_id, np.int32)])[None]
-    single = np.asarray(sampling.sample(model.apply_fn, model.params, keys_B[row:row + 1],
-                                        alone, spec, mask_id=task.mask_id).tokens_BxL)
-    if not (single[0, len(p):] == out[row, start:]).all():
-      return False
+  for spec in BATCH_CHECK_SPECS:
+    spec = generation.with_eos(spec, task.eos_id)
+    out = np.asarray(sampling.sample(model.apply_fn, model.params, keys_B, tokens, spec,
+                                     mask_id=task.mask_id, valid_BxL=valid).tokens_BxL)
+    for row, p in enumerate(prompts):
+      alone = np.concatenate([p, np.full(gen, task.mask_id, np.int32)])[None]
+      single = np.asarray(sampling.sample(model.apply_fn, model.params, keys_B[row:row + 1],
+                                          alone, spec, mask_id=task.mask_id).tokens_BxL)
+      if not (single[0, len(p):] == out[row, start:]).all():
+        print(f"batch != rows: {spec}, row {row}", flush=True)
+        return False
   return True
 
 
