@@ -81,6 +81,14 @@ _SEEDS = flags.DEFINE_integer("seeds", None, "local_remask: worst positions per 
 _WINDOW = flags.DEFINE_integer("window", None, "local_remask: positions remasked either side.")
 _CONTEXT_FRACTION = flags.DEFINE_float("context_fraction", None,
                                        "local_remask: random extra fraction remasked.")
+_BLOCKS_OF = flags.DEFINE_integer(
+    "blocks_of", None, "Generate block by block, this many positions a block, after a sliding "
+    "window (sampling.sample_blocks: any --sampler inside a block; exact KV cache on a "
+    "block-causal model; any --length).")
+_LENGTH = flags.DEFINE_integer("length", None, "With --blocks_of: positions to generate after "
+                               "the prompt (default: the task's length).")
+_CONTEXT = flags.DEFINE_integer("context", None, "With --blocks_of: window positions before "
+                                "each block (default: the task's length minus the block).")
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 10_000, "Number of samples.")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
 _OUT = flags.DEFINE_string("out", None, "Directory for samples.jsonl and metrics.json "
@@ -275,6 +283,61 @@ def complete_prompts(task, apply_fn, params, spec) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def generate_in_blocks(task, apply_fn, params, spec) -> None:
+  """--blocks_of: `sampling.sample_blocks` after --prompt / --prefix, any --length."""
+  block = _BLOCKS_OF.value
+  length = _LENGTH.value or task.length
+  window = _CONTEXT.value if _CONTEXT.value is not None else task.length - block
+  prompt = np.zeros((0,), np.int32)
+  if _PROMPT.value:
+    prompt = np.array([int(t) for t in _PROMPT.value.split(",")], np.int32)
+  elif _PREFIX.value:
+    try:
+      prompt = np.asarray(task.encode(_PREFIX.value), np.int32)
+    except ValueError as error:
+      raise app.UsageError(str(error)) from error
+  if _SUFFIX.value:
+    raise app.UsageError("--suffix does not apply with --blocks_of (blocks are written left "
+                         "to right).")
+  batch_size = min(_BATCH.value, _NUM_SAMPLES.value)
+  cached = getattr(apply_fn, "block_size", None) is not None
+  print(f"task={task.name} sampler={spec} blocks of {block}, window {window}, length {length}, "
+        f"cached={cached}")
+  start, batches, nfe = time.perf_counter(), [], 0
+  num_batches = -(-_NUM_SAMPLES.value // batch_size)
+  for i in range(num_batches):
+    rows = min(batch_size, _NUM_SAMPLES.value - i * batch_size)
+    try:
+      out = sampling.sample_blocks(
+          apply_fn, params, jax.random.fold_in(jax.random.key(_SEED.value), i),
+          np.tile(prompt, (rows, 1)), spec, length=length, block_length=block, window=window,
+          mask_id=task.mask_id, cached=cached)
+    except ValueError as error:
+      raise app.UsageError(str(error)) from error
+    batches.append(np.asarray(out.tokens_BxT))
+    nfe += int(out.nfe)
+  tokens = np.concatenate(batches)
+  elapsed = time.perf_counter() - start
+  metrics = task.sample_metrics(tokens)
+  metrics.update(nfe_per_batch=nfe // num_batches, seconds=round(elapsed, 3))
+  report_samples(task, tokens, metrics)
+
+
+def report_samples(task, tokens, metrics: dict) -> None:
+  """Prints --show decoded samples and the metrics; writes them to --out."""
+  for row in tokens[:_NUM_SHOWN.value]:
+    print(f"   {task.decode(row)}" if task.encode is None else f"--- {task.decode(row)}")
+  width = max(map(len, metrics))
+  for name, value in metrics.items():
+    print(f"{name:<{width}}  {value}")
+  if _OUT.value:
+    with open(os.path.join(_OUT.value, "samples.jsonl"), "w") as f:
+      for row in tokens:
+        f.write(json.dumps({"tokens": row.tolist(), "text": task.decode(row)}) + "\n")
+    with open(os.path.join(_OUT.value, "metrics.json"), "w") as f:
+      json.dump(metrics, f, indent=2)
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it reads at INFO
@@ -307,6 +370,11 @@ def main(argv):
   for name, value in (("num_samples", _NUM_SAMPLES.value), ("batch_size", _BATCH.value)):
     if value < 1:
       raise app.UsageError(f"--{name}={value} must be >= 1.")
+  if _BLOCKS_OF.value is not None:
+    return generate_in_blocks(task, apply_fn, params, spec)
+  for name in ("length", "context"):
+    if _given(name):
+      raise app.UsageError(f"--{name} applies only with --blocks_of.")
   batch_size = min(_BATCH.value, _NUM_SAMPLES.value)
   canvas = np.array(task.empty_canvas(batch_size))
   if _PROMPT.value:
@@ -347,17 +415,7 @@ def main(argv):
   metrics.update(nfe_per_batch=nfe // num_batches, seconds=round(elapsed, 3))
   if _REFERENCE.value:
     metrics["gen_bits_per_char"] = reference_bits_per_char(_REFERENCE.value, task, tokens)
-  for row in tokens[:_NUM_SHOWN.value]:
-    print(f"   {task.decode(row)}" if task.encode is None else f"--- {task.decode(row)}")
-  width = max(map(len, metrics))
-  for name, value in metrics.items():
-    print(f"{name:<{width}}  {value}")
-  if _OUT.value:
-    with open(os.path.join(_OUT.value, "samples.jsonl"), "w") as f:
-      for row in tokens:
-        f.write(json.dumps({"tokens": row.tolist(), "text": task.decode(row)}) + "\n")
-    with open(os.path.join(_OUT.value, "metrics.json"), "w") as f:
-      json.dump(metrics, f, indent=2)
+  report_samples(task, tokens, metrics)
 
 
 def _usage_error(message: str) -> None:
