@@ -100,7 +100,7 @@ POSITION_FREE += [dataclasses.replace(spec, block_length=3, kv_cache="dual") for
 
 
 @pytest.mark.parametrize("spec", POSITION_FREE,
-                         ids=lambda s: type(s).__name__ + "-" + str(abs(hash(s)) % 1000))
+                         ids=[f"{type(s).__name__}-{i}" for i, s in enumerate(POSITION_FREE)])
 def test_left_padded_batch_equals_rows_alone(tiny, spec):
   """Row for row, the tokens each row gives sampled alone with its own key: positions and
   random draws are counted from each row's first valid token."""
