@@ -314,3 +314,38 @@ def test_kv_cache_quality_experiment_schema(trained, tmp_path, monkeypatch):
   for row in data["shakespeare_char"]:
     assert math.isfinite(row["gen_bits_per_char"]) and row["gen_bits_per_char"] > 0
   assert "rows equal" in (tmp_path / "kv_cache_quality.md").read_text()
+
+
+def test_block_diffusion_experiment_schema(trained, tmp_path, monkeypatch):
+  """experiments/block_diffusion.py on tiny models: results/block_diffusion.json's keys."""
+  from experiments import block_diffusion as bd
+  _, corpus = trained
+
+  def block_config():
+    c = tiny_config(corpus)
+    c.model.block_size = 4
+    return c
+
+  monkeypatch.setattr(bd.shakespeare_block, "get_config", block_config)
+  monkeypatch.setattr(bd.shakespeare_char, "get_config", lambda: tiny_config(corpus))
+  monkeypatch.setattr(bd.shakespeare_causal, "get_config", lambda: tiny_config(corpus, True))
+  for name, value in (("STEPS", 30), ("BLOCKS", (4, 16)), ("LENGTH", 16), ("LONG_BLOCK", 4),
+                      ("NELBO_WINDOWS", 8), ("NELBO_TIME_SAMPLES", 2), ("TIMED_RUNS", 1),
+                      ("TOKENS_PER_STEP", (2,))):
+    monkeypatch.setattr(bd, name, value)
+  results = bd.run(4, workdir=str(tmp_path / "models"))
+  bd.write(results, str(tmp_path))
+  data = json.loads((tmp_path / "block_diffusion.json").read_text())
+  assert (tmp_path / "block_diffusion.png").stat().st_size > 0
+  assert [r["block"] for r in data["nelbo"]] == [4, 16]
+  assert all(isinstance(r["bits_per_char"], float) and r["stderr"] >= 0 for r in data["nelbo"])
+  assert isinstance(data["causal_bits_per_char"], float)
+  # Block 4: cached and not, equal tokens, so equal scores; block 16 = L: one canvas.
+  assert [(r["block"], r["steps_per_block"], r["cached"]) for r in data["samples"]] == [
+      (4, 2, True), (4, 2, False), (16, 8, False)]
+  cached, plain = data["samples"][:2]
+  assert cached["gen_bits_per_char"] == plain["gen_bits_per_char"]
+  for row in data["samples"]:
+    assert {"gen_bits_per_char", "word_validity", "time_s"} <= set(row) and row["time_s"] > 0
+  assert [r["segment"] for r in data["long"]] == [0, 1, 2, 3]
+  assert all(set(r) == {"segment", "gen_bits_per_char"} for r in data["long"])
