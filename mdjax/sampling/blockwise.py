@@ -6,19 +6,22 @@ family on one block of `block_length` positions at a time; the family sees a can
 that one block, and its denoiser calls see the block after its context window: the last
 `window` positions before the block (the prompt, then the blocks written so far).
 
-The window slides: every block is denoised on [window, block] with positions counted from
-the window's first token (left padding while the sequence is still shorter than the
-window), so a model trained on sequences of `window + block_length` positions sees at every
-block what it saw in training, and generation runs past the training length. Each block's
-window is encoded again from scratch; reusing keys computed under an earlier window would
-give the window's first block a context the model never saw in its first block.
+The block is denoised on a canvas of `window + block_length` positions: [window, block],
+with positions counted from the canvas's first valid token and nothing after the block
+visible. While every row's tokens so far fit the window the canvas stays put (left padding
+is used up block by block); after, it slides: the window is the last `window` positions.
+A model trained on sequences of `window + block_length` positions thus sees at every block
+what it saw in training, and generation runs past the training length.
 
 With `cached=True` (a block-causal denoiser: `apply_fn.block_size`, `apply_fn.prefill` and
-`apply_fn.decode`) the window is encoded once per block (one prefill) and every call of the
-family runs on the block's positions only, against the window's cached keys and values:
-they are exact, since under block-causal attention no window position sees the block. The
-tokens are those of `cached=False`, which runs the denoiser on [window, block] at every
-call (any denoiser that takes `valid_BxL`, bidirectional ones included).
+`apply_fn.decode`) the family's calls run on the block's positions only, against the
+canvas's cached keys and values, which are exact: under block-causal attention no earlier
+position sees the block. While the canvas stays put the cache grows: one pass over each
+finished block appends its keys and values. Once the window slides it is encoded anew at
+each block (one pass over the canvas): keys computed under an earlier window would give
+the window's first block a context the model never saw in its first block. The tokens are
+those of `cached=False`, which runs the denoiser on the canvas at every call (any denoiser
+that takes `valid_BxL`, bidirectional ones included).
 
 With `spec.eos_id` a row that has written an end-of-sequence token is finished: its later
 blocks are all EOS, and once every row has finished no further block calls the denoiser.
@@ -48,8 +51,8 @@ class BlocksResult:
   tokens_BxT: the prompt (as given, padding included) and the T - P generated positions.
   generated_length_B: generated positions of each row before its first EOS (all of them
     when the row has none or `spec.eos_id` is None).
-  nfe: sequential denoiser passes (the family's calls, plus one prefill per block when
-    cached).
+  nfe: sequential denoiser passes (the family's calls, plus, when cached, one pass per block
+    that appends the finished block or encodes a slid window).
   blocks_run: blocks that called the denoiser (fewer than requested once every row ended).
   """
 
@@ -59,20 +62,22 @@ class BlocksResult:
   blocks_run: Array
 
 
-def _block_logits(apply_fn, window: int, cached: bool):
+def _block_logits(apply_fn, offset: Array, cached: bool):
   """The denoiser of one block: (params, tokens_NxW, t_N, valid_BxL=(valid, context)) ->
-  logits_NxWxV, the block after its window (`context` the window's cache or tokens)."""
+  logits_NxWxV of the block at `offset` on its canvas (`context`: the canvas's cache, or
+  its tokens)."""
 
   def cached_logits(params, tokens_NxW, t_N, valid_BxL):
     valid_NxC, cache = valid_BxL
-    logits_NxWxV, _ = apply_fn.decode(params, cache, tokens_NxW, window, t_N,
+    logits_NxWxV, _ = apply_fn.decode(params, cache, tokens_NxW, offset, t_N,
                                       valid_BxL=valid_NxC)
     return logits_NxWxV
 
   def recomputed_logits(params, tokens_NxW, t_N, valid_BxL):
     valid_NxC, context_NxC = valid_BxL
-    canvas_NxC = jax.lax.dynamic_update_slice_in_dim(context_NxC, tokens_NxW, window, axis=1)
-    return apply_fn(params, canvas_NxC, t_N, valid_BxL=valid_NxC)[:, window:]
+    canvas_NxC = jax.lax.dynamic_update_slice_in_dim(context_NxC, tokens_NxW, offset, axis=1)
+    logits_NxCxV = apply_fn(params, canvas_NxC, t_N, valid_BxL=valid_NxC)
+    return jax.lax.dynamic_slice_in_dim(logits_NxCxV, offset, tokens_NxW.shape[1], axis=1)
 
   return cached_logits if cached else recomputed_logits
 
@@ -161,7 +166,8 @@ def sample_blocks(apply_fn, params: Any, key: Array, prompt_BxP, spec, *, length
       block_length should be the length the model was trained on.
     mask_id: the mask id V.
     valid_BxP: False on the prompts' left padding (default: every position valid).
-    cached: encode each window once and run the family's calls on the block only.
+    cached: keep the canvas's keys and values (exact on a block-causal model) and run the
+      family's calls on the block only.
   """
   prompt = np.asarray(prompt_BxP)
   valid = None if valid_BxP is None else np.asarray(valid_BxP).astype(bool)
@@ -182,56 +188,89 @@ def _program(apply_fn, params, keys_B, prompt_BxP, valid_BxP, plan, *, spec, mas
              block_length, window, cached, skip) -> BlocksResult:
   batch, prompt_len = prompt_BxP.shape
   eos_id = spec.eos_id
-  # [window of padding, prompt, generation]: block n's window starts at prompt_len + n * W_b.
+  span = window + block_length  # the canvas each block is denoised on
+  # The sequence with room either side: [window of padding, prompt, generation, window].
   tokens_BxS = jnp.concatenate([jnp.zeros((batch, window), jnp.int32), prompt_BxP,
-                                jnp.full((batch, length), mask_id, jnp.int32)], 1)
+                                jnp.full((batch, length), mask_id, jnp.int32),
+                                jnp.zeros((batch, window), jnp.int32)], 1)
   valid_BxS = jnp.concatenate([jnp.zeros((batch, window), bool), valid_BxP,
-                               jnp.ones((batch, length), bool)], 1)
-  block_logits = _block_logits(apply_fn, window, cached)
-  span = window + block_length
+                               jnp.ones((batch, length), bool),
+                               jnp.zeros((batch, window), bool)], 1)
+  longest_prompt = valid_BxP.sum(-1).max()
+  ones_B = jnp.ones((batch,), jnp.float32)
 
-  def denoise_block(n, tokens_BxS):
-    """The block's tokens, by the family on [window, block]; and the passes it made."""
-    begin = prompt_len + n * block_length
-    context_BxC = jax.lax.dynamic_slice_in_dim(tokens_BxS, begin, span, axis=1)
+  def canvas_of(n, tokens_BxS):
+    """Block n's canvas: (start in the sequence, block offset on it, whether every row's
+    tokens so far fit the window, tokens_BxC, valid_BxC). While they fit the canvas stays
+    put (the cache can grow block by block); after, it slides with the block at offset W."""
+    block_start = window + prompt_len + n * block_length
+    fits = n * block_length + longest_prompt <= window
+    begin = jnp.where(fits, window + prompt_len - longest_prompt, block_start - window)
+    offset = block_start - begin
+    tokens_BxC = jax.lax.dynamic_slice_in_dim(tokens_BxS, begin, span, axis=1)
     valid_BxC = jax.lax.dynamic_slice_in_dim(valid_BxS, begin, span, axis=1)
-    prefills = 0
+    # Nothing after the block is seen: a bidirectional model too gets [window, block].
+    valid_BxC = valid_BxC & (jnp.arange(span) < offset + block_length)[None]
+    return fits, offset, tokens_BxC, valid_BxC
+
+  def refreshed(n, cache, fits, offset, tokens_BxC, valid_BxC):
+    """The canvas's cache for block n: encoded anew (the first block, or a slid window), or
+    the last one with block n - 1 appended (one pass over its final tokens)."""
+
+    def encode():
+      return apply_fn.prefill(params, tokens_BxC, ones_B, valid_BxL=valid_BxC)[1]
+
+    def append():
+      begin = offset - block_length
+      finished_BxW = jax.lax.dynamic_slice_in_dim(tokens_BxC, begin, block_length, axis=1)
+      return apply_fn.decode(params, cache, finished_BxW, begin, ones_B,
+                             valid_BxL=valid_BxC)[1]
+
+    return jax.lax.cond(fits & (n > 0), append, encode)
+
+  def denoise_block(n, tokens_BxS, cache):
+    """Block n's tokens by the family, the passes made, and the cache."""
+    fits, offset, tokens_BxC, valid_BxC = canvas_of(n, tokens_BxS)
     if cached:
-      _, context = apply_fn.prefill(params, context_BxC, jnp.ones(batch), valid_BxL=valid_BxC)
-      prefills = 1
-    else:
-      context = context_BxC
-    denoiser = Denoiser(block_logits, params, (valid_BxC, context))
-    core, ctx = driver._start(jax.vmap(jax.random.fold_in, (0, None))(keys_B, n),
-                              context_BxC[:, window:], None, mask_id)
+      cache = refreshed(n, cache, fits, offset, tokens_BxC, valid_BxC)
+    context = cache if cached else tokens_BxC
+    denoiser = Denoiser(_block_logits(apply_fn, offset, cached), params, (valid_BxC, context))
+    block_BxW = jax.lax.dynamic_slice_in_dim(tokens_BxC, offset, block_length, axis=1)
+    core, ctx = driver._start(jax.vmap(jax.random.fold_in, (0, None))(keys_B, n), block_BxW,
+                              None, mask_id)
     core, _, _ = driver.run(spec, denoiser, core, ctx, plan, skip)
-    return core.tokens_BxL, core.nfe + prefills
+    return core.tokens_BxL, core.nfe + int(cached), cache
 
   def body(carry, n):
-    tokens_BxS, ended_B, nfe, blocks_run = carry
-    idle = jnp.zeros((batch, block_length), jnp.int32), jnp.zeros((), jnp.int32)
+    tokens_BxS, ended_B, nfe, blocks_run, cache = carry
     if eos_id is None:
-      block_BxW, calls = denoise_block(n, tokens_BxS)
+      block_BxW, calls, cache = denoise_block(n, tokens_BxS, cache)
     else:  # no pass once every row has ended
-      block_BxW, calls = jax.lax.cond(ended_B.all(), lambda: idle,
-                                      lambda: denoise_block(n, tokens_BxS))
+      idle = (jnp.zeros((batch, block_length), jnp.int32), jnp.zeros((), jnp.int32), cache)
+      block_BxW, calls, cache = jax.lax.cond(ended_B.all(), lambda: idle,
+                                             lambda: denoise_block(n, tokens_BxS, cache))
       block_BxW = jnp.where(ended_B[:, None], eos_id, block_BxW)
       ended_B = ended_B | (block_BxW == eos_id).any(-1)
     tokens_BxS = jax.lax.dynamic_update_slice_in_dim(
         tokens_BxS, block_BxW, window + prompt_len + n * block_length, axis=1)
-    return (tokens_BxS, ended_B, nfe + calls, blocks_run + (calls > 0)), None
+    return (tokens_BxS, ended_B, nfe + calls, blocks_run + (calls > 0), cache), None
 
+  cache = None
+  if cached:  # zeros of the prefill's shapes: the first block encodes its canvas
+    shapes = jax.eval_shape(apply_fn.prefill, params, tokens_BxS[:, :span], ones_B,
+                            valid_BxL=valid_BxS[:, :span])[1]
+    cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
   zero = jnp.zeros((), jnp.int32)
-  carry = (tokens_BxS, jnp.zeros((batch,), bool), zero, zero)
+  carry = (tokens_BxS, jnp.zeros((batch,), bool), zero, zero, cache)
   num_blocks = length // block_length
-  (tokens_BxS, _, nfe, blocks_run), _ = jax.lax.scan(body, carry,
-                                                      jnp.arange(num_blocks, dtype=jnp.int32))
-  generated_BxG = tokens_BxS[:, window + prompt_len:]
+  (tokens_BxS, _, nfe, blocks_run, _), _ = jax.lax.scan(
+      body, carry, jnp.arange(num_blocks, dtype=jnp.int32))
+  generated_BxG = tokens_BxS[:, window + prompt_len:window + prompt_len + length]
   if eos_id is None:
     generated_length_B = jnp.full((batch,), length, jnp.int32)
   else:
     is_eos_BxG = generated_BxG == eos_id
     generated_length_B = jnp.where(is_eos_BxG.any(-1), jnp.argmax(is_eos_BxG, -1),
                                    length).astype(jnp.int32)
-  return BlocksResult(tokens_BxT=tokens_BxS[:, window:], generated_length_B=generated_length_B,
-                      nfe=nfe, blocks_run=blocks_run)
+  return BlocksResult(tokens_BxT=tokens_BxS[:, window:window + prompt_len + length],
+                      generated_length_B=generated_length_B, nfe=nfe, blocks_run=blocks_run)

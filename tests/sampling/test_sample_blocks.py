@@ -103,13 +103,19 @@ EOS, TRIGGER = 7, 2
 
 
 def _eos_stub(params, tokens_BxL, t_B, valid_BxL=None):
-  """Proposes EOS everywhere once the window (the positions before the block) holds
-  TRIGGER; otherwise token 1, and TRIGGER at the last position of the block."""
-  seen_B = ((tokens_BxL == TRIGGER) & valid_BxL)[:, :WINDOW].any(-1)
+  """Proposes EOS everywhere once the window (the valid positions before the block, which
+  is the last BLOCK valid ones) holds TRIGGER; otherwise token 1, and TRIGGER at the
+  block's last position."""
   length = tokens_BxL.shape[1]
-  plain_LxV = jnp.zeros((length, V)).at[:, 1].set(5.0).at[length - 1, TRIGGER].set(9.0)
+  last_B = length - 1 - jnp.argmax(valid_BxL[:, ::-1], -1)
+  position_L = jnp.arange(length)
+  window_BxL = valid_BxL & (position_L[None] <= (last_B - BLOCK)[:, None])
+  seen_B = ((tokens_BxL == TRIGGER) & window_BxL).any(-1)
+  plain_BxLxV = jnp.zeros((1, length, V)).at[..., 1].set(5.0)
+  plain_BxLxV = jnp.where((position_L[None] == last_B[:, None])[..., None],
+                          jnp.zeros(V).at[TRIGGER].set(9.0), plain_BxLxV)
   ended_LxV = jnp.zeros((length, V)).at[:, EOS].set(5.0)
-  return jnp.where(seen_B[:, None, None], ended_LxV[None], plain_LxV[None])
+  return jnp.where(seen_B[:, None, None], ended_LxV[None], plain_BxLxV)
 
 
 def test_rows_end_at_eos_and_no_block_runs_once_every_row_has():
