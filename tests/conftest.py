@@ -19,6 +19,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWNED_CACHE = tempfile.mkdtemp(prefix="mdjax-xla-cache-")
     os.environ[_CACHE_ENV] = _OWNED_CACHE
   os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_CACHE_ENV]
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(
+    "JAX_COMPILATION_CACHE_DIR") == os.environ.get(_CACHE_ENV):
+  # One cache per xdist worker (and the subprocesses its tests start): two workers reading
+  # and writing one entry at once can hand a reader a partly written executable, which
+  # aborts the worker. Tests that share programs share a worker (`--dist loadgroup`).
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.environ[_CACHE_ENV],
+                                                         os.environ["PYTEST_XDIST_WORKER"])
+  os.makedirs(os.environ["JAX_COMPILATION_CACHE_DIR"], exist_ok=True)
   # Programs that compile in under 0.1 s cost more to store than to compile again.
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 # The suite is compile-bound: a sampler program runs in milliseconds and compiles in

@@ -90,10 +90,11 @@ def tiny():
 # Every family at its example settings (random draws), but the specs that name canvas
 # positions (ordered, field_order, speculative with fixed positions: a left-padded batch
 # shares one layout), and the block families on the dual KV cache.
-POSITION_FREE = [spec for name, family in sorted(sampling.families().items())
-                 if name not in ("ordered", "field_order")
-                 for spec in family.examples(tuple(range(6)))
-                 if getattr(spec, "positions", None) is None]
+POSITION_FREE = [family.examples(tuple(range(6)))[0]
+                 for name, family in sorted(sampling.families().items())
+                 if name not in ("ordered", "field_order")]
+# The confidence draws the first example leaves out: random scores, MaskGIT's Gumbel choice.
+POSITION_FREE.append(sampling.ConfidenceSpec(steps=6, score="random", gumbel_temperature=1.0))
 POSITION_FREE += [dataclasses.replace(spec, block_length=3, kv_cache="dual") for spec in (
     sampling.ConfidenceSpec(steps=6), sampling.AncestralSpec(steps=6),
     sampling.EntropyBoundedSpec(steps=6, gamma=0.5))]
