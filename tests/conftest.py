@@ -115,3 +115,13 @@ def sample_cli(capsys):
     return types.SimpleNamespace(returncode=returncode, stdout=out, stderr=err + message)
 
   return run
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drops each module's compiled programs when it ends. Every CPU executable keeps memory
+  mappings of its own; a worker holding those of hundreds of tests can reach the kernel's
+  vm.max_map_count (65,530), and then XLA aborts the process mid-compile. Programs used
+  again reload from the run's persistent cache."""
+  yield
+  jax.clear_caches()
