@@ -10,17 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from mdjax import generation, models, sampling
-
-V = 6
-
-
-@pytest.fixture(scope="module")
-def tiny():
-  cfg = models.TransformerConfig(vocab_size=V, max_len=12, d_model=16, num_layers=2,
-                                 num_heads=2, d_ff=32)
-  _, params, apply_fn = models.init(cfg, seed=3)
-  return apply_fn, params
+from mdjax import generation, sampling
+from tests.test_generation import V, tiny  # noqa: F401  (the tiny Transformer fixture)
 
 
 # Every family at its example settings (random draws), but the specs that name canvas
