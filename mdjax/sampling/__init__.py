@@ -15,7 +15,7 @@ sliding window (block diffusion: exact cache, any length). `sampling.base` defin
 family protocol.
 """
 
-from mdjax.sampling.base import (IDLE_FRACTION_FOR_COND, KV_CACHES, Canvas, Family, SamplerSpec,
+from mdjax.sampling.base import (IDLE_FRACTION_TO_SKIP, KV_CACHES, Canvas, Family, SamplerSpec,
                                  families, family_of, make_spec, register)
 from mdjax.sampling.driver import (SampleResult, lower, num_steps, row_keys, sample,
                                    sample_python_loop)
@@ -39,7 +39,7 @@ from mdjax.sampling.orders import parse_write_order
 
 __all__ = [
     "AncestralSpec", "BlocksResult", "Canvas", "ConfidenceSpec", "DeferSpec", "EntropyBoundedSpec", "Family",
-    "FieldOrderSpec", "IDLE_FRACTION_FOR_COND", "KV_CACHES", "LocalRemaskSpec", "OrderedSpec",
+    "FieldOrderSpec", "IDLE_FRACTION_TO_SKIP", "KV_CACHES", "LocalRemaskSpec", "OrderedSpec",
     "RandomOrderSpec", "RemaskSpec",
     "RevisionSpec", "SCORES", "SampleResult", "SamplerSpec", "SpeculativeSpec", "families",
     "family_of", "lower", "make_spec", "num_steps", "offers_cache", "parse_write_order",

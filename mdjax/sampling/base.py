@@ -74,9 +74,10 @@ class SamplerSpec:
   eos_rank_last: EOS proposals rank below every other proposal wherever a family ranks
     proposals by a score (confidence, entropy-bounded, write orders, test-and-defer,
     revision, speculative drafts), so a row's end is committed last (LLaDA's knob).
-  skip_idle_steps: skip the denoiser (a lax.cond) at steps with nothing to write in
-    any row. None (default) decides from the plan before tracing: the cond is used
-    where at least `IDLE_FRACTION_FOR_COND` of the steps are idle (counted exactly,
+  skip_idle_steps: jump over steps with nothing to write in any row, calling the
+    denoiser only at steps that write (the program is a while loop instead of a scan).
+    None (default) decides from the plan before tracing: the loop jumps
+    where at least `IDLE_FRACTION_TO_SKIP` of the steps are idle (counted exactly,
     or expected, by `Family.idle_steps`), or where that cannot be told before the run
     (threshold and entropy-bounded decoding, which finish early by design). True
     always uses it, False never. Tokens are the same either way. Families whose
@@ -410,20 +411,25 @@ class Family:
     raise NotImplementedError
 
 
-# The driver skips idle steps with a lax.cond only when at least this fraction of the steps
-# is idle: measured on the CPU bench model (4 layers, d 256, batch 4), the cond costs 3% of an
-# ancestral step and 8% of a confidence step, so skipping fewer calls than that is a loss.
-IDLE_FRACTION_FOR_COND = 0.1
+# The driver jumps over idle steps only when at least this fraction of the steps is idle. The
+# jumping while loop costs one test per step (under 1 us on the CPU, 0 to 3% of a bench-model
+# step, within noise) but on an accelerator each test is a device-to-host read of the loop
+# predicate, where a scan runs without one; a scan stays the default where few calls are saved.
+IDLE_FRACTION_TO_SKIP = 0.1
 
 
 def skips_idle_steps(family: Family, spec, canvas: Canvas, plan) -> bool:
-  """Whether the program wraps the denoiser call in a lax.cond (see `SamplerSpec`)."""
-  if family.rewrites or spec.skip_idle_steps is False:
+  """Whether the program jumps over idle steps (see `SamplerSpec`)."""
+  if spec.skip_idle_steps is False:
     return False
-  if spec.skip_idle_steps or spec.eos_id is not None:
+  if spec.eos_id is not None:
     return True  # rows that end early leave idle steps that cannot be counted before the run
+  if family.rewrites:
+    return False
+  if spec.skip_idle_steps:
+    return True
   idle = family.idle_steps(spec, canvas, plan)
-  return idle is None or idle >= IDLE_FRACTION_FOR_COND * family.num_steps(spec, canvas.length)
+  return idle is None or idle >= IDLE_FRACTION_TO_SKIP * family.num_steps(spec, canvas.length)
 
 
 _BY_SPEC: dict[type, Family] = {}

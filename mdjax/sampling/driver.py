@@ -1,10 +1,11 @@
-"""`sample`: any registered family, the whole reverse trajectory in one lax.scan.
+"""`sample`: any registered family, the whole reverse trajectory in one compiled loop.
 
 The driver knows families only through the protocol in `sampling.base`: it checks the
 call, asks the family for its plan, and runs the family's steps (or, for a composite
-family, its own program). It owns how the denoiser is called at each step: always, or
-skipped by a `lax.cond` when the family says the step is idle, or reused when the canvas
-did not change.
+family, its own program). It owns which steps call the denoiser: every one (a scan), or
+only those the family says can write something (a while loop that jumps over idle steps,
+`sampling.skipping`); with `cache=True` a call is also skipped when the canvas did not
+change.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 from flax import struct
 
 from mdjax import streams
-from mdjax.sampling import kv_cache
+from mdjax.sampling import kv_cache, skipping, threefry
 from mdjax.sampling.base import (Canvas, Context, Core, Denoiser, Family, SamplerSpec,
                                  StepInfo, eos_state, family_of, finish_rows,
                                  generated_length, open_rows, skips_idle_steps)
@@ -250,11 +251,12 @@ def _start(key, tokens_BxL, fixed_BxL, mask_id, valid_BxL=None) -> tuple[Core, C
                                          shift_B=shift_B)
 
 
-def _step(family: Family, spec, skip: bool, denoiser: Denoiser, core: Core, aux, reuse, kv,
-          ctx: Context, index: Array, plan, kv_plan):
-  """One step of a step-wise family: call (or, when `skip`, maybe skip) the denoiser, count,
-  update. With a KV cache (`kv`, `kv_plan`) the call is a full pass or a window pass."""
-  step = StepInfo(index=index, keys_B=jax.vmap(jax.random.fold_in, (0, None))(ctx.keys_B, index),
+def _step(family: Family, spec, denoiser: Denoiser, core: Core, aux, reuse, kv, ctx: Context,
+          index: Array, plan, kv_plan):
+  """One step of a step-wise family: call the denoiser (or, with `reuse`, reuse the last
+  logits when the canvas did not change), count, update. With a KV cache (`kv`, `kv_plan`)
+  the call is a full pass or a window pass."""
+  step = StepInfo(index=index, keys_B=threefry.fold_in(ctx.keys_B, index),
                   plan=plan, shift_B=ctx.shift_B)
   if kv is None:
     call = lambda: (denoiser(core.tokens_BxL, plan.t), None)
@@ -265,27 +267,43 @@ def _step(family: Family, spec, skip: bool, denoiser: Denoiser, core: Core, aux,
     keep = lambda logits: (logits, kv_cache.skipped(kv, kv_plan))
   full_ctx, ctx = ctx, open_rows(ctx, core.tokens_BxL, spec.eos_id)  # finished rows freeze
   active_B = ctx.masked(core.tokens_BxL).any(-1)
-  ends = spec.eos_id is not None and spec.skip_idle_steps is not False
   if reuse is not None:
-    need = jnp.any(core.tokens_BxL != reuse.tokens_BxL)
-    logits, kv = jax.lax.cond(need, call, lambda: keep(reuse.logits_BxLxV))
+    called = jnp.any(core.tokens_BxL != reuse.tokens_BxL)
+    logits, kv = jax.lax.cond(called, call, lambda: keep(reuse.logits_BxLxV))
     reuse = _Reuse(tokens_BxL=core.tokens_BxL, logits_BxLxV=logits)
-  elif skip or ends:
-    need = jnp.array(True) if family.rewrites else family.needs_call(spec, core, aux, ctx, plan)
-    if ends:  # once every row has finished, no step calls the denoiser
-      need &= ~eos_state(core.tokens_BxL, full_ctx.editable_BxL, ctx.mask_id,
-                         spec.eos_id)[1].all()
-    out = jax.eval_shape(call)[0]
-    logits, kv = jax.lax.cond(need, call, lambda: keep(jnp.zeros(out.shape, out.dtype)))
   else:
-    need = jnp.array(True)
+    called = jnp.array(True)
     logits, kv = call()
-  core = core.count_call(need).replace(saved_calls=core.saved_calls + (~need),
-                                       rounds_B=core.rounds_B + (need & active_B))
+  core = core.count_call(called).replace(saved_calls=core.saved_calls + (~called),
+                                         rounds_B=core.rounds_B + (called & active_B))
   denoise = lambda tokens_NxL: denoiser(tokens_NxL, plan.t)
   core, aux = family.update(spec, core, aux, ctx, step, logits, denoise)
   if spec.eos_id is not None:
     core = finish_rows(core, full_ctx, spec.eos_id, index)
+  return core, aux, reuse, kv
+
+
+def _needs_call(family: Family, spec, core: Core, aux, ctx: Context, plan) -> Array:
+  """Whether a step can write anything in any row; the loop jumps over steps that cannot
+  (their update would leave everything as it is)."""
+  open_ctx = open_rows(ctx, core.tokens_BxL, spec.eos_id)
+  need = jnp.array(True) if family.rewrites else family.needs_call(spec, core, aux, open_ctx,
+                                                                    plan)
+  if spec.eos_id is not None:  # once every row has finished, no step calls the denoiser
+    need &= ~eos_state(core.tokens_BxL, ctx.editable_BxL, ctx.mask_id, spec.eos_id)[1].all()
+  return need
+
+
+def _skip_steps(kv_plan, carry, lo: Array, hi: Array):
+  """The bookkeeping of the idle steps lo..hi-1 jumped over: counted as saved calls; a
+  cache refresh planned at one of them is owed to the next call."""
+  core, aux, reuse, kv = carry
+  core = core.replace(saved_calls=core.saved_calls + (hi - lo))
+  if kv is not None:
+    in_range_K = skipping.in_range(kv_plan.refresh.shape[0], lo, hi)
+    owed = lambda x_K: None if x_K is None else jnp.any(x_K & in_range_K)
+    kv = kv_cache.skipped(kv, kv_plan.replace(refresh=owed(kv_plan.refresh),
+                                              append=owed(kv_plan.append)))
   return core, aux, reuse, kv
 
 
@@ -301,17 +319,23 @@ def _init(family: Family, spec, denoiser: Denoiser, core: Core, ctx: Context, ca
   return aux, reuse, kv
 
 
+def _at(plans, i):
+  """Step i of per-step plans (leading axis K)."""
+  return jax.tree.map(lambda x: x[i], plans)
+
+
 def run(spec, denoiser: Denoiser, core: Core, ctx: Context, plan, skip: bool | None = None,
         kv_plan: kv_cache.KVPlan | None = None):
   """Runs a family from `core` in the current trace: (core, aux, trajectory or None).
 
-  skip: whether idle steps may skip the denoiser (`base.skips_idle_steps`); None (a run
-  inside a composite family, whose refills are mostly idle) skips unless the spec says
-  False or the family rewrites.
+  skip: whether the loop jumps over idle steps (`base.skips_idle_steps`): a while loop from
+  one step that needs the denoiser to the next, instead of a scan over every step. None (a
+  run inside a composite family, whose refills are mostly idle) jumps unless the spec
+  says False or the family rewrites (and has no end of sequence).
   """
   family = family_of(spec)
   if skip is None:
-    skip = not family.rewrites and spec.skip_idle_steps is not False
+    skip = spec.skip_idle_steps is not False and (spec.eos_id is not None or not family.rewrites)
   if family.composite:
     core, aux, trajectory = family.run(spec, denoiser, core, ctx, plan)
     if spec.eos_id is not None:  # the composite's own rounds freeze finished rows; this fills
@@ -319,13 +343,22 @@ def run(spec, denoiser: Denoiser, core: Core, ctx: Context, plan, skip: bool | N
       core = finish_rows(core, ctx, spec.eos_id, jnp.int32(last))
     return core, aux, trajectory
   aux, reuse, kv = _init(family, spec, denoiser, core, ctx, cached=kv_plan is not None)
-  length = core.tokens_BxL.shape[1]
-  indices = jnp.arange(family.num_steps(spec, length), dtype=jnp.int32)
+  num_steps = family.num_steps(spec, core.tokens_BxL.shape[1])
+  record = (lambda carry: carry[0].tokens_BxL) if spec.record_trajectory else None
+  if skip:
+    step = lambda carry, i: _step(family, spec, denoiser, *carry, ctx, i,
+                                  *_at((plan, kv_plan), i))
+    needs = lambda carry, i: _needs_call(family, spec, carry[0], carry[1], ctx, _at(plan, i))
+    (core, aux, _, _), trajectory = skipping.loop(
+        step, needs, num_steps, (core, aux, reuse, kv),
+        skip_range=functools.partial(_skip_steps, kv_plan), record=record)
+    return core, aux, trajectory
 
   def body(carry, xs):
-    carry = _step(family, spec, skip, denoiser, *carry, ctx, *xs)
-    return carry, (carry[0].tokens_BxL if spec.record_trajectory else None)
+    carry = _step(family, spec, denoiser, *carry, ctx, *xs)
+    return carry, (None if record is None else record(carry))
 
+  indices = jnp.arange(num_steps, dtype=jnp.int32)
   (core, aux, _, _), trajectory = jax.lax.scan(body, (core, aux, reuse, kv),
                                                (indices, plan, kv_plan))
   return core, aux, trajectory
@@ -413,22 +446,29 @@ def _start_jit(apply_fn, params, key, tokens_BxL, fixed_BxL, *, family, spec, ma
   return core, ctx, *_init(family, spec, denoiser, core, ctx, cached)
 
 
-@functools.partial(jax.jit, static_argnames=_STEP_STATIC + ("skip",),
-                   donate_argnames=("core",))
-def _step_jit(apply_fn, params, core, aux, reuse, kv, ctx, index, plan, kv_plan, *, family, spec,
-              skip):
-  return _step(family, spec, skip, Denoiser(apply_fn, params), core, aux, reuse, kv, ctx, index,
-               plan, kv_plan)
+@functools.partial(jax.jit, static_argnames=_STEP_STATIC, donate_argnames=("core",))
+def _step_jit(apply_fn, params, core, aux, reuse, kv, ctx, index, plan, kv_plan, *, family, spec):
+  return _step(family, spec, Denoiser(apply_fn, params), core, aux, reuse, kv, ctx, index, plan,
+               kv_plan)
+
+
+@functools.partial(jax.jit, static_argnames=("family", "spec"))
+def _jump_jit(carry, ctx, plan, kv_plan, start, *, family, spec):
+  """The first step from `start` that needs a call, and the carry after the jump to it."""
+  needs = lambda carry, i: _needs_call(family, spec, carry[0], carry[1], ctx, _at(plan, i))
+  following = skipping.next_needed(needs, plan.t.shape[0], carry, start)
+  return following, _skip_steps(kv_plan, carry, start, following)
 
 
 def sample_python_loop(apply_fn, params: Any, key: Array, tokens_BxL: Array, spec: SamplerSpec,
                        fixed_BxL: Array | None = None, *,
                        mask_id: int | None = None) -> SampleResult:
-  """`sample` as a Python loop calling one jitted step K times.
+  """`sample` as a Python loop calling one jitted step per step.
 
   The same kernel as `sample`, dispatched step by step from the host, the way
-  the PyTorch reference samplers (LLaDA, MDLM, ReMDM) run; it exists for the
-  benchmark's side-by-side comparison. Gives the same tokens as `sample`.
+  the PyTorch reference samplers (LLaDA, MDLM, ReMDM) run; where `sample` jumps over idle
+  steps, the host reads the next step that needs a call. It exists for the benchmark's
+  side-by-side comparison. Gives the same tokens as `sample`.
   """
   family, args, static = _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id)
   if not family.python_loop:
@@ -437,12 +477,20 @@ def sample_python_loop(apply_fn, params: Any, key: Array, tokens_BxL: Array, spe
   if spec.record_trajectory:
     raise ValueError("record_trajectory=True: use sample; the Python loop keeps no record.")
   params, key, tokens_BxL, fixed_BxL, plan, kv_plan = args
-  core, ctx, aux, reuse, kv = _start_jit(apply_fn, params, key, tokens_BxL, fixed_BxL,
-                                         family=family, cached=kv_plan is not None, **static)
+  core, ctx, *rest = _start_jit(apply_fn, params, key, tokens_BxL, fixed_BxL, family=family,
+                                cached=kv_plan is not None, **static)
   invalid_B = _invalid_input(core.tokens_BxL, ctx)
-  for i in range(family.num_steps(spec, np.shape(tokens_BxL)[1])):
-    plan_i, kv_plan_i = jax.tree.map(lambda x: x[i], (plan, kv_plan))
-    core, aux, reuse, kv = _step_jit(apply_fn, params, core, aux, reuse, kv, ctx, np.int32(i),
-                                     plan_i, kv_plan_i, family=family, spec=spec,
-                                     skip=static["skip"])
+  carry = (core, *rest)
+  num_steps, i = family.num_steps(spec, np.shape(tokens_BxL)[1]), 0
+  while True:
+    if static["skip"]:
+      following, carry = _jump_jit(carry, ctx, plan, kv_plan, np.int32(i), family=family,
+                                   spec=spec)
+      i = int(following)
+    if i >= num_steps:
+      break
+    carry = _step_jit(apply_fn, params, *carry, ctx, np.int32(i), *_at((plan, kv_plan), i),
+                      family=family, spec=spec)
+    i += 1
+  core, aux, _, _ = carry
   return _result(family, spec, core, aux, None, ctx, invalid_B)

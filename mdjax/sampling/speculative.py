@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from mdjax.sampling import scores, transforms
+from mdjax.sampling import scores, threefry, transforms
 from mdjax.sampling.base import (Core, Family, SamplerSpec, check, finish_rows, open_rows,
                                  register)
 from mdjax.streams import StepStream
@@ -139,7 +139,7 @@ def run_round(denoiser, core: Core, draft_logits_BxLxV: Array, ctx, round_index:
   z_BxL = core.tokens_BxL
   batch, length = z_BxL.shape
   k = spec.k
-  keys_B = jax.vmap(jax.random.fold_in, (0, None))(ctx.keys_B, round_index)
+  keys_B = threefry.fold_in(ctx.keys_B, round_index)
   masked_BxL = ctx.masked(z_BxL)
   active_B = masked_BxL.any(-1)
   q_BxLxV = transforms.transformed_probs(draft_logits_BxLxV, spec)

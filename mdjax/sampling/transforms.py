@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mdjax.sampling import threefry
 from mdjax.streams import StepStream
 
 Array = jax.Array
@@ -38,8 +39,7 @@ def row_uniform(keys_B: Array, tag: StepStream, shape: tuple[int, ...],
                 shift_B: Array | None = None) -> Array:
   """U[0, 1) noise of `shape` per row, from each row's own key (axis 0 indexed by
   position from each row's first valid one when `shift_B` is given)."""
-  dtype = noise_dtype()
-  noise = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, tag), shape, dtype))(keys_B)
+  noise = threefry.uniform(threefry.fold_in(keys_B, tag), shape, noise_dtype())
   return _from_first_valid(noise, shift_B)
 
 
@@ -47,8 +47,7 @@ def row_gumbel(keys_B: Array, tag: StepStream, shape: tuple[int, ...],
                shift_B: Array | None = None) -> Array:
   """Standard Gumbel noise of `shape` per row, from each row's own key (`shift_B`: as
   `row_uniform`)."""
-  dtype = noise_dtype()
-  noise = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, tag), shape, dtype))(keys_B)
+  noise = threefry.gumbel(threefry.fold_in(keys_B, tag), shape, noise_dtype())
   return _from_first_valid(noise, shift_B)
 
 

@@ -134,6 +134,11 @@ def _denoiser_calls(jaxpr, batch):
   return total
 
 
+def _loop_body(eqn):
+  """The body of a scan or while loop."""
+  return (eqn.params.get("jaxpr") or eqn.params["body_jaxpr"]).jaxpr
+
+
 def _top_loops(jaxpr):
   found = []
   for eqn in jaxpr.eqns:
@@ -157,11 +162,11 @@ def test_one_program_and_no_recompilation(name):
       stubs.stub_denoiser, p, k, x, spec, mask_id=VOCAB))(
           stubs.stub_params(VOCAB, LENGTH), jax.random.key(0), _canvas(4))
   loops = [e for e in _top_loops(closed.jaxpr)
-           if _denoiser_calls(e.params["jaxpr"].jaxpr, 4 * getattr(spec, "k", 1)) > 0]
+           if _denoiser_calls(_loop_body(e), 4 * getattr(spec, "k", 1)) > 0]
   if not family.composite:
     # The whole trajectory is one loop whose body calls the denoiser once on the canvas.
     assert len(loops) == 1, [e.primitive.name for e in loops]
-    assert _denoiser_calls(loops[0].params["jaxpr"].jaxpr, 4) == 1
+    assert _denoiser_calls(_loop_body(loops[0]), 4) == 1
   else:
     assert 1 <= len(loops) <= 2, "a composite family runs a fixed number of loops"
 

@@ -160,14 +160,32 @@ def test_expected_idle_steps_of_the_ancestral_sampler():
   assert abs(saved.mean() - expected) < 4.0 * saved.std() / np.sqrt(len(saved))
 
 
-def _has_cond(spec, tokens) -> bool:
+def _primitives(jaxpr, names: set) -> set:
+  """The names of every primitive in `jaxpr`, nested programs included."""
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          _primitives(sub.jaxpr, names)
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          _primitives(sub, names)
+  return names
+
+
+def _jumps(spec, tokens) -> bool:
+  """Whether the compiled sampler jumps over idle steps (a while loop, no scan)."""
   params = stubs.stub_params(VOCAB, LENGTH)
-  lowered, _ = sampling.lower(stubs.stub_denoiser, params, jax.random.key(0), tokens, spec)
-  return "stablehlo.case" in lowered.as_text()
+  program = jax.make_jaxpr(
+      lambda key: sampling.sample(stubs.stub_denoiser, params, key, tokens, spec).tokens_BxL)
+  names = _primitives(program(jax.random.key(0)).jaxpr, set())
+  assert "cond" not in names  # no branch around the denoiser on the default path
+  assert ("scan" in names) != ("while" in names), names
+  return "while" in names
 
 
-@pytest.mark.parametrize("spec, cond", [
-    (sampling.ConfidenceSpec(steps=8), False),  # every step commits: no cond
+@pytest.mark.parametrize("spec, jumps", [
+    (sampling.ConfidenceSpec(steps=8), False),  # every step commits: a plain scan
     (sampling.ConfidenceSpec(steps=32), True),  # 24 of 32 idle
     (sampling.ConfidenceSpec(steps=8, threshold=0.9), True),  # finishes early: cannot tell
     (sampling.ConfidenceSpec(steps=32, skip_idle_steps=False), False),
@@ -179,14 +197,14 @@ def _has_cond(spec, tokens) -> bool:
     (sampling.RemaskSpec(steps=8, skip_idle_steps=True), False),  # never idle
 ], ids=["confidence", "confidence_K_above_N", "threshold", "off", "on", "ancestral",
         "ancestral_blocks", "left_to_right", "remask"])
-def test_the_default_uses_a_cond_only_where_the_plan_leaves_idle_steps(spec, cond):
+def test_the_default_jumps_only_where_the_plan_leaves_idle_steps(spec, jumps):
   tokens = prompted_canvas(batch=2)
   family, canvas, plan = _plan_and_canvas(spec, tokens)
   idle = family.idle_steps(spec, canvas, plan)
   if spec.skip_idle_steps is None and idle is not None:
     fraction = idle / family.num_steps(spec, LENGTH)
-    assert (fraction >= sampling.IDLE_FRACTION_FOR_COND) == cond, fraction
-  assert _has_cond(spec, tokens) == cond
+    assert (fraction >= sampling.IDLE_FRACTION_TO_SKIP) == jumps, fraction
+  assert _jumps(spec, tokens) == jumps
 
 
 def test_a_repeated_call_traces_nothing():
