@@ -31,6 +31,7 @@ noisy block b, anything after].
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -100,17 +101,27 @@ def sinusoidal(length: int, dim: int) -> Array:
   return jnp.concatenate([jnp.sin(angle), jnp.cos(angle)], -1)[:, :dim]
 
 
-def rope(x_BxLxHxK: Array, positions_L: Array | None = None) -> Array:
+@functools.lru_cache(maxsize=64)
+def rope_table(length: int, half: int) -> tuple[np.ndarray, np.ndarray]:
+  """cos and sin of the rotary angles at positions 0..L-1 (L x K/2, float32), computed on
+  the host in float64: a constant of the program, the same on every backend, instead of
+  sin and cos that XLA fuses into each layer's rotation and redoes at every call."""
+  freq_K = np.exp(-math.log(10_000.0) * np.arange(half) / half)
+  angle_LxK = np.arange(length)[:, None] * freq_K[None]
+  return np.cos(angle_LxK).astype(np.float32), np.sin(angle_LxK).astype(np.float32)
+
+
+def rope(x_BxLxHxK: Array, positions_L: Array | None = None, max_len: int = 0) -> Array:
   """Rotary position embedding on the head dimension (positions default to 0..L-1; an
-  L or B x L array of positions)."""
+  L or B x L array of positions, each below max(L, max_len))."""
   length, half = x_BxLxHxK.shape[1], x_BxLxHxK.shape[-1] // 2
+  cos_PxK, sin_PxK = rope_table(max(length, max_len), half)
   if positions_L is None:
-    positions_L = jnp.arange(length)
-  freq = jnp.exp(-math.log(10_000.0) * jnp.arange(half) / half)
-  angle = positions_L[..., None] * freq  # [B x] L x K/2
-  if angle.ndim == 2:
-    angle = angle[None]
-  cos, sin = jnp.cos(angle)[:, :, None], jnp.sin(angle)[:, :, None]
+    cos, sin = cos_PxK[None, :length, None], sin_PxK[None, :length, None]
+  else:
+    at = lambda table_PxK: jnp.asarray(table_PxK)[positions_L].reshape(
+        (-1, length, 1, half))  # [B x] L x K/2 -> (B or 1) x L x 1 x K/2
+    cos, sin = at(cos_PxK), at(sin_PxK)
   x1, x2 = x_BxLxHxK[..., :half], x_BxLxHxK[..., half:]
   return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x_BxLxHxK.dtype)
 
@@ -160,7 +171,7 @@ class Block(nnx.Module):
       positions_W = None if cached is None else start + jnp.arange(width)
       if positions_BxW is not None:
         positions_W = positions_BxW
-      q, k = rope(q, positions_W), rope(k, positions_W)
+      q, k = rope(q, positions_W, cfg.max_len), rope(k, positions_W, cfg.max_len)
     if cached is None:
       out = _attend(q, k, v, visible_WxW, head_dim, valid_BxL)
       fresh = LayerKV.heads_major(k, v)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from mdjax.sampling import scores, transforms
+from mdjax.sampling import scores, skipping, transforms
 from mdjax.sampling.base import (Family, SamplerSpec, StepPlan, check, check_steps,
                                  register)
 
@@ -111,7 +111,7 @@ class Defer(Family):
 
     # No test on the last step (everything commits) or when no row has two proposals.
     need = ~step.plan.last & jnp.any(cand_BxL.sum(-1) >= 2)
-    tv_BxL = jax.lax.cond(need, test_contexts, lambda: jnp.zeros((batch, length), jnp.float32))
+    tv_BxL = skipping.call_if(need, test_contexts, jnp.zeros((batch, length), jnp.float32))
     moved_BxL = cand_BxL & (level_BxL >= 0) & (tv_BxL > spec.threshold + TV_ROUNDING)
     first_fail_B = jnp.where(moved_BxL, level_BxL, num_j).min(-1)
     write_BxL = cand_BxL & ((level_BxL < first_fail_B[:, None])

@@ -65,3 +65,13 @@ def loop(step: Callable[[Any, Array], Any], needs: Callable[[Any, Array], Array]
   _, carry, records = jax.lax.while_loop(lambda state: state[0] < num_steps, body,
                                          (first, carry, records))
   return carry, records
+
+
+def call_if(pred: Array, fn: Callable[[], Any], otherwise):
+  """`fn()` where `pred`, else `otherwise` (same structure): `lax.cond(pred, fn, ...)` as
+  a while loop of zero or one trip, whose body XLA's loop-invariant code motion sees into
+  (a branch's it does not), so the parameter-only work of a denoiser call in `fn` is done
+  once per program instead of once per call."""
+  _, out = jax.lax.while_loop(lambda state: state[0], lambda state: (jnp.bool_(False), fn()),
+                              (jnp.asarray(pred, jnp.bool_), otherwise))
+  return out

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from mdjax.sampling import scores, threefry, transforms
+from mdjax.sampling import scores, skipping, threefry, transforms
 from mdjax.sampling.base import (Core, Family, SamplerSpec, check, finish_rows, open_rows,
                                  register)
 from mdjax.streams import StepStream
@@ -51,7 +51,7 @@ class SpeculativeSpec(SamplerSpec):
   drafts and the verifier alike, so the target is the transformed conditionals).
   `order` chooses the positions from what is known before the round: `max_prob`
   (most confident predictions first), `lowest_index` (left to right) or `fixed`
-  (the order of `positions`). At most L rounds (one lax.scan); k = 1 is the chain rule.
+  (the order of `positions`). At most L rounds (one loop); k = 1 is the chain rule.
   """
 
   k: int
@@ -212,30 +212,33 @@ class Speculative(Family):
     return SpeculativePlan(order_rank_L=fixed_order_rank(spec, canvas.length))
 
   def run(self, spec: SpeculativeSpec, denoiser, core: Core, ctx, plan: SpeculativePlan):
-    batch, length = core.tokens_BxL.shape
+    length = core.tokens_BxL.shape[1]
     first_logits = denoiser(core.tokens_BxL, 1.0)
     has_masked_B = ctx.masked(core.tokens_BxL).any(-1)
     core = core.replace(contexts_B=has_masked_B.astype(jnp.int32), nfe=core.nfe + 1)
 
-    def body(carry, round_index):
+    def round_(carry, round_index):
       core, draft_logits_BxLxV = carry
       round_ctx = open_rows(ctx, core.tokens_BxL, spec.eos_id)  # finished rows freeze
+      core, logits = run_round(denoiser, core, draft_logits_BxLxV, round_ctx, round_index,
+                               spec=spec, order_rank_L=plan.order_rank_L)
+      if spec.eos_id is not None:
+        core = finish_rows(core, ctx, spec.eos_id, round_index)
+      return core, logits
 
-      def go():
-        out, logits = run_round(denoiser, core, draft_logits_BxLxV, round_ctx, round_index,
-                                spec=spec, order_rank_L=plan.order_rank_L)
-        if spec.eos_id is not None:
-          out = finish_rows(out, ctx, spec.eos_id, round_index)
-        return out, logits
+    carry = (core, first_logits.astype(jnp.float32))
+    record = (lambda carry: carry[0].tokens_BxL) if spec.record_trajectory else None
+    if spec.skip_idle_steps is not False:  # rounds end early by design: jump over idle ones
+      busy = lambda carry, _: open_rows(ctx, carry[0].tokens_BxL, spec.eos_id).masked(
+          carry[0].tokens_BxL).any()
+      count_saved = lambda carry, lo, hi: (
+          carry[0].replace(saved_calls=carry[0].saved_calls + (hi - lo)), carry[1])
+      (core, _), trajectory = skipping.loop(round_, busy, length, carry,
+                                            skip_range=count_saved, record=record)
+    else:
+      def body(carry, round_index):
+        carry = round_(carry, round_index)
+        return carry, (None if record is None else record(carry))
 
-      if spec.skip_idle_steps is not False:  # rounds end early by design: skip idle ones
-        busy = round_ctx.masked(core.tokens_BxL).any()
-        carry = jax.lax.cond(busy, go, lambda: (core.replace(saved_calls=core.saved_calls + 1),
-                                                draft_logits_BxLxV))
-      else:
-        carry = go()
-      return carry, (carry[0].tokens_BxL if spec.record_trajectory else None)
-
-    (core, _), trajectory = jax.lax.scan(
-        body, (core, first_logits.astype(jnp.float32)), jnp.arange(length, dtype=jnp.int32))
+      (core, _), trajectory = jax.lax.scan(body, carry, jnp.arange(length, dtype=jnp.int32))
     return core, None, trajectory
