@@ -14,7 +14,7 @@ def get_config():
   c.seq_len = 64
   c.batch = 4
   c.steps = (8, 16, 32, 64, 128, 256)
-  # *_no_skip: the same family with skip_idle_steps=False (no lax.cond per step).
+  # *_no_skip: the same family with skip_idle_steps=False (a scan over every step).
   c.samplers = ("ancestral", "confidence", "remask", "blocks", "ancestral_no_skip",
                 "confidence_no_skip")
   c.num_blocks = 4  # the blocks sampler: confidence decoding in 4 semi-AR blocks

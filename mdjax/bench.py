@@ -38,7 +38,7 @@ from mdjax import train as train_lib
 IMPLS = ("scan", "python_loop", "forward_only")
 FAMILIES = ("ancestral", "confidence", "remask", "blocks", "ancestral_no_skip",
             "confidence_no_skip")
-_NO_SKIP = "_no_skip"  # the family with skip_idle_steps=False: no lax.cond per step
+_NO_SKIP = "_no_skip"  # the family with skip_idle_steps=False: a scan over every step
 
 
 def interleaved_medians(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:

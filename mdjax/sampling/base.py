@@ -11,9 +11,9 @@ What the driver does with a family, for `sample(apply_fn, params, key, tokens, s
   family.validate(spec, canvas)            # host, before tracing
   plan = family.plan(spec, canvas)         # numpy pytree, leading axis K = num_steps
   aux = family.init(spec, core, ctx)       # the family's own carry
-  for each step i (one lax.scan):
-    call the denoiser on the canvas, or skip it (a lax.cond, used when the plan leaves
-    idle steps: `idle_steps`) when `needs_call` says nothing can be written
+  for each step i (one lax.scan; or, where the plan leaves idle steps, a while loop
+  that jumps over the steps where `needs_call` says nothing can be written):
+    call the denoiser on the canvas
     core, aux = family.update(spec, core, aux, ctx, StepInfo(i, keys, plan[i]), logits,
                               denoise)
 
