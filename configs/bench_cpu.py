@@ -23,6 +23,9 @@ def get_config():
   c.step_batches = (1, 128)  # (iii) the step's own work with an embedding-lookup denoiser,
   c.step_length = 25  # at L = K = 25 (V = 15)
   c.repeats = 5
+  # Rounds of the three overhead measures, whose differences are a few percent (i, ii) or
+  # whose calls last well under a millisecond (iii, batch 1): more rounds, steadier medians.
+  c.overhead_repeats = 21
   c.train_batch = 8
   c.matmul_size = 2048
   c.seed = 0

@@ -335,8 +335,10 @@ def _check_config(config) -> None:
     value = config[name]
     if not (isinstance(value, int) and value >= 1):
       raise ValueError(f"{name}={value!r} must be an integer >= 1.")
-  if config.repeats < 5:
-    raise ValueError(f"repeats={config.repeats} must be at least 5 (medians of >= 5 calls).")
+  for name in ("repeats", "overhead_repeats"):
+    if not (isinstance(config[name], int) and config[name] >= 5):
+      raise ValueError(f"{name}={config[name]!r} must be an integer >= 5 (medians of >= 5 "
+                       "calls).")
   steps = tuple(config.steps)
   if not steps or any(not isinstance(k, int) or k < 1 for k in steps):
     raise ValueError(f"steps={steps!r} must be a non-empty list of integers >= 1.")
@@ -413,11 +415,13 @@ def run(config, workdir: str | None = None, log=print) -> dict:
                forward_flops=flops)
   train["utilisation"] = train["flops_per_s"] / peak
   families = family_overheads(apply_fn, params, canvas_BxL, config.family_steps,
-                              config.repeats, key)
-  calls = call_overheads(config, key, config.repeats)
-  steps = step_costs(tuple(config.step_batches), config.step_length, config.repeats, key)
+                              config.overhead_repeats, key)
+  calls = call_overheads(config, key, config.overhead_repeats)
+  steps = step_costs(tuple(config.step_batches), config.step_length, config.overhead_repeats,
+                     key)
   return dict(machine=machine_info(), model=model_cfg.__dict__ | {"params": num_params},
-              settings=dict(repeats=config.repeats, num_blocks=config.num_blocks,
+              settings=dict(repeats=config.repeats, overhead_repeats=config.overhead_repeats,
+                            num_blocks=config.num_blocks,
                             matmul_size=config.matmul_size, train_batch=config.train_batch),
               rows=rows, train=train, families=families, calls=calls, steps=steps)
 
@@ -469,7 +473,8 @@ def overhead_text(result: dict) -> str:
                                          if r["sampler"] == name and r["batch"] == b)
                for b in batches}}
            for name in dict.fromkeys(r["sampler"] for r in result["steps"])]
-  return ("\n## Overhead\n\n(i) Every family at its defaults (`bench.default_spec`) against the "
+  rounds = result["settings"]["overhead_repeats"]
+  return (f"\n## Overhead\n\nMedians of {rounds} interleaved rounds.\n\n(i) Every family at its defaults (`bench.default_spec`) against the "
           "bare forward passes it makes: its time over (one forward pass at this batch) x "
           "(sequences evaluated per row).\n\n"
           + report.markdown_table(families, list(families[0]))

@@ -19,6 +19,7 @@ def _tiny_config():
   # One step count: each family's programs depend on K, and one K shows every row kind.
   c.steps = (4,)
   c.family_steps, c.call_steps, c.step_batches, c.step_length = 4, 4, (2,), 8
+  c.overhead_repeats = 5
   return c
 
 
@@ -79,6 +80,7 @@ def test_analytic_flops_match_xla_cost_analysis():
 
 @pytest.mark.parametrize("field,value,match", [
     ("repeats", 2, "repeats=2"),
+    ("overhead_repeats", 3, "overhead_repeats=3"),
     ("steps", (6,), "not divisible by num_blocks"),
     ("samplers", ("ancestral", "nope"), "unknown"),
     ("batch", 0, "batch=0"),
