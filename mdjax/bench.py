@@ -183,12 +183,30 @@ def default_spec(family: str, steps: int, length: int) -> sampling.SamplerSpec:
   return sampling.make_spec(family, steps=steps)
 
 
+def evaluated_per_row(apply_fn, params, key, canvas_BxL, spec) -> float:
+  """The sequences a sampler passes to the denoiser, over the canvas rows: an untimed run
+  whose denoiser reports each call's batch to the host. It counts what `contexts_B` leaves
+  out: rows evaluated after they finished, and the padded contexts of a round that had
+  fewer positions left than contexts (speculative verification)."""
+  sizes = []
+
+  def counted(params, tokens_NxL, *args, **kwargs):
+    jax.debug.callback(lambda: sizes.append(tokens_NxL.shape[0]))
+    return apply_fn(params, tokens_NxL, *args, **kwargs)
+
+  jax.block_until_ready(sampling.sample(counted, params, key, canvas_BxL, spec).tokens_BxL)
+  jax.effects_barrier()
+  return sum(sizes) / canvas_BxL.shape[0]
+
+
 def family_overheads(apply_fn, params, canvas_BxL, steps: int, repeats: int, key) -> list[dict]:
   """(i) Every registered family at its defaults against the bare forward passes it makes.
 
   The floor is the time of one forward pass at this batch (K passes in one program, over
-  K) times the sequences the family evaluated per row (`contexts_B`: one per call, J for
-  a call of J contexts), so 1.0 means the sampler adds nothing to its denoiser calls.
+  K) times the sequences the program passes to the denoiser per row (`evaluated`), so 1.0
+  means the sampler adds nothing to its denoiser calls. `overhead_vs_forward` divides by
+  the sequences the family counts as evaluated instead (`contexts_B`: one per call, J for a
+  call of J contexts, only the useful ones), so it also charges the calls' padding.
   """
   length = canvas_BxL.shape[1]
   forward = forward_only_program(apply_fn, steps)
@@ -199,13 +217,16 @@ def family_overheads(apply_fn, params, canvas_BxL, steps: int, repeats: int, key
     compiled, args, _ = _timed_compile(
         lambda: sampling.lower(apply_fn, params, key, canvas_BxL, spec))
     result = compiled(*args)
-    made[family] = (int(result.nfe), float(jnp.mean(result.contexts_B)))
+    made[family] = (int(result.nfe), float(jnp.mean(result.contexts_B)),
+                    evaluated_per_row(apply_fn, params, key, canvas_BxL, spec))
     calls[family] = functools.partial(compiled, *args)
   medians = interleaved_medians(calls, repeats)
   per_pass = medians["forward"] / steps
-  return [dict(sampler=family, K=steps, nfe=nfe, contexts=contexts, time_s=medians[family],
-               overhead_vs_forward=medians[family] / (per_pass * contexts))
-          for family, (nfe, contexts) in made.items()]
+  return [dict(sampler=family, K=steps, nfe=nfe, contexts=contexts, evaluated=evaluated,
+               time_s=medians[family],
+               overhead_vs_forward=medians[family] / (per_pass * contexts),
+               overhead_vs_evaluated=medians[family] / (per_pass * evaluated))
+          for family, (nfe, contexts, evaluated) in made.items()]
 
 
 def call_overheads(config, key, repeats: int) -> list[dict]:
@@ -460,7 +481,9 @@ def overhead_text(result: dict) -> str:
   """The three overhead tables: families against their forward passes, the call path, the
   step's own work."""
   families = [{"sampler": r["sampler"], "K": r["K"], "nfe": r["nfe"],
-               "contexts / row": r["contexts"], "ms": r["time_s"] * 1e3,
+               "contexts / row": r["contexts"], "evaluated / row": r["evaluated"],
+               "ms": r["time_s"] * 1e3,
+               "scan / forwards (per evaluated)": r["overhead_vs_evaluated"],
                "scan / forwards (per context)": r["overhead_vs_forward"]}
               for r in result["families"]]
   calls = [{"model": r["model"], "params": r["params"], "K": r["K"],
@@ -476,7 +499,9 @@ def overhead_text(result: dict) -> str:
   rounds = result["settings"]["overhead_repeats"]
   return (f"\n## Overhead\n\nMedians of {rounds} interleaved rounds.\n\n(i) Every family at its defaults (`bench.default_spec`) against the "
           "bare forward passes it makes: its time over (one forward pass at this batch) x "
-          "(sequences evaluated per row).\n\n"
+          "(sequences the program passes to the denoiser per row, `evaluated`); per context: "
+          "over the sequences the family counts (`contexts_B`), which leaves out padded "
+          "contexts and finished rows.\n\n"
           + report.markdown_table(families, list(families[0]))
           + "\n(ii) Per call at batch 1 (confidence decoding): `sampling.sample(...)` against the "
           "compiled program from `sampling.lower(...)` called directly; the difference is the "

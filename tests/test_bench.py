@@ -53,6 +53,11 @@ def test_bench_schema_and_ratios(tmp_path):
   assert set(families) == set(sampling.families())
   for row in families.values():
     assert row["contexts"] >= row["nfe"] >= 1 and row["overhead_vs_forward"] > 0, row
+    # Every counted context is a sequence the program evaluated; speculative rounds also
+    # evaluate padded contexts (the tiny config drafts 2 of 8 positions a round).
+    assert row["evaluated"] >= row["contexts"], row
+    assert row["overhead_vs_evaluated"] == pytest.approx(
+        row["overhead_vs_forward"] * row["contexts"] / row["evaluated"])
   assert [r["model"] for r in data["calls"]] == ["bench", "tiny"]
   assert all(r["sample_s"] > 0 and r["program_s"] > 0 for r in data["calls"])
   assert {(r["sampler"], r["batch"]) for r in data["steps"]} == {
