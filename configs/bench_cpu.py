@@ -1,4 +1,4 @@
-"""Sampling benchmark on the CPU: a 4.2M-parameter denoiser, batch 4, L = 64 (7 to 10 min on 2 cores)."""
+"""Sampling benchmark on the CPU: a 4.2M-parameter denoiser, batch 4, L = 64 (about 20 min on 2 cores)."""
 
 import ml_collections
 
