@@ -18,6 +18,7 @@ def _tiny_config():
   c.seq_len, c.batch, c.train_batch, c.matmul_size = 8, 2, 2, 64
   # One step count: each family's programs depend on K, and one K shows every row kind.
   c.steps = (4,)
+  c.samplers = ("ancestral", "blocks")  # a flat and a blocked plan; the other rows repeat them
   c.family_steps, c.call_steps, c.step_batches, c.step_length = 4, 4, (2,), 8
   c.overhead_repeats = 5
   return c
