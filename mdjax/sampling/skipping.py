@@ -26,8 +26,11 @@ def in_range(num_steps: int, lo: Array, hi: Array) -> Array:
 
 def next_needed(needs: Callable[[Any, Array], Array], num_steps: int, carry, start: Array):
   """The first step >= start that `needs(carry, step)`, or K if none does."""
-  return jax.lax.while_loop(lambda i: (i < num_steps) & ~needs(carry, i), lambda i: i + 1,
-                            jnp.asarray(start, jnp.int32))
+  # `needs` never sees step K (both sides of & are evaluated): plans index by step, and
+  # without jit (jax.disable_jit) a numpy plan would raise where XLA would clamp.
+  in_plan = lambda i: jnp.minimum(i, num_steps - 1)
+  return jax.lax.while_loop(lambda i: (i < num_steps) & ~needs(carry, in_plan(i)),
+                            lambda i: i + 1, jnp.asarray(start, jnp.int32))
 
 
 def loop(step: Callable[[Any, Array], Any], needs: Callable[[Any, Array], Array],

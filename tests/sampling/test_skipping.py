@@ -47,6 +47,17 @@ def test_the_loop_matches_a_scan_and_calls_only_busy_steps(busy):
   np.testing.assert_array_equal(records, scan_records)  # a jumped step records the carry
 
 
+def test_the_loop_runs_without_jit_on_a_numpy_plan():
+  # Plans are numpy arrays indexed by step; the loop must never index step K.
+  step, _ = _step_and_needs(BUSY)
+  needs = lambda carry, i: BUSY[i]
+  with jax.disable_jit():
+    (total, calls, skipped), _ = skipping.loop(step, needs, NUM_STEPS, (0, 0, 0),
+                                               skip_range=_count_skipped)
+  assert int(total) == int(np.sum((np.arange(NUM_STEPS) + 1)[BUSY]))
+  assert int(calls) == BUSY.sum() and int(skipped) == NUM_STEPS - BUSY.sum()
+
+
 @pytest.mark.parametrize("pred", [True, False])
 def test_call_if_is_a_cond(pred):
   fn = lambda: (jnp.arange(3.0) * 2, jnp.int32(7))
