@@ -23,6 +23,13 @@ the window's first block a context the model never saw in its first block. The t
 those of `cached=False`, which runs the denoiser on the canvas at every call (any denoiser
 that takes `valid_BxL`, bidirectional ones included).
 
+A prompt that ends inside one of a block-causal model's blocks (`apply_fn.block_size`)
+finishes that block first: its last `p % block_size` tokens are held fixed at the start of the first
+generated block, so every block starts where the model's blocks do (positions count from
+each row's first valid token) and the cache of finished blocks stays exact. Each row still
+gets `length` positions after its own prompt; a batch whose prompts end at different offsets
+runs one block more at the end, which no row's first `length` positions see.
+
 With `spec.eos_id` a row that has written an end-of-sequence token is finished: its later
 blocks are all EOS, and once every row has finished no further block calls the denoiser.
 The whole generation is one `lax.scan` over blocks, one compiled program.
@@ -117,12 +124,6 @@ def _check(apply_fn, params, prompt: np.ndarray, spec, *, length, block_length, 
           f"must be a multiple of the model's block size {model_block} (cached=True)")
     check(window % model_block == 0, "window", window,
           f"must be a multiple of the model's block size {model_block} (cached=True)")
-    prompt_B = (np.full(prompt.shape[0], prompt.shape[1]) if valid is None
-                else valid.sum(-1))
-    if (prompt_B % model_block).any():
-      raise ValueError(f"the prompts hold {sorted(set(prompt_B.tolist()))} valid tokens; "
-                       f"cached=True needs each a multiple of the model's block size "
-                       f"{model_block}, so that blocks start where the model's blocks do.")
   family = family_of(spec)
   batch = prompt.shape[0]
   canvas = Canvas(batch=batch, length=block_length, mask_id=mask_id,
@@ -157,7 +158,8 @@ def sample_blocks(apply_fn, params: Any, key: Array, prompt_BxP, spec, *, length
       offering `prefill` and `decode` (mdjax's Transformer with `block_size`).
     params: its parameters.
     key: one PRNG key, or B row keys; block n of a row uses fold_in(row key, n).
-    prompt_BxP: the prompts, left-padded to one length P (P may be 0).
+    prompt_BxP: the prompts, left-padded to one length P (P may be 0), of any lengths: on a
+      block-causal model a prompt's last partial block is finished first (module doc).
     spec: the sampler of one block: any family; its `steps` are steps per block, its own
       `block_length` (if any) splits the block further. `spec.kv_cache` must be "none".
     length: positions to generate (a multiple of block_length; any number of windows).
@@ -177,24 +179,53 @@ def sample_blocks(apply_fn, params: Any, key: Array, prompt_BxP, spec, *, length
   batch = prompt.shape[0]
   driver._check_key_rows(key, batch)
   valid = np.ones(prompt.shape, bool) if valid is None else valid
-  return _program(apply_fn, params, driver.row_keys(key, batch), prompt.astype(np.int32),
-                  valid, plan, spec=spec, mask_id=mask_id, length=length,
+  prompt = prompt.astype(np.int32)
+  whole_BxP, tail_BxR = prompt, np.zeros((batch, 0), np.int32)
+  model_block = getattr(apply_fn, "block_size", None)
+  if model_block is not None:  # blocks start where the model's blocks do
+    whole_BxP, valid, tail_BxR = split_tails(prompt, valid, model_block, mask_id)
+  return _program(apply_fn, params, driver.row_keys(key, batch), prompt, whole_BxP, valid,
+                  tail_BxR, plan, spec=spec, mask_id=mask_id, length=length,
                   block_length=block_length, window=window, cached=cached, skip=skip)
+
+
+def split_tails(prompt_BxP: np.ndarray, valid_BxP: np.ndarray, model_block: int, mask_id: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(whole_BxP, valid_BxP, tail_BxR): each left-padded prompt cut where its last whole
+  model block ends. The whole blocks stay right-aligned at P (one more padding per tail
+  token); the R = max tail tokens, left-aligned with `mask_id` after them, go first in the
+  generated span."""
+  batch, width = prompt_BxP.shape
+  tail_B = valid_BxP.sum(-1) % model_block
+  tail_BxR = np.full((batch, int(tail_B.max(initial=0))), mask_id, np.int32)
+  whole_BxP, whole_valid_BxP = np.zeros_like(prompt_BxP), np.zeros_like(valid_BxP)
+  for row, tail in enumerate(tail_B):
+    tail_BxR[row, :tail] = prompt_BxP[row, width - tail:]
+    whole_BxP[row, tail:] = prompt_BxP[row, :width - tail]
+    whole_valid_BxP[row, tail:] = valid_BxP[row, :width - tail]
+  return whole_BxP, whole_valid_BxP, tail_BxR
 
 
 @functools.partial(jax.jit, static_argnames=("apply_fn", "spec", "mask_id", "length",
                                              "block_length", "window", "cached", "skip"))
-def _program(apply_fn, params, keys_B, prompt_BxP, valid_BxP, plan, *, spec, mask_id, length,
-             block_length, window, cached, skip) -> BlocksResult:
-  batch, prompt_len = prompt_BxP.shape
+def _program(apply_fn, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_BxR, plan, *,
+             spec, mask_id, length, block_length, window, cached, skip) -> BlocksResult:
+  """The generation: `whole_BxP` (valid: `valid_BxP`) before the blocks, `tail_BxR` fixed at
+  the start of the first one (`split_tails`); returns `prompt_BxP` and each row's `length`
+  positions after its tail."""
+  batch, prompt_len = whole_BxP.shape
+  tail_width = tail_BxR.shape[1]
+  tail_B = (tail_BxR != mask_id).sum(-1)
+  num_blocks = -(-(length + tail_width) // block_length)
+  span_length = num_blocks * block_length  # generated positions, tails included
   eos_id = spec.eos_id
   span = window + block_length  # the canvas each block is denoised on
   # The sequence with room either side: [window of padding, prompt, generation, window].
-  tokens_BxS = jnp.concatenate([jnp.zeros((batch, window), jnp.int32), prompt_BxP,
-                                jnp.full((batch, length), mask_id, jnp.int32),
+  tokens_BxS = jnp.concatenate([jnp.zeros((batch, window), jnp.int32), whole_BxP, tail_BxR,
+                                jnp.full((batch, span_length - tail_width), mask_id, jnp.int32),
                                 jnp.zeros((batch, window), jnp.int32)], 1)
   valid_BxS = jnp.concatenate([jnp.zeros((batch, window), bool), valid_BxP,
-                               jnp.ones((batch, length), bool),
+                               jnp.ones((batch, span_length), bool),
                                jnp.zeros((batch, window), bool)], 1)
   longest_prompt = valid_BxP.sum(-1).max()
   ones_B = jnp.ones((batch,), jnp.float32)
@@ -250,7 +281,8 @@ def _program(apply_fn, params, keys_B, prompt_BxP, valid_BxP, plan, *, spec, mas
       block_BxW, calls, cache = jax.lax.cond(ended_B.all(), lambda: idle,
                                              lambda: denoise_block(n, tokens_BxS, cache))
       block_BxW = jnp.where(ended_B[:, None], eos_id, block_BxW)
-      ended_B = ended_B | (block_BxW == eos_id).any(-1)
+      written_BxW = (n * block_length + jnp.arange(block_length))[None] >= tail_B[:, None]
+      ended_B = ended_B | ((block_BxW == eos_id) & written_BxW).any(-1)
     tokens_BxS = jax.lax.dynamic_update_slice_in_dim(
         tokens_BxS, block_BxW, window + prompt_len + n * block_length, axis=1)
     return (tokens_BxS, ended_B, nfe + calls, blocks_run + (calls > 0), cache), None
@@ -262,15 +294,19 @@ def _program(apply_fn, params, keys_B, prompt_BxP, valid_BxP, plan, *, spec, mas
     cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
   zero = jnp.zeros((), jnp.int32)
   carry = (tokens_BxS, jnp.zeros((batch,), bool), zero, zero, cache)
-  num_blocks = length // block_length
   (tokens_BxS, _, nfe, blocks_run, _), _ = jax.lax.scan(
       body, carry, jnp.arange(num_blocks, dtype=jnp.int32))
-  generated_BxG = tokens_BxS[:, window + prompt_len:window + prompt_len + length]
+  first = window + prompt_len
+  if tail_width:  # each row's `length` positions after its own tail
+    columns_BxG = first + tail_B[:, None] + jnp.arange(length)[None]
+    generated_BxG = jnp.take_along_axis(tokens_BxS, columns_BxG, axis=1)
+  else:
+    generated_BxG = tokens_BxS[:, first:first + length]
   if eos_id is None:
     generated_length_B = jnp.full((batch,), length, jnp.int32)
   else:
     is_eos_BxG = generated_BxG == eos_id
     generated_length_B = jnp.where(is_eos_BxG.any(-1), jnp.argmax(is_eos_BxG, -1),
                                    length).astype(jnp.int32)
-  return BlocksResult(tokens_BxT=tokens_BxS[:, window:window + prompt_len + length],
+  return BlocksResult(tokens_BxT=jnp.concatenate([prompt_BxP, generated_BxG], 1),
                       generated_length_B=generated_length_B, nfe=nfe, blocks_run=blocks_run)

@@ -99,6 +99,43 @@ def test_left_padded_prompts_and_no_prompt(block_model):
   assert (np.asarray(empty.tokens_BxT) < V).all()
 
 
+@pytest.mark.xdist_group("block_model")
+@pytest.mark.parametrize("spec", FAMILIES[:3], ids=lambda s: type(s).__name__)
+def test_prompts_of_any_length_finish_their_last_block(block_model, spec):
+  """Prompts of 3, 6 and 1 tokens on blocks of 4: each finishes its partial block first, so
+  the cache stays exact (cached = recomputed, past the training length), each row gets its
+  `length` positions after its own prompt, and a row gives what it gives alone."""
+  apply_fn, params = block_model
+  prompts = [_prompt(1, 3)[0], _prompt(1, 6)[0][::-1], _prompt(1, 1)[0]]
+  padded, valid = np.zeros((3, 6), np.int32), np.zeros((3, 6), bool)
+  for row, prompt in enumerate(prompts):
+    padded[row, 6 - len(prompt):], valid[row, 6 - len(prompt):] = prompt, True
+  kw = dict(length=4 * BLOCK, block_length=BLOCK, window=WINDOW, mask_id=V)
+  key = jax.random.key(3)
+  cached = sampling.sample_blocks(apply_fn, params, key, padded, spec, valid_BxP=valid, **kw)
+  plain = sampling.sample_blocks(apply_fn, params, key, padded, spec, valid_BxP=valid,
+                                 cached=False, **kw)
+  np.testing.assert_array_equal(cached.tokens_BxT, plain.tokens_BxT)
+  tokens = np.asarray(cached.tokens_BxT)
+  assert tokens.shape == (3, 6 + 4 * BLOCK) and (tokens[:, 6:] < V).all()
+  np.testing.assert_array_equal(tokens[:, :6], padded)
+  assert int(cached.blocks_run) == 5  # tails of up to 3 tokens: one block more
+  keys_B = sampling.row_keys(key, 3)
+  for row, prompt in enumerate(prompts):
+    alone = sampling.sample_blocks(apply_fn, params, keys_B[row:row + 1], prompt[None], spec,
+                                   **kw)
+    np.testing.assert_array_equal(tokens[row, 6:], np.asarray(alone.tokens_BxT)[0, len(prompt):])
+
+
+def test_split_tails_layout():
+  prompt = np.array([[0, 0, 1, 2, 3, 4, 5], [0, 0, 0, 6, 7, 8, 1]], np.int32)
+  valid = prompt > 0
+  whole, whole_valid, tail = sampling.blockwise.split_tails(prompt, valid, 4, V)
+  np.testing.assert_array_equal(whole, [[0, 0, 0, 1, 2, 3, 4], [0, 0, 0, 6, 7, 8, 1]])
+  np.testing.assert_array_equal(whole_valid, whole > 0)
+  np.testing.assert_array_equal(tail, [[5], [V]])
+
+
 EOS, TRIGGER = 7, 2
 
 
@@ -150,8 +187,6 @@ def test_bad_input(block_model):
     call(block_length=2, window=8, length=8)
   with pytest.raises(ValueError, match="window=6 is invalid.*model's block size 4"):
     call(window=6)
-  with pytest.raises(ValueError, match=r"prompts hold \[3\] valid tokens"):
-    call(prompt=_prompt(length=3))
   with pytest.raises(ValueError, match="spec.kv_cache='exact' is invalid"):
     call(spec=dataclasses.replace(spec, block_length=BLOCK, kv_cache="exact"))
   with pytest.raises(ValueError, match="eos_id=9 is outside"):
