@@ -27,8 +27,8 @@ A prompt that ends inside one of a block-causal model's blocks (`apply_fn.block_
 finishes that block first: its last `p % block_size` tokens are held fixed at the start of the first
 generated block, so every block starts where the model's blocks do (positions count from
 each row's first valid token) and the cache of finished blocks stays exact. Each row still
-gets `length` positions after its own prompt; a batch whose prompts end at different offsets
-runs one block more at the end, which no row's first `length` positions see.
+gets `length` positions after its own prompt; the generation then runs one block more at the
+end, which no row's first `length` positions see.
 
 With `spec.eos_id` a row that has written an end-of-sequence token is finished: its later
 blocks are all EOS, and once every row has finished no further block calls the denoiser.
