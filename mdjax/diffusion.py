@@ -235,9 +235,13 @@ def nelbo_loss(
   T (alpha(s) - alpha(t)) / (1 - alpha(t)), an unbiased estimate of the sum
   of the T interval terms. Visible positions contribute nothing (SUBS).
 
+  `maskable_BxL` (bool, default all True) marks the positions the forward
+  process may mask; the others (a prompt, padding) stay visible at every t, so
+  the loss is the NELBO of the maskable tokens given them.
+
   Returns (loss, aux): loss is the batch-mean NELBO in nats per sequence; aux
   holds `nelbo_nats` (same), `nelbo_nats_B` (per sequence, for error bars),
-  `bits_per_token` and `masked_fraction` (of maskable positions).
+  `bits_per_token` and `masked_fraction` (both per maskable position).
   """
   schedule = as_schedule(schedule)
   if not isinstance(mask_id, (int, np.integer)) or isinstance(mask_id, bool) or mask_id < 1:

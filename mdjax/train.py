@@ -33,7 +33,7 @@ from absl import logging
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mdjax import diffusion, models, sampling, streams, tasks
+from mdjax import diffusion, models, plot, sampling, streams, tasks
 
 Array = jax.Array
 
@@ -69,14 +69,19 @@ def block_nelbo_options(config) -> dict:
   return options
 
 
-def make_optimizer(cfg) -> optax.GradientTransformation:
-  """AdamW, linear warmup then cosine decay to `lr_floor * lr`, clipping."""
-  schedule = optax.warmup_cosine_decay_schedule(
+def learning_rate_schedule(cfg) -> optax.Schedule:
+  """Linear warmup then cosine decay to `lr_floor * lr`: the rate of update i (from 0)."""
+  return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
       decay_steps=max(cfg.num_steps, cfg.warmup_steps + 1), end_value=cfg.lr * cfg.lr_floor)
+
+
+def make_optimizer(cfg) -> optax.GradientTransformation:
+  """AdamW on `learning_rate_schedule`, clipping."""
   return optax.chain(
       optax.clip_by_global_norm(cfg.grad_clip),
-      optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
+      optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2,
+                  weight_decay=cfg.weight_decay))
 
 
 def masking_schedule(config) -> diffusion.Schedule:
@@ -137,8 +142,10 @@ def param_sharding(mesh: Mesh, params, fsdp: bool):
 
 
 def train_step(state: TrainState, x_BxL: Array, *, loss_fn, optimizer, ema_decay: float,
-               seed: int) -> tuple[TrainState, dict]:
-  """value_and_grad of the loss -> optax -> metrics. Pure."""
+               seed: int, learning_rate: optax.Schedule | None = None
+               ) -> tuple[TrainState, dict]:
+  """value_and_grad of the loss -> optax -> metrics (with `learning_rate`, its value as
+  `lr`). Pure."""
   noise_key = jax.random.fold_in(jax.random.key(seed), streams.RowStream.TRAIN_NOISE)
   key = jax.random.fold_in(noise_key, state.step)
   (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, key, x_BxL)
@@ -149,6 +156,8 @@ def train_step(state: TrainState, x_BxL: Array, *, loss_fn, optimizer, ema_decay
     ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, ema, params)
   metrics = {k: v for k, v in aux.items() if jnp.ndim(v) == 0}
   metrics.update(loss=loss, grad_norm=optax.tree.norm(grads))
+  if learning_rate is not None:  # the rate of this update: optax counts updates from 0
+    metrics["lr"] = learning_rate(state.step)
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                     ema_params=ema), metrics
 
@@ -442,6 +451,34 @@ class _Progress:
     filled = int(width * step / self.total)
     return (f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total} "
             f"loss {loss:.4f} | {rate:.1f} steps/s | ETA {eta:.0f}s")
+
+
+class _Throughput:
+  """Training tokens per second between logged rows: the wall time from one step's metrics
+  to the next, checkpoints, evaluations and the first (compiling) step left out."""
+
+  def __init__(self, tokens_per_step: int):
+    self.tokens_per_step = tokens_per_step
+    self.last, self.steps, self.seconds = None, 0, 0.0
+
+  def step_done(self) -> None:
+    now = time.perf_counter()
+    if self.last is not None:
+      self.steps += 1
+      self.seconds += now - self.last
+    self.last = now
+
+  def restart(self) -> None:
+    """After work that is not training: the next step is timed from now."""
+    self.last = time.perf_counter()
+
+  def take(self) -> float | None:
+    """Tokens/s since the previous call (None when no step was timed)."""
+    if not self.steps:
+      return None
+    rate = self.steps * self.tokens_per_step / max(self.seconds, 1e-9)
+    self.steps, self.seconds = 0, 0.0
+    return rate
 
 
 def eval_batch(config, i: int, task: tasks.Task) -> np.ndarray:
@@ -791,7 +828,8 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
   optimizer = make_optimizer(config.train)
   step_fn = jax.jit(
       functools.partial(train_step, loss_fn=loss_fn, optimizer=optimizer,
-                        ema_decay=config.train.ema_decay, seed=config.seed),
+                        ema_decay=config.train.ema_decay, seed=config.seed,
+                        learning_rate=learning_rate_schedule(config.train)),
       in_shardings=(shardings, NamedSharding(mesh, PartitionSpec("data"))),
       out_shardings=(shardings, None), donate_argnums=0)
   eval_schedule = masking_schedule(config)
@@ -813,6 +851,8 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
   _keep_metrics_through(metrics_path, int(state.step))
   pending = None  # metrics of the previous step: fetched one step late (async dispatch)
   tty = sys.stdout.isatty()
+  throughput = _Throughput(config.batch_size * task.length)
+  curves = plot.Curves(workdir, log)
 
   def flush(step_metrics, step):
     host = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
@@ -824,8 +864,13 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
 
   def report(step_metrics, step):
     host = flush(step_metrics, step)
+    throughput.step_done()
     if step % config.log_every == 0 or step == num_steps:
-      metrics.write({"step": step, **host})
+      row = {"step": step, **host}
+      tokens_per_s = throughput.take()
+      if tokens_per_s is not None:
+        row["tokens_per_s"] = tokens_per_s
+      metrics.write(row)
       line = progress.line(step, host["loss"])
       print("\r" + line if tty else line, end="" if tty else "\n", flush=True)
 
@@ -843,7 +888,9 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
       save_now = step % config.checkpoint.every == 0 or step == num_steps
       eval_now = step == num_steps or bool(config.eval_every and step % config.eval_every == 0)
       if save_now or eval_now:
-        flush(*pending)  # never save a state whose loss was not finite
+        # Never save a state whose loss was not finite; its row goes with the checkpoint.
+        report(*pending)
+        pending = None
       if save_now:
         save(manager, state, config, task)
         clock.save(step)
@@ -856,12 +903,17 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
         metrics.write(record)
         log(("\n" if tty else "") + "eval " + " ".join(
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+      if save_now:
+        curves.draw(last=step == num_steps)
+      if save_now or eval_now:
+        throughput.restart()
     if pending is not None:
       report(*pending)
     if interrupts.signal_name is not None:
       if saved_step != step:
         save(manager, state, config, task)
         clock.save(step)
+      curves.draw(last=True)
       log(("\n" if tty else "") + f"{interrupts.signal_name}: checkpoint saved at step {step} "
           f"of {num_steps} in {workdir}/checkpoints; the same command resumes.")
   finally:

@@ -1,6 +1,7 @@
 """Tests of training: learning, checkpoints, fault tolerance, sharding, bad input."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -299,3 +300,75 @@ def test_load_is_quiet_and_self_contained(two_color_run, capfd):
   assert mdjax.load(str(two_color_run), step=200).step == 200
   with pytest.raises(ValueError, match="step=7 is not saved"):
     mdjax.load(str(two_color_run), step=7)
+
+
+def _warmup_cosine(step, lr=3e-3, warmup=20, num_steps=300, floor=0.1):
+  """The learning rate of update `step` (from 0), written out: linear warmup, cosine decay."""
+  if step < warmup:
+    return lr * step / warmup
+  done = min(step - warmup, num_steps - warmup) / (num_steps - warmup)
+  return lr * floor + (lr - lr * floor) * 0.5 * (1 + math.cos(math.pi * done))
+
+
+@pytest.mark.xdist_group("two_color_run")
+def test_curves_png_beside_metrics_and_redrawn(two_color_run, tmp_path, capsys):
+  from matplotlib.image import imread
+
+  from mdjax import plot
+  # The run wrote curves.png at its last checkpoint, and no temporary file.
+  png = two_color_run / "curves.png"
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert [n for n in os.listdir(two_color_run) if n.endswith(".tmp")] == []
+  rows = [r for r in map(json.loads, open(two_color_run / "metrics.jsonl")) if "loss" in r]
+  assert [r["step"] for r in rows] == [50, 100, 150, 200, 250, 300]
+  for r in rows:  # the rate of the row's update: optax counts updates from 0
+    assert r["lr"] == pytest.approx(_warmup_cosine(r["step"] - 1), rel=1e-5), r
+    assert r["tokens_per_s"] > 0, r
+  # Redrawn from metrics.jsonl alone, into the workdir or --out.
+  copy = tmp_path / "copy"
+  copy.mkdir()
+  shutil.copy(two_color_run / "metrics.jsonl", copy)
+  plot.main([str(copy)])
+  plot.main([str(copy), f"--out={tmp_path / 'other.png'}"])
+  assert capsys.readouterr().out.splitlines() == [
+      f"wrote {copy / 'curves.png'}", f"wrote {tmp_path / 'other.png'}"]
+  image = imread(copy / "curves.png")
+  assert image.shape[0] > 400 and image.shape[1] > 600 and image.std() > 0.05
+
+
+def test_curves_errors_are_one_line_and_matplotlib_is_optional(tmp_path, monkeypatch):
+  from mdjax import plot
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  blank = tmp_path / "blank"
+  blank.mkdir()
+  (blank / "metrics.jsonl").write_text("")
+  for workdir, why in ((tmp_path / "missing", "is not a directory"),
+                       (empty, "holds no metrics.jsonl"), (blank, "holds no rows yet")):
+    with pytest.raises(SystemExit) as info:
+      plot.main([str(workdir)])
+    message = str(info.value.code)
+    assert message.startswith("python -m mdjax.plot: error: ") and "\n" not in message, message
+    assert f"workdir={str(workdir)!r}" in message and why in message, message
+  # Training's drawer: skipped between close checkpoints, always at the last one.
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0, "lr": 1e-3}) + "\n")
+  messages = []
+  curves = plot.Curves(str(workdir), messages.append, every_s=3600)
+  curves.draw()
+  assert not (workdir / "curves.png").exists()
+  curves.draw(last=True)
+  assert (workdir / "curves.png").exists() and messages == []
+  # Without matplotlib: no png, one line saying how to install it, once.
+  os.remove(workdir / "curves.png")
+  for name in [n for n in sys.modules if n.split(".")[0] == "matplotlib"] + ["matplotlib"]:
+    monkeypatch.setitem(sys.modules, name, None)
+  curves = plot.Curves(str(workdir), messages.append, every_s=0)
+  curves.draw()
+  curves.draw(last=True)
+  assert messages == ["curves.png not drawn: matplotlib is not installed "
+                      "(pip install 'mdjax[plot]')."], messages
+  assert os.listdir(workdir) == ["metrics.jsonl"]
+  with pytest.raises(SystemExit, match=r"matplotlib is not installed \(pip install"):
+    plot.main([str(workdir)])
