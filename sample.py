@@ -94,7 +94,12 @@ _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
 _OUT = flags.DEFINE_string("out", None, "Directory for samples.jsonl and metrics.json "
                            "(with --prompts: completions.jsonl).")
 _PROMPTS = flags.DEFINE_string("prompts", None, "A JSONL file of {\"prompt\": TEXT} lines (text "
-                               "tasks): completions of every prompt, any lengths in one batch.")
+                               "tasks): --max_new_tokens after every prompt, any lengths in one "
+                               "batch.")
+_MAX_NEW_TOKENS = flags.DEFINE_integer(
+    "max_new_tokens", None, "With --prompts: tokens generated after each prompt (fewer when a "
+    "row ends at EOS), whatever the batch. Past the model's length a block-causal model "
+    "generates block by block (--blocks_of, default its block size); others refuse.")
 _EOS = flags.DEFINE_bool("eos", True, "End rows at the task's EOS id (text tasks of documents).")
 _EOS_PENALTY = flags.DEFINE_float("eos_penalty", None, "Subtracted from the EOS logit.")
 _EOS_NEVER = flags.DEFINE_bool("eos_never", False, "Never propose EOS.")
@@ -232,6 +237,9 @@ def eos_spec(task: tasks.Task, spec):
   """The spec with the task's end of sequence (--eos) and the EOS knobs."""
   knobs = dict(eos_penalty=_EOS_PENALTY.value or 0.0, eos_never=_EOS_NEVER.value,
                eos_rank_last=_EOS_RANK_LAST.value)
+  if task.eos_id is None and _given("eos"):
+    raise app.UsageError(f"--eos does not apply: task {task.name!r} has no end of sequence "
+                         "(text of documents has one).")
   if task.eos_id is None or not _EOS.value:
     if any(knobs.values()):
       raise app.UsageError("--eos_penalty, --eos_never and --eos_rank_last need a task with an "
@@ -244,39 +252,45 @@ def eos_spec(task: tasks.Task, spec):
 
 
 def complete_prompts(task, apply_fn, params, spec) -> None:
-  """--prompts: left-padded batches of prompts, completions.jsonl, output tokens per second."""
+  """--prompts: `generation.generate` (--max_new_tokens after each prompt), completions.jsonl,
+  output tokens per second."""
+  if _MAX_NEW_TOKENS.value is None:
+    raise app.UsageError("--prompts needs --max_new_tokens=N: the tokens to generate after "
+                         f"each prompt (the model holds {task.length} positions).")
+  where = f"--prompts={_PROMPTS.value!r}"
   try:
     prompts = generation.read_prompts(_PROMPTS.value)
-    encoded = generation.encode_prompts(task, prompts, where=f"--prompts={_PROMPTS.value!r}")
+    ids = generation.prompt_ids(task, prompts, where=where)
+    plan = generation.plan_generation(
+        [len(p) for p in ids], _MAX_NEW_TOKENS.value, max_len=task.length,
+        model_block=getattr(apply_fn, "block_size", None), blocks_of=_BLOCKS_OF.value,
+        window=_CONTEXT.value, block_length=getattr(spec, "block_length", None))
   except (ValueError, OSError) as error:
+    raise app.UsageError(str(error).replace("max_new_tokens=", "--max_new_tokens=")
+                         .replace("blocks_of=", "--blocks_of=")) from error
+  print(f"task={task.name} sampler={spec} prompts={len(prompts)}: {plan.describe()}")
+  start_time = time.perf_counter()
+  try:
+    out = generation.generate(apply_fn, params, task, ids, spec,
+                              max_new_tokens=_MAX_NEW_TOKENS.value,
+                              key=jax.random.key(_SEED.value), batch_size=_BATCH.value,
+                              blocks_of=_BLOCKS_OF.value, window=_CONTEXT.value,
+                              on_batch=lambda done, total: print(
+                                  f"\r[{'#' * (24 * done // total):<24}] {done}/{total} "
+                                  f"prompts [{time.perf_counter() - start_time:.1f}s]", end="",
+                                  flush=True))
+  except ValueError as error:
     raise app.UsageError(str(error)) from error
-  batch_size = min(_BATCH.value, len(prompts))
-  num_batches = -(-len(prompts) // batch_size)
-  print(f"task={task.name} sampler={spec} prompts={len(prompts)}")
-  rows, start_time, output_tokens = [], time.perf_counter(), 0
-  for i in range(num_batches):
-    part = encoded[i * batch_size:(i + 1) * batch_size]
-    tokens, valid, start = generation.left_padded(part, task.length, task.mask_id)
-    try:
-      out = sampling.sample(apply_fn, params, jax.random.fold_in(jax.random.key(_SEED.value), i),
-                            tokens, spec, mask_id=task.mask_id, valid_BxL=valid)
-    except ValueError as error:
-      raise app.UsageError(str(error)) from error
-    final, lengths = np.asarray(out.tokens_BxL), np.asarray(out.generated_length_B)
-    for j, ids in enumerate(part):
-      gen = generation.completion_ids(final[j], start, lengths[j])
-      rows.append({"prompt": prompts[i * batch_size + j], "completion": task.decode(gen),
-                   "token_ids": gen.tolist(), "generated_length": int(lengths[j])})
-    output_tokens += int(lengths.sum())
-    done = (i + 1) / num_batches
-    print(f"\r[{'#' * int(24 * done):<24}] batch {i + 1}/{num_batches} "
-          f"[{time.perf_counter() - start_time:.1f}s]", end="", flush=True)
   print()
   elapsed = time.perf_counter() - start_time
+  rows = [{"prompt": prompt, "completion": text, "token_ids": gen.tolist(),
+           "generated_length": len(gen)}
+          for prompt, text, gen in zip(prompts, out.texts, out.token_ids)]
   for row in rows[:_NUM_SHOWN.value]:
     print(f"--- {row['prompt']!r} -> {row['completion']!r}")
+  output_tokens = int(out.generated_length_B.sum())
   print(f"{len(rows)} completions, {output_tokens} output tokens (up to EOS) in {elapsed:.2f}s: "
-        f"{output_tokens / elapsed:.1f} output tokens/s")
+        f"{output_tokens / elapsed:.1f} output tokens/s, {out.nfe} denoiser passes")
   if _OUT.value:
     with open(os.path.join(_OUT.value, "completions.jsonl"), "w") as f:
       for row in rows:
@@ -296,9 +310,6 @@ def generate_in_blocks(task, apply_fn, params, spec) -> None:
       prompt = np.asarray(task.encode(_PREFIX.value), np.int32)
     except ValueError as error:
       raise app.UsageError(str(error)) from error
-  if _SUFFIX.value:
-    raise app.UsageError("--suffix does not apply with --blocks_of (blocks are written left "
-                         "to right).")
   batch_size = min(_BATCH.value, _NUM_SAMPLES.value)
   cached = getattr(apply_fn, "block_size", None) is not None
   print(f"task={task.name} sampler={spec} blocks of {block}, window {window}, length {length}, "
@@ -338,11 +349,52 @@ def report_samples(task, tokens, metrics: dict) -> None:
       json.dump(metrics, f, indent=2)
 
 
+# The modes: "samples" (--num_samples on the task's canvas), "blocks" (--blocks_of without
+# --prompts) and "prompts"; the sources: --oracle and --workdir. A flag outside the modes or
+# source it serves is refused (never ignored), with the reason.
+MODE_NAMES = {"samples": "without --blocks_of or --prompts", "blocks": "with --blocks_of",
+              "prompts": "with --prompts"}
+MODE_FLAGS = {
+    "num_samples": ({"samples", "blocks"}, "with --prompts each prompt gets one completion"),
+    "prompt": ({"samples", "blocks"}, "with --prompts the prompts come from the file"),
+    "prefix": ({"samples", "blocks"}, "with --prompts the prompts come from the file"),
+    "suffix": ({"samples"}, "blocks and completions are written left to right"),
+    "reference": ({"samples"}, "it scores samples of the task's length"),
+    "length": ({"blocks"}, "it is the length of --blocks_of generation (with --prompts: "
+               "--max_new_tokens)"),
+    "context": ({"blocks", "prompts"}, "it is the window of --blocks_of generation"),
+    "max_new_tokens": ({"prompts"}, "it counts the tokens after each prompt of --prompts "
+                       "(with --blocks_of alone: --length)"),
+}
+SOURCE_FLAGS = {"task": ("oracle", "the workdir's checkpoint fixes the task"),
+                "step": ("workdir", "it picks a checkpoint of --workdir")}
+
+
+def mode() -> str:
+  return "prompts" if _PROMPTS.value else "blocks" if _BLOCKS_OF.value is not None else "samples"
+
+
+def check_mode_flags() -> None:
+  """Refuses, in one line, a flag that the mode or the source does not use."""
+  if bool(_WORKDIR.value) == _ORACLE.value:
+    raise app.UsageError("give exactly one of --workdir=DIR and --oracle.")
+  source = "workdir" if _WORKDIR.value else "oracle"
+  for name, (wanted, why) in SOURCE_FLAGS.items():
+    if _given(name) and source != wanted:
+      raise app.UsageError(f"--{name} does not apply with --{source}: {why}.")
+  current = mode()
+  for name, (modes, why) in MODE_FLAGS.items():
+    if _given(name) and current not in modes:
+      raise app.UsageError(f"--{name} does not apply {MODE_NAMES[current]}: {why}.")
+  if current == "prompts" and _given("context") and _BLOCKS_OF.value is None:
+    raise app.UsageError("--context does not apply with --prompts alone: it is the window of "
+                         "--blocks_of generation.")
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it reads at INFO
-  if bool(_WORKDIR.value) == _ORACLE.value:
-    raise app.UsageError("give exactly one of --workdir=DIR and --oracle.")
+  check_mode_flags()
   if _OUT.value:
     check_out(_OUT.value)
   if _WORKDIR.value:
@@ -372,9 +424,6 @@ def main(argv):
       raise app.UsageError(f"--{name}={value} must be >= 1.")
   if _BLOCKS_OF.value is not None:
     return generate_in_blocks(task, apply_fn, params, spec)
-  for name in ("length", "context"):
-    if _given(name):
-      raise app.UsageError(f"--{name} applies only with --blocks_of.")
   batch_size = min(_BATCH.value, _NUM_SAMPLES.value)
   canvas = np.array(task.empty_canvas(batch_size))
   if _PROMPT.value:

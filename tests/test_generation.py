@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import jax
 import jax.numpy as jnp
@@ -177,19 +178,82 @@ def test_bpe_documents_checkpoint_and_prompts_cli(tmp_path):
   proc = subprocess.run(
       [sys.executable, os.path.join(root, "sample.py"), f"--workdir={workdir}",
        f"--prompts={prompts}", f"--out={tmp_path / 'out'}", "--sampler=confidence",
-       "--steps=4", "--batch_size=2"], capture_output=True, text=True, timeout=300,
-      env=dict(os.environ, PYTHONPATH=root))
+       "--steps=4", "--batch_size=2", "--max_new_tokens=8"], capture_output=True, text=True,
+      timeout=300, env=dict(os.environ, PYTHONPATH=root))
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "output tokens/s" in proc.stdout
   rows = [json.loads(line) for line in (tmp_path / "out" / "completions.jsonl").open()]
   assert [r["prompt"] for r in rows] == ["Thou art", "The", "And the king of"]
   for r in rows:
-    assert r["generated_length"] == len(r["token_ids"]) <= 16
+    assert r["generated_length"] == len(r["token_ids"]) <= 8
     assert task.eos_id not in r["token_ids"]
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"prompt": "' + "word " * 40 + '"}\n')
   proc = subprocess.run(
       [sys.executable, os.path.join(root, "sample.py"), f"--workdir={workdir}",
-       f"--prompts={bad}", "--sampler=confidence", "--steps=4"], capture_output=True,
-      text=True, timeout=300, env=dict(os.environ, PYTHONPATH=root))
-  assert proc.returncode == 2 and "line 1 encodes to" in proc.stderr, proc.stderr[-500:]
+       f"--prompts={bad}", "--sampler=confidence", "--steps=4", "--max_new_tokens=8"],
+      capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=root))
+  assert proc.returncode == 2 and "--max_new_tokens=8 is too many" in proc.stderr, proc.stderr
+  assert "prompts must be shorter than 16 tokens" in proc.stderr
+
+
+GEN_V, GEN_LEN = 9, 12  # vocabulary and the model's length for `generate`
+
+
+def _generation_model(block_size=None):
+  cfg = models.TransformerConfig(vocab_size=GEN_V, max_len=GEN_LEN, d_model=32, num_layers=1,
+                                 num_heads=2, d_ff=64, block_size=block_size,
+                                 time_conditioning=block_size is None)
+  _, params, apply_fn = models.init(cfg, seed=0)
+  task = types.SimpleNamespace(name="ids", length=GEN_LEN, mask_id=GEN_V, encode=None,
+                               decode=None)
+  return apply_fn, params, task
+
+
+def test_generate_gives_every_row_max_new_tokens_whatever_the_batch():
+  """Prompts of 7, 1 and 0 tokens, 4 new tokens each: the same completions in one batch or
+  one prompt at a time (row i draws with fold_in(key, i)). Programs of different batch sizes
+  round differently (logits move by ~2e-7 here), which can flip a near-tie of this untrained
+  model's almost flat distributions: the check uses ancestral draws, which it does not flip."""
+  apply_fn, params, task = _generation_model()
+  prompts = [[1, 2, 3, 4, 5, 6, 7], [8], []]
+  spec = sampling.AncestralSpec(steps=4)
+  run = lambda batch_size: generation.generate(apply_fn, params, task, prompts, spec,
+                                               max_new_tokens=4, key=jax.random.key(0),
+                                               batch_size=batch_size)
+  together, one_by_one = run(None), run(1)
+  assert together.plan.layout == "canvas" and together.plan.canvas_length == 7 + 4
+  assert together.texts is None
+  np.testing.assert_array_equal(together.generated_length_B, [4, 4, 4])
+  for a, b in zip(together.token_ids, one_by_one.token_ids):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match="max_new_tokens=6 is too many.*line 1.*at most 5 new"):
+    generation.generate(apply_fn, params, task, prompts, spec, max_new_tokens=6,
+                        key=jax.random.key(0))
+
+
+def test_generate_past_the_model_length_on_a_block_causal_model():
+  """12 positions, blocks of 4: a 5-token prompt and 10 new tokens go block by block (the
+  prompt's partial block first), 10 tokens a row."""
+  apply_fn, params, task = _generation_model(block_size=4)
+  out = generation.generate(apply_fn, params, task, [[1, 2, 3, 4, 5], [6]],
+                            sampling.ConfidenceSpec(steps=2), max_new_tokens=10,
+                            key=jax.random.key(1))
+  assert out.plan.layout == "blocks" and (out.plan.blocks_of, out.plan.window) == (4, 8)
+  assert out.plan.length == 12  # 10 rounded up to whole blocks, the rest cut off
+  np.testing.assert_array_equal(out.generated_length_B, [10, 10])
+  assert all((ids < GEN_V).all() for ids in out.token_ids)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_new_tokens=0), "max_new_tokens=0 is invalid"),
+    (dict(max_new_tokens=2.5), "max_new_tokens=2.5 is invalid"),
+    (dict(max_new_tokens=4, block_length=3), "spec.block_length=3 must divide max_new_tokens=4"),
+    (dict(max_new_tokens=4, window=4), "window=4 applies only with blocks_of"),
+    (dict(max_new_tokens=4, blocks_of=12), "blocks_of=12 is invalid"),
+])
+def test_plan_generation_bad_input(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    generation.plan_generation([3, 1], max_len=GEN_LEN, **kwargs)
+  plan = generation.plan_generation([3, 1], 8, max_len=GEN_LEN, blocks_of=4)
+  assert (plan.layout, plan.window, plan.length) == ("blocks", 8, 8)
