@@ -1,0 +1,165 @@
+"""Every sample.py flag in every mode is used or refused, never ignored.
+
+The modes: samples from an exact oracle, samples from a workdir, completions of --prompts,
+block-by-block generation (--blocks_of). The samplers and `mdjax.load` are replaced by
+recorders (no compilation): a flag is *used* when giving it changes what the library is called
+with, what is printed or what is written; *refused* when the run stops with a one-line usage
+error. Any other outcome (the same calls, output and files) is a flag silently ignored.
+"""
+
+import json
+import re
+import types
+
+import jax
+import numpy as np
+import pytest
+from absl import flags
+
+import sample
+from mdjax import sampling, tasks
+from tests.text_fixtures import tiny_config, write_corpus
+
+# A value for each flag (not its default), and the flags its sampler family needs.
+LOCAL_REMASK = {"sampler": "local_remask"}
+FLAG_VALUES = {
+    "task": ("scan_and_add", {}), "oracle": ("true", {}), "workdir": ("/elsewhere", {}),
+    "step": ("3", {}), "batch_size": ("1", {}), "prompt": ("1,0", {}), "prefix": ("Thou", {}),
+    "suffix": ("art.", {}), "reference": ("/causal", {}), "show": ("1", {}),
+    "sampler": ("confidence", {}), "steps": ("2", {}), "k": ("2", {"sampler": "speculative"}),
+    "temperature": ("0.5", {}), "top_k": ("2", {}), "top_p": ("0.5", {}), "min_p": ("0.2", {}),
+    "score": ("margin", {"sampler": "confidence"}), "eta": ("0.1", {"sampler": "remask"}),
+    "gamma": ("0.3", {"sampler": "entropy_bounded"}),
+    "threshold": ("0.9", {"sampler": "confidence"}),
+    "score_groups": ("2", {"sampler": "revision"}), "block_length": ("2", {}),
+    "kv_cache": ("dual", {"sampler": "confidence", "block_length": "2"}),
+    "refresh_every": ("2", {"sampler": "confidence", "block_length": "2", "kv_cache": "dual"}),
+    "order": ("[VOA][v×9]o×10[ht1]", {"sampler": "field_order", "task": "scan_and_add"}),
+    "groups": ("0;1", {"sampler": "ordered"}), "base": ("ancestral", LOCAL_REMASK),
+    "refill": ("confidence", LOCAL_REMASK), "refill_steps": ("2", LOCAL_REMASK),
+    "rounds": ("3", LOCAL_REMASK), "seeds": ("2", LOCAL_REMASK),
+    "window": ("3", LOCAL_REMASK), "context_fraction": ("0.2", LOCAL_REMASK),
+    "blocks_of": ("2", {}), "length": ("4", {}), "context": ("4", {}),
+    "num_samples": ("3", {}), "seed": ("1", {}), "out": (None, {}), "prompts": (None, {}),
+    "max_new_tokens": ("2", {}), "eos": ("false", {}), "eos_penalty": ("0.5", {}),
+    "eos_never": ("true", {}), "eos_rank_last": ("true", {}),
+}
+MODES = {
+    "oracle": {"oracle": "true", "num_samples": "4", "batch_size": "4"},
+    "workdir": {"workdir": "/run", "num_samples": "4"},
+    "prompts": {"workdir": "/run", "prompts": None, "max_new_tokens": "4"},
+    "blocks": {"workdir": "/run", "blocks_of": "4", "length": "8", "num_samples": "2"},
+}
+
+
+def _plain(x):
+  """A comparable record of an argument."""
+  if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if isinstance(x, (np.ndarray, jax.Array)):
+    return ("array", np.asarray(x).shape, np.asarray(x).tobytes())
+  return repr(x)
+
+
+class Recorder:
+  """Stands in for the samplers and `mdjax.load`; keeps what each call was given."""
+
+  def __init__(self, task):
+    self.task, self.calls = task, []
+
+  def sample(self, apply_fn, params, key, tokens_BxL, spec, fixed_BxL=None, **kw):
+    self.calls.append(("sample", _plain(key), _plain(tokens_BxL), spec,
+                       sorted((k, _plain(v)) for k, v in kw.items())))
+    tokens = np.asarray(tokens_BxL)
+    filled = np.where(tokens == kw["mask_id"], 1, tokens)
+    return types.SimpleNamespace(tokens_BxL=filled, nfe=1,
+                                 generated_length_B=np.full(len(tokens), tokens.shape[1]))
+
+  def sample_blocks(self, apply_fn, params, key, prompt_BxP, spec, **kw):
+    self.calls.append(("blocks", _plain(key), _plain(prompt_BxP), spec,
+                       sorted((k, _plain(v)) for k, v in kw.items())))
+    prompt = np.asarray(prompt_BxP)
+    tokens = np.concatenate([prompt, np.ones((len(prompt), kw["length"]), np.int32)], 1)
+    return types.SimpleNamespace(tokens_BxT=tokens, nfe=1,
+                                 generated_length_B=np.full(len(prompt), kw["length"]))
+
+  def load(self, workdir, step=None, **kw):
+    self.calls.append(("load", workdir, step))
+
+    def apply_fn(params, tokens_BxL, t_B, valid_BxL=None):
+      raise AssertionError("the recorders never call the denoiser")
+
+    apply_fn.block_size = 4  # block-causal: --blocks_of on the exact cache
+    return types.SimpleNamespace(task=self.task, apply_fn=apply_fn, params=None,
+                                 step=step or 7)
+
+  def reference(self, workdir, task, tokens_NxL):
+    self.calls.append(("reference", workdir, _plain(tokens_NxL)))
+    return 1.5
+
+
+@pytest.fixture(scope="module")
+def text_task(tmp_path_factory):
+  """A character task of documents (it has an EOS), built without training."""
+  config = tiny_config(write_corpus(tmp_path_factory.mktemp("flags") / "corpus.txt"))
+  config.task_kwargs.update(documents="packed")
+  return tasks.from_config(config)
+
+
+def _run(sample_cli, recorder, tmp_path, args: dict):
+  """One in-process run: (returncode, a record of everything the run did)."""
+  recorder.calls = []
+  out_dir = tmp_path / f"out{np.random.default_rng().integers(1 << 30)}"
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text('{"prompt": "Thou art"}\n{"prompt": "The"}\n{"prompt": "Fair love"}\n')
+  fill = {"out": str(out_dir), "prompts": str(prompts)}
+  argv = [f"--{k}={fill.get(k, v) if v is None else v}" for k, v in args.items()]
+  proc = sample_cli(*argv)
+  # Timings vary between runs: decimals are not part of the record.
+  printed = re.sub(r"\d+\.\d+", "#", proc.stdout)
+  written = sorted((p.name, re.sub(r"\d+\.\d+", "#", p.read_text()))
+                   for p in out_dir.glob("*")) if out_dir.exists() else None
+  return proc, (recorder.calls, printed, written)
+
+
+def test_every_flag_in_every_mode_is_used_or_refused(sample_cli, text_task, tmp_path,
+                                                     monkeypatch):
+  sample_flags = {f.name for f in flags.FLAGS.get_key_flags_for_module(sample)}
+  assert sample_flags == set(FLAG_VALUES), "give each sample.py flag a test value"
+  recorder = Recorder(text_task)
+  monkeypatch.setattr(sample.sampling, "sample", recorder.sample)
+  monkeypatch.setattr(sample.sampling, "sample_blocks", recorder.sample_blocks)
+  monkeypatch.setattr(sample, "reference_bits_per_char", recorder.reference)
+  import mdjax
+  monkeypatch.setattr(mdjax, "load", recorder.load)
+  table, ignored = {}, []
+  for mode, base in MODES.items():
+    assert _run(sample_cli, recorder, tmp_path, base)[0].returncode == 0, mode
+    for name, (value, needs) in sorted(FLAG_VALUES.items()):
+      without = {**base, **needs}
+      with_flag = {**without, name: value}
+      if base.get(name, "") == value:  # --oracle, --prompts: what makes the mode
+        table[mode, name] = "the mode"
+        continue
+      plain, plain_record = _run(sample_cli, recorder, tmp_path, without)
+      given, given_record = _run(sample_cli, recorder, tmp_path, with_flag)
+      if given.returncode:
+        message = given.stderr.strip()
+        assert "\n" not in message, (mode, name, message)
+        outcome = "refused" if plain.returncode == 0 else "family refused"
+      else:
+        outcome = "used" if (plain.returncode or plain_record != given_record) else "IGNORED"
+      table[mode, name] = outcome
+      if outcome == "IGNORED":
+        ignored.append(f"--{name} in {mode} mode")
+  print(json.dumps({f"{m}/{n}": o for (m, n), o in sorted(table.items())}, indent=0))
+  assert not ignored, f"flags silently ignored: {ignored}"
+  # The ones the modes exist for are used there.
+  for mode, name in (("prompts", "max_new_tokens"), ("prompts", "blocks_of"),
+                     ("blocks", "length"), ("blocks", "context"), ("workdir", "step"),
+                     ("oracle", "num_samples"), ("prompts", "batch_size"), ("oracle", "order")):
+    assert table[mode, name] == "used", (mode, name, table[mode, name])
+  for mode, name in (("prompts", "length"), ("prompts", "num_samples"), ("prompts", "prefix"),
+                     ("workdir", "task"), ("oracle", "step"), ("blocks", "suffix"),
+                     ("blocks", "reference"), ("oracle", "max_new_tokens")):
+    assert table[mode, name] == "refused", (mode, name, table[mode, name])
