@@ -10,8 +10,10 @@ variables: jax.distributed.initialize() is then called before anything else.
 """
 
 import ast
+import difflib
 import glob
 import os
+import re
 import sys
 
 from absl import app, flags, logging
@@ -20,16 +22,26 @@ from ml_collections import config_flags
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def _config_files() -> list[str]:
+  """The training configs, as configs/NAME.py (bench_*: sampling benchmarks, not trained)."""
+  names = [os.path.basename(p) for p in glob.glob(os.path.join(_HERE, "configs", "*.py"))]
+  return sorted(f"configs/{n}" for n in names
+                if n not in ("__init__.py", "base.py") and not n.startswith("bench"))
+
+
+def _first_sentence(doc: str) -> str:
+  """The docstring's first sentence, whatever its line breaks."""
+  paragraph = " ".join(doc.split("\n\n")[0].split())
+  return re.split(r"(?<=\.)\s+(?=[A-Z])", paragraph)[0]
+
+
 def _config_help() -> str:
   """The config files and the fields a user can override, for --help."""
   lines = ["Config file with get_config(). Available:"]
-  for path in sorted(glob.glob(os.path.join(_HERE, "configs", "*.py"))):
-    name = os.path.basename(path)
-    if name in ("__init__.py", "base.py") or name.startswith("bench"):
-      continue
-    with open(path, encoding="utf-8") as f:
+  for name in _config_files():
+    with open(os.path.join(_HERE, name), encoding="utf-8") as f:
       doc = ast.get_docstring(ast.parse(f.read())) or ""
-    lines.append(f"  configs/{name}: {doc.splitlines()[0] if doc else ''}")
+    lines.append(f"  {name}: {_first_sentence(doc)}")
   try:
     sys.path.insert(0, _HERE)
     from configs.base import base_config
@@ -56,6 +68,67 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and m
 flags.mark_flags_as_required(["config", "workdir"])
 
 
+_HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?", "h")
+
+
+def _command_line_error(argv: list[str]) -> str | None:
+  """A missing config file, or an override of a field the config lacks, as one line naming
+  the flag and what is allowed (ml_collections would raise a long traceback); else None."""
+  args = argv[1:argv.index("--")] if "--" in argv else argv[1:]
+  path, overrides = None, []
+  for i, arg in enumerate(args):
+    if not arg.startswith("-"):
+      continue
+    name, has_value, value = arg.lstrip("-").partition("=")
+    if name in _HELP_FLAGS:
+      return None
+    if name == "config":
+      path = value if has_value else (args[i + 1] if i + 1 < len(args) else None)
+    elif name.startswith(("config.", "noconfig.")):  # noconfig.X: a boolean set to False
+      overrides.append((name.removeprefix("no").split(".")[1:], arg))
+  if path is None:
+    return None  # absl names the missing flag
+  file = path.split(":", 1)[0]
+  if not os.path.isfile(file):
+    configs = _config_files()
+    close = difflib.get_close_matches(file, configs, n=1)
+    hint = f"did you mean --config={close[0]}? " if close else ""
+    return f"--config={path!r} is not a file; {hint}the configs: {', '.join(configs)}."
+  try:
+    config = flags.FLAGS["config"].parser.parse(path)  # the loader --config itself uses
+  except Exception:  # an error inside the file: its own traceback tells more
+    return None
+  for parts, arg in overrides:
+    node = config
+    for depth, part in enumerate(parts):
+      if isinstance(node, (bool, int, float, str)):
+        return f"{arg}: {file}'s field {'.'.join(parts[:depth])!r}={node!r} holds no fields."
+      if "[" in part or not hasattr(node, "keys"):
+        break  # an index, or a field inside another value: ml_collections checks these
+      if part not in node:
+        parent = ".".join(parts[:depth])
+        fields = sorted(node.keys())
+        close = difflib.get_close_matches(part, fields, n=1)
+        hint = f" (did you mean {'.'.join(parts[:depth] + close)!r}?)" if close else ""
+        where = f"{parent} holds" if parent else "its fields:"
+        return (f"{arg}: {file} has no field {'.'.join(parts[:depth + 1])!r}{hint}; "
+                f"{where} {', '.join(fields)}.")
+      node = node[part]
+  return None
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, its errors on one line."""
+  error = _command_line_error(argv)
+  if error is None:
+    try:
+      return flags.FLAGS(argv)
+    except flags.Error as flag_error:
+      error = str(flag_error)
+  print(f"train.py: error: {error}", file=sys.stderr)
+  sys.exit(1)
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
@@ -72,4 +145,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

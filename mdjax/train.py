@@ -611,6 +611,26 @@ def check_config(config) -> None:
     refuse("sampler.steps", steps, "must be an integer >= 1 (or None for families without)")
   if config.objective not in OBJECTIVES:
     refuse("objective", config.objective, f"must be one of {OBJECTIVES}")
+  task = _field(config, "task")
+  if task is not _ABSENT:
+    if task not in tasks.TASKS:
+      refuse("task", task, f"must be one of {sorted(tasks.TASKS)}")
+    try:  # the task's parameters, the corpus file or package; nothing is read or trained
+      tasks.check(task, tasks.kwargs_of(config))
+    except ValueError as error:
+      message = str(error)
+      raise ConfigError("config field " + (message if message.startswith("task_kwargs")
+                                           else f"task_kwargs.{message}")) from None
+  family = _field(config, "sampler.family")
+  if family is not _ABSENT:  # the sampler of the evaluations, found before the model is built
+    names = sorted(sampling.families()) + ["left_to_right"]
+    if family not in names:
+      refuse("sampler.family", family, f"must be one of {names}")
+    knobs = {k: v for k, v in config.sampler.items() if k != "family"}
+    try:  # the length only sets left_to_right's order, which is not what is checked here
+      sampling.make_spec(family, length=1, **knobs)
+    except (ValueError, TypeError) as error:
+      raise ConfigError(f"config field sampler ({family}): {error}") from None
   block_size = _field(config, "model.block_size")
   if block_size is not _ABSENT and block_size is not None:
     if not _integer(1)[0](block_size):
@@ -791,13 +811,15 @@ def _finished_read_only(config, workdir: str, log) -> TrainState:
 def train(config, workdir: str, log=print) -> TrainState:
   """Trains (or resumes) the configured job in `workdir`; returns the final state.
 
-  Checks the config first (`check_config`), then locks the workdir (`WorkdirLock`).
+  Checks the config first (`check_config`), then locks the workdir (`WorkdirLock`). A
+  workdir this call created is removed again when the run fails before writing anything.
   SIGTERM or Ctrl-C saves a checkpoint at the current step and returns (see `Interrupts`).
   A read-only workdir holding the finished run is only read.
   """
   check_config(config)
   if os.path.isdir(workdir) and not _writable(workdir):
     return _finished_read_only(config, workdir, log)
+  created = not os.path.exists(workdir)
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as error:
@@ -805,7 +827,32 @@ def train(config, workdir: str, log=print) -> TrainState:
   if jax.process_index() != 0:
     return _train(config, workdir, log, Interrupts())
   with WorkdirLock(workdir, log), Interrupts() as interrupts:
-    return _train(config, workdir, log, interrupts)
+    try:
+      return _train(config, workdir, log, interrupts)
+    except BaseException:
+      if created:  # removed under the lock: no other run can be using it
+        _remove_if_untrained(workdir)
+      raise
+
+
+def _remove_if_untrained(workdir: str) -> None:
+  """Removes a workdir that holds nothing but empty files and the lock (a run that failed
+  before its first logged step), so the same command starts clean; any content keeps it."""
+  lock = os.path.join(workdir, "train.lock")
+  for root, _, files in os.walk(workdir):
+    for name in files:
+      path = os.path.join(root, name)
+      if path != lock and os.path.getsize(path):
+        return
+  try:
+    for root, dirs, files in os.walk(workdir, topdown=False):
+      for name in files:
+        os.remove(os.path.join(root, name))
+      for name in dirs:
+        os.rmdir(os.path.join(root, name))
+    os.rmdir(workdir)
+  except OSError:  # something else appeared in it: what is left stays
+    pass
 
 
 def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:

