@@ -269,20 +269,12 @@ def load_corpus(corpus: str = SHAKESPEARE, text_path: str | None = None,
 @functools.lru_cache(maxsize=4)
 def _load_corpus(corpus, text_path, heldout, validation_fraction, signature) -> Corpus:
   del signature  # part of the cache key only
+  files = _check_corpus(corpus, text_path, heldout, validation_fraction)
   if text_path:
-    if not 0.0 < validation_fraction < 1.0:
-      raise ValueError(f"validation_fraction={validation_fraction!r} must lie in (0, 1).")
     with open(text_path, encoding="utf-8") as f:
       text = f.read()
     cut = int(len(text) * (1.0 - validation_fraction))
     return Corpus(text[:cut], text[cut:], f"{text_path} (last {validation_fraction:.0%} held out)")
-  if corpus != SHAKESPEARE:
-    raise ValueError(f"corpus={corpus!r} must be {SHAKESPEARE!r} (or give text_path=FILE).")
-  files = shakespeare_files()
-  unknown = sorted(set(heldout) - set(files))
-  if unknown or not heldout:
-    raise ValueError(f"heldout={heldout!r}: must name one or more of {sorted(files)}; "
-                     f"unknown: {unknown}.")
 
   def read(names):
     # Documents are joined by a blank line, as they are separated inside each file.
@@ -528,16 +520,23 @@ def check(length: int = 64, corpus: str = SHAKESPEARE, text_path: str | None = N
     return
   if text_path:
     _file_signature(text_path)
+  _check_corpus(corpus, text_path, tuple(heldout), validation_fraction)
+
+
+def _check_corpus(corpus, text_path, heldout, validation_fraction) -> dict | None:
+  """The corpus arguments' errors; the Shakespeare files by name (None with `text_path`)."""
+  if text_path:
     if not 0.0 < validation_fraction < 1.0:
       raise ValueError(f"validation_fraction={validation_fraction!r} must lie in (0, 1).")
-    return
+    return None
   if corpus != SHAKESPEARE:
     raise ValueError(f"corpus={corpus!r} must be {SHAKESPEARE!r} (or give text_path=FILE).")
   files = shakespeare_files()
   unknown = sorted(set(heldout) - set(files))
   if unknown or not heldout:
-    raise ValueError(f"heldout={tuple(heldout)!r}: must name one or more of {sorted(files)}; "
+    raise ValueError(f"heldout={heldout!r}: must name one or more of {sorted(files)}; "
                      f"unknown: {unknown}.")
+  return files
 
 
 def bind(length: int = 64, corpus: str = SHAKESPEARE, text_path: str | None = None,
