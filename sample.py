@@ -266,8 +266,10 @@ def complete_prompts(task, apply_fn, params, spec) -> None:
         model_block=getattr(apply_fn, "block_size", None), blocks_of=_BLOCKS_OF.value,
         window=_CONTEXT.value, block_length=getattr(spec, "block_length", None))
   except (ValueError, OSError) as error:
-    raise app.UsageError(str(error).replace("max_new_tokens=", "--max_new_tokens=")
-                         .replace("blocks_of=", "--blocks_of=")) from error
+    flag_names = str(error).replace("spec.block_length=", "--block_length=")
+    for name in ("max_new_tokens", "blocks_of"):
+      flag_names = flag_names.replace(f"{name}=", f"--{name}=")
+    raise app.UsageError(flag_names) from error
   print(f"task={task.name} sampler={spec} prompts={len(prompts)}: {plan.describe()}")
   start_time = time.perf_counter()
   try:
