@@ -32,7 +32,7 @@ import numpy as np
 from experiments import scan_and_add_study as study
 from experiments import text_quality
 from mdjax import metrics, report, sampling
-from mdjax.sampling import defer
+from mdjax.sampling.families import defer
 from mdjax.tasks import scan_and_add as sa
 
 BUDGETS = {"scan_and_add": (8, 16, 32), "shakespeare": (16, 32, 64)}

@@ -33,7 +33,7 @@ from mdjax.tasks import scan_and_add as sa
 
 COMMAND_IDS = (1, 9)  # M
 # Fixed orders by what they do with the value positions. Field letters: markers V O A,
-# values v, commands o, answer digits h t 1 (see mdjax.sampling.orders).
+# values v, commands o, answer digits h t 1 (see mdjax.sampling.families.field_order).
 ORDERS = {
     "values in parallel": ("[VOA][v×9]o×10[ht1]", "[VOA][v×9][ht1]o×10", "[VOA][v×9]o×10ht1",
                            "[VOA][v×9][o×10][ht1]"),

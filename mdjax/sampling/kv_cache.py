@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from mdjax.sampling import blocks
+from mdjax.sampling import semi_autoregressive
 from mdjax.sampling.base import KV_CACHES, Canvas, Denoiser, Family, check
 
 Array = jax.Array
@@ -127,11 +127,11 @@ def plan(apply_fn, family: Family, spec, canvas: Canvas) -> KVPlan | None:
                      "mdjax.sampling.recompute_cache(apply_fn) to run the cached sampler by "
                      "full recomputation (exact, no saving).")
   steps = family.num_steps(spec, canvas.length)
-  num_blocks = blocks.count(block_length, steps, canvas)
+  num_blocks = semi_autoregressive.count(block_length, steps, canvas)
   span_start = _generation_start(canvas)
   per_block = steps // num_blocks
   j = np.arange(steps) % per_block
-  block_K = blocks.step_blocks(num_blocks, per_block)
+  block_K = semi_autoregressive.step_blocks(num_blocks, per_block)
   start = (span_start + block_K * block_length).astype(np.int32)
   if spec.kv_cache == "exact":
     _check_exact(apply_fn, name, block_length, span_start)

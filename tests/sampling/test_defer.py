@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mdjax import sampling
-from mdjax.sampling import defer
+from mdjax.sampling.families import defer
 from mdjax.tasks import two_color
 from tests import stubs
 from tests.sampling.common import LENGTH, PROMPT, VOCAB, binomial_tol, prompted_canvas

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mdjax import sampling
-from mdjax.sampling import entropy_bounded
+from mdjax.sampling.families import entropy_bounded
 from mdjax.tasks import two_color
 
 N = 20_000

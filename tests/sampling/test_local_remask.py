@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mdjax import sampling
-from mdjax.sampling import local_remask
+from mdjax.sampling.families import local_remask
 from mdjax.tasks import scan_and_add as sa
 from tests import stubs
 from tests.sampling.common import LENGTH, PROMPT, VOCAB, prompted_canvas

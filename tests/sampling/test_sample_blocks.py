@@ -129,7 +129,7 @@ def test_prompts_of_any_length_finish_their_last_block(block_model):
 def test_split_tails_layout():
   prompt = np.array([[0, 0, 1, 2, 3, 4, 5], [0, 0, 0, 6, 7, 8, 1]], np.int32)
   valid = prompt > 0
-  whole, whole_valid, tail = sampling.blockwise.split_tails(prompt, valid, 4, V)
+  whole, whole_valid, tail = sampling.block_generation.split_tails(prompt, valid, 4, V)
   np.testing.assert_array_equal(whole, [[0, 0, 0, 1, 2, 3, 4], [0, 0, 0, 6, 7, 8, 1]])
   np.testing.assert_array_equal(whole_valid, whole > 0)
   np.testing.assert_array_equal(tail, [[5], [V]])

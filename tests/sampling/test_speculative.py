@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mdjax import metrics, sampling
-from mdjax.sampling import speculative
+from mdjax.sampling.families import speculative
 from mdjax.tasks import scan_and_add as sa
 from mdjax.tasks import two_color
 from tests import stubs

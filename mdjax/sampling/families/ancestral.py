@@ -10,7 +10,7 @@ import numpy as np
 from flax import struct
 
 from mdjax import diffusion
-from mdjax.sampling import blocks, reveal
+from mdjax.sampling import semi_autoregressive, reveal
 from mdjax.sampling.base import (Family, SamplerSpec, StepPlan, check, check_block_length,
                                  check_steps, register)
 
@@ -69,18 +69,18 @@ class Ancestral(Family):
 
   def plan(self, spec: AncestralSpec, canvas) -> AncestralPlan:
     """Each block runs its own grid of steps / num_blocks steps."""
-    num_blocks = blocks.count(spec.block_length, spec.steps, canvas)
+    num_blocks = semi_autoregressive.count(spec.block_length, spec.steps, canvas)
     per_block = spec.steps // num_blocks
     times = reveal.time_grid(spec.grid, per_block)
     t_K, s_K = np.tile(times[:-1], num_blocks), np.tile(times[1:], num_blocks)
-    return AncestralPlan(t=t_K, block=blocks.step_blocks(num_blocks, per_block),
+    return AncestralPlan(t=t_K, block=semi_autoregressive.step_blocks(num_blocks, per_block),
                          reveal_p=reveal.intervals(spec.schedule, t_K, s_K)["reveal_p"])
 
   def idle_steps(self, spec: AncestralSpec, canvas, plan: AncestralPlan) -> float | None:
     """Expected idle steps: a step of a block is idle when every row revealed the whole
     block before it; a position masked at the block's start is still masked after step j
     with probability prod_{i <= j} (1 - reveal_p_i), independently of the others."""
-    n_BxN = blocks.masked_counts(canvas, spec.block_length)
+    n_BxN = semi_autoregressive.masked_counts(canvas, spec.block_length)
     if n_BxN is None:
       return None
     num_blocks = n_BxN.shape[1]
@@ -91,16 +91,16 @@ class Ancestral(Family):
     return float((done_NxJ[None] ** n_BxN[..., None]).prod(0).sum())
 
   def init(self, spec: AncestralSpec, core, ctx) -> Array:
-    return blocks.block_ids(ctx.editable_BxL, spec.block_length)
+    return semi_autoregressive.block_ids(ctx.editable_BxL, spec.block_length)
 
   def reuses_logits(self, spec: AncestralSpec) -> bool:
     return spec.cache
 
   def needs_call(self, spec, core, block_id_BxL, ctx, plan: AncestralPlan) -> Array:
-    return jnp.any(blocks.candidates(core.tokens_BxL, ctx, block_id_BxL, plan.block))
+    return jnp.any(semi_autoregressive.candidates(core.tokens_BxL, ctx, block_id_BxL, plan.block))
 
   def update(self, spec, core, block_id_BxL, ctx, step, logits_BxLxV, denoise):
     """One reverse step t -> s: reveal each masked position of the block w.p. reveal_p."""
-    masked_BxL = blocks.candidates(core.tokens_BxL, ctx, block_id_BxL, step.plan.block)
+    masked_BxL = semi_autoregressive.candidates(core.tokens_BxL, ctx, block_id_BxL, step.plan.block)
     reveal_p_B = jnp.broadcast_to(step.plan.reveal_p, core.tokens_BxL.shape[:1])
     return reveal.reveal(spec, core, step, masked_BxL, logits_BxLxV, reveal_p_B), block_id_BxL

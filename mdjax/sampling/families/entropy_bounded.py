@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from mdjax.sampling import blocks, scores, transforms
+from mdjax.sampling import semi_autoregressive, scores, transforms
 from mdjax.sampling.base import (Family, SamplerSpec, StepPlan, check, check_block_length,
                                  check_steps, register)
 
@@ -86,28 +86,28 @@ class EntropyBounded(Family):
                                temperature=1.2, final_temperature=0.5)]
 
   def plan(self, spec: EntropyBoundedSpec, canvas) -> EntropyBoundedPlan:
-    num_blocks = blocks.count(spec.block_length, spec.steps, canvas)
+    num_blocks = semi_autoregressive.count(spec.block_length, spec.steps, canvas)
     per_block = spec.steps // num_blocks
     j = np.arange(per_block)
     final = spec.temperature if spec.final_temperature is None else spec.final_temperature
     ramp = j / max(per_block - 1, 1)
     tile = lambda x: np.tile(x, num_blocks)
     return EntropyBoundedPlan(
-        t=tile(1.0 - j / per_block), block=blocks.step_blocks(num_blocks, per_block),
+        t=tile(1.0 - j / per_block), block=semi_autoregressive.step_blocks(num_blocks, per_block),
         last_in_block=tile(j == per_block - 1),
         temperature=tile(spec.temperature + (final - spec.temperature) * ramp))
 
   def init(self, spec: EntropyBoundedSpec, core, ctx) -> Array:
-    return blocks.block_ids(ctx.editable_BxL, spec.block_length)
+    return semi_autoregressive.block_ids(ctx.editable_BxL, spec.block_length)
 
   def needs_call(self, spec, core, block_id_BxL, ctx, plan) -> Array:
-    return jnp.any(blocks.candidates(core.tokens_BxL, ctx, block_id_BxL, plan.block))
+    return jnp.any(semi_autoregressive.candidates(core.tokens_BxL, ctx, block_id_BxL, plan.block))
 
   def update(self, spec: EntropyBoundedSpec, core, block_id_BxL, ctx, step, logits_BxLxV,
              denoise):
     """Commits the entropy-bounded prefix of the block's masked positions."""
     plan = step.plan
-    cand_BxL = blocks.candidates(core.tokens_BxL, ctx, block_id_BxL, plan.block)
+    cand_BxL = semi_autoregressive.candidates(core.tokens_BxL, ctx, block_id_BxL, plan.block)
     if spec.final_temperature is None:
       values_BxL = transforms.draw_values(step.keys_B, logits_BxLxV, shift_B=step.shift_B,
                                           **spec.transform)

@@ -11,7 +11,7 @@ import numpy as np
 from flax import struct
 
 from mdjax import diffusion
-from mdjax.sampling import blocks, scores, transforms
+from mdjax.sampling import semi_autoregressive, scores, transforms
 from mdjax.sampling.base import (Family, SamplerSpec, StepPlan, check, check_block_length,
                                  check_steps, register)
 from mdjax.streams import StepStream
@@ -87,23 +87,24 @@ class Confidence(Family):
             ConfidenceSpec(steps=5, threshold=0.5, temperature=0.0)]
 
   def plan(self, spec: ConfidenceSpec, canvas) -> ConfidencePlan:
-    num_blocks = blocks.count(spec.block_length, spec.steps, canvas)
+    num_blocks = semi_autoregressive.count(spec.block_length, spec.steps, canvas)
     per_block = spec.steps // num_blocks
     j = np.arange(per_block)
     tile = lambda x: np.tile(x, num_blocks)
     return ConfidencePlan(
-        t=tile(1.0 - j / per_block), block=blocks.step_blocks(num_blocks, per_block),
+        t=tile(1.0 - j / per_block), block=semi_autoregressive.step_blocks(num_blocks, per_block),
         block_start=tile(j == 0), last_in_block=tile(j == per_block - 1),
         remaining=tile(scores.remaining_fractions(spec.count_schedule, per_block)),
         choice_temperature=tile(spec.gumbel_temperature * (1.0 - (j + 1) / per_block)))
 
   def init(self, spec: ConfidenceSpec, core, ctx) -> ConfidenceCarry:
-    return ConfidenceCarry(block_id_BxL=blocks.block_ids(ctx.editable_BxL, spec.block_length),
+    block_id_BxL = semi_autoregressive.block_ids(ctx.editable_BxL, spec.block_length)
+    return ConfidenceCarry(block_id_BxL=block_id_BxL,
                            block_count_B=jnp.zeros(core.tokens_BxL.shape[:1], jnp.int32))
 
   def idle_steps(self, spec: ConfidenceSpec, canvas, plan: ConfidencePlan) -> float | None:
     """With a count schedule, exactly the steps at which every row's count is 0."""
-    n_BxN = blocks.masked_counts(canvas, spec.block_length)
+    n_BxN = semi_autoregressive.masked_counts(canvas, spec.block_length)
     if n_BxN is None or spec.threshold is not None:
       return None
     num_blocks = n_BxN.shape[1]
@@ -114,7 +115,7 @@ class Confidence(Family):
 
   def needs_call(self, spec, core, aux: ConfidenceCarry, ctx, plan) -> Array:
     """A step calls the denoiser when some row commits something: k_B > 0."""
-    cand_BxL = blocks.candidates(core.tokens_BxL, ctx, aux.block_id_BxL, plan.block)
+    cand_BxL = semi_autoregressive.candidates(core.tokens_BxL, ctx, aux.block_id_BxL, plan.block)
     if spec.threshold is not None:  # commits at least one wherever a candidate is left
       return jnp.any(cand_BxL)
     return jnp.any(_scheduled_counts(cand_BxL, aux, plan)[0] > 0)
@@ -124,7 +125,7 @@ class Confidence(Family):
     """Proposes every masked position of the block, commits the k_B best by score."""
     plan, keys_B = step.plan, step.keys_B
     length = core.tokens_BxL.shape[1]
-    cand_BxL = blocks.candidates(core.tokens_BxL, ctx, aux.block_id_BxL, plan.block)
+    cand_BxL = semi_autoregressive.candidates(core.tokens_BxL, ctx, aux.block_id_BxL, plan.block)
     k_B, block_count_B = _scheduled_counts(cand_BxL, aux, plan)
     values_BxL = transforms.draw_values(keys_B, logits_BxLxV, shift_B=step.shift_B,
                                         **spec.transform)
