@@ -13,9 +13,9 @@ import pytest
 
 from mdjax import diffusion, likelihood, tasks, train
 from mdjax.tasks import text, two_color
+from tests.paths import REPO as ROOT
 from tests.text_fixtures import tiny_config, write_corpus as _write_corpus
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ----------------------------------------------------------------------------
 # Tokenizer, corpus, windows.
 # ----------------------------------------------------------------------------
