@@ -9,6 +9,7 @@ sees exactly what an uninterrupted one would; the random streams are named in
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -265,7 +266,7 @@ def _read_json(manager, step: int, name: str) -> dict:
 
 def _read_step(manager, step: int, abstract_for: Callable[[int, dict, dict], Any]):
   """(config dict, task metadata, state) of a step; any unreadable part raises."""
-  with quiet_orbax():
+  with quiet_orbax(), _read_leftovers.read(os.path.join(manager.directory, str(step))):
     saved_config = _read_json(manager, step, "config")
     items = manager.item_metadata(step) or {}
     saved_task = _read_json(manager, step, "task") if "task" in items else {}
@@ -284,25 +285,110 @@ def _read_step(manager, step: int, abstract_for: Callable[[int, dict, dict], Any
   return saved_config, saved_task, state
 
 
-def _drop_late_read_callbacks() -> None:
-  """Hides the 'Event loop is closed' errors of reads still in flight when a restore failed.
+def _closed_loop_callback(report) -> bool:
+  """Whether an unraisable report is a finished read handed to an event loop already closed."""
+  frames, tb = set(), report.exc_traceback
+  while tb is not None:
+    frames.add(tb.tb_frame.f_code.co_name)
+    tb = tb.tb_next
+  return (report.object is None and isinstance(report.exc_value, RuntimeError)
+          and str(report.exc_value) == "Event loop is closed"
+          and "call_soon_threadsafe" in frames)
 
-  TensorStore completes the other reads of a failed restore on its own threads after orbax
-  has closed the event loop; each reports an unraisable RuntimeError (dozens of tracebacks
-  that say nothing about the checkpoint). Only that exact error is dropped.
+
+class _ReadLeftovers:
+  """Keeps what the abandoned reads of a failed restore report off stderr; nothing else.
+
+  A restore that fails closes orbax's event loop with the reads of the other arrays still
+  pending. Each ends later, at times mdjax does not choose (on TensorStore's threads before
+  the failure has even reached mdjax, when collected, at interpreter exit), and reports:
+  a finished read finds the loop closed ('Event loop is closed'); a pending read coroutine,
+  closed when collected, turns the GeneratorExit into an Exception that prints the array's
+  whole TensorStore spec; a failed read nobody awaited any more logs 'Future exception was
+  never retrieved'. Hundreds to thousands of lines about a step mdjax reports in one.
+
+  The first two reach `sys.unraisablehook` and the last asyncio's logger; both are
+  filtered here. A report naming a step folder is dropped when a read of that folder failed
+  or is in flight (it then fails); 'Event loop is closed' names none: it is held while a
+  read is in flight (its outcome decides) and dropped once any read has failed. Every
+  other report goes on as before.
   """
-  previous = sys.unraisablehook
-  if getattr(previous, "_mdjax_drops_closed_loop", False):
-    return
 
-  def hook(unraisable):
-    error = unraisable.exc_value
-    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+  def __init__(self):
+    self.lock = threading.RLock()  # a collection inside can report to the hook
+    self.reading = []  # step folders being read
+    self.failed = set()  # step folders whose read failed: leftovers may come at any time
+    self.held = []  # (next hook, report) of closed-loop reports while reads were in flight
+    self.orbax_dir = os.path.dirname(ocp.__file__) + os.sep
+
+  def _names_read_folder(self, text: str) -> bool:
+    return any(folder in text for folder in (*self.reading, *self.failed))
+
+  def _abandoned_coroutine(self, report) -> bool:
+    """An orbax read coroutine closed while pending, naming a folder read or failed."""
+    code = getattr(report.object, "cr_code", None)
+    return (code is not None and code.co_filename.startswith(self.orbax_dir)
+            and isinstance(getattr(report.exc_value, "__context__", None), GeneratorExit)
+            and self._names_read_folder(str(report.exc_value)))
+
+  def filter(self, record) -> bool:
+    """asyncio's logger: False for a never-retrieved failure of a read of a failing step."""
+    error = record.exc_info[1] if record.exc_info else None
+    if error is None or not record.getMessage().split("\n", 1)[0].endswith(
+        "exception was never retrieved"):
+      return True
+    with self.lock:
+      return not self._names_read_folder(str(error))
+
+  def install(self) -> None:
+    """Puts the filters in place (once; the unraisable one again if it was replaced)."""
+    asyncio_logger = asyncio.log.logger
+    if self not in asyncio_logger.filters:
+      asyncio_logger.addFilter(self)
+    previous = sys.unraisablehook
+    if getattr(previous, "_mdjax_read_leftovers", None) is self:
       return
-    previous(unraisable)
+    closed_loop_callback = _closed_loop_callback  # module globals may be gone at exit
 
-  hook._mdjax_drops_closed_loop = True
-  sys.unraisablehook = hook
+    def hook(report):
+      with self.lock:
+        if self._abandoned_coroutine(report):
+          return
+        if closed_loop_callback(report):
+          if self.failed:
+            return
+          if self.reading:
+            self.held.append((previous, report))
+            return
+      previous(report)
+
+    hook._mdjax_read_leftovers = self
+    sys.unraisablehook = hook
+
+  @contextlib.contextmanager
+  def read(self, folder: str):
+    """A read of a step folder; if the block raises, the read failed."""
+    folder = os.path.join(folder, "")  # '/.../checkpoints/30/' does not name step 300
+    self.install()
+    with self.lock:
+      self.reading.append(folder)
+    failed = True
+    try:
+      yield
+      failed = False
+    finally:
+      with self.lock:
+        self.reading.remove(folder)
+        if failed:
+          self.failed.add(folder)
+        release = [] if self.failed or self.reading else self.held
+        if self.failed or not self.reading:
+          self.held = []
+      for previous, report in release:  # not from a failed read of mdjax: shown as usual
+        previous(report)
+
+
+_read_leftovers = _ReadLeftovers()
 
 
 def _set_aside(manager: ocp.CheckpointManager, step: int) -> str:
@@ -337,7 +423,6 @@ def _newest_readable(manager, abstract_for, log, move_aside: bool, steps=None):
     except CheckpointMismatch:
       raise
     except Exception as error:  # truncated, deleted or empty: the step cannot be read
-      _drop_late_read_callbacks()
       if move_aside:
         where = f"moved to {_set_aside(manager, step)}"
       else:

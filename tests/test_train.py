@@ -285,6 +285,84 @@ def test_unreadable_newest_checkpoint_is_moved_aside(two_color_run, tmp_path, co
   assert proc.returncode == 0 and "step=300" in proc.stdout, proc.stderr[-2000:]
 
 
+# Entry points in one fresh process (what each runs after its flags): arguments are
+# (entry point, workdir) pairs, each run after a marker line on stderr, then an unrelated
+# unraisable error (which must still be printed) before exit.
+_ENTRY_POINTS = """
+import sys
+from absl import flags, logging
+from configs import two_color
+import mdjax, sample
+from mdjax import train
+
+def load(workdir):
+  mdjax.load(workdir)
+
+def sample_py(workdir):
+  flags.FLAGS(["sample.py", "--workdir=" + workdir, "--sampler=random_order",
+               "--num_samples=4", "--batch_size=4"])
+  sample.main([])
+
+def train_py(workdir):
+  logging.set_verbosity(logging.WARNING)  # as train.py's main
+  config = two_color.get_config()
+  config.train.num_steps = 200  # resumes at its end: the restore is what is tested here
+  train.train(config, workdir)
+
+class Unrelated:
+  def __del__(self):
+    raise ValueError("unrelated")
+
+for entry, workdir in zip(sys.argv[1::2], sys.argv[2::2]):
+  print("== " + workdir, file=sys.stderr, flush=True)
+  globals()[entry](workdir)
+print("== unrelated", file=sys.stderr, flush=True)
+Unrelated()
+"""
+
+# The corruptions that fail a restore with reads of other arrays in flight, each in a
+# process of its own (the first failure of a process races its leftovers); the others
+# fail before any array is read and share one.
+_READS_IN_FLIGHT = ("truncated_data", "deleted_data")
+_PROCESSES = [[name] for name in _READS_IN_FLIGHT] + [
+    sorted(set(CORRUPTIONS) - set(_READS_IN_FLIGHT))]
+
+
+@pytest.mark.xdist_group("two_color_run")
+@pytest.mark.parametrize("corruptions", _PROCESSES, ids="+".join)
+def test_unreadable_checkpoint_is_one_line_on_stderr(two_color_run, tmp_path, corruptions):
+  # Orbax's reads abandoned by the failed restore report late (on other threads, when
+  # collected, at exit): none of it may reach stderr, in any entry point. Each entry point
+  # is first in some process: the first meets the process's first failure.
+  entries = ["load", "sample_py", "train_py"]
+  first = _PROCESSES.index(corruptions) % len(entries)
+  entries = entries[first:] + entries[:first]
+  args = []
+  for corruption in corruptions:
+    for entry in entries:
+      workdir = shutil.copytree(two_color_run, tmp_path / f"{corruption}-{entry}")
+      CORRUPTIONS[corruption](workdir / "checkpoints" / "300")
+      args += [entry, str(workdir)]
+  proc = subprocess.run([sys.executable, "-c", _ENTRY_POINTS, *args], cwd=REPO,
+                        env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  sections = {}
+  for line in proc.stderr.splitlines():
+    if line.startswith("== "):
+      sections[line[3:]] = lines = []
+    else:
+      lines.append(line)
+  notice = "checkpoint step 300 is unreadable"
+  for entry, workdir in zip(args[::2], args[1::2]):
+    lines = sections[workdir]  # after the last, whatever exit printed too
+    assert len(lines) <= 3, (workdir, proc.stderr[-3000:])
+    if entry != "train_py":  # train.py reports on stdout, with its progress
+      assert sum(notice in line for line in lines) == 1, (workdir, proc.stderr[-3000:])
+  in_stdout = sum(notice in line for line in proc.stdout.splitlines())
+  assert in_stdout == len(corruptions), proc.stdout[-3000:]
+  assert any("ValueError: unrelated" in line for line in sections["unrelated"]), proc.stderr
+
+
 @pytest.mark.xdist_group("two_color_run")
 def test_load_is_quiet_and_self_contained(two_color_run, capfd):
   import mdjax
