@@ -26,11 +26,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from mdjax import bench, sampling
+from mdjax import sampling
+from mdjax.bench import overhead, timing
 from mdjax.sampling import scores, threefry, transforms
 
 LENGTH = STEPS = 25
-VOCAB = bench.STEP_VOCAB
+VOCAB = overhead.STEP_VOCAB
 
 
 def _scanned(part):
@@ -80,11 +81,11 @@ def profile(batch: int, repeats: int) -> dict[str, float]:
   table = jax.random.normal(jax.random.key(0), (VOCAB + 1, VOCAB))
   canvas_BxL = jnp.full((batch, LENGTH), VOCAB, jnp.int32)
   for family in ("ancestral", "confidence"):
-    spec = bench.default_spec(family, STEPS, LENGTH)
-    lowered, args = sampling.lower(bench._embedding_denoiser, table, jax.random.key(0),
+    spec = sampling.families()[family].bench_spec(STEPS, LENGTH)
+    lowered, args = sampling.lower(overhead.embedding_denoiser, table, jax.random.key(0),
                                    canvas_BxL, spec)
     calls[f"whole {family} step"] = functools.partial(lowered.compile(), *args)
-  medians = bench.interleaved_medians(calls, repeats)
+  medians = timing.interleaved_medians(calls, repeats)
   return {name: 1e6 * seconds / STEPS for name, seconds in medians.items()}
 
 

@@ -1,12 +1,18 @@
-"""Smoke test of the benchmark: tiny sizes, the output's schema, finite positive ratios."""
+"""Smoke tests of the benchmarks: tiny sizes, the output's schema (the committed results'
+keys), finite positive ratios; the specs they time; the package's one-way imports."""
 
+import ast
 import json
 import math
+import pathlib
 
 import pytest
 
 from configs.bench_cpu import get_config
 from mdjax import bench, sampling
+from mdjax.bench import compute, suite, throughput
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 ROW_KEYS = {"sampler", "impl", "K", "batch", "seq_len", "params", "compile_s", "time_s",
             "tokens_per_s", "nfe"}
@@ -67,6 +73,24 @@ def test_bench_schema_and_ratios(tmp_path):
   text = (tmp_path / "bench.md").read_text()
   assert "| sampler | K |" in text and "sample() / program" in text and "µs / step, B=2" in text
   assert (tmp_path / "bench.png").stat().st_size > 0
+  assert_same_keys(data, REPO / "results" / "bench_cpu.json")
+
+
+def key_structure(value):
+  """The keys of a JSON value, nested; a list stands for the set of its elements' structures."""
+  if isinstance(value, dict):
+    return {name: key_structure(item) for name, item in value.items()}
+  if isinstance(value, list):
+    return sorted({json.dumps(key_structure(item), sort_keys=True) for item in value})
+  return None
+
+
+def assert_same_keys(data: dict, committed_path: pathlib.Path):
+  """The keys a run writes are the committed result's (the model's: the committed ones at
+  least, since a model config may gain fields after a result was made)."""
+  committed = json.loads(committed_path.read_text())
+  assert set(committed.pop("model")) <= set(data["model"])
+  assert key_structure({k: v for k, v in data.items() if k != "model"}) == key_structure(committed)
 
 
 def test_analytic_flops_match_xla_cost_analysis():
@@ -75,10 +99,10 @@ def test_analytic_flops_match_xla_cost_analysis():
   config = _tiny_config()
   config.model.update(d_model=64, num_heads=4, d_ff=256)
   config.seq_len = 32
-  model_cfg, apply_fn, params = bench._model(config, None)
+  model_cfg, apply_fn, params = suite.load_model(config, None)
   tokens = jnp.zeros((4, 32), jnp.int32)
-  xla = bench.forward_flops(apply_fn, params, tokens, model_cfg)
-  analytic = bench.analytic_forward_flops(model_cfg, 4, 32)
+  xla = compute.forward_flops(apply_fn, params, tokens, model_cfg)
+  analytic = compute.analytic_forward_flops(model_cfg, 4, 32)
   # The analytic count keeps only the matmuls; at d_model 64 norms, softmax and
   # activations add about a tenth, so the two agree within 25% unless one is wrong.
   assert 0.8 < xla / analytic < 1.25, (xla, analytic)
@@ -98,3 +122,75 @@ def test_bad_settings_raise_before_compiling(field, value, match):
   config[field] = value
   with pytest.raises(ValueError, match=match):
     bench.run(config, log=lambda *_: None)
+
+
+def test_kv_cache_bench_schema(tmp_path):
+  from configs.bench_kv_cache import get_config as kv_config
+  from mdjax.bench import kv_cache
+
+  config = kv_config()
+  config.model.update(d_model=16, num_layers=1, num_heads=2, d_ff=32)
+  config.kv_cache.block, config.kv_cache.repeats = 8, 1
+  config.kv_cache.cells = ((32, 2, (1 / 4, 1)),)
+  result = kv_cache.run(config, log=lambda *_: None)
+  kv_cache.write(result, str(tmp_path / "kv"))
+  data = json.loads((tmp_path / "kv.json").read_text())
+  assert_same_keys(data, REPO / "results" / "bench_kv_cache.json")
+  rows = data["rows"]
+  assert {(r["K"], r["impl"]) for r in rows} == {(8, "none"), (8, "dual"), (32, "none"),
+                                                  (32, "dual")}
+  for row in rows:
+    assert row["time_s"] > 0 and row["peak_bytes"] > 0 and math.isfinite(row["compile_s"])
+  ceiling = {(r["K"], r["impl"]): r["flop_ceiling"] for r in rows}
+  # 4 blocks of 8: uncached, every step a full pass (ceiling 1); cached, 4 full passes and
+  # K - 4 window passes, so the ceiling grows with K.
+  assert ceiling[8, "none"] == ceiling[32, "none"] == 1.0
+  assert 1.0 < ceiling[8, "dual"] < ceiling[32, "dual"]
+  assert "FLOP ceiling" in (tmp_path / "kv.md").read_text()
+
+
+def test_timed_specs():
+  # The results were measured with these specs: a family's `bench_spec` must keep them.
+  at = lambda sampler: throughput.sweep_spec(sampler, 8, 64, 4)
+  assert at("ancestral") == sampling.AncestralSpec(steps=8)
+  assert at("remask") == sampling.RemaskSpec(steps=8, eta=0.05)
+  assert at("blocks") == sampling.ConfidenceSpec(steps=8, block_length=16)
+  assert at("confidence_no_skip") == sampling.ConfidenceSpec(steps=8, skip_idle_steps=False)
+  with pytest.raises(ValueError, match="must be one of"):
+    at("speculative")
+  spec = {name: family.bench_spec(8, 16) for name, family in sampling.families().items()}
+  assert spec["defer"] == sampling.DeferSpec(steps=8)
+  assert spec["ordered"].groups == tuple((2 * i, 2 * i + 1) for i in range(8))
+  assert spec["field_order"].counts == ((2, 0),) * 4 + ((0, 2),) * 4
+  assert spec["speculative"] == sampling.SpeculativeSpec(k=2)
+  assert spec["local_remask"] == sampling.LocalRemaskSpec(
+      base=sampling.ConfidenceSpec(steps=4), refill=sampling.AncestralSpec(steps=2), rounds=1)
+  assert spec["random_order"] == sampling.RandomOrderSpec()
+
+
+def test_bench_modules_import_one_way():
+  # No module of the package imports one that imports it back, nor another's private name.
+  package = REPO / "mdjax" / "bench"
+  modules = {path.stem for path in package.glob("*.py")}
+  edges = {}
+  for name in modules:
+    edges[name] = set()
+    for node in ast.walk(ast.parse((package / f"{name}.py").read_text())):
+      if not (isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mdjax")):
+        continue
+      assert not [a.name for a in node.names if a.name.startswith("_")], (name, node.module)
+      if node.module == "mdjax.bench":
+        edges[name] |= {a.name if a.name in modules else "__init__" for a in node.names}
+      elif node.module.startswith("mdjax.bench."):
+        edges[name].add(node.module.removeprefix("mdjax.bench."))
+  done = set()
+
+  def visit(name, path):
+    assert name not in path, f"import circle: {' -> '.join(path + (name,))}"
+    if name not in done:
+      for target in edges[name]:
+        visit(target, path + (name,))
+      done.add(name)
+
+  for name in modules:
+    visit(name, ())

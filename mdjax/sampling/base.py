@@ -359,6 +359,11 @@ class Family:
   python_loop: ClassVar[bool] = True  # `sample_python_loop` can run it step by step
   rewrites: ClassVar[bool] = False  # visible tokens may change or return to the mask (never idle)
 
+  def bench_spec(self, steps: int, length: int) -> SamplerSpec:
+    """The spec `mdjax.bench` times: the family at its defaults with K = `steps` on a
+    length-L canvas, all of it generated. A family whose knobs have no default overrides it."""
+    return self.spec_type(steps=steps)
+
   def examples(self, generated: tuple[int, ...]) -> list:
     """Small specs covering the family's knobs, for a canvas that generates `generated`
     (the contract tests run every registered family on them)."""

@@ -1,8 +1,6 @@
 """KV-cached block decoding: the cached contract, where it is exact, its refresh plan, bad input."""
 
 import dataclasses
-import json
-import math
 
 import jax
 import jax.numpy as jnp
@@ -192,28 +190,3 @@ def test_bad_input(transformer):
       result = make()
       if isinstance(result, sampling.LocalRemaskSpec):
         sampling.sample(apply_fn, params, key, tokens, result)
-
-
-def test_bench_schema(tmp_path):
-  from configs.bench_kv_cache import get_config
-  from mdjax import bench_kv_cache
-
-  config = get_config()
-  config.model.update(d_model=16, num_layers=1, num_heads=2, d_ff=32)
-  config.kv_cache.block, config.kv_cache.repeats = 8, 1
-  config.kv_cache.cells = ((32, 2, (1 / 4, 1)),)
-  result = bench_kv_cache.run(config, log=lambda *_: None)
-  bench_kv_cache.write(result, str(tmp_path / "kv"))
-  rows = json.loads((tmp_path / "kv.json").read_text())["rows"]
-  assert {(r["K"], r["impl"]) for r in rows} == {(8, "none"), (8, "dual"), (32, "none"),
-                                                  (32, "dual")}
-  for row in rows:
-    assert {"L", "batch", "block", "K", "impl", "time_s", "compile_s", "peak_bytes",
-            "flop_ceiling"} <= set(row)
-    assert row["time_s"] > 0 and row["peak_bytes"] > 0 and math.isfinite(row["compile_s"])
-  ceiling = {(r["K"], r["impl"]): r["flop_ceiling"] for r in rows}
-  # 4 blocks of 8: uncached, every step a full pass (ceiling 1); cached, 4 full passes and
-  # K - 4 window passes, so the ceiling grows with K.
-  assert ceiling[8, "none"] == ceiling[32, "none"] == 1.0
-  assert 1.0 < ceiling[8, "dual"] < ceiling[32, "dual"]
-  assert "FLOP ceiling" in (tmp_path / "kv.md").read_text()

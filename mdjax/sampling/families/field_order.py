@@ -89,6 +89,15 @@ class FieldOrder(Family):
   spec_type = FieldOrderSpec
   refills = False  # its fields are fixed in advance
 
+  def bench_spec(self, steps, length):
+    # Two fields, the halves; L writes spread evenly over K steps, the first half's first.
+    half = length // 2
+    written_K1 = (np.arange(steps + 1) * length) // steps
+    first_K = np.diff(np.minimum(written_K1, half))
+    counts_Kx2 = np.stack([first_K, np.diff(written_K1) - first_K], -1)
+    return FieldOrderSpec(fields=(tuple(range(half)), tuple(range(half, length))),
+                          counts=tuple(tuple(int(c) for c in row) for row in counts_Kx2))
+
   def examples(self, generated):
     half = len(generated) // 2
     first, second = tuple(generated[:half]), tuple(generated[half:])

@@ -104,6 +104,11 @@ class LocalRemask(Family):
   refills = False
   python_loop = False
 
+  def bench_spec(self, steps, length):
+    # A confidence run of K / 2 steps refined by one round of K / 4 ancestral refill steps.
+    return LocalRemaskSpec(base=make_spec("confidence", steps=steps // 2),
+                           refill=make_spec("ancestral", steps=max(steps // 4, 1)), rounds=1)
+
   def examples(self, generated):
     return [LocalRemaskSpec(base=make_spec("confidence", steps=4),
                             refill=make_spec("ancestral", steps=3), rounds=2,

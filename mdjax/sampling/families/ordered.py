@@ -62,6 +62,11 @@ class Ordered(Family):
   spec_type = OrderedSpec
   refills = False  # its positions are fixed in advance
 
+  def bench_spec(self, steps, length):
+    # K equal groups, left to right.
+    return OrderedSpec(groups=tuple(tuple(int(p) for p in group)
+                                    for group in np.array_split(np.arange(length), steps)))
+
   def examples(self, generated):
     half = len(generated) // 2
     return [OrderedSpec(groups=(tuple(generated[:half]), tuple(generated[half:]))),

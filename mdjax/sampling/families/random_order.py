@@ -38,6 +38,9 @@ class RandomOrder(Family):
   name = "random_order"
   spec_type = RandomOrderSpec
 
+  def bench_spec(self, steps, length):
+    return RandomOrderSpec()  # one position per step: K = L whatever `steps` says
+
   def examples(self, generated):
     return [RandomOrderSpec(top_p=0.5)]
 

@@ -197,6 +197,10 @@ class Speculative(Family):
   refills = False
   python_loop = False
 
+  def bench_spec(self, steps, length):
+    # L / K drafts a round: about K rounds.
+    return SpeculativeSpec(k=max(length // steps, 1))
+
   def examples(self, generated):
     return [SpeculativeSpec(k=3), SpeculativeSpec(k=2, order="lowest_index", temperature=0.8),
             SpeculativeSpec(k=4, order="fixed", positions=tuple(reversed(generated)))]

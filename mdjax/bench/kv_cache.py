@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from mdjax import models, report, sampling
-from mdjax.bench import (_compiled_peak_bytes, _timed_compile, interleaved_medians,
-                         machine_info)
+from mdjax.bench.timing import (compiled_peak_bytes, interleaved_medians, machine_info,
+                                timed_compile)
 
 IMPLS = ("none", "dual")
 
@@ -63,13 +63,13 @@ def bench_cell(apply_fn, params, length: int, batch: int, block: int, steps_list
   calls, rows = {}, {}
   for steps in steps_list:
     for impl, spec in cell_specs(steps, block).items():
-      compiled, args, compile_s = _timed_compile(
+      compiled, args, compile_s = timed_compile(
           lambda: sampling.lower(apply_fn, params, key, canvas_BxL, spec))
       calls[steps, impl] = functools.partial(compiled, *args)
       refreshes = steps if impl == "none" else length // block
       rows[steps, impl] = dict(
           L=length, batch=batch, block=block, K=steps, impl=impl, compile_s=compile_s,
-          peak_bytes=_compiled_peak_bytes(compiled),
+          peak_bytes=compiled_peak_bytes(compiled),
           flop_ceiling=flop_ceiling(steps, refreshes, full_flops, window_flops))
   medians = interleaved_medians(calls, repeats)
   out = []

@@ -1,0 +1,116 @@
+"""What a sampler adds to its denoiser calls: (i) every family against its forward passes,
+(ii) the call path of `sample()` against its compiled program, (iii) the step's own work."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mdjax import models, sampling
+from mdjax.bench.throughput import forward_only_program
+from mdjax.bench.timing import interleaved_medians, timed_compile
+
+# The vocabulary of the step-cost measure's trivial denoiser (ScanAndAdd's size).
+STEP_VOCAB = 15
+
+
+def evaluated_per_row(apply_fn, params, key, canvas_BxL, spec) -> float:
+  """The sequences a sampler passes to the denoiser, over the canvas rows: an untimed run
+  whose denoiser reports each call's batch to the host. It counts what `contexts_B` leaves
+  out: rows evaluated after they finished, and the padded contexts of a round that had
+  fewer positions left than contexts (speculative verification)."""
+  sizes = []
+
+  def counted(params, tokens_NxL, *args, **kwargs):
+    jax.debug.callback(lambda: sizes.append(tokens_NxL.shape[0]))
+    return apply_fn(params, tokens_NxL, *args, **kwargs)
+
+  jax.block_until_ready(sampling.sample(counted, params, key, canvas_BxL, spec).tokens_BxL)
+  jax.effects_barrier()
+  return sum(sizes) / canvas_BxL.shape[0]
+
+
+def family_overheads(apply_fn, params, canvas_BxL, steps: int, repeats: int, key) -> list[dict]:
+  """(i) Every registered family at its `bench_spec` against the bare forward passes it makes.
+
+  The floor is the time of one forward pass at this batch (K passes in one program, over
+  K) times the sequences the program passes to the denoiser per row (`evaluated`), so 1.0
+  means the sampler adds nothing to its denoiser calls. `overhead_vs_forward` divides by
+  the sequences the family counts as evaluated instead (`contexts_B`: one per call, J for a
+  call of J contexts, only the useful ones), so it also charges the calls' padding.
+  """
+  length = canvas_BxL.shape[1]
+  forward = forward_only_program(apply_fn, steps)
+  calls = {"forward": functools.partial(forward, params, canvas_BxL)}
+  made = {}
+  for name, family in sorted(sampling.families().items()):
+    spec = family.bench_spec(steps, length)
+    compiled, args, _ = timed_compile(
+        lambda: sampling.lower(apply_fn, params, key, canvas_BxL, spec))
+    result = compiled(*args)
+    made[name] = (int(result.nfe), float(jnp.mean(result.contexts_B)),
+                  evaluated_per_row(apply_fn, params, key, canvas_BxL, spec))
+    calls[name] = functools.partial(compiled, *args)
+  medians = interleaved_medians(calls, repeats)
+  per_pass = medians["forward"] / steps
+  return [dict(sampler=name, K=steps, nfe=nfe, contexts=contexts, evaluated=evaluated,
+               time_s=medians[name],
+               overhead_vs_forward=medians[name] / (per_pass * contexts),
+               overhead_vs_evaluated=medians[name] / (per_pass * evaluated))
+          for name, (nfe, contexts, evaluated) in made.items()]
+
+
+def call_overheads(config, key, repeats: int) -> list[dict]:
+  """(ii) Per call, `sample()` against the compiled program from `sampling.lower`, batch 1.
+
+  The difference is the host's work per call (checks, the plan, dispatch) on the bench
+  model and on a tiny model (d 64, 2 layers), where it weighs most.
+  """
+  tiny = config.model.to_dict() | dict(d_model=64, num_layers=2, num_heads=2, d_ff=256)
+  out = []
+  for name, model in (("bench", config.model.to_dict()), ("tiny", tiny)):
+    model_cfg = models.TransformerConfig(vocab_size=config.vocab_size, max_len=config.seq_len,
+                                         **model)
+    _, params, apply_fn = models.init(model_cfg, seed=0)
+    params = nnx.to_pure_dict(params)
+    canvas_BxL = jnp.full((1, config.seq_len), config.vocab_size, jnp.int32)
+    spec = sampling.ConfidenceSpec(steps=config.call_steps)
+    compiled, args, _ = timed_compile(
+        lambda: sampling.lower(apply_fn, params, key, canvas_BxL, spec))
+    medians = interleaved_medians({
+        "sample": lambda: sampling.sample(apply_fn, params, key, canvas_BxL, spec).tokens_BxL,
+        "program": lambda: compiled(*args).tokens_BxL}, repeats)
+    out.append(dict(model=name, params=models.count_params(params), batch=1,
+                    K=config.call_steps, sample_s=medians["sample"],
+                    program_s=medians["program"],
+                    ratio=medians["sample"] / medians["program"]))
+  return out
+
+
+def embedding_denoiser(table, tokens_BxL, t_B):
+  """A denoiser that costs next to nothing: logits = table[token]."""
+  del t_B
+  return table[tokens_BxL]
+
+
+def step_costs(batches, length: int, repeats: int, key) -> list[dict]:
+  """(iii) The sampler's own time per step: each family's compiled program with a denoiser
+  that is an embedding lookup (logits = table[token], V = 15), K = L steps, over K."""
+  table = jax.random.normal(jax.random.key(0), (STEP_VOCAB + 1, STEP_VOCAB))
+  out = []
+  for batch in batches:
+    canvas_BxL = jnp.full((batch, length), STEP_VOCAB, jnp.int32)
+    calls, steps = {}, {}
+    for name, family in sorted(sampling.families().items()):
+      spec = family.bench_spec(length, length)
+      compiled, args, _ = timed_compile(
+          lambda: sampling.lower(embedding_denoiser, table, key, canvas_BxL, spec))
+      calls[name] = functools.partial(compiled, *args)
+      steps[name] = sampling.num_steps(spec, length)
+    medians = interleaved_medians(calls, repeats)
+    out += [dict(sampler=name, batch=batch, K=steps[name],
+                 us_per_step=1e6 * medians[name] / steps[name]) for name in calls]
+  return out
