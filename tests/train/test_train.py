@@ -11,12 +11,13 @@ import time
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from configs import two_color as two_color_config
 from mdjax import tasks, train
+from tests.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _config(**train_overrides):
@@ -119,8 +120,8 @@ def test_nan_loss_stops_with_a_clear_message_and_keeps_good_checkpoints(tmp_path
   state, *_ = train.init_state(config, mesh, tasks.from_config(config))
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
   for step in steps:  # every kept checkpoint holds finite parameters
-    restored = manager.restore(step, args=train.ocp.args.Composite(
-        state=train.ocp.args.StandardRestore(abstract)))["state"]
+    restored = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract)))["state"]
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(restored.params))
 
 

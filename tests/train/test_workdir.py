@@ -12,8 +12,8 @@ import pytest
 
 from configs import two_color as two_color_config
 from mdjax import train
+from tests.paths import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _config(num_steps=40, **overrides):
@@ -109,7 +109,7 @@ def test_read_only_workdir_samples_and_refuses_training_early(tmp_path, monkeypa
   import mdjax
   train.train(_config(num_steps=20), str(tmp_path), log=_quiet)
   # (root ignores permission bits, so the read-only mount is simulated.)
-  monkeypatch.setattr(train, "_writable", lambda path: False)
+  monkeypatch.setattr(train.loop, "writable", lambda path: False)
   before = sorted(os.listdir(tmp_path))
   assert mdjax.load(str(tmp_path)).step == 20
   state = train.train(_config(num_steps=20), str(tmp_path), log=_quiet)  # finished: reads
@@ -204,7 +204,7 @@ def test_first_run_mistakes_are_refused_before_the_model(tmp_path, monkeypatch, 
   def never(*args, **kwargs):
     raise AssertionError("built before the config was checked")
   monkeypatch.setattr(train.tasks, "from_config", never)
-  monkeypatch.setattr(train, "init_state", never)
+  monkeypatch.setattr(train.loop, "init_state", never)
   with pytest.raises(train.ConfigError) as info:
     train.train(config, str(tmp_path / "run"), log=_quiet)
   assert str(info.value).startswith(expected), str(info.value)
@@ -229,7 +229,7 @@ def test_failed_first_run_leaves_no_workdir(tmp_path, monkeypatch):
     if step == 7:
       raise RuntimeError("lost the device")
     return real(config, step, task)
-  monkeypatch.setattr(train, "batch_for_step", fail_at_step_7)
+  monkeypatch.setattr(train.loop, "batch_for_step", fail_at_step_7)
   with pytest.raises(RuntimeError, match="lost the device"):
     train.train(_config(num_steps=20), str(fresh), log=_quiet)  # the programs of other tests
   assert _logged_steps(fresh) == [5]

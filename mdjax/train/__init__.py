@@ -1,0 +1,33 @@
+"""Training: a pure train step, optax, orbax checkpoints, data-parallel sharding.
+
+`train(config, workdir)` runs a whole job and resumes from the newest good checkpoint in
+`workdir`. It builds the task once (`tasks.from_config`) and passes the `Task` value down.
+The batch a step sees is a function of (seed, step), so a resumed run sees exactly what an
+uninterrupted one would; the random streams are named in `mdjax.streams`.
+
+The rooms: `state` (factories from the config, the train step, sharding), `checkpoints`
+(orbax saves, the newest readable step, `load`), `config_checks`, `workdir` (the lock,
+signals, the metrics log, the train clock) and `loop` (`train`, evaluation, progress).
+"""
+
+from mdjax import tasks
+from mdjax.train.checkpoints import (CORRUPT_DIR, CheckpointMismatch, Model, checkpoint_manager,
+                                     load, load_for_sampling, quiet_orbax, restore_latest, save)
+from mdjax.train.config_checks import CONFIG_RANGES, OBJECTIVES, ConfigError, check_config
+from mdjax.train.loop import (ensure_trained, eval_batch, evaluate, sample_and_score, train)
+from mdjax.train.state import (TrainState, batch_for_step, block_nelbo_options, init_state,
+                               learning_rate_schedule, make_loss_fn, make_mesh, make_optimizer,
+                               masking_schedule, model_config, param_sharding, state_sharding,
+                               train_step)
+from mdjax.train.workdir import (Interrupts, MetricsLog, TrainClock, WorkdirBusy, WorkdirLock,
+                                 read_train_seconds)
+
+__all__ = [
+    "CONFIG_RANGES", "CORRUPT_DIR", "CheckpointMismatch", "ConfigError", "Interrupts",
+    "MetricsLog", "Model", "OBJECTIVES", "TrainClock", "TrainState", "WorkdirBusy",
+    "WorkdirLock", "batch_for_step", "block_nelbo_options", "check_config", "checkpoint_manager",
+    "ensure_trained", "eval_batch", "evaluate", "init_state", "learning_rate_schedule", "load",
+    "load_for_sampling", "make_loss_fn", "make_mesh", "make_optimizer", "masking_schedule",
+    "model_config", "param_sharding", "quiet_orbax", "read_train_seconds", "restore_latest",
+    "sample_and_score", "save", "state_sharding", "tasks", "train", "train_step",
+]

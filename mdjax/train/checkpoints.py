@@ -1,0 +1,359 @@
+"""Orbax checkpoints: atomic saves, the newest readable step, `load` for sampling.
+
+An unreadable checkpoint is moved aside (never deleted) and the next newest is read; what
+orbax's abandoned reads report after a failed restore is kept off stderr."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import sys
+import threading
+import time
+import warnings
+from typing import Any, Callable
+
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+from absl import logging
+
+from mdjax import tasks
+from mdjax.train.state import TrainState, init_state, make_mesh
+
+
+# ----------------------------------------------------------------------------
+# Checkpoints.
+# ----------------------------------------------------------------------------
+
+
+CORRUPT_DIR = "checkpoints_corrupt"  # unreadable checkpoints are moved here, never deleted
+
+
+class CheckpointMismatch(ValueError):
+  """A readable checkpoint of another model, task or tokenizer than the config asks for."""
+
+
+@contextlib.contextmanager
+def quiet_orbax():
+  """Silences orbax's informational warnings (read-only managers, unrestored items) in scope."""
+  level = logging.get_verbosity()
+  logging.set_verbosity(logging.ERROR)
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      yield
+  finally:
+    logging.set_verbosity(level)
+
+
+def _item_handlers():
+  return {"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
+          "task": ocp.JsonCheckpointHandler()}
+
+
+def checkpoint_manager(workdir: str, config=None, read_only: bool = False
+                       ) -> ocp.CheckpointManager:
+  """The workdir's orbax manager (writes go to a temporary dir, then a rename: atomic)."""
+  with quiet_orbax():
+    if read_only:
+      options = ocp.CheckpointManagerOptions(read_only=True)
+    else:
+      options = ocp.CheckpointManagerOptions(
+          max_to_keep=config.checkpoint.keep, create=True, enable_async_checkpointing=False)
+    return ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"),
+                                 options=options, item_handlers=_item_handlers())
+
+
+def save(manager: ocp.CheckpointManager, state: TrainState, config, task: tasks.Task) -> None:
+  """Saves state, config and task metadata; orbax writes to a temporary dir, then renames."""
+  step = int(state.step)
+  with quiet_orbax():
+    manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict()),
+        task=ocp.args.JsonSave(task.checkpoint_metadata())), force=True)
+    manager.wait_until_finished()
+
+
+def _check_model_matches(saved: dict, config, step: int) -> None:
+  saved_model, model = saved.get("model", {}), config.model.to_dict()
+  diffs = {k: (saved_model.get(k), v) for k, v in model.items() if saved_model.get(k) != v}
+  saved_kwargs = {k: v for k, v in (saved.get("task_kwargs") or {}).items() if v is not None}
+  for name, saved_value, value in (("task", saved.get("task"), config.task),
+                                   ("task_kwargs", saved_kwargs, tasks.kwargs_of(config))):
+    if saved_value != value:
+      diffs[name] = (saved_value, value)
+  if diffs:
+    raise CheckpointMismatch(
+        f"checkpoint step {step} holds a model of another shape or task: (saved, requested) = "
+        f"{diffs}. Use another workdir or the saved config.")
+
+
+def _summary(error: BaseException) -> str:
+  """One line of an error: its type and the start of its first line (no TensorStore dump)."""
+  lines = str(error).strip().splitlines()
+  text = lines[0] if lines else ""
+  return f"{type(error).__name__}: {text[:160]}{'...' if len(text) > 160 else ''}"
+
+
+def _read_json(manager, step: int, name: str) -> dict:
+  return manager.restore(step, args=ocp.args.Composite(**{name: ocp.args.JsonRestore()}))[name]
+
+
+def _read_step(manager, step: int, abstract_for: Callable[[int, dict, dict], Any]):
+  """(config dict, task metadata, state) of a step; any unreadable part raises."""
+  with quiet_orbax(), _read_leftovers.read(os.path.join(manager.directory, str(step))):
+    saved_config = _read_json(manager, step, "config")
+    items = manager.item_metadata(step) or {}
+    saved_task = _read_json(manager, step, "task") if "task" in items else {}
+    abstract = abstract_for(step, saved_config, saved_task)
+    if items.get("state") is None:
+      raise FileNotFoundError("the state's metadata is missing")
+    saved = sorted(tuple(m.shape) for m in jax.tree.leaves(items["state"]))
+    wanted = sorted(tuple(x.shape) for x in jax.tree.leaves(abstract))
+    if saved != wanted:  # readable, but another state (e.g. EMA parameters on or off)
+      raise CheckpointMismatch(
+          f"checkpoint step {step} does not fit the model: it holds {len(saved)} arrays, the "
+          f"config's state {len(wanted)} (or other shapes). Use another workdir or the saved "
+          "config.")
+    state = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract)))["state"]
+  return saved_config, saved_task, state
+
+
+def _closed_loop_callback(report) -> bool:
+  """Whether an unraisable report is a finished read handed to an event loop already closed."""
+  frames, tb = set(), report.exc_traceback
+  while tb is not None:
+    frames.add(tb.tb_frame.f_code.co_name)
+    tb = tb.tb_next
+  return (report.object is None and isinstance(report.exc_value, RuntimeError)
+          and str(report.exc_value) == "Event loop is closed"
+          and "call_soon_threadsafe" in frames)
+
+
+class _ReadLeftovers:
+  """Keeps what the abandoned reads of a failed restore report off stderr; nothing else.
+
+  A restore that fails closes orbax's event loop with the reads of the other arrays still
+  pending. Each ends later, at times mdjax does not choose (on TensorStore's threads before
+  the failure has even reached mdjax, when collected, at interpreter exit), and reports:
+  a finished read finds the loop closed ('Event loop is closed'); a pending read coroutine,
+  closed when collected, turns the GeneratorExit into an Exception that prints the array's
+  whole TensorStore spec; a failed read nobody awaited any more logs 'Future exception was
+  never retrieved'. Hundreds to thousands of lines about a step mdjax reports in one.
+
+  The first two reach `sys.unraisablehook` and the last asyncio's logger; both are
+  filtered here. A report naming a step folder is dropped when a read of that folder failed
+  or is in flight (it then fails); 'Event loop is closed' names none: it is held while a
+  read is in flight (its outcome decides) and dropped once any read has failed. Every
+  other report goes on as before.
+  """
+
+  def __init__(self):
+    self.lock = threading.RLock()  # a collection inside can report to the hook
+    self.reading = []  # step folders being read
+    self.failed = set()  # step folders whose read failed: leftovers may come at any time
+    self.held = []  # (next hook, report) of closed-loop reports while reads were in flight
+    self.orbax_dir = os.path.dirname(ocp.__file__) + os.sep
+
+  def _names_read_folder(self, text: str) -> bool:
+    return any(folder in text for folder in (*self.reading, *self.failed))
+
+  def _abandoned_coroutine(self, report) -> bool:
+    """An orbax read coroutine closed while pending, naming a folder read or failed."""
+    code = getattr(report.object, "cr_code", None)
+    return (code is not None and code.co_filename.startswith(self.orbax_dir)
+            and isinstance(getattr(report.exc_value, "__context__", None), GeneratorExit)
+            and self._names_read_folder(str(report.exc_value)))
+
+  def filter(self, record) -> bool:
+    """asyncio's logger: False for a never-retrieved failure of a read of a failing step."""
+    error = record.exc_info[1] if record.exc_info else None
+    if error is None or not record.getMessage().split("\n", 1)[0].endswith(
+        "exception was never retrieved"):
+      return True
+    with self.lock:
+      return not self._names_read_folder(str(error))
+
+  def install(self) -> None:
+    """Puts the filters in place (once; the unraisable one again if it was replaced)."""
+    asyncio_logger = asyncio.log.logger
+    if self not in asyncio_logger.filters:
+      asyncio_logger.addFilter(self)
+    previous = sys.unraisablehook
+    if getattr(previous, "_mdjax_read_leftovers", None) is self:
+      return
+    closed_loop_callback = _closed_loop_callback  # module globals may be gone at exit
+
+    def hook(report):
+      with self.lock:
+        if self._abandoned_coroutine(report):
+          return
+        if closed_loop_callback(report):
+          if self.failed:
+            return
+          if self.reading:
+            self.held.append((previous, report))
+            return
+      previous(report)
+
+    hook._mdjax_read_leftovers = self
+    sys.unraisablehook = hook
+
+  @contextlib.contextmanager
+  def read(self, folder: str):
+    """A read of a step folder; if the block raises, the read failed."""
+    folder = os.path.join(folder, "")  # '/.../checkpoints/30/' does not name step 300
+    self.install()
+    with self.lock:
+      self.reading.append(folder)
+    failed = True
+    try:
+      yield
+      failed = False
+    finally:
+      with self.lock:
+        self.reading.remove(folder)
+        if failed:
+          self.failed.add(folder)
+        release = [] if self.failed or self.reading else self.held
+        if self.failed or not self.reading:
+          self.held = []
+      for previous, report in release:  # not from a failed read of mdjax: shown as usual
+        previous(report)
+
+
+_read_leftovers = _ReadLeftovers()
+
+
+def _set_aside(manager: ocp.CheckpointManager, step: int) -> str:
+  """Moves an unreadable step to workdir/checkpoints_corrupt/<step>-<time>; returns the path."""
+  checkpoints = os.fspath(manager.directory)
+  aside = os.path.join(os.path.dirname(checkpoints), CORRUPT_DIR)
+  os.makedirs(aside, exist_ok=True)
+  target = os.path.join(aside, f"{step}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+  os.rename(os.path.join(checkpoints, str(step)), target)
+  with quiet_orbax():
+    manager.reload()
+  return target
+
+
+def step_dirs(manager: ocp.CheckpointManager) -> list[int]:
+  """Every finished step folder, listed by orbax or not (an emptied folder is not listed)."""
+  checkpoints = os.fspath(manager.directory)
+  on_disk = {int(n) for n in os.listdir(checkpoints) if n.isdigit()} if os.path.isdir(
+      checkpoints) else set()
+  return sorted(on_disk | set(manager.all_steps()), reverse=True)
+
+
+def newest_readable(manager, abstract_for, log, move_aside: bool, steps=None):
+  """(step, config, task metadata, state) of the newest readable step, or None.
+
+  Unreadable steps are reported in one line each and, with `move_aside`, moved to
+  workdir/checkpoints_corrupt (kept for inspection, out of the manager's way).
+  """
+  for step in (step_dirs(manager) if steps is None else steps):
+    try:
+      return (step, *_read_step(manager, step, abstract_for))
+    except CheckpointMismatch:
+      raise
+    except Exception as error:  # truncated, deleted or empty: the step cannot be read
+      if move_aside:
+        where = f"moved to {_set_aside(manager, step)}"
+      else:
+        where = "left in place"
+      log(f"checkpoint step {step} is unreadable ({_summary(error)}); {where}; "
+          "using the previous one.")
+  return None
+
+
+def restore_latest(manager: ocp.CheckpointManager, abstract_state: TrainState, config,
+                   task: tasks.Task, log=print, move_aside: bool = True) -> TrainState | None:
+  """The newest readable checkpoint (unreadable newer ones moved aside), or None."""
+
+  def abstract_for(step, saved_config, saved_task):
+    _check_model_matches(saved_config, config, step)
+    if saved_task and saved_task != task.checkpoint_metadata():
+      raise CheckpointMismatch(
+          f"checkpoint step {step} was trained with another tokenizer: saved {saved_task}, "
+          f"now {task.checkpoint_metadata()}. Use another workdir or the saved corpus.")
+    return abstract_state
+
+  found = newest_readable(manager, abstract_for, log, move_aside)
+  return None if found is None else found[-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """A trained denoiser loaded from a workdir (`mdjax.load`).
+
+  `apply_fn(params, tokens_BxL, t_B) -> logits_BxLxV` is the denoiser contract; `params`
+  are the EMA parameters when the run kept them. `task` is rebuilt from the saved config and
+  tokenizer (no corpus file needed: a text task without its corpus samples and decodes, but
+  has no training data). `tokenizer` is the task's (None for synthetic tasks).
+  """
+
+  config: ml_collections.ConfigDict
+  apply_fn: Callable
+  params: Any
+  task: tasks.Task
+  step: int
+  workdir: str
+
+  @property
+  def tokenizer(self):
+    return self.task.tokenizer
+
+
+def _warn(message: str) -> None:
+  print(message, file=sys.stderr, flush=True)
+
+
+def load(workdir: str, step: int | None = None, log: Callable[[str], None] = _warn) -> Model:
+  """The trained model of a workdir: its newest readable checkpoint, or `step`.
+
+  Reads only (a read-only workdir is fine); an unreadable newest checkpoint is reported in
+  one line through `log` and the previous one is used. Orbax's own warnings are silenced.
+  """
+  if not os.path.isdir(os.path.join(workdir, "checkpoints")):
+    raise ValueError(f"workdir={workdir!r} holds no checkpoint.")
+  manager = checkpoint_manager(workdir, read_only=True)
+  saved_steps = step_dirs(manager)
+  if not saved_steps:
+    raise ValueError(f"workdir={workdir!r} holds no checkpoint.")
+  if step is not None and step not in saved_steps:
+    raise ValueError(f"step={step} is not saved in {workdir!r}; saved steps: "
+                     f"{sorted(saved_steps)}.")
+  built = {}
+
+  def abstract_for(step, saved_config, saved_task):
+    config = ml_collections.ConfigDict(saved_config)
+    # The saved tokenizer decides the ids, whatever the corpus files hold today.
+    config.task_kwargs.update(saved_task)
+    task = tasks.from_config(config)
+    state, _, apply_fn, _ = init_state(config, make_mesh(1), task)
+    built.update(config=config, task=task, apply_fn=apply_fn)
+    return jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+
+  found = newest_readable(manager, abstract_for, log, move_aside=False,
+                           steps=None if step is None else [step])
+  if found is None:
+    raise ValueError(f"workdir={workdir!r}: no readable checkpoint"
+                     + (f" at step {step}." if step is not None else "."))
+  step, _, _, state = found
+  params = state.ema_params if state.ema_params is not None else state.params
+  return Model(config=built["config"], apply_fn=built["apply_fn"], params=params,
+               task=built["task"], step=step, workdir=workdir)
+
+
+def load_for_sampling(workdir: str, step: int | None = None):
+  """(config, apply_fn, params, step) of a trained workdir: `mdjax.load` as a tuple."""
+  model = load(workdir, step)
+  return model.config, model.apply_fn, model.params, model.step
+
+
+# ----------------------------------------------------------------------------
+# The loop.

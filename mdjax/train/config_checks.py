@@ -1,0 +1,131 @@
+"""The config checked before anything is built: one ConfigError naming the field."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mdjax import sampling, tasks
+
+
+# ----------------------------------------------------------------------------
+# Config checks, the workdir lock, interruption, the metrics file.
+# ----------------------------------------------------------------------------
+
+
+def _integer(low):
+  return (lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= low,
+          f"must be an integer >= {low}")
+
+
+def _number(test, allowed):
+  return (lambda v: isinstance(v, (int, float, np.number)) and not isinstance(v, bool)
+          and math.isfinite(v) and test(v), f"must be a finite number {allowed}")
+
+
+# Every numeric field a config may set: (field, (test, what is allowed)). Absent optional
+# fields are skipped.
+CONFIG_RANGES = (
+    ("seed", _integer(0)), ("batch_size", _integer(1)), ("num_devices", _integer(0)),
+    ("log_every", _integer(1)), ("eval_every", _integer(0)), ("eval_batches", _integer(1)),
+    ("num_eval_samples", _integer(0)),
+    ("model.d_model", _integer(1)), ("model.num_layers", _integer(1)),
+    ("model.num_heads", _integer(1)), ("model.d_ff", _integer(1)),
+    ("train.num_steps", _integer(1)), ("train.lr", _number(lambda v: v > 0, "> 0")),
+    ("train.lr_floor", _number(lambda v: 0 <= v <= 1, "in [0, 1]")),
+    ("train.warmup_steps", _integer(0)),
+    ("train.b1", _number(lambda v: 0 <= v < 1, "in [0, 1)")),
+    ("train.b2", _number(lambda v: 0 <= v < 1, "in [0, 1)")),
+    ("train.weight_decay", _number(lambda v: v >= 0, ">= 0")),
+    ("train.grad_clip", _number(lambda v: v > 0, "> 0")),
+    ("train.ema_decay", _number(lambda v: 0 <= v < 1, "in [0, 1)")),
+    ("checkpoint.every", _integer(1)), ("checkpoint.keep", _integer(1)),
+    ("block_nelbo.t_min", _number(lambda v: 0 <= v < 1, "in [0, 1)")),
+    ("block_nelbo.t_max", _number(lambda v: 0 < v <= 1, "in (0, 1]")),
+)
+OBJECTIVES = ("nelbo", "mlm", "causal")
+
+
+_ABSENT = object()
+
+
+def _field(config, path: str):
+  """The value at a dotted path, or _ABSENT."""
+  node = config
+  for name in path.split("."):
+    if node is None or name not in node:
+      return _ABSENT
+    node = node[name]
+  return node
+
+
+class ConfigError(ValueError):
+  """A config value out of its range (the message names the field)."""
+
+
+def check_config(config) -> None:
+  """Range checks of every numeric field: a ValueError naming the field, its value and what
+  is allowed. Runs before anything is built, compiled or written."""
+
+  def refuse(path, value, allowed):
+    raise ConfigError(f"config field {path}={value!r}: {allowed}.")
+
+  for path, (test, allowed) in CONFIG_RANGES:
+    value = _field(config, path)
+    if value is not _ABSENT and not test(value):
+      refuse(path, value, allowed)
+  heads, width = config.model.num_heads, config.model.d_model
+  if width % heads:
+    refuse("model.num_heads", heads, f"must divide model.d_model={width}")
+  steps = _field(config, "sampler.steps")
+  if steps is not _ABSENT and steps is not None and not _integer(1)[0](steps):
+    refuse("sampler.steps", steps, "must be an integer >= 1 (or None for families without)")
+  if config.objective not in OBJECTIVES:
+    refuse("objective", config.objective, f"must be one of {OBJECTIVES}")
+  task = _field(config, "task")
+  if task is not _ABSENT:
+    if task not in tasks.TASKS:
+      refuse("task", task, f"must be one of {sorted(tasks.TASKS)}")
+    try:  # the task's parameters, the corpus file or package; nothing is read or trained
+      tasks.check(task, tasks.kwargs_of(config))
+    except ValueError as error:
+      message = str(error)
+      raise ConfigError("config field " + (message if message.startswith("task_kwargs")
+                                           else f"task_kwargs.{message}")) from None
+  family = _field(config, "sampler.family")
+  if family is not _ABSENT:  # the sampler of the evaluations, found before the model is built
+    names = sorted(sampling.families()) + ["left_to_right"]
+    if family not in names:
+      refuse("sampler.family", family, f"must be one of {names}")
+    knobs = {k: v for k, v in config.sampler.items() if k != "family"}
+    try:  # the length only sets left_to_right's order, which is not what is checked here
+      sampling.make_spec(family, length=1, **knobs)
+    except (ValueError, TypeError) as error:
+      raise ConfigError(f"config field sampler ({family}): {error}") from None
+  block_size = _field(config, "model.block_size")
+  if block_size is not _ABSENT and block_size is not None:
+    if not _integer(1)[0](block_size):
+      refuse("model.block_size", block_size, "must be None or an integer >= 1 (dividing the "
+             "sequence length)")
+    if config.objective != "nelbo":
+      refuse("model.block_size", block_size, f"needs objective='nelbo' (the block NELBO), not "
+             f"{config.objective!r}")
+    if config.model.get("time_conditioning") or config.model.get("causal"):
+      refuse("model.block_size", block_size, "needs model.time_conditioning=False and "
+             "model.causal=False")
+  t_min, t_max = _field(config, "block_nelbo.t_min"), _field(config, "block_nelbo.t_max")
+  if t_min is not _ABSENT and t_max is not _ABSENT and not t_min < t_max:
+    refuse("block_nelbo.t_min", t_min, f"must be below block_nelbo.t_max={t_max}")
+  antithetic = _field(config, "block_nelbo.antithetic")
+  if antithetic is not _ABSENT and not isinstance(antithetic, bool):
+    refuse("block_nelbo.antithetic", antithetic, "must be True or False")
+  tensorboard = _field(config, "log_tensorboard")
+  if tensorboard is not _ABSENT and not isinstance(tensorboard, bool):
+    refuse("log_tensorboard", tensorboard, "must be True or False")
+  if tensorboard is True:
+    try:
+      import tensorboardX  # noqa: F401
+    except ImportError:
+      refuse("log_tensorboard", tensorboard,
+             "needs the tensorboardX package (pip install 'mdjax[tensorboard]')")

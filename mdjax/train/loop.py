@@ -1,0 +1,308 @@
+"""The training loop: progress, evaluation, resuming, `train` and `ensure_trained`."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from mdjax import diffusion, models, plot, sampling, streams, tasks
+from mdjax.train.checkpoints import (checkpoint_manager, load_for_sampling, newest_readable,
+                                     restore_latest, save, step_dirs)
+from mdjax.train.config_checks import ConfigError, check_config
+from mdjax.train.state import (TrainState, batch_for_step, init_state, learning_rate_schedule,
+                               make_loss_fn, make_mesh, make_optimizer, masking_schedule,
+                               train_step)
+from mdjax.train.workdir import (Interrupts, MetricsLog, TrainClock, WorkdirLock,
+                                 keep_metrics_through, writable)
+
+
+# ----------------------------------------------------------------------------
+
+
+class _Progress:
+  """A one-line progress report with rate and ETA."""
+
+  def __init__(self, total: int, start_step: int):
+    self.total, self.start_step, self.t0 = total, start_step, time.perf_counter()
+
+  def line(self, step: int, loss: float) -> str:
+    done = step - self.start_step
+    rate = done / max(time.perf_counter() - self.t0, 1e-9)
+    eta = (self.total - step) / max(rate, 1e-9)
+    width = 24
+    filled = int(width * step / self.total)
+    return (f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total} "
+            f"loss {loss:.4f} | {rate:.1f} steps/s | ETA {eta:.0f}s")
+
+
+class _Throughput:
+  """Training tokens per second between logged rows: the wall time from one step's metrics
+  to the next, checkpoints, evaluations and the first (compiling) step left out."""
+
+  def __init__(self, tokens_per_step: int):
+    self.tokens_per_step = tokens_per_step
+    self.last, self.steps, self.seconds = None, 0, 0.0
+
+  def step_done(self) -> None:
+    now = time.perf_counter()
+    if self.last is not None:
+      self.steps += 1
+      self.seconds += now - self.last
+    self.last = now
+
+  def restart(self) -> None:
+    """After work that is not training: the next step is timed from now."""
+    self.last = time.perf_counter()
+
+  def take(self) -> float | None:
+    """Tokens/s since the previous call (None when no step was timed)."""
+    if not self.steps:
+      return None
+    rate = self.steps * self.tokens_per_step / max(self.seconds, 1e-9)
+    self.steps, self.seconds = 0, 0.0
+    return rate
+
+
+
+def eval_batch(config, i: int, task: tasks.Task) -> np.ndarray:
+  """Held-out batch i: the task's validation text, or fresh draws of a synthetic law."""
+  key = jax.random.fold_in(jax.random.key(config.seed), streams.RowStream.EVAL_DATA + i)
+  return task.validation_data(key, config.batch_size)
+
+
+
+def evaluate(config, task: tasks.Task, params, loss_fn_eval) -> dict:
+  """Held-out loss in bits per token (the NELBO, or the causal NLL) over `eval_batches` batches."""
+  values = []
+  for i in range(config.eval_batches):
+    x = eval_batch(config, i, task)
+    key = jax.random.fold_in(jax.random.key(config.seed + 1), i)
+    values.append(float(loss_fn_eval(params, key, x)))
+  return {"eval_bits_per_token": float(np.mean(values))}
+
+
+def sample_and_score(config, task: tasks.Task, apply_fn, params) -> dict:
+  spec = sampling.make_spec(config.sampler.family, length=task.length,
+                            **{k: v for k, v in config.sampler.to_dict().items() if k != "family"})
+  out = sampling.sample(apply_fn, params, jax.random.key(config.seed + 2),
+                        task.empty_canvas(config.num_eval_samples), spec, mask_id=task.mask_id)
+  return {f"sample_{k}": v for k, v in task.sample_metrics(np.asarray(out.tokens_BxL)).items()}
+
+
+
+def _finished_read_only(config, workdir: str, log) -> TrainState:
+  """A read-only workdir: its finished state, or a PermissionError before anything is built."""
+  num_steps = config.train.num_steps
+  steps = []
+  if os.path.isdir(os.path.join(workdir, "checkpoints")):
+    steps = step_dirs(checkpoint_manager(workdir, read_only=True))
+  if num_steps not in steps:
+    raise PermissionError(
+        f"workdir={workdir!r} is not writable; training to step {num_steps} needs to write "
+        f"checkpoints there (saved steps: {sorted(steps)}). Sampling and evaluation only read "
+        "it; train in a writable copy.")
+  mesh = make_mesh(config.get("num_devices") or None)
+  task = tasks.from_config(config)
+  state, *_ = init_state(config, mesh, task)
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+  manager = checkpoint_manager(workdir, read_only=True)
+  found = newest_readable(manager, lambda *_: abstract, log, move_aside=False,
+                           steps=[num_steps])
+  if found is None:
+    raise PermissionError(f"workdir={workdir!r} is not writable and its step {num_steps} is "
+                          "unreadable.")
+  return found[-1]
+
+
+def train(config, workdir: str, log=print) -> TrainState:
+  """Trains (or resumes) the configured job in `workdir`; returns the final state.
+
+  Checks the config first (`check_config`), then locks the workdir (`WorkdirLock`). A
+  workdir this call created is removed again when the run fails before writing anything.
+  SIGTERM or Ctrl-C saves a checkpoint at the current step and returns (see `Interrupts`).
+  A read-only workdir holding the finished run is only read.
+  """
+  check_config(config)
+  if os.path.isdir(workdir) and not writable(workdir):
+    return _finished_read_only(config, workdir, log)
+  created = not os.path.exists(workdir)
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as error:
+    raise PermissionError(f"workdir={workdir!r} cannot be created: {error}") from error
+  if jax.process_index() != 0:
+    return _train(config, workdir, log, Interrupts())
+  with WorkdirLock(workdir, log), Interrupts() as interrupts:
+    try:
+      return _train(config, workdir, log, interrupts)
+    except BaseException:
+      if created:  # removed under the lock: no other run can be using it
+        _remove_if_untrained(workdir)
+      raise
+
+
+def _remove_if_untrained(workdir: str) -> None:
+  """Removes a workdir that holds nothing but empty files and the lock (a run that failed
+  before its first logged step), so the same command starts clean; any content keeps it."""
+  lock = os.path.join(workdir, "train.lock")
+  for root, _, files in os.walk(workdir):
+    for name in files:
+      path = os.path.join(root, name)
+      if path != lock and os.path.getsize(path):
+        return
+  try:
+    for root, dirs, files in os.walk(workdir, topdown=False):
+      for name in files:
+        os.remove(os.path.join(root, name))
+      for name in dirs:
+        os.rmdir(os.path.join(root, name))
+    os.rmdir(workdir)
+  except OSError:  # something else appeared in it: what is left stays
+    pass
+
+
+def compile_train_step(config, mesh, shardings, loss_fn):
+  """The jitted train step: state sharded as `shardings`, the batch split on `data`."""
+  return jax.jit(
+      functools.partial(train_step, loss_fn=loss_fn, optimizer=make_optimizer(config.train),
+                        ema_decay=config.train.ema_decay, seed=config.seed,
+                        learning_rate=learning_rate_schedule(config.train)),
+      in_shardings=(shardings, NamedSharding(mesh, PartitionSpec("data"))),
+      out_shardings=(shardings, None), donate_argnums=0)
+
+
+def make_eval_loss(config, apply_fn, task: tasks.Task, loss_fn):
+  """(params, key, x) -> held-out bits per token: the NELBO (block NELBO for block-causal
+  models) over the full time range, or the causal NLL."""
+  eval_schedule = masking_schedule(config)
+  if config.objective == "causal":
+    return jax.jit(lambda p, k, x: loss_fn(p, k, x)[1]["bits_per_token"])
+  if config.model.get("block_size") is not None:
+    # The block NELBO over the full time range: a bound, whatever range training clips to.
+    return jax.jit(lambda p, k, x: diffusion.block_nelbo_loss(
+        apply_fn, p, k, x, schedule=eval_schedule, mask_id=task.mask_id,
+        block_size=config.model.block_size)[1]["bits_per_token"])
+  return jax.jit(lambda p, k, x: diffusion.nelbo_loss(
+      apply_fn, p, k, x, schedule=eval_schedule, mask_id=task.mask_id)[1]["bits_per_token"])
+
+
+def _finite_on_host(step_metrics, step: int, workdir: str) -> dict:
+  """A step's metrics as floats; a non-finite one stops the run (its checkpoint unsaved)."""
+  host = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+  if not all(math.isfinite(v) for v in host.values()):
+    raise FloatingPointError(
+        f"non-finite loss at step {step}: {host}; stopping. The last good checkpoint is "
+        f"kept in {workdir}/checkpoints.")
+  return host
+
+
+def _evaluation(config, task: tasks.Task, apply_fn, state: TrainState, eval_loss) -> dict:
+  """The held-out loss of the EMA parameters (if kept), and sample metrics when asked."""
+  params = state.ema_params if state.ema_params is not None else state.params
+  record = evaluate(config, task, params, eval_loss)
+  if config.objective != "causal" and config.num_eval_samples:
+    record.update(sample_and_score(config, task, apply_fn, params))
+  return record
+
+
+def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
+  mesh = make_mesh(config.get("num_devices") or None)
+  if config.batch_size % mesh.shape["data"]:
+    raise ConfigError(f"config field batch_size={config.batch_size}: must be divisible by the "
+                     f"{mesh.shape['data']} devices of the mesh.")
+  task = tasks.from_config(config)
+  state, graphdef, apply_fn, shardings = init_state(config, mesh, task)
+  log(f"model: {models.count_params(state.params):,} parameters; devices: {mesh.shape['data']}")
+  manager = checkpoint_manager(workdir, config)
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+  restored = restore_latest(manager, abstract, config, task, log)
+  if restored is not None:
+    state = jax.device_put(restored, shardings)
+    log(f"resumed from step {int(state.step)}")
+  saved_step = int(state.step) if restored is not None else None
+  clock = TrainClock(workdir, int(state.step))
+  loss_fn = make_loss_fn(config, apply_fn, task)
+  step_fn = compile_train_step(config, mesh, shardings, loss_fn)
+  eval_loss = make_eval_loss(config, apply_fn, task, loss_fn)
+  num_steps = config.train.num_steps
+  progress = _Progress(num_steps, int(state.step))
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  # Rows past the restored step were written after its checkpoint: the resumed run
+  # writes them again, so every step is logged exactly once.
+  keep_metrics_through(metrics_path, int(state.step))
+  pending = None  # metrics of the previous step: fetched one step late (async dispatch)
+  tty = sys.stdout.isatty()
+  throughput = _Throughput(config.batch_size * task.length)
+  curves = plot.Curves(workdir, log)
+
+  def report(step_metrics, step):
+    host = _finite_on_host(step_metrics, step, workdir)
+    throughput.step_done()
+    if step % config.log_every == 0 or step == num_steps:
+      row = {"step": step, **host}
+      tokens_per_s = throughput.take()
+      if tokens_per_s is not None:
+        row["tokens_per_s"] = tokens_per_s
+      metrics.write(row)
+      line = progress.line(step, host["loss"])
+      print("\r" + line if tty else line, end="" if tty else "\n", flush=True)
+
+  metrics = MetricsLog(workdir, bool(config.get("log_tensorboard", False)))
+  try:
+    step = int(state.step)
+    while step < num_steps and interrupts.signal_name is None:
+      x = jax.device_put(batch_for_step(config, step, task),
+                         NamedSharding(mesh, PartitionSpec("data")))
+      state, step_metrics = step_fn(state, x)
+      if pending is not None:
+        report(*pending)
+      step += 1
+      pending = (step_metrics, step)
+      save_now = step % config.checkpoint.every == 0 or step == num_steps
+      eval_now = step == num_steps or bool(config.eval_every and step % config.eval_every == 0)
+      if save_now or eval_now:
+        # Never save a state whose loss was not finite; its row goes with the checkpoint.
+        report(*pending)
+        pending = None
+      if save_now:
+        save(manager, state, config, task)
+        clock.save(step)
+        saved_step = step
+      if eval_now:
+        record = {"step": step, **_evaluation(config, task, apply_fn, state, eval_loss)}
+        metrics.write(record)
+        log(("\n" if tty else "") + "eval " + " ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+      if save_now:
+        curves.draw(last=step == num_steps)
+      if save_now or eval_now:
+        throughput.restart()
+    if pending is not None:
+      report(*pending)
+    if interrupts.signal_name is not None:
+      if saved_step != step:
+        save(manager, state, config, task)
+        clock.save(step)
+      curves.draw(last=True)
+      log(("\n" if tty else "") + f"{interrupts.signal_name}: checkpoint saved at step {step} "
+          f"of {num_steps} in {workdir}/checkpoints; the same command resumes.")
+  finally:
+    metrics.close()
+  return state
+
+
+def ensure_trained(config, workdir: str):
+  """Trains, resumes or reuses `config` in `workdir`: (apply_fn, params) of its final step."""
+  train(config, workdir)
+  _, apply_fn, params, step = load_for_sampling(workdir)
+  if step != config.train.num_steps:
+    raise RuntimeError(f"{workdir} holds step {step}, not the final {config.train.num_steps}.")
+  return apply_fn, params

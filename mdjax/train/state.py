@@ -1,0 +1,169 @@
+"""The training state and step: factories from the config, the pure train step, sharding."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mdjax import diffusion, models, streams, tasks
+from mdjax.train.config_checks import ConfigError
+
+Array = jax.Array
+
+
+Array = jax.Array
+
+
+@struct.dataclass
+class TrainState:
+  step: Array
+  params: Any
+  opt_state: Any
+  ema_params: Any
+
+
+# ----------------------------------------------------------------------------
+# Building blocks from the config.
+# ----------------------------------------------------------------------------
+
+
+def model_config(config, task: tasks.Task) -> models.TransformerConfig:
+  block_size = config.model.get("block_size")
+  if block_size is not None:
+    try:
+      diffusion.check_block_size(block_size, task.length, "model.block_size")
+    except ValueError as error:
+      raise ConfigError(f"config field {error}") from None
+  return models.TransformerConfig(vocab_size=task.vocab_size, max_len=task.length,
+                                  **config.model.to_dict())
+
+
+def block_nelbo_options(config) -> dict:
+  """t_min, t_max and antithetic of the block NELBO (config.block_nelbo, defaults if absent)."""
+  options = dict(t_min=1e-5, t_max=1.0, antithetic=True)
+  options.update(config.get("block_nelbo", ml_collections.ConfigDict()).to_dict())
+  return options
+
+
+def learning_rate_schedule(cfg) -> optax.Schedule:
+  """Linear warmup then cosine decay to `lr_floor * lr`: the rate of update i (from 0)."""
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
+      decay_steps=max(cfg.num_steps, cfg.warmup_steps + 1), end_value=cfg.lr * cfg.lr_floor)
+
+
+def make_optimizer(cfg) -> optax.GradientTransformation:
+  """AdamW on `learning_rate_schedule`, clipping."""
+  return optax.chain(
+      optax.clip_by_global_norm(cfg.grad_clip),
+      optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2,
+                  weight_decay=cfg.weight_decay))
+
+
+def masking_schedule(config) -> diffusion.Schedule:
+  """The configured masking schedule, e.g. schedule='polynomial', schedule_kwargs.power=3."""
+  kwargs = config.get("schedule_kwargs", ml_collections.ConfigDict()).to_dict()
+  return diffusion.get_schedule(config.schedule, **kwargs)
+
+
+def make_loss_fn(config, apply_fn, task: tasks.Task) -> Callable:
+  """loss_fn(params, key, x_BxL) -> (loss, aux) for the configured objective."""
+  if config.objective == "nelbo" and config.model.get("block_size") is not None:
+    return functools.partial(diffusion.block_nelbo_loss, apply_fn, schedule=masking_schedule(config),
+                             mask_id=task.mask_id, block_size=config.model.block_size,
+                             **block_nelbo_options(config))
+  if config.objective == "nelbo":
+    return functools.partial(diffusion.nelbo_loss, apply_fn, schedule=masking_schedule(config),
+                             mask_id=task.mask_id)
+  if config.objective == "causal":
+    if not config.model.causal:
+      raise ValueError("objective='causal' needs model.causal=True (a left-to-right model).")
+    return functools.partial(diffusion.causal_lm_loss, apply_fn, start_id=task.mask_id)
+  if config.objective == "mlm":
+    corruption = diffusion.MlmCorruption(**config.get("mlm", ml_collections.ConfigDict()).to_dict())
+    return functools.partial(diffusion.mlm_loss, apply_fn, vocab_size=task.vocab_size,
+                             mask_id=task.mask_id, corruption=corruption)
+  raise ValueError(f"objective={config.objective!r} must be 'nelbo', 'mlm' or 'causal'.")
+
+
+def batch_for_step(config, step: int, task: tasks.Task) -> np.ndarray:
+  """The training batch of a step: a pure function of (seed, step)."""
+  key = jax.random.fold_in(jax.random.key(config.seed), step)
+  return task.sample_data(key, config.batch_size)
+
+
+def make_mesh(num_devices: int | None = None) -> Mesh:
+  """A 1-D mesh over the local devices with the batch axis 'data'."""
+  devices = np.array(jax.devices()[:num_devices] if num_devices else jax.devices())
+  return Mesh(devices, ("data",))
+
+
+def param_sharding(mesh: Mesh, params, fsdp: bool):
+  """Replicated parameters, or (FSDP) each split on its first divisible axis."""
+  size = mesh.shape["data"]
+
+  def spec(x):
+    if fsdp:
+      for axis, dim in enumerate(x.shape):
+        if dim % size == 0 and dim >= size:
+          return NamedSharding(mesh, PartitionSpec(*([None] * axis + ["data"])))
+    return NamedSharding(mesh, PartitionSpec())
+
+  return jax.tree.map(spec, params)
+
+
+# ----------------------------------------------------------------------------
+# The train step.
+# ----------------------------------------------------------------------------
+
+
+def train_step(state: TrainState, x_BxL: Array, *, loss_fn, optimizer, ema_decay: float,
+               seed: int, learning_rate: optax.Schedule | None = None
+               ) -> tuple[TrainState, dict]:
+  """value_and_grad of the loss -> optax -> metrics (with `learning_rate`, its value as
+  `lr`). Pure."""
+  noise_key = jax.random.fold_in(jax.random.key(seed), streams.RowStream.TRAIN_NOISE)
+  key = jax.random.fold_in(noise_key, state.step)
+  (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, key, x_BxL)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  ema = state.ema_params
+  if ema_decay > 0:
+    ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, ema, params)
+  metrics = {k: v for k, v in aux.items() if jnp.ndim(v) == 0}
+  metrics.update(loss=loss, grad_norm=optax.tree.norm(grads))
+  if learning_rate is not None:  # the rate of this update: optax counts updates from 0
+    metrics["lr"] = learning_rate(state.step)
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                    ema_params=ema), metrics
+
+
+def init_state(config, mesh: Mesh, task: tasks.Task):
+  """Fresh state, sharded on the mesh; returns (state, graphdef, apply_fn, shardings)."""
+  graphdef, params, apply_fn = models.init(model_config(config, task), seed=config.seed)
+  params = nnx.to_pure_dict(params)
+  optimizer = make_optimizer(config.train)
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                     opt_state=optimizer.init(params),
+                     ema_params=params if config.train.ema_decay > 0 else None)
+  shardings = state_sharding(mesh, state, config.train.fsdp)
+  return jax.device_put(state, shardings), graphdef, apply_fn, shardings
+
+
+def state_sharding(mesh: Mesh, state: TrainState, fsdp: bool):
+  replicated = NamedSharding(mesh, PartitionSpec())
+  by_shape = {}
+  for leaf, sh in zip(jax.tree.leaves(state.params),
+                      jax.tree.leaves(param_sharding(mesh, state.params, fsdp))):
+    by_shape.setdefault(leaf.shape, sh)
+  # Optimizer moments follow the parameter of their shape; scalars replicate.
+  return jax.tree.map(lambda x: by_shape.get(jnp.shape(x), replicated) if fsdp else replicated,
+                      state)
