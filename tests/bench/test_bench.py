@@ -10,9 +10,10 @@ import pytest
 
 from configs.bench_cpu import get_config
 from mdjax import bench, sampling
+from tests import paths
 from mdjax.bench import compute, suite, throughput
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(paths.REPO)
 
 ROW_KEYS = {"sampler", "impl", "K", "batch", "seq_len", "params", "compile_s", "time_s",
             "tokens_per_s", "nfe"}
