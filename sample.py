@@ -323,7 +323,7 @@ def generate_in_blocks(task, apply_fn, params, spec) -> None:
     try:
       out = sampling.sample_blocks(
           apply_fn, params, jax.random.fold_in(jax.random.key(_SEED.value), i),
-          np.tile(prompt, (rows, 1)), spec, length=length, block_length=block, window=window,
+          np.tile(prompt, (rows, 1)), spec, length=length, blocks_of=block, window=window,
           mask_id=task.mask_id, cached=cached)
     except ValueError as error:
       raise app.UsageError(str(error)) from error

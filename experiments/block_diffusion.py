@@ -124,7 +124,7 @@ def sample_rows(models, n: int, seed: int) -> tuple[list[dict], dict]:
         else:
           call = lambda: sampling.sample_blocks(
               model.apply_fn, model.params, key, np.zeros((n, 0), np.int32),
-              sampling.AncestralSpec(steps=steps_per_block), length=LENGTH, block_length=block,
+              sampling.AncestralSpec(steps=steps_per_block), length=LENGTH, blocks_of=block,
               window=LENGTH - block, mask_id=task.mask_id, cached=cached).tokens_BxT
         tokens, seconds = _timed(call)
         tokens = np.asarray(tokens)
@@ -142,7 +142,7 @@ def long_rows(models, n: int, seed: int) -> tuple[list[dict], str]:
   out = sampling.sample_blocks(
       model.apply_fn, model.params, jax.random.key(seed + 1), np.zeros((n, 0), np.int32),
       sampling.AncestralSpec(steps=LONG_BLOCK), length=LONG_SEGMENTS * LENGTH,
-      block_length=LONG_BLOCK, window=LENGTH - LONG_BLOCK, mask_id=task.mask_id)
+      blocks_of=LONG_BLOCK, window=LENGTH - LONG_BLOCK, mask_id=task.mask_id)
   tokens = np.asarray(out.tokens_BxT)
   rows = []
   for segment in range(LONG_SEGMENTS):

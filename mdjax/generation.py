@@ -226,7 +226,7 @@ def generate(apply_fn, params, task, prompts: Sequence, spec, *, max_new_tokens:
     else:
       tokens, valid, _ = left_padded(part, start, task.mask_id, start=start)
       out = sampling.sample_blocks(apply_fn, params, keys_B, tokens, spec, length=plan.length,
-                                   block_length=plan.blocks_of, window=plan.window,
+                                   blocks_of=plan.blocks_of, window=plan.window,
                                    mask_id=task.mask_id, valid_BxP=valid,
                                    cached=model_block is not None)
       final_BxL = np.asarray(out.tokens_BxT)

@@ -2,15 +2,15 @@
 
 Block diffusion (BD3-LM) generates a sequence one block at a time, each block by masked
 diffusion conditioned on the clean blocks before it. `sample_blocks` runs any registered
-family on one block of `block_length` positions at a time; the family sees a canvas of
+family on one block of `blocks_of` positions at a time; the family sees a canvas of
 that one block, and its denoiser calls see the block after its context window: the last
 `window` positions before the block (the prompt, then the blocks written so far).
 
-The block is denoised on a canvas of `window + block_length` positions: [window, block],
+The block is denoised on a canvas of `window + blocks_of` positions: [window, block],
 with positions counted from the canvas's first valid token and nothing after the block
 visible. While every row's tokens so far fit the window the canvas stays put (left padding
 is used up block by block); after, it slides: the window is the last `window` positions.
-A model trained on sequences of `window + block_length` positions thus sees at every block
+A model trained on sequences of `window + blocks_of` positions thus sees at every block
 what it saw in training, and generation runs past the training length.
 
 With `cached=True` (a block-causal denoiser: `apply_fn.block_size`, `apply_fn.prefill` and
@@ -38,6 +38,7 @@ The whole generation is one `lax.scan` over blocks, one compiled program.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import jax
@@ -89,15 +90,15 @@ def _block_logits(apply_fn, offset: Array, cached: bool):
   return cached_logits if cached else recomputed_logits
 
 
-def _check(apply_fn, params, prompt: np.ndarray, spec, *, length, block_length, window,
+def _check(apply_fn, params, prompt: np.ndarray, spec, *, length, blocks_of, window,
            mask_id, valid: np.ndarray | None, cached: bool):
   """The checks that need no tracing of the whole program; returns (family, plan, skip)."""
-  check(isinstance(block_length, (int, np.integer)) and block_length >= 1, "block_length",
-        block_length, "must be an integer >= 1")
-  check(isinstance(length, (int, np.integer)) and length >= 1 and length % block_length == 0,
-        "length", length, f"must be a positive multiple of block_length={block_length}")
-  check(isinstance(window, (int, np.integer)) and window >= block_length, "window", window,
-        f"must be an integer >= block_length={block_length} (a window shorter than one "
+  check(isinstance(blocks_of, (int, np.integer)) and blocks_of >= 1, "blocks_of",
+        blocks_of, "must be an integer >= 1")
+  check(isinstance(length, (int, np.integer)) and length >= 1 and length % blocks_of == 0,
+        "length", length, f"must be a positive multiple of blocks_of={blocks_of}")
+  check(isinstance(window, (int, np.integer)) and window >= blocks_of, "window", window,
+        f"must be an integer >= blocks_of={blocks_of} (a window shorter than one "
         "block cannot hold the block before it)")
   check(isinstance(mask_id, (int, np.integer)) and mask_id >= 1, "mask_id", mask_id,
         "must be the mask id V >= 1")
@@ -120,20 +121,20 @@ def _check(apply_fn, params, prompt: np.ndarray, spec, *, length, block_length, 
                        "(apply_fn.block_size, apply_fn.prefill, apply_fn.decode: a Transformer "
                        "with block_size); a bidirectional model's window keys depend on the "
                        "block, so run it with cached=False.")
-    check(block_length % model_block == 0, "block_length", block_length,
+    check(blocks_of % model_block == 0, "blocks_of", blocks_of,
           f"must be a multiple of the model's block size {model_block} (cached=True)")
     check(window % model_block == 0, "window", window,
           f"must be a multiple of the model's block size {model_block} (cached=True)")
   family = family_of(spec)
   batch = prompt.shape[0]
-  canvas = Canvas(batch=batch, length=block_length, mask_id=mask_id,
-                  tokens=np.full((batch, block_length), mask_id, np.int32),
-                  fixed=np.zeros((batch, block_length), bool))
+  canvas = Canvas(batch=batch, length=blocks_of, mask_id=mask_id,
+                  tokens=np.full((batch, blocks_of), mask_id, np.int32),
+                  fixed=np.zeros((batch, blocks_of), bool))
   family.validate(spec, canvas)
   plan = family.plan(spec, canvas)
   # The denoiser on [window, block], traced abstractly: a model that cannot take
-  # window + block_length positions or valid_BxL fails here, before compiling.
-  context = jax.ShapeDtypeStruct((batch, window + block_length), jnp.int32)
+  # window + blocks_of positions or valid_BxL fails here, before compiling.
+  context = jax.ShapeDtypeStruct((batch, window + blocks_of), jnp.int32)
   try:
     out = jax.eval_shape(
         lambda p, x, v: apply_fn(p, x, jnp.ones(batch), valid_BxL=v), params, context,
@@ -149,9 +150,9 @@ def _check(apply_fn, params, prompt: np.ndarray, spec, *, length, block_length, 
 
 
 def sample_blocks(apply_fn, params: Any, key: Array, prompt_BxP, spec, *, length: int,
-                  block_length: int, window: int, mask_id: int, valid_BxP=None,
-                  cached: bool = True) -> BlocksResult:
-  """Generates `length` positions after each prompt, `block_length` at a time.
+                  blocks_of: int | None = None, window: int, mask_id: int, valid_BxP=None,
+                  cached: bool = True, block_length: int | None = None) -> BlocksResult:
+  """Generates `length` positions after each prompt, `blocks_of` at a time.
 
   Args:
     apply_fn: the denoiser; it must take `valid_BxL=`. With `cached`, a block-causal one
@@ -162,19 +163,30 @@ def sample_blocks(apply_fn, params: Any, key: Array, prompt_BxP, spec, *, length
       block-causal model a prompt's last partial block is finished first (module doc).
     spec: the sampler of one block: any family; its `steps` are steps per block, its own
       `block_length` (if any) splits the block further. `spec.kv_cache` must be "none".
-    length: positions to generate (a multiple of block_length; any number of windows).
-    block_length: positions per block (a multiple of the model's block size when cached).
-    window: positions of context before each block (>= block_length); window +
-      block_length should be the length the model was trained on.
+    length: positions to generate (a multiple of blocks_of; any number of windows).
+    blocks_of: positions per block (a multiple of the model's block size when cached).
+      (`block_length=`, its earlier name, is accepted for one release: in `spec` that name
+      means semi-autoregressive blocks inside the canvas.)
+    window: positions of context before each block (>= blocks_of); window +
+      blocks_of should be the length the model was trained on.
     mask_id: the mask id V.
     valid_BxP: False on the prompts' left padding (default: every position valid).
     cached: keep the canvas's keys and values (exact on a block-causal model) and run the
       family's calls on the block only.
   """
+  if block_length is not None:
+    if blocks_of is not None:
+      raise ValueError(f"give blocks_of={blocks_of} alone; block_length={block_length} is its "
+                       "earlier name.")
+    warnings.warn("sample_blocks(block_length=...) is now blocks_of=...", DeprecationWarning,
+                  stacklevel=2)
+    blocks_of = block_length
+  if blocks_of is None:
+    raise ValueError("blocks_of is required: the positions of each generated block.")
   prompt = np.asarray(prompt_BxP)
   valid = None if valid_BxP is None else np.asarray(valid_BxP).astype(bool)
   family, plan, skip = _check(apply_fn, params, prompt, spec, length=length,
-                              block_length=block_length, window=window, mask_id=mask_id,
+                              blocks_of=blocks_of, window=window, mask_id=mask_id,
                               valid=valid, cached=cached)
   batch = prompt.shape[0]
   driver._check_key_rows(key, batch)
@@ -186,7 +198,7 @@ def sample_blocks(apply_fn, params: Any, key: Array, prompt_BxP, spec, *, length
     whole_BxP, valid, tail_BxR = split_tails(prompt, valid, model_block, mask_id)
   return _program(apply_fn, params, driver.row_keys(key, batch), prompt, whole_BxP, valid,
                   tail_BxR, plan, spec=spec, mask_id=mask_id, length=length,
-                  block_length=block_length, window=window, cached=cached, skip=skip)
+                  blocks_of=blocks_of, window=window, cached=cached, skip=skip)
 
 
 def split_tails(prompt_BxP: np.ndarray, valid_BxP: np.ndarray, model_block: int, mask_id: int
@@ -207,19 +219,19 @@ def split_tails(prompt_BxP: np.ndarray, valid_BxP: np.ndarray, model_block: int,
 
 
 @functools.partial(jax.jit, static_argnames=("apply_fn", "spec", "mask_id", "length",
-                                             "block_length", "window", "cached", "skip"))
+                                             "blocks_of", "window", "cached", "skip"))
 def _program(apply_fn, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_BxR, plan, *,
-             spec, mask_id, length, block_length, window, cached, skip) -> BlocksResult:
+             spec, mask_id, length, blocks_of, window, cached, skip) -> BlocksResult:
   """The generation: `whole_BxP` (valid: `valid_BxP`) before the blocks, `tail_BxR` fixed at
   the start of the first one (`split_tails`); returns `prompt_BxP` and each row's `length`
   positions after its tail."""
   batch, prompt_len = whole_BxP.shape
   tail_width = tail_BxR.shape[1]
   tail_B = (tail_BxR != mask_id).sum(-1)
-  num_blocks = -(-(length + tail_width) // block_length)
-  span_length = num_blocks * block_length  # generated positions, tails included
+  num_blocks = -(-(length + tail_width) // blocks_of)
+  span_length = num_blocks * blocks_of  # generated positions, tails included
   eos_id = spec.eos_id
-  span = window + block_length  # the canvas each block is denoised on
+  span = window + blocks_of  # the canvas each block is denoised on
   # The sequence with room either side: [window of padding, prompt, generation, window].
   tokens_BxS = jnp.concatenate([jnp.zeros((batch, window), jnp.int32), whole_BxP, tail_BxR,
                                 jnp.full((batch, span_length - tail_width), mask_id, jnp.int32),
@@ -234,14 +246,14 @@ def _program(apply_fn, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_Bx
     """Block n's canvas: (start in the sequence, block offset on it, whether every row's
     tokens so far fit the window, tokens_BxC, valid_BxC). While they fit the canvas stays
     put (the cache can grow block by block); after, it slides with the block at offset W."""
-    block_start = window + prompt_len + n * block_length
-    fits = n * block_length + longest_prompt <= window
+    block_start = window + prompt_len + n * blocks_of
+    fits = n * blocks_of + longest_prompt <= window
     begin = jnp.where(fits, window + prompt_len - longest_prompt, block_start - window)
     offset = block_start - begin
     tokens_BxC = jax.lax.dynamic_slice_in_dim(tokens_BxS, begin, span, axis=1)
     valid_BxC = jax.lax.dynamic_slice_in_dim(valid_BxS, begin, span, axis=1)
     # Nothing after the block is seen: a bidirectional model too gets [window, block].
-    valid_BxC = valid_BxC & (jnp.arange(span) < offset + block_length)[None]
+    valid_BxC = valid_BxC & (jnp.arange(span) < offset + blocks_of)[None]
     return fits, offset, tokens_BxC, valid_BxC
 
   def refreshed(n, cache, fits, offset, tokens_BxC, valid_BxC):
@@ -252,8 +264,8 @@ def _program(apply_fn, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_Bx
       return apply_fn.prefill(params, tokens_BxC, ones_B, valid_BxL=valid_BxC)[1]
 
     def append():
-      begin = offset - block_length
-      finished_BxW = jax.lax.dynamic_slice_in_dim(tokens_BxC, begin, block_length, axis=1)
+      begin = offset - blocks_of
+      finished_BxW = jax.lax.dynamic_slice_in_dim(tokens_BxC, begin, blocks_of, axis=1)
       return apply_fn.decode(params, cache, finished_BxW, begin, ones_B,
                              valid_BxL=valid_BxC)[1]
 
@@ -266,7 +278,7 @@ def _program(apply_fn, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_Bx
       cache = refreshed(n, cache, fits, offset, tokens_BxC, valid_BxC)
     context = cache if cached else tokens_BxC
     denoiser = Denoiser(_block_logits(apply_fn, offset, cached), params, (valid_BxC, context))
-    block_BxW = jax.lax.dynamic_slice_in_dim(tokens_BxC, offset, block_length, axis=1)
+    block_BxW = jax.lax.dynamic_slice_in_dim(tokens_BxC, offset, blocks_of, axis=1)
     core, ctx = driver._start(jax.vmap(jax.random.fold_in, (0, None))(keys_B, n), block_BxW,
                               None, mask_id)
     core, _, _ = driver.run(spec, denoiser, core, ctx, plan, skip)
@@ -277,14 +289,14 @@ def _program(apply_fn, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_Bx
     if eos_id is None:
       block_BxW, calls, cache = denoise_block(n, tokens_BxS, cache)
     else:  # no pass once every row has ended
-      idle = (jnp.zeros((batch, block_length), jnp.int32), jnp.zeros((), jnp.int32), cache)
+      idle = (jnp.zeros((batch, blocks_of), jnp.int32), jnp.zeros((), jnp.int32), cache)
       block_BxW, calls, cache = jax.lax.cond(ended_B.all(), lambda: idle,
                                              lambda: denoise_block(n, tokens_BxS, cache))
       block_BxW = jnp.where(ended_B[:, None], eos_id, block_BxW)
-      written_BxW = (n * block_length + jnp.arange(block_length))[None] >= tail_B[:, None]
+      written_BxW = (n * blocks_of + jnp.arange(blocks_of))[None] >= tail_B[:, None]
       ended_B = ended_B | ((block_BxW == eos_id) & written_BxW).any(-1)
     tokens_BxS = jax.lax.dynamic_update_slice_in_dim(
-        tokens_BxS, block_BxW, window + prompt_len + n * block_length, axis=1)
+        tokens_BxS, block_BxW, window + prompt_len + n * blocks_of, axis=1)
     return (tokens_BxS, ended_B, nfe + calls, blocks_run + (calls > 0), cache), None
 
   cache = None

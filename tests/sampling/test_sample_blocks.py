@@ -48,7 +48,7 @@ def test_cached_is_the_recomputed_window_past_the_training_length(block_model, s
   slides. The exact cache (one prefill per block, the family's calls on the block alone)
   gives the tokens of running the denoiser on [window, block] at every call."""
   apply_fn, params = block_model
-  kw = dict(length=5 * BLOCK, block_length=BLOCK, window=WINDOW, mask_id=V)
+  kw = dict(length=5 * BLOCK, blocks_of=BLOCK, window=WINDOW, mask_id=V)
   key = jax.random.key(2)
   plain = sampling.sample_blocks(apply_fn, params, key, _prompt(), spec, cached=False, **kw)
   cached = sampling.sample_blocks(apply_fn, params, key, _prompt(), spec, **kw)
@@ -71,7 +71,7 @@ def test_within_the_window_it_is_the_block_sampler(block_model):
                           sampling.ConfidenceSpec(steps=4, block_length=BLOCK, temperature=0.0))
   blocks = sampling.sample_blocks(apply_fn, params, jax.random.key(0), prompt,
                                   sampling.ConfidenceSpec(steps=2, temperature=0.0), length=8,
-                                  block_length=BLOCK, window=WINDOW, mask_id=V)
+                                  blocks_of=BLOCK, window=WINDOW, mask_id=V)
   np.testing.assert_array_equal(blocks.tokens_BxT, whole.tokens_BxL)
 
 
@@ -81,7 +81,7 @@ def test_left_padded_prompts_and_no_prompt(block_model):
   and an empty prompt generates from nothing."""
   apply_fn, params = block_model
   spec = sampling.ConfidenceSpec(steps=2, temperature=0.0)
-  kw = dict(length=3 * BLOCK, block_length=BLOCK, window=WINDOW, mask_id=V)
+  kw = dict(length=3 * BLOCK, blocks_of=BLOCK, window=WINDOW, mask_id=V)
   prompts = [_prompt(1, 8)[0], _prompt(1, 4)[0]]
   padded = np.zeros((2, 8), np.int32)
   padded[0], padded[1, 4:] = prompts
@@ -110,7 +110,7 @@ def test_prompts_of_any_length_finish_their_last_block(block_model):
   padded, valid = np.zeros((3, 6), np.int32), np.zeros((3, 6), bool)
   for row, prompt in enumerate(prompts):
     padded[row, 6 - len(prompt):], valid[row, 6 - len(prompt):] = prompt, True
-  kw = dict(length=4 * BLOCK, block_length=BLOCK, window=WINDOW, mask_id=V)
+  kw = dict(length=4 * BLOCK, blocks_of=BLOCK, window=WINDOW, mask_id=V)
   key = jax.random.key(3)
   cached = sampling.sample_blocks(apply_fn, params, key, padded, spec, valid_BxP=valid, **kw)
   plain = sampling.sample_blocks(apply_fn, params, key, padded, spec, valid_BxP=valid,
@@ -160,7 +160,7 @@ def test_rows_end_at_eos_and_no_block_runs_once_every_row_has():
   prompt = np.array([[TRIGGER, 1, 1, 1], [1, 1, 1, 1]], np.int32)
   spec = sampling.ConfidenceSpec(steps=2, temperature=0.0, eos_id=EOS)
   out = sampling.sample_blocks(_eos_stub, {}, jax.random.key(0), prompt, spec, length=4 * BLOCK,
-                               block_length=BLOCK, window=WINDOW, mask_id=V, cached=False)
+                               blocks_of=BLOCK, window=WINDOW, mask_id=V, cached=False)
   generated = np.asarray(out.tokens_BxT)[:, 4:]
   np.testing.assert_array_equal(generated[0], [EOS] * 16)
   np.testing.assert_array_equal(generated[1], [1, 1, 1, TRIGGER] + [EOS] * 12)
@@ -174,7 +174,7 @@ def test_rows_end_at_eos_and_no_block_runs_once_every_row_has():
 def test_bad_input(block_model):
   apply_fn, params = block_model
   spec = sampling.ConfidenceSpec(steps=2)
-  kw = dict(length=8, block_length=BLOCK, window=WINDOW, mask_id=V)
+  kw = dict(length=8, blocks_of=BLOCK, window=WINDOW, mask_id=V)
   call = lambda **over: sampling.sample_blocks(
       *(over.pop("model", block_model)), jax.random.key(0), over.pop("prompt", _prompt()),
       over.pop("spec", spec), **{**kw, **over})
@@ -182,8 +182,8 @@ def test_bad_input(block_model):
     call(window=2)
   with pytest.raises(ValueError, match="length=10 is invalid"):
     call(length=10)
-  with pytest.raises(ValueError, match="block_length=2 is invalid.*model's block size 4"):
-    call(block_length=2, window=8, length=8)
+  with pytest.raises(ValueError, match="blocks_of=2 is invalid.*model's block size 4"):
+    call(blocks_of=2, window=8, length=8)
   with pytest.raises(ValueError, match="window=6 is invalid.*model's block size 4"):
     call(window=6)
   with pytest.raises(ValueError, match="spec.kv_cache='exact' is invalid"):
@@ -195,6 +195,10 @@ def test_bad_input(block_model):
   _, bidi_params, bidi = models.init(_cfg(block_size=None), seed=0)
   with pytest.raises(ValueError, match="cached=True needs a block-causal denoiser"):
     call(model=(bidi, bidi_params))
+  with pytest.warns(DeprecationWarning, match="now blocks_of"), \
+      pytest.raises(ValueError, match="length=10 is invalid"):
+    sampling.sample_blocks(*block_model, jax.random.key(0), _prompt(), spec, length=10,
+                           block_length=BLOCK, window=WINDOW, mask_id=V)  # its earlier name
   with pytest.raises(ValueError, match="exceeds max_len"):
     call(window=12)  # 16 positions on a 12-position model
   del params, apply_fn
