@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from mdjax import generation, sampling, tasks
+from mdjax.denoiser import Denoiser
 
 _TASK = flags.DEFINE_enum("task", "two_color", sorted(tasks.TASKS), "Task (with --oracle).")
 _ORACLE = flags.DEFINE_bool("oracle", False, "Use the task's exact denoiser (no --workdir).")
@@ -251,7 +252,7 @@ def eos_spec(task: tasks.Task, spec):
     raise app.UsageError(str(error)) from error
 
 
-def complete_prompts(task, apply_fn, params, spec) -> None:
+def complete_prompts(task, apply_fn: Denoiser, params, spec) -> None:
   """--prompts: `generation.generate` (--max_new_tokens after each prompt), completions.jsonl,
   output tokens per second."""
   if _MAX_NEW_TOKENS.value is None:
@@ -263,8 +264,8 @@ def complete_prompts(task, apply_fn, params, spec) -> None:
     ids = generation.prompt_ids(task, prompts, where=where)
     plan = generation.plan_generation(
         [len(p) for p in ids], _MAX_NEW_TOKENS.value, max_len=task.length,
-        model_block=getattr(apply_fn, "block_size", None), blocks_of=_BLOCKS_OF.value,
-        window=_CONTEXT.value, block_length=getattr(spec, "block_length", None))
+        model_block=apply_fn.block_size, blocks_of=_BLOCKS_OF.value, window=_CONTEXT.value,
+        block_length=sampling.family_of(spec).block_length(spec))
   except (ValueError, OSError) as error:
     flag_names = str(error).replace("spec.block_length=", "--block_length=")
     for name in ("max_new_tokens", "blocks_of"):
@@ -299,7 +300,7 @@ def complete_prompts(task, apply_fn, params, spec) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def generate_in_blocks(task, apply_fn, params, spec) -> None:
+def generate_in_blocks(task, apply_fn: Denoiser, params, spec) -> None:
   """--blocks_of: `sampling.sample_blocks` after --prompt / --prefix, any --length."""
   block = _BLOCKS_OF.value
   length = _LENGTH.value or task.length
@@ -313,7 +314,7 @@ def generate_in_blocks(task, apply_fn, params, spec) -> None:
     except ValueError as error:
       raise app.UsageError(str(error)) from error
   batch_size = min(_BATCH.value, _NUM_SAMPLES.value)
-  cached = getattr(apply_fn, "block_size", None) is not None
+  cached = apply_fn.block_size is not None
   print(f"task={task.name} sampler={spec} blocks of {block}, window {window}, length {length}, "
         f"cached={cached}")
   start, batches, nfe = time.perf_counter(), [], 0
@@ -414,7 +415,8 @@ def main(argv):
                            "sample a trained model with --workdir=DIR.")
     apply_fn, params = task.exact_denoiser, None
   spec = eos_spec(task, sampler_spec(task))
-  if spec.kv_cache != "none" and not sampling.offers_cache(apply_fn):
+  apply_fn = Denoiser.of(apply_fn)
+  if spec.kv_cache != "none" and not apply_fn.offers_cache:
     apply_fn = sampling.recompute_cache(apply_fn)  # an oracle: exact, by recomputation
   if _PROMPTS.value:
     if task.encode is None:

@@ -4,6 +4,7 @@
 """
 
 from mdjax import diffusion
+from mdjax.denoiser import Denoiser
 from mdjax.diffusion import (
     CosineSchedule,
     LinearSchedule,

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mdjax.denoiser import Denoiser
+
 Array = jax.Array
 ApplyFn = Callable[[Any, Array, Array], Array]
 
@@ -481,7 +483,7 @@ def block_nelbo_loss(
   and each term is bounded by MD4's NELBO of block b conditioned on the clean blocks
   before it: E_{t_b}[w(t_b) sum_{masked i in b} -log p(x_i | z_b, x_<b)], with one time
   per block. All blocks are trained by one denoiser pass over [noisy; clean]
-  (`apply_fn.block_pair(params, z_BxL, x_BxL, t_B)`: a block-causal Transformer, or an
+  (its `Denoiser.block_pair(params, z_BxL, x_BxL, t_B)`: a block-causal Transformer, or an
   exact oracle through `block_causal`). block_size = L is `nelbo_loss` (the same draws for
   the same key); block_size = 1 is an unbiased estimate of the autoregressive NLL.
 
@@ -501,12 +503,12 @@ def block_nelbo_loss(
   _check_time_range(t_min, t_max)
   if not isinstance(antithetic, bool):
     raise ValueError(f"antithetic={antithetic!r} must be True or False.")
-  pair = getattr(apply_fn, "block_pair", None)
-  if not callable(pair):
+  denoiser = Denoiser.of(apply_fn)
+  if denoiser.block_pair is None:
     raise ValueError("apply_fn has no block_pair: the block NELBO needs a block-causal "
                      "denoiser (TransformerConfig.block_size, or diffusion.block_causal("
                      "apply_fn, block_size) for an exact oracle).")
-  model_block = getattr(apply_fn, "block_size", None)
+  model_block = denoiser.block_size
   if model_block is not None and model_block != block_size:
     raise ValueError(f"block_size={block_size} but the denoiser is block-causal with blocks "
                      f"of {model_block}; they must match.")
@@ -520,16 +522,16 @@ def block_nelbo_loss(
   # The same draw as forward_mask, per position, so block_size = L is nelbo_loss.
   keep_BxL = (jax.random.uniform(mask_key, x_BxL.shape) < alpha_BxL) | ~maskable_BxL
   z_BxL = jnp.where(keep_BxL, x_BxL, mask_id)
-  logits_BxLxV = pair(params, z_BxL, x_BxL, t_BxN.mean(-1))
+  logits_BxLxV = denoiser.block_pair(params, z_BxL, x_BxL, t_BxN.mean(-1))
   masked_BxL, nll_BxL = _masked_nll(logits_BxLxV, x_BxL, z_BxL, mask_id)
   nll_BxN = nll_BxL.reshape(batch, num_blocks, block_size).sum(-1)
   return _nelbo_result((schedule.weight(t_BxN) * nll_BxN).sum(-1), masked_BxL, maskable_BxL)
 
 
-_BLOCK_ADAPTERS: dict[Any, Any] = {}
+_BLOCK_ADAPTERS: dict[Any, Denoiser] = {}
 
 
-def block_causal(apply_fn: ApplyFn, block_size: int) -> ApplyFn:
+def block_causal(apply_fn: ApplyFn, block_size: int) -> Denoiser:
   """A plain denoiser (an exact oracle) as the block-causal denoiser it implies.
 
   On a canvas, block b's logits are the denoiser's on the canvas with every later block
@@ -573,9 +575,9 @@ def block_causal(apply_fn: ApplyFn, block_size: int) -> ApplyFn:
                                  jnp.where(block_L == b, noisy_BxL, mask_id))
     return per_block(params, canvas, length, t_B)
 
-  adapter.block_pair, adapter.block_size = block_pair, block_size
-  _BLOCK_ADAPTERS[(apply_fn, block_size)] = adapter
-  return adapter
+  denoiser = Denoiser(adapter, block_size=block_size, block_pair=block_pair)
+  _BLOCK_ADAPTERS[(apply_fn, block_size)] = denoiser
+  return denoiser
 
 
 def _mask_id_of(apply_fn, params, tokens_BxL, t_B) -> int:

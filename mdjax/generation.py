@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mdjax import sampling
+from mdjax.denoiser import Denoiser
 
 
 def read_prompts(path: str) -> list[str]:
@@ -192,7 +193,7 @@ def generate(apply_fn, params, task, prompts: Sequence, spec, *, max_new_tokens:
   Prompts are left-padded per batch (exact: each row gives what it gives alone), and row i
   draws with `fold_in(key, i)`, so completions do not depend on `batch_size`. Up to the
   model's length (`task.length`) every row is generated on one canvas; past it a
-  block-causal denoiser (`apply_fn.block_size`) generates block by block
+  block-causal denoiser (`Denoiser.block_size`) generates block by block
   (`sampling.sample_blocks`, the exact cache), any other is a ValueError giving the limit.
   `blocks_of`/`window` ask for block-by-block generation explicitly. With `spec.eos_id` a
   row stops at its EOS. `on_batch(done, total)` is called after each batch (a progress bar).
@@ -204,10 +205,11 @@ def generate(apply_fn, params, task, prompts: Sequence, spec, *, max_new_tokens:
     out.texts[0]
   """
   ids = prompt_ids(task, prompts)
-  model_block = getattr(apply_fn, "block_size", None)
+  denoiser = Denoiser.of(apply_fn)
+  model_block = denoiser.block_size
   plan = plan_generation([len(p) for p in ids], max_new_tokens, max_len=task.length,
                          model_block=model_block, blocks_of=blocks_of, window=window,
-                         block_length=getattr(spec, "block_length", None))
+                         block_length=sampling.family_of(spec).block_length(spec))
   batch_size = len(ids) if batch_size is None else batch_size
   if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
       or batch_size < 1:
@@ -220,12 +222,12 @@ def generate(apply_fn, params, task, prompts: Sequence, spec, *, max_new_tokens:
     start = plan.longest_prompt
     if plan.layout == "canvas":
       tokens, valid, _ = left_padded(part, plan.canvas_length, task.mask_id, start=start)
-      out = sampling.sample(apply_fn, params, keys_B, tokens, spec, mask_id=task.mask_id,
+      out = sampling.sample(denoiser, params, keys_B, tokens, spec, mask_id=task.mask_id,
                             valid_BxL=valid)
       final_BxL = np.asarray(out.tokens_BxL)
     else:
       tokens, valid, _ = left_padded(part, start, task.mask_id, start=start)
-      out = sampling.sample_blocks(apply_fn, params, keys_B, tokens, spec, length=plan.length,
+      out = sampling.sample_blocks(denoiser, params, keys_B, tokens, spec, length=plan.length,
                                    blocks_of=plan.blocks_of, window=plan.window,
                                    mask_id=task.mask_id, valid_BxP=valid,
                                    cached=model_block is not None)
@@ -258,33 +260,34 @@ def shard_params(mesh: Mesh, params, fsdp: bool = True):
   return jax.device_put(params, train.param_sharding(mesh, params, fsdp))
 
 
-_GATHERED: dict[tuple, Any] = {}
+_GATHERED: dict[tuple, Denoiser] = {}
 
 
-def gathered(apply_fn, mesh: Mesh):
-  """`apply_fn` (and its cached contract) computing with its parameters all-gathered.
+def gathered(apply_fn, mesh: Mesh) -> Denoiser:
+  """The denoiser (and every pass it offers) computing with its parameters all-gathered.
 
   Stored sharded (FSDP), the weights are gathered where they are used, so every device
   runs one device's arithmetic and the tokens are one device's, bit for bit. Left to
   partition the matmuls over sharded weights instead, XLA sums in another order: logits
-  move by ~1e-5 and near-ties in a sample flip. One wrapper per (apply_fn, mesh), so
+  move by ~1e-5 and near-ties in a sample flip. One wrapper per (denoiser, mesh), so
   repeated calls reuse the compiled program.
   """
-  wrapper = _GATHERED.get((apply_fn, mesh))
+  denoiser = Denoiser.of(apply_fn)
+  wrapper = _GATHERED.get((denoiser, mesh))
   if wrapper is not None:
     return wrapper
   replicate = lambda params: jax.lax.with_sharding_constraint(
       params, jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), params))
 
-  def wrapper(params, *args, **kwargs):
-    return apply_fn(replicate(params), *args, **kwargs)
+  def on_gathered(method):
+    if method is None:
+      return None
+    return lambda params, *args, **kwargs: method(replicate(params), *args, **kwargs)
 
-  for name in ("prefill", "decode", "block_pair"):
-    method = getattr(apply_fn, name, None)
-    if callable(method):
-      setattr(wrapper, name, lambda params, *a, _m=method, **kw: _m(replicate(params), *a, **kw))
-  wrapper.block_size = getattr(apply_fn, "block_size", None)
-  _GATHERED[apply_fn, mesh] = wrapper
+  wrapper = Denoiser(on_gathered(denoiser.apply), prefill=on_gathered(denoiser.prefill),
+                     decode=on_gathered(denoiser.decode), block_size=denoiser.block_size,
+                     block_pair=on_gathered(denoiser.block_pair))
+  _GATHERED[denoiser, mesh] = wrapper
   return wrapper
 
 

@@ -46,7 +46,7 @@ def test_block_size_L_is_bidirectional_and_1_is_causal(positions):
     _, _, ref_apply = models.init(_cfg(positions=positions, **reference), seed=0)
     np.testing.assert_array_equal(jax.jit(block_apply)(params, tokens, t_B),
                                   jax.jit(ref_apply)(params, tokens, t_B))
-  assert plain.block_size is None and not hasattr(plain, "block_pair")
+  assert plain.block_size is None and plain.block_pair is None
 
 
 def test_block_causal_influence():

@@ -2,8 +2,9 @@
 
 Build with `Transformer(TransformerConfig(...), rngs=nnx.Rngs(0))`; compiled
 code uses the functional form `make_apply_fn(graphdef)` on `nnx.split` params,
-which meets the denoiser contract apply_fn(params, tokens_BxL, t_B) -> logits_BxLxV
-and the cached one beside it (`apply_fn.prefill`, `apply_fn.decode`):
+a `mdjax.denoiser.Denoiser` that meets the denoiser contract apply_fn(params, tokens_BxL,
+t_B) -> logits_BxLxV and offers the cached one beside it (`apply_fn.prefill`,
+`apply_fn.decode`):
 
   prefill(params, tokens_BxL, t_B) -> (logits_BxLxV, KVCache)
       one full pass that also returns every layer's keys and values (KVCache.layers,
@@ -38,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+
+from mdjax.denoiser import Denoiser
 
 Array = jax.Array
 
@@ -429,13 +432,13 @@ def _time_features(t_B: Array, dim: int) -> Array:
   return jnp.pad(feats, ((0, 0), (0, dim - feats.shape[-1])))
 
 
-def make_apply_fn(graphdef, block_size: int | None = None):
-  """The denoiser contract for a split model: apply_fn(params, tokens_BxL, t_B), with the
-  cached contract as `apply_fn.prefill` and `apply_fn.decode` (see the module docstring).
-  A block-causal model (its config's `block_size`, passed here) also has
-  `apply_fn.block_pair` and `apply_fn.block_size`; others have `block_size = None`."""
+def make_apply_fn(graphdef, block_size: int | None = None) -> Denoiser:
+  """The denoiser of a split model, as a `Denoiser`: `apply_fn(params, tokens_BxL, t_B)`,
+  with the cached contract (`prefill`, `decode`; see the module docstring). A block-causal
+  model (its config's `block_size`, passed here) also has `block_pair` and `block_size`;
+  others have `block_size = None` and no `block_pair`."""
 
-  def apply_fn(params, tokens_BxL, t_B, valid_BxL=None):
+  def apply(params, tokens_BxL, t_B, valid_BxL=None):
     return nnx.merge(graphdef, params)(tokens_BxL, t_B, valid_BxL)
 
   def prefill(params, tokens_BxL, t_B, valid_BxL=None):
@@ -447,15 +450,12 @@ def make_apply_fn(graphdef, block_size: int | None = None):
   def block_pair(params, noisy_BxL, clean_BxL, t_B):
     return nnx.merge(graphdef, params).block_pair(noisy_BxL, clean_BxL, t_B)
 
-  apply_fn.prefill, apply_fn.decode = prefill, decode
-  apply_fn.block_size = block_size
-  if block_size is not None:
-    apply_fn.block_pair = block_pair
-  return apply_fn
+  return Denoiser(apply=apply, prefill=prefill, decode=decode, block_size=block_size,
+                  block_pair=None if block_size is None else block_pair)
 
 
 def init(cfg: TransformerConfig, seed: int = 0):
-  """Builds the model and returns (graphdef, params, apply_fn)."""
+  """Builds the model and returns (graphdef, params, apply_fn): apply_fn is its `Denoiser`."""
   model = Transformer(cfg, rngs=nnx.Rngs(seed))
   graphdef, params = nnx.split(model, nnx.Param)
   return graphdef, params, make_apply_fn(graphdef, cfg.block_size)

@@ -17,8 +17,9 @@ time after a sliding window: exact cache on a block-causal model, any length. `s
 family protocol.
 """
 
-from mdjax.sampling.base import (IDLE_FRACTION_TO_SKIP, KV_CACHES, Canvas, Family, SamplerSpec,
-                                 families, family_of, make_spec, register)
+from mdjax.denoiser import Denoiser
+from mdjax.sampling.base import (IDLE_FRACTION_TO_SKIP, KV_CACHES, BoundDenoiser, Canvas, Family,
+                                 SamplerSpec, families, family_of, make_spec, register)
 from mdjax.sampling.driver import (SampleResult, lower, num_steps, row_keys, sample,
                                    sample_python_loop)
 from mdjax.sampling.kv_cache import offers_cache, recompute_cache
@@ -42,7 +43,8 @@ from mdjax.sampling.families.speculative import SpeculativeSpec
 from mdjax.sampling.base import families  # noqa: E402,F811
 
 __all__ = [
-    "AncestralSpec", "BlocksResult", "Canvas", "ConfidenceSpec", "DeferSpec",
+    "AncestralSpec", "BlocksResult", "BoundDenoiser", "Canvas", "ConfidenceSpec", "DeferSpec",
+    "Denoiser",
     "EntropyBoundedSpec", "Family", "FieldOrderSpec", "IDLE_FRACTION_TO_SKIP", "KV_CACHES", "LocalRemaskSpec", "OrderedSpec",
     "RandomOrderSpec", "RemaskSpec",
     "RevisionSpec", "SCORES", "SampleResult", "SamplerSpec", "SpeculativeSpec", "families",

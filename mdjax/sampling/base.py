@@ -33,6 +33,7 @@ import numpy as np
 from flax import struct
 
 from mdjax import diffusion
+from mdjax.denoiser import Denoiser
 
 Array = jax.Array
 
@@ -306,42 +307,57 @@ class StepInfo:
 
 
 @dataclasses.dataclass(frozen=True)
-class Denoiser:
-  """`apply_fn` with its parameters: `denoiser(tokens_NxL, t)` -> logits_NxLxV.
+class BoundDenoiser:
+  """A `Denoiser` bound to its parameters: `denoiser(tokens_NxL, t)` -> logits_NxLxV.
 
-  With `valid_BxL` (the caller's validity mask: False on padding) every call passes
-  `valid_BxL=` to apply_fn; N = J x B contexts get it tiled context-major (J blocks of B
-  rows), or repeated row-major when the caller says so (`valid_for`). It may be any
-  pytree of per-row arrays (leading axis B): `sample_blocks` passes each row's context
-  window and cache this way, so they follow the rows of every context a family builds.
+  Per-row inputs beside the canvas reach every call, passed by name only when given:
+  `valid_BxL` (the caller's validity mask: False on padding) and `context` (any pytree of
+  per-row arrays: `sample_blocks` passes each row's window canvas, or its cache). N = J x B
+  contexts get them tiled context-major (J blocks of B rows), or repeated row-major when
+  the caller says so, so they follow the rows of every context a family builds.
   """
 
-  apply_fn: Callable
+  model: Denoiser
   params: Any
-  valid_BxL: Any = None
+  valid_BxL: Array | None = None
+  context: Any = None
 
-  def valid_for(self, num: int, row_major: bool = False) -> Any:
-    """The validity mask (per-row pytree) of N = J x B contexts (None without one)."""
-    if self.valid_BxL is None:
-      return None
-    repeats = num // jax.tree.leaves(self.valid_BxL)[0].shape[0]
+  @classmethod
+  def of(cls, denoiser) -> "BoundDenoiser":
+    """`denoiser` as bound: itself, or a denoiser (value or function) with no parameters
+    (exact oracles, stubs)."""
+    return denoiser if isinstance(denoiser, BoundDenoiser) else cls(Denoiser.of(denoiser), None)
+
+  def rows_for(self, num: int, row_major: bool = False) -> dict[str, Any]:
+    """The per-row inputs, by name, for N = J x B contexts (empty without any)."""
+    given = {name: value for name, value in (("valid_BxL", self.valid_BxL),
+                                             ("context", self.context)) if value is not None}
+    if not given:
+      return given
+    repeats = num // jax.tree.leaves(given)[0].shape[0]
     if repeats == 1:
-      return self.valid_BxL
+      return given
 
     def rows(x):
       if row_major:
         return jnp.repeat(x, repeats, axis=0)
       return jnp.tile(x, (repeats,) + (1,) * (x.ndim - 1))
 
-    return jax.tree.map(rows, self.valid_BxL)
+    return jax.tree.map(rows, given)
 
-  def __call__(self, tokens_NxL: Array, t, valid_NxL: Array | None = None) -> Array:
+  def __call__(self, tokens_NxL: Array, t, row_major: bool = False) -> Array:
     t_N = jnp.full((tokens_NxL.shape[0],), t, jnp.float32)
-    if self.valid_BxL is None:
-      return self.apply_fn(self.params, tokens_NxL, t_N)
-    if valid_NxL is None:
-      valid_NxL = self.valid_for(tokens_NxL.shape[0])
-    return self.apply_fn(self.params, tokens_NxL, t_N, valid_BxL=valid_NxL)
+    return self.model.apply(self.params, tokens_NxL, t_N,
+                            **self.rows_for(tokens_NxL.shape[0], row_major))
+
+  def prefill(self, tokens_BxL: Array, t_B: Array):
+    """The model's full pass that returns its cache: (logits_BxLxV, cache)."""
+    return self.model.prefill(self.params, tokens_BxL, t_B, **self.rows_for(len(tokens_BxL)))
+
+  def decode(self, cache, tokens_BxW: Array, start, t_B: Array):
+    """The model's pass over W positions from `start` against `cache`: (logits, cache)."""
+    return self.model.decode(self.params, cache, tokens_BxW, start, t_B,
+                             **self.rows_for(len(tokens_BxW)))
 
 
 # ----------------------------------------------------------------------------
@@ -358,6 +374,8 @@ class Family:
   refills: ClassVar[bool] = True  # can fill any subset of positions (localized remasking)
   python_loop: ClassVar[bool] = True  # `sample_python_loop` can run it step by step
   rewrites: ClassVar[bool] = False  # visible tokens may change or return to the mask (never idle)
+  # decodes semi-autoregressive blocks (`block_length`): a KV cache can serve its window
+  decodes_blocks: ClassVar[bool] = False
 
   def bench_spec(self, steps: int, length: int) -> SamplerSpec:
     """The spec `mdjax.bench` times: the family at its defaults with K = `steps` on a
@@ -411,7 +429,7 @@ class Family:
     """Family-specific outputs for `SampleResult.extras`."""
     return {}
 
-  def run(self, spec, denoiser: Denoiser, core: Core, ctx: Context, plan):
+  def run(self, spec, denoiser: BoundDenoiser, core: Core, ctx: Context, plan):
     """A composite family's whole program: (core, aux, trajectory or None)."""
     raise NotImplementedError
 

@@ -13,8 +13,8 @@ is used up block by block); after, it slides: the window is the last `window` po
 A model trained on sequences of `window + blocks_of` positions thus sees at every block
 what it saw in training, and generation runs past the training length.
 
-With `cached=True` (a block-causal denoiser: `apply_fn.block_size`, `apply_fn.prefill` and
-`apply_fn.decode`) the family's calls run on the block's positions only, against the
+With `cached=True` (a block-causal denoiser: a `Denoiser` with `block_size`, `prefill` and
+`decode`) the family's calls run on the block's positions only, against the
 canvas's cached keys and values, which are exact: under block-causal attention no earlier
 position sees the block. While the canvas stays put the cache grows: one pass over each
 finished block appends its keys and values. Once the window slides it is encoded anew at
@@ -23,7 +23,7 @@ the window's first block a context the model never saw in its first block. The t
 those of `cached=False`, which runs the denoiser on the canvas at every call (any denoiser
 that takes `valid_BxL`, bidirectional ones included).
 
-A prompt that ends inside one of a block-causal model's blocks (`apply_fn.block_size`)
+A prompt that ends inside one of a block-causal model's blocks (`Denoiser.block_size`)
 finishes that block first: its last `p % block_size` tokens are held fixed at the start of the first
 generated block, so every block starts where the model's blocks do (positions count from
 each row's first valid token) and the cache of finished blocks stays exact. Each row still
@@ -46,8 +46,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from mdjax.sampling import driver, kv_cache
-from mdjax.sampling.base import Canvas, Denoiser, check, family_of, skips_idle_steps
+from mdjax.denoiser import Denoiser
+from mdjax.sampling import driver
+from mdjax.sampling.base import BoundDenoiser, Canvas, check, family_of, skips_idle_steps
 
 Array = jax.Array
 
@@ -70,27 +71,25 @@ class BlocksResult:
   blocks_run: Array
 
 
-def _block_logits(apply_fn, offset: Array, cached: bool):
-  """The denoiser of one block: (params, tokens_NxW, t_N, valid_BxL=(valid, context)) ->
+def _block_denoiser(denoiser: Denoiser, offset: Array, cached: bool) -> Denoiser:
+  """The denoiser of one block: (params, tokens_NxW, t_N, valid_BxL, context) ->
   logits_NxWxV of the block at `offset` on its canvas (`context`: the canvas's cache, or
-  its tokens)."""
+  its tokens; each row's own, like its validity mask)."""
 
-  def cached_logits(params, tokens_NxW, t_N, valid_BxL):
-    valid_NxC, cache = valid_BxL
-    logits_NxWxV, _ = apply_fn.decode(params, cache, tokens_NxW, offset, t_N,
-                                      valid_BxL=valid_NxC)
+  def cached_logits(params, tokens_NxW, t_N, valid_BxL, context):
+    logits_NxWxV, _ = denoiser.decode(params, context, tokens_NxW, offset, t_N,
+                                      valid_BxL=valid_BxL)
     return logits_NxWxV
 
-  def recomputed_logits(params, tokens_NxW, t_N, valid_BxL):
-    valid_NxC, context_NxC = valid_BxL
-    canvas_NxC = jax.lax.dynamic_update_slice_in_dim(context_NxC, tokens_NxW, offset, axis=1)
-    logits_NxCxV = apply_fn(params, canvas_NxC, t_N, valid_BxL=valid_NxC)
+  def recomputed_logits(params, tokens_NxW, t_N, valid_BxL, context):
+    canvas_NxC = jax.lax.dynamic_update_slice_in_dim(context, tokens_NxW, offset, axis=1)
+    logits_NxCxV = denoiser(params, canvas_NxC, t_N, valid_BxL=valid_BxL)
     return jax.lax.dynamic_slice_in_dim(logits_NxCxV, offset, tokens_NxW.shape[1], axis=1)
 
-  return cached_logits if cached else recomputed_logits
+  return Denoiser(cached_logits if cached else recomputed_logits)
 
 
-def _check(apply_fn, params, prompt: np.ndarray, spec, *, length, blocks_of, window,
+def _check(denoiser: Denoiser, params, prompt: np.ndarray, spec, *, length, blocks_of, window,
            mask_id, valid: np.ndarray | None, cached: bool):
   """The checks that need no tracing of the whole program; returns (family, plan, skip)."""
   check(isinstance(blocks_of, (int, np.integer)) and blocks_of >= 1, "blocks_of",
@@ -115,10 +114,10 @@ def _check(apply_fn, params, prompt: np.ndarray, spec, *, length, blocks_of, win
   if spec.eos_id is not None and not 0 <= spec.eos_id < mask_id:
     raise ValueError(f"spec.eos_id={spec.eos_id} is outside the vocabulary 0..{mask_id - 1}.")
   if cached:
-    model_block = getattr(apply_fn, "block_size", None)
-    if model_block is None or not kv_cache.offers_cache(apply_fn):
+    model_block = denoiser.block_size
+    if model_block is None or not denoiser.offers_cache:
       raise ValueError("cached=True needs a block-causal denoiser with the cached contract "
-                       "(apply_fn.block_size, apply_fn.prefill, apply_fn.decode: a Transformer "
+                       "(Denoiser.block_size, .prefill, .decode: a Transformer "
                        "with block_size); a bidirectional model's window keys depend on the "
                        "block, so run it with cached=False.")
     check(blocks_of % model_block == 0, "blocks_of", blocks_of,
@@ -137,7 +136,7 @@ def _check(apply_fn, params, prompt: np.ndarray, spec, *, length, blocks_of, win
   context = jax.ShapeDtypeStruct((batch, window + blocks_of), jnp.int32)
   try:
     out = jax.eval_shape(
-        lambda p, x, v: apply_fn(p, x, jnp.ones(batch), valid_BxL=v), params, context,
+        lambda p, x, v: denoiser(p, x, jnp.ones(batch), valid_BxL=v), params, context,
         jax.ShapeDtypeStruct(context.shape, jnp.bool_))
   except TypeError as error:
     raise ValueError(f"apply_fn does not take valid_BxL ({error}); sample_blocks pads the "
@@ -185,7 +184,8 @@ def sample_blocks(apply_fn, params: Any, key: Array, prompt_BxP, spec, *, length
     raise ValueError("blocks_of is required: the positions of each generated block.")
   prompt = np.asarray(prompt_BxP)
   valid = None if valid_BxP is None else np.asarray(valid_BxP).astype(bool)
-  family, plan, skip = _check(apply_fn, params, prompt, spec, length=length,
+  denoiser = Denoiser.of(apply_fn)
+  family, plan, skip = _check(denoiser, params, prompt, spec, length=length,
                               blocks_of=blocks_of, window=window, mask_id=mask_id,
                               valid=valid, cached=cached)
   batch = prompt.shape[0]
@@ -193,10 +193,9 @@ def sample_blocks(apply_fn, params: Any, key: Array, prompt_BxP, spec, *, length
   valid = np.ones(prompt.shape, bool) if valid is None else valid
   prompt = prompt.astype(np.int32)
   whole_BxP, tail_BxR = prompt, np.zeros((batch, 0), np.int32)
-  model_block = getattr(apply_fn, "block_size", None)
-  if model_block is not None:  # blocks start where the model's blocks do
-    whole_BxP, valid, tail_BxR = split_tails(prompt, valid, model_block, mask_id)
-  return _program(apply_fn, params, driver.row_keys(key, batch), prompt, whole_BxP, valid,
+  if denoiser.block_size is not None:  # blocks start where the model's blocks do
+    whole_BxP, valid, tail_BxR = split_tails(prompt, valid, denoiser.block_size, mask_id)
+  return _program(denoiser, params, driver.row_keys(key, batch), prompt, whole_BxP, valid,
                   tail_BxR, plan, spec=spec, mask_id=mask_id, length=length,
                   blocks_of=blocks_of, window=window, cached=cached, skip=skip)
 
@@ -218,9 +217,9 @@ def split_tails(prompt_BxP: np.ndarray, valid_BxP: np.ndarray, model_block: int,
   return whole_BxP, whole_valid_BxP, tail_BxR
 
 
-@functools.partial(jax.jit, static_argnames=("apply_fn", "spec", "mask_id", "length",
+@functools.partial(jax.jit, static_argnames=("denoiser", "spec", "mask_id", "length",
                                              "blocks_of", "window", "cached", "skip"))
-def _program(apply_fn, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_BxR, plan, *,
+def _program(denoiser, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_BxR, plan, *,
              spec, mask_id, length, blocks_of, window, cached, skip) -> BlocksResult:
   """The generation: `whole_BxP` (valid: `valid_BxP`) before the blocks, `tail_BxR` fixed at
   the start of the first one (`split_tails`); returns `prompt_BxP` and each row's `length`
@@ -261,12 +260,12 @@ def _program(apply_fn, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_Bx
     the last one with block n - 1 appended (one pass over its final tokens)."""
 
     def encode():
-      return apply_fn.prefill(params, tokens_BxC, ones_B, valid_BxL=valid_BxC)[1]
+      return denoiser.prefill(params, tokens_BxC, ones_B, valid_BxL=valid_BxC)[1]
 
     def append():
       begin = offset - blocks_of
       finished_BxW = jax.lax.dynamic_slice_in_dim(tokens_BxC, begin, blocks_of, axis=1)
-      return apply_fn.decode(params, cache, finished_BxW, begin, ones_B,
+      return denoiser.decode(params, cache, finished_BxW, begin, ones_B,
                              valid_BxL=valid_BxC)[1]
 
     return jax.lax.cond(fits & (n > 0), append, encode)
@@ -277,11 +276,12 @@ def _program(apply_fn, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_Bx
     if cached:
       cache = refreshed(n, cache, fits, offset, tokens_BxC, valid_BxC)
     context = cache if cached else tokens_BxC
-    denoiser = Denoiser(_block_logits(apply_fn, offset, cached), params, (valid_BxC, context))
+    block = BoundDenoiser(_block_denoiser(denoiser, offset, cached), params, valid_BxL=valid_BxC,
+                          context=context)
     block_BxW = jax.lax.dynamic_slice_in_dim(tokens_BxC, offset, blocks_of, axis=1)
     core, ctx = driver._start(jax.vmap(jax.random.fold_in, (0, None))(keys_B, n), block_BxW,
                               None, mask_id)
-    core, _, _ = driver.run(spec, denoiser, core, ctx, plan, skip)
+    core, _, _ = driver.run(spec, block, core, ctx, plan, skip)
     return core.tokens_BxL, core.nfe + int(cached), cache
 
   def body(carry, n):
@@ -301,7 +301,7 @@ def _program(apply_fn, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_Bx
 
   cache = None
   if cached:  # zeros of the prefill's shapes: the first block encodes its canvas
-    shapes = jax.eval_shape(apply_fn.prefill, params, tokens_BxS[:, :span], ones_B,
+    shapes = jax.eval_shape(denoiser.prefill, params, tokens_BxS[:, :span], ones_B,
                             valid_BxL=valid_BxS[:, :span])[1]
     cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
   zero = jnp.zeros((), jnp.int32)

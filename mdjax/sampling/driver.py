@@ -19,8 +19,9 @@ import numpy as np
 from flax import struct
 
 from mdjax import streams
+from mdjax.denoiser import Denoiser
 from mdjax.sampling import kv_cache, skipping, threefry
-from mdjax.sampling.base import (Canvas, Context, Core, Denoiser, Family, SamplerSpec,
+from mdjax.sampling.base import (BoundDenoiser, Canvas, Context, Core, Family, SamplerSpec,
                                  StepInfo, eos_state, family_of, finish_rows,
                                  generated_length, open_rows, skips_idle_steps)
 
@@ -110,21 +111,21 @@ def _check_values(tokens: np.ndarray, fixed: np.ndarray, mask_id: int):
                      f"the mask id {mask_id}; fixed positions need a token.")
 
 
-# The denoiser's output shape per signature (apply_fn, parameter shapes, B, L): tracing a
+# The denoiser's output shape per signature (denoiser, parameter shapes, B, L): tracing a
 # model abstractly costs milliseconds, so `sample` does it once per signature, as jit does.
 _LOGITS_SHAPES: dict[tuple, tuple[int, ...]] = {}
 _MAX_CACHED_SIGNATURES = 256
 
 
-def _logits_shape(apply_fn, params, batch: int, length: int) -> tuple[int, ...]:
+def _logits_shape(denoiser: Denoiser, params, batch: int, length: int) -> tuple[int, ...]:
   leaves, treedef = jax.tree.flatten(params)
   avals = tuple(jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in leaves)
-  signature = (apply_fn, treedef, avals, batch, length)
+  signature = (denoiser, treedef, avals, batch, length)
   shape = _LOGITS_SHAPES.get(signature)
   if shape is None:
     tokens = jax.ShapeDtypeStruct((batch, length), jnp.int32)
     time_B = jax.ShapeDtypeStruct((batch,), jnp.float32)
-    out = jax.eval_shape(apply_fn, jax.tree.unflatten(treedef, avals), tokens, time_B)
+    out = jax.eval_shape(denoiser, jax.tree.unflatten(treedef, avals), tokens, time_B)
     if not isinstance(out, jax.ShapeDtypeStruct):
       raise ValueError(f"apply_fn returns {type(out).__name__} {out}; the denoiser contract is "
                        "apply_fn(params, tokens_BxL, t_B) -> logits_BxLxV, one array.")
@@ -135,7 +136,8 @@ def _logits_shape(apply_fn, params, batch: int, length: int) -> tuple[int, ...]:
   return shape
 
 
-def _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id, valid_BxL=None):
+def _prepare(denoiser: Denoiser, params, key, tokens_BxL, spec, fixed_BxL, mask_id,
+             valid_BxL=None):
   """Checks the call on the host; returns (family, traced args, static args).
 
   Shapes, the spec and the denoiser's output shape are checked without touching values
@@ -160,7 +162,7 @@ def _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id, valid_
   _check_key_rows(key, batch)
   logits_shape = None
   if mask_id is None:
-    logits_shape = _logits_shape(apply_fn, params, batch, length)
+    logits_shape = _logits_shape(denoiser, params, batch, length)
     mask_id = int(logits_shape[-1])
   if fixed_BxL is not None and np.shape(fixed_BxL) != shape:
     raise ValueError(f"fixed_BxL has shape {np.shape(fixed_BxL)}; tokens_BxL has {shape}.")
@@ -185,21 +187,21 @@ def _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id, valid_
   streams.check_steps(family.num_steps(spec, length))
   family.validate(spec, canvas)
   plan = family.plan(spec, canvas)
-  kv_plan = kv_cache.plan(apply_fn, family, spec, canvas)
+  kv_plan = kv_cache.plan(denoiser, family, spec, canvas)
   # Last: the only check that traces the denoiser (abstractly, once per signature).
-  logits_shape = logits_shape or _logits_shape(apply_fn, params, batch, length)
+  logits_shape = logits_shape or _logits_shape(denoiser, params, batch, length)
   if logits_shape != (batch, length, mask_id):
     raise ValueError(f"apply_fn returns logits of shape {logits_shape}; expected "
                      f"(B, L, V) = {(batch, length, mask_id)} with V = mask id.")
   args = (params, key, tokens_BxL, fixed_BxL, plan, kv_plan)
   if valid_BxL is not None:
-    args += (_check_valid(apply_fn, params, valid_BxL, canvas),)
-    kv_cache.check_exact_valid(apply_fn, spec, canvas, args[-1])
+    args += (_check_valid(denoiser, params, valid_BxL, canvas),)
+    kv_cache.check_exact_valid(denoiser, spec, canvas, args[-1])
   skip = skips_idle_steps(family, spec, canvas, plan)
   return family, args, dict(spec=spec, mask_id=mask_id, skip=skip)
 
 
-def _check_valid(apply_fn, params, valid_BxL, canvas: Canvas):
+def _check_valid(denoiser: Denoiser, params, valid_BxL, canvas: Canvas):
   """The validity mask as a bool array, after checking it against the canvas and that
   apply_fn takes it (`apply_fn(params, tokens_BxL, t_B, valid_BxL=...)`)."""
   shape = (canvas.batch, canvas.length)
@@ -216,7 +218,7 @@ def _check_valid(apply_fn, params, valid_BxL, canvas: Canvas):
       raise ValueError(f"valid_BxL marks position {pos} of row {row} as padding, but it is "
                        "editable; padding must be fixed (hold any id but the mask id).")
   try:
-    jax.eval_shape(lambda p, x, t, v: apply_fn(p, x, t, valid_BxL=v), params,
+    jax.eval_shape(lambda p, x, t, v: denoiser(p, x, t, valid_BxL=v), params,
                    jax.ShapeDtypeStruct(shape, jnp.int32),
                    jax.ShapeDtypeStruct(shape[:1], jnp.float32),
                    jax.ShapeDtypeStruct(shape, jnp.bool_))
@@ -251,7 +253,7 @@ def _start(key, tokens_BxL, fixed_BxL, mask_id, valid_BxL=None) -> tuple[Core, C
                                          shift_B=shift_B)
 
 
-def _step(family: Family, spec, denoiser: Denoiser, core: Core, aux, reuse, kv, ctx: Context,
+def _step(family: Family, spec, denoiser: BoundDenoiser, core: Core, aux, reuse, kv, ctx: Context,
           index: Array, plan, kv_plan):
   """One step of a step-wise family: call the denoiser (or, with `reuse`, reuse the last
   logits when the canvas did not change), count, update. With a KV cache (`kv`, `kv_plan`)
@@ -307,7 +309,7 @@ def _skip_steps(kv_plan, carry, lo: Array, hi: Array):
   return core, aux, reuse, kv
 
 
-def _init(family: Family, spec, denoiser: Denoiser, core: Core, ctx: Context, cached: bool):
+def _init(family: Family, spec, denoiser: BoundDenoiser, core: Core, ctx: Context, cached: bool):
   """The family's carry, the reuse slot when it reuses logits, the KV cache when `cached`."""
   aux = family.init(spec, core, ctx)
   reuse = None
@@ -324,7 +326,7 @@ def _at(plans, i):
   return jax.tree.map(lambda x: x[i], plans)
 
 
-def run(spec, denoiser: Denoiser, core: Core, ctx: Context, plan, skip: bool | None = None,
+def run(spec, denoiser: BoundDenoiser, core: Core, ctx: Context, plan, skip: bool | None = None,
         kv_plan: kv_cache.KVPlan | None = None):
   """Runs a family from `core` in the current trace: (core, aux, trajectory or None).
 
@@ -383,14 +385,14 @@ def _result(family: Family, spec, core: Core, aux, trajectory, ctx: Context,
                       trajectory_KxBxL=trajectory, extras=family.extras(spec, aux))
 
 
-@functools.partial(jax.jit, static_argnames=("apply_fn", "spec", "mask_id", "skip"))
-def _program(apply_fn, params, key, tokens_BxL, fixed_BxL, plan, kv_plan, valid_BxL=None, *,
+@functools.partial(jax.jit, static_argnames=("denoiser", "spec", "mask_id", "skip"))
+def _program(denoiser, params, key, tokens_BxL, fixed_BxL, plan, kv_plan, valid_BxL=None, *,
              spec, mask_id, skip) -> SampleResult:
   family = family_of(spec)
-  denoiser = Denoiser(apply_fn, params, valid_BxL)
+  bound = BoundDenoiser(denoiser, params, valid_BxL)
   core, ctx = _start(key, tokens_BxL, fixed_BxL, mask_id, valid_BxL)
   invalid_B = _invalid_input(core.tokens_BxL, ctx)
-  return _result(family, spec, *run(spec, denoiser, core, ctx, plan, skip, kv_plan), ctx,
+  return _result(family, spec, *run(spec, bound, core, ctx, plan, skip, kv_plan), ctx,
                  invalid_B)
 
 
@@ -405,7 +407,8 @@ def sample(apply_fn, params: Any, key: Array, tokens_BxL: Array, spec: SamplerSp
   """Samples with any family; the whole trajectory is one compiled program.
 
   Args:
-    apply_fn: the denoiser, `apply_fn(params, tokens_BxL, t_B) -> logits_BxLxV`.
+    apply_fn: the denoiser, `apply_fn(params, tokens_BxL, t_B) -> logits_BxLxV`: a function
+      or a `mdjax.denoiser.Denoiser` (which also says what else it offers: a KV cache).
     params: its parameters (traced, never baked into the program).
     key: one PRNG key (split into B row keys), or a batch of B row keys.
     tokens_BxL: the starting canvas: the mask id where generation happens.
@@ -415,9 +418,10 @@ def sample(apply_fn, params: Any, key: Array, tokens_BxL: Array, spec: SamplerSp
     valid_BxL: False on padding (left-padded prompts of different lengths); passed to
       apply_fn as `valid_BxL=` only when given. Padding must be fixed.
   """
-  _, args, static = _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id,
+  denoiser = Denoiser.of(apply_fn)
+  _, args, static = _prepare(denoiser, params, key, tokens_BxL, spec, fixed_BxL, mask_id,
                              valid_BxL)
-  return _program(apply_fn, *args, **static)
+  return _program(denoiser, *args, **static)
 
 
 def lower(apply_fn, params: Any, key: Array, tokens_BxL: Array, spec: SamplerSpec,
@@ -429,27 +433,27 @@ def lower(apply_fn, params: Any, key: Array, tokens_BxL: Array, spec: SamplerSpe
   as `sample(...)`; `.memory_analysis()` and `.cost_analysis()` of the
   compiled program measure it, `.as_text()` shows it.
   """
-  _, args, static = _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id,
+  denoiser = Denoiser.of(apply_fn)
+  _, args, static = _prepare(denoiser, params, key, tokens_BxL, spec, fixed_BxL, mask_id,
                              valid_BxL)
-  return _program.lower(apply_fn, *args, **static), args
+  return _program.lower(denoiser, *args, **static), args
 
 
-_STEP_STATIC = ("family", "spec", "apply_fn")
+_STEP_STATIC = ("family", "spec", "denoiser")
 
 
 @functools.partial(jax.jit, static_argnames=_STEP_STATIC + ("mask_id", "skip", "cached"))
-def _start_jit(apply_fn, params, key, tokens_BxL, fixed_BxL, *, family, spec, mask_id, skip,
+def _start_jit(denoiser, params, key, tokens_BxL, fixed_BxL, *, family, spec, mask_id, skip,
                cached):
   del skip
-  denoiser = Denoiser(apply_fn, params)
   core, ctx = _start(key, tokens_BxL, fixed_BxL, mask_id)
-  return core, ctx, *_init(family, spec, denoiser, core, ctx, cached)
+  return core, ctx, *_init(family, spec, BoundDenoiser(denoiser, params), core, ctx, cached)
 
 
 @functools.partial(jax.jit, static_argnames=_STEP_STATIC, donate_argnames=("core",))
-def _step_jit(apply_fn, params, core, aux, reuse, kv, ctx, index, plan, kv_plan, *, family, spec):
-  return _step(family, spec, Denoiser(apply_fn, params), core, aux, reuse, kv, ctx, index, plan,
-               kv_plan)
+def _step_jit(denoiser, params, core, aux, reuse, kv, ctx, index, plan, kv_plan, *, family, spec):
+  return _step(family, spec, BoundDenoiser(denoiser, params), core, aux, reuse, kv, ctx, index,
+               plan, kv_plan)
 
 
 @functools.partial(jax.jit, static_argnames=("family", "spec"))
@@ -470,14 +474,15 @@ def sample_python_loop(apply_fn, params: Any, key: Array, tokens_BxL: Array, spe
   steps, the host reads the next step that needs a call. It exists for the benchmark's
   side-by-side comparison. Gives the same tokens as `sample`.
   """
-  family, args, static = _prepare(apply_fn, params, key, tokens_BxL, spec, fixed_BxL, mask_id)
+  denoiser = Denoiser.of(apply_fn)
+  family, args, static = _prepare(denoiser, params, key, tokens_BxL, spec, fixed_BxL, mask_id)
   if not family.python_loop:
     raise ValueError(f"spec={type(spec).__name__}: its rounds run only as one program; "
                      "use sample.")
   if spec.record_trajectory:
     raise ValueError("record_trajectory=True: use sample; the Python loop keeps no record.")
   params, key, tokens_BxL, fixed_BxL, plan, kv_plan = args
-  core, ctx, *rest = _start_jit(apply_fn, params, key, tokens_BxL, fixed_BxL, family=family,
+  core, ctx, *rest = _start_jit(denoiser, params, key, tokens_BxL, fixed_BxL, family=family,
                                 cached=kv_plan is not None, **static)
   invalid_B = _invalid_input(core.tokens_BxL, ctx)
   carry = (core, *rest)
@@ -489,7 +494,7 @@ def sample_python_loop(apply_fn, params: Any, key: Array, tokens_BxL: Array, spe
       i = int(following)
     if i >= num_steps:
       break
-    carry = _step_jit(apply_fn, params, *carry, ctx, np.int32(i), *_at((plan, kv_plan), i),
+    carry = _step_jit(denoiser, params, *carry, ctx, np.int32(i), *_at((plan, kv_plan), i),
                       family=family, spec=spec)
     i += 1
   core, aux, _, _ = carry

@@ -1,10 +1,10 @@
 """KV-cached block decoding: the cached denoiser contract, its recompute adapter, the plan.
 
-A denoiser offers the cached contract beside the plain one when `apply_fn` has two
-attributes (mdjax's Transformer has them: `models.make_apply_fn`):
+A denoiser offers the cached contract beside the plain one when its `Denoiser` value has
+two passes (mdjax's Transformer has them: `models.make_apply_fn`):
 
-  apply_fn.prefill(params, tokens_BxL, t_B) -> (logits_BxLxV, cache)
-  apply_fn.decode(params, cache, tokens_BxW, start, t_B) -> (logits_BxWxV, cache)
+  prefill(params, tokens_BxL, t_B) -> (logits_BxLxV, cache)
+  decode(params, cache, tokens_BxW, start, t_B) -> (logits_BxWxV, cache)
 
 With `kv_cache="dual"` (Fast-dLLM's DualCache) a family that decodes in blocks runs one
 full pass (prefill) at the first step of each block, and every `refresh_every` steps
@@ -13,7 +13,7 @@ run the denoiser on the block's W = block_length positions only (decode): their 
 attend to the cached keys and values of the prefix and the suffix, as last refreshed,
 and to their own fresh ones.
 
-With `kv_cache="exact"` on a block-causal denoiser (`apply_fn.block_size`, a Transformer
+With `kv_cache="exact"` on a block-causal denoiser (`Denoiser.block_size`, a Transformer
 with `block_size`, or `diffusion.block_causal` of an oracle) the cache is exact: finished
 blocks' keys and values never depend on later positions, and a block's queries see no
 later block. One full pass at the first step fills the prompt's keys; at the first step of
@@ -32,6 +32,7 @@ of a bidirectional model do not see the tokens the block wrote since the last re
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -39,8 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from mdjax.denoiser import Denoiser
 from mdjax.sampling import semi_autoregressive
-from mdjax.sampling.base import KV_CACHES, Canvas, Denoiser, Family, check
+from mdjax.sampling.base import KV_CACHES, BoundDenoiser, Canvas, Family, check
 
 Array = jax.Array
 
@@ -65,42 +67,38 @@ class KVState:
 
 
 def offers_cache(apply_fn) -> bool:
-  """Whether `apply_fn` meets the cached contract (has `prefill` and `decode`)."""
-  return callable(getattr(apply_fn, "prefill", None)) and callable(
-      getattr(apply_fn, "decode", None))
+  """Whether the denoiser (a `Denoiser` or a function) meets the cached contract."""
+  return Denoiser.of(apply_fn).offers_cache
 
 
-_ADAPTERS: dict[Any, Any] = {}
+_ADAPTERS: dict[Denoiser, Denoiser] = {}
 
 
-def recompute_cache(apply_fn):
+def recompute_cache(apply_fn) -> Denoiser:
   """Any plain denoiser as a cached one that recomputes the full canvas.
 
   Its cache is the canvas itself: a window pass writes the window's tokens into it and
-  runs `apply_fn` on the whole, so the cached sampler equals the uncached one token for
-  token (no saving: for exact oracles and tests). One adapter per `apply_fn`, so
-  repeated calls reuse the compiled program.
+  runs the denoiser on the whole, so the cached sampler equals the uncached one token for
+  token (no saving: for exact oracles and tests). One adapter per denoiser, so repeated
+  calls reuse the compiled program.
   """
-  if offers_cache(apply_fn):
+  plain = Denoiser.of(apply_fn)
+  if plain.offers_cache:
     return apply_fn
-  adapter = _ADAPTERS.get(apply_fn)
+  adapter = _ADAPTERS.get(plain)
   if adapter is None:
 
-    def adapter(params, tokens_BxL, t_B):
-      return apply_fn(params, tokens_BxL, t_B)
+    def prefill(params, tokens_BxL, t_B, valid_BxL=None):
+      return plain(params, tokens_BxL, t_B, valid_BxL), tokens_BxL
 
-    def prefill(params, tokens_BxL, t_B, **valid):
-      return apply_fn(params, tokens_BxL, t_B, **valid), tokens_BxL
-
-    def decode(params, canvas_BxL, tokens_BxW, start, t_B, **valid):
+    def decode(params, canvas_BxL, tokens_BxW, start, t_B, valid_BxL=None):
       canvas_BxL = jax.lax.dynamic_update_slice_in_dim(canvas_BxL, tokens_BxW, start, axis=1)
-      logits_BxLxV = apply_fn(params, canvas_BxL, t_B, **valid)
+      logits_BxLxV = plain(params, canvas_BxL, t_B, valid_BxL)
       width = tokens_BxW.shape[1]
       return jax.lax.dynamic_slice_in_dim(logits_BxLxV, start, width, axis=1), canvas_BxL
 
-    adapter.prefill, adapter.decode = prefill, decode
-    adapter.block_size = getattr(apply_fn, "block_size", None)
-    _ADAPTERS[apply_fn] = adapter
+    adapter = dataclasses.replace(plain, prefill=prefill, decode=decode)
+    _ADAPTERS[plain] = adapter
   return adapter
 
 
@@ -109,21 +107,21 @@ def recompute_cache(apply_fn):
 # ----------------------------------------------------------------------------
 
 
-def plan(apply_fn, family: Family, spec, canvas: Canvas) -> KVPlan | None:
+def plan(denoiser: Denoiser, family: Family, spec, canvas: Canvas) -> KVPlan | None:
   """The refresh plan of a cached spec (None without a cache), after checking the call."""
   if spec.kv_cache == "none":
     return None
   name = type(spec).__name__
-  if type(family).block_length is Family.block_length:
+  if not family.decodes_blocks:
     raise ValueError(f"kv_cache={spec.kv_cache!r} is invalid for {name}: the {family.name} "
                      "family decodes no blocks; a KV cache needs ancestral, confidence or "
                      "entropy-bounded decoding with block_length.")
   block_length = family.block_length(spec)
   check(block_length is not None, "block_length", block_length,
         f"kv_cache={spec.kv_cache!r} needs blocks: set block_length (the cached window)")
-  if not offers_cache(apply_fn):
+  if not denoiser.offers_cache:
     raise ValueError(f"kv_cache={spec.kv_cache!r}: apply_fn offers no cached contract "
-                     "(apply_fn.prefill and apply_fn.decode); wrap a plain denoiser with "
+                     "(Denoiser.prefill and Denoiser.decode); wrap a plain denoiser with "
                      "mdjax.sampling.recompute_cache(apply_fn) to run the cached sampler by "
                      "full recomputation (exact, no saving).")
   steps = family.num_steps(spec, canvas.length)
@@ -134,7 +132,7 @@ def plan(apply_fn, family: Family, spec, canvas: Canvas) -> KVPlan | None:
   block_K = semi_autoregressive.step_blocks(num_blocks, per_block)
   start = (span_start + block_K * block_length).astype(np.int32)
   if spec.kv_cache == "exact":
-    _check_exact(apply_fn, name, block_length, span_start)
+    _check_exact(denoiser, name, block_length, span_start)
     first = np.arange(steps) == 0
     # One block: the first pass fills the prompt's keys and no block is ever appended.
     append = (j == 0) & (block_K > 0) if num_blocks > 1 else None
@@ -143,12 +141,12 @@ def plan(apply_fn, family: Family, spec, canvas: Canvas) -> KVPlan | None:
   return KVPlan(refresh=j % every == 0, start=start)
 
 
-def _check_exact(apply_fn, name: str, block_length: int, span_start: int) -> None:
+def _check_exact(denoiser: Denoiser, name: str, block_length: int, span_start: int) -> None:
   """kv_cache='exact' needs a block-causal denoiser whose blocks the sampler's tile."""
-  model_block = getattr(apply_fn, "block_size", None)
+  model_block = denoiser.block_size
   if model_block is None:
     raise ValueError(f"kv_cache='exact' is invalid for {name} on this denoiser: it has no "
-                     "block-causal attention (apply_fn.block_size is None), so finished "
+                     "block-causal attention (Denoiser.block_size is None), so finished "
                      "blocks' keys depend on later positions. Use a Transformer with "
                      "block_size, diffusion.block_causal(apply_fn, block_size) for an oracle, "
                      "or kv_cache='dual' (approximate).")
@@ -160,14 +158,14 @@ def _check_exact(apply_fn, name: str, block_length: int, span_start: int) -> Non
                      f"is a multiple of the block size {model_block}).")
 
 
-def check_exact_valid(apply_fn, spec, canvas: Canvas, valid_BxL) -> None:
+def check_exact_valid(denoiser: Denoiser, spec, canvas: Canvas, valid_BxL) -> None:
   """kv_cache='exact' with a validity mask: a block-causal model counts blocks from each
   row's first valid token, so every row's valid prompt must fill whole blocks."""
   if spec.kv_cache != "exact" or valid_BxL is None or isinstance(valid_BxL, jax.core.Tracer):
     return  # (a traced mask cannot be read before the run)
   valid = np.asarray(valid_BxL).astype(bool)
   prompt_B = valid[:, :_generation_start(canvas)].sum(-1)
-  block = apply_fn.block_size
+  block = denoiser.block_size
   if (prompt_B % block).any():
     raise ValueError(f"valid_BxL leaves valid prompts of {sorted(set(prompt_B.tolist()))} "
                      f"positions; kv_cache='exact' needs each a multiple of the model's block "
@@ -193,15 +191,16 @@ def _generation_start(canvas: Canvas) -> int:
 # ----------------------------------------------------------------------------
 
 
-def init(denoiser: Denoiser, tokens_BxL: Array) -> KVState:
+def init(denoiser: BoundDenoiser, tokens_BxL: Array) -> KVState:
   """An empty cache of the prefill's shapes, marked stale so the first call refreshes."""
+  denoiser = BoundDenoiser.of(denoiser)
   t_B = jnp.ones(tokens_BxL.shape[:1], jnp.float32)
-  _, cache = jax.eval_shape(denoiser.apply_fn.prefill, denoiser.params, tokens_BxL, t_B)
+  _, cache = jax.eval_shape(denoiser.prefill, tokens_BxL, t_B)
   cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), cache)
   return KVState(cache=cache, stale=jnp.array(True))
 
 
-def call(denoiser: Denoiser, state: KVState, tokens_BxL: Array, t, kv_plan: KVPlan,
+def call(denoiser: BoundDenoiser, state: KVState, tokens_BxL: Array, t, kv_plan: KVPlan,
          width: int) -> tuple[Array, KVState]:
   """This step's logits_BxLxV: a full pass that refreshes the cache, or a window pass.
 
@@ -210,9 +209,8 @@ def call(denoiser: Denoiser, state: KVState, tokens_BxL: Array, t, kv_plan: KVPl
   the block is recomputed at each of its steps, and the prefix and suffix stay as
   refreshed.
   """
+  denoiser = BoundDenoiser.of(denoiser)
   t_B = jnp.full(tokens_BxL.shape[:1], t, jnp.float32)
-  # The caller's validity mask (left-padded prompts), passed only when given.
-  valid = {} if denoiser.valid_BxL is None else {"valid_BxL": denoiser.valid_BxL}
 
   def on_canvas(logits_BxWxV):
     """The block's logits at their positions of the canvas, zeros elsewhere."""
@@ -221,13 +219,12 @@ def call(denoiser: Denoiser, state: KVState, tokens_BxL: Array, t, kv_plan: KVPl
     return jax.lax.dynamic_update_slice_in_dim(zeros_BxLxV, logits_BxWxV, kv_plan.start, axis=1)
 
   def full():
-    logits_BxLxV, cache = denoiser.apply_fn.prefill(denoiser.params, tokens_BxL, t_B, **valid)
+    logits_BxLxV, cache = denoiser.prefill(tokens_BxL, t_B)
     return logits_BxLxV, KVState(cache=cache, stale=jnp.array(False))
 
   def window():
     tokens_BxW = jax.lax.dynamic_slice_in_dim(tokens_BxL, kv_plan.start, width, axis=1)
-    logits_BxWxV, _ = denoiser.apply_fn.decode(denoiser.params, state.cache, tokens_BxW,
-                                               kv_plan.start, t_B, **valid)
+    logits_BxWxV, _ = denoiser.decode(state.cache, tokens_BxW, kv_plan.start, t_B)
     return on_canvas(logits_BxWxV), state
 
   if kv_plan.append is None:
@@ -238,8 +235,7 @@ def call(denoiser: Denoiser, state: KVState, tokens_BxL: Array, t, kv_plan: KVPl
     # see no later block (block-causal), so its fresh keys are final; keep them.
     begin = kv_plan.start - width
     tokens_Bx2W = jax.lax.dynamic_slice_in_dim(tokens_BxL, begin, 2 * width, axis=1)
-    logits_Bx2WxV, cache = denoiser.apply_fn.decode(denoiser.params, state.cache, tokens_Bx2W,
-                                                    begin, t_B, **valid)
+    logits_Bx2WxV, cache = denoiser.decode(state.cache, tokens_Bx2W, begin, t_B)
     return on_canvas(logits_Bx2WxV[:, width:]), KVState(cache=cache, stale=jnp.array(False))
 
   branch = jnp.where(kv_plan.refresh | state.stale, 0, jnp.where(kv_plan.append, 1, 2))

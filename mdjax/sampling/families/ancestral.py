@@ -52,6 +52,7 @@ class AncestralPlan(StepPlan):
 class Ancestral(Family):
   name = "ancestral"
   spec_type = AncestralSpec
+  decodes_blocks = True
 
   def block_length(self, spec) -> int | None:
     return spec.block_length

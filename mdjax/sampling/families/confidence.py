@@ -75,6 +75,7 @@ class ConfidenceCarry:
 class Confidence(Family):
   name = "confidence"
   spec_type = ConfidenceSpec
+  decodes_blocks = True
 
   def block_length(self, spec) -> int | None:
     return spec.block_length

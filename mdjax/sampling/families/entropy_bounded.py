@@ -76,6 +76,7 @@ def entropy_prefix_counts(entropy_BxL: Array, cand_BxL: Array, gamma: float) -> 
 class EntropyBounded(Family):
   name = "entropy_bounded"
   spec_type = EntropyBoundedSpec
+  decodes_blocks = True
 
   def block_length(self, spec) -> int | None:
     return spec.block_length

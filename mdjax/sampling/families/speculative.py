@@ -153,8 +153,7 @@ def run_round(denoiser, core: Core, draft_logits_BxLxV: Array, ctx, round_index:
   in_context_BxKxL = masked_BxL[:, None] & (rank_BxL[:, None, :] < jnp.arange(k)[None, :, None])
   contexts_BxKxL = jnp.where(in_context_BxKxL, draft_BxL[:, None], z_BxL[:, None])
   logits_BxKxLxV = denoiser(contexts_BxKxL.reshape(batch * k, length),
-                            1.0 - round_index / length,
-                            denoiser.valid_for(batch * k, row_major=True))
+                            1.0 - round_index / length, row_major=True)
   logits_BxKxLxV = logits_BxKxLxV.reshape(batch, k, length, -1)
   at_slot = lambda x_BxKxLxV: jnp.take_along_axis(
       x_BxKxLxV, pos_BxK[:, :, None, None], axis=2)[:, :, 0]

@@ -1,0 +1,64 @@
+"""`Denoiser`: a denoiser and the passes it offers beyond the plain call, as one value.
+
+The plain contract is `denoiser(params, tokens_BxL, t_B) -> logits_BxLxV` (with
+`valid_BxL=`, False on padding, where the caller has padding). A denoiser may offer more:
+
+  prefill(params, tokens_BxL, t_B, valid_BxL=None) -> (logits_BxLxV, cache)
+  decode(params, cache, tokens_BxW, start, t_B, valid_BxL=None) -> (logits_BxWxV, cache)
+      the cached contract (`sampling.kv_cache`): a full pass that returns the keys and
+      values, and a pass over W positions against them;
+  block_size: its attention is block-causal with blocks of this many positions;
+  block_pair(params, noisy_BxL, clean_BxL, t_B) -> logits_BxLxV
+      the block-diffusion training pass (`diffusion.block_nelbo_loss`).
+
+A new pretrained denoiser provides `apply` and whichever of these it has. The value is
+frozen and hashable (by its functions), so it is a static argument of compiled programs
+as a plain function is; every public entry point takes either and wraps a function once
+(`Denoiser.of`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+# The passes a denoiser may offer beside `apply`: read, for a plain function, from
+# attributes of the same name (the earlier contract set them on the function).
+CAPABILITIES = ("prefill", "decode", "block_size", "block_pair")
+
+
+@dataclasses.dataclass(frozen=True)
+class Denoiser:
+  """A denoiser value: `apply` and the passes it offers (None: not offered).
+
+  Fields left None are taken from `apply` when it carries them (a Denoiser, or a
+  function with them set as attributes), so wrapping never loses a capability.
+  """
+
+  apply: Callable  # (params, tokens_BxL, t_B, valid_BxL=None) -> logits_BxLxV
+  prefill: Callable | None = None  # (params, tokens_BxL, t_B, valid_BxL=None) -> (logits, cache)
+  decode: Callable | None = None  # (params, cache, tokens_BxW, start, t_B, valid_BxL=None)
+  block_size: int | None = None  # block-causal attention's block (None: no blocks)
+  block_pair: Callable | None = None  # (params, noisy_BxL, clean_BxL, t_B) -> logits_BxLxV
+
+  def __post_init__(self):
+    for name in CAPABILITIES:
+      if getattr(self, name) is None:
+        object.__setattr__(self, name, getattr(self.apply, name, None))
+
+  @classmethod
+  def of(cls, apply_fn: Any) -> "Denoiser":
+    """`apply_fn` as a Denoiser: itself when it is one, else wrapped (once per call site:
+    equal wrappers of one function share compiled programs)."""
+    return apply_fn if isinstance(apply_fn, Denoiser) else cls(apply_fn)
+
+  def __call__(self, params, tokens_BxL, t_B, valid_BxL=None):
+    """The plain contract; `valid_BxL` reaches `apply` only when given."""
+    if valid_BxL is None:
+      return self.apply(params, tokens_BxL, t_B)
+    return self.apply(params, tokens_BxL, t_B, valid_BxL=valid_BxL)
+
+  @property
+  def offers_cache(self) -> bool:
+    """Whether it meets the cached contract (`prefill` and `decode`)."""
+    return self.prefill is not None and self.decode is not None
