@@ -217,6 +217,47 @@ def split_tails(prompt_BxP: np.ndarray, valid_BxP: np.ndarray, model_block: int,
   return whole_BxP, whole_valid_BxP, tail_BxR
 
 
+@struct.dataclass
+class _BlocksState:
+  """What the scan over blocks carries from one block to the next."""
+
+  tokens_BxS: Array  # the sequence: [window of padding, prompt, generation, window]
+  ended_B: Array  # rows that have written EOS: their later blocks are all EOS
+  nfe: Array  # denoiser passes made so far
+  blocks_run: Array  # blocks that called the denoiser
+  cache: Any  # the canvas's keys and values (cached=True), else None
+
+
+def _sequence(whole_BxP, valid_BxP, tail_BxR, *, mask_id: int, window: int,
+              span_length: int) -> tuple[Array, Array]:
+  """(tokens_BxS, valid_BxS): the sequence with room either side, [window of padding,
+  prompt, generation (tails first), window of padding], and its validity."""
+  batch, tail_width = tail_BxR.shape
+  tokens_BxS = jnp.concatenate([jnp.zeros((batch, window), jnp.int32), whole_BxP, tail_BxR,
+                                jnp.full((batch, span_length - tail_width), mask_id, jnp.int32),
+                                jnp.zeros((batch, window), jnp.int32)], 1)
+  valid_BxS = jnp.concatenate([jnp.zeros((batch, window), bool), valid_BxP,
+                               jnp.ones((batch, span_length), bool),
+                               jnp.zeros((batch, window), bool)], 1)
+  return tokens_BxS, valid_BxS
+
+
+def _generated(tokens_BxS: Array, tail_B: Array, *, first: int, tail_width: int,
+               length: int) -> Array:
+  """generated_BxG: each row's `length` positions after its own tail (from `first`)."""
+  if not tail_width:
+    return tokens_BxS[:, first:first + length]
+  columns_BxG = first + tail_B[:, None] + jnp.arange(length)[None]
+  return jnp.take_along_axis(tokens_BxS, columns_BxG, axis=1)
+
+
+def _empty_cache(denoiser: Denoiser, params, tokens_BxC: Array, valid_BxC: Array):
+  """Zeros of the prefill's cache shapes: the first block encodes its canvas."""
+  ones_B = jnp.ones(tokens_BxC.shape[:1], jnp.float32)
+  shapes = jax.eval_shape(denoiser.prefill, params, tokens_BxC, ones_B, valid_BxL=valid_BxC)[1]
+  return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+
+
 @functools.partial(jax.jit, static_argnames=("denoiser", "spec", "mask_id", "length",
                                              "blocks_of", "window", "cached", "skip"))
 def _program(denoiser, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_BxR, plan, *,
@@ -228,23 +269,17 @@ def _program(denoiser, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_Bx
   tail_width = tail_BxR.shape[1]
   tail_B = (tail_BxR != mask_id).sum(-1)
   num_blocks = -(-(length + tail_width) // blocks_of)
-  span_length = num_blocks * blocks_of  # generated positions, tails included
   eos_id = spec.eos_id
   span = window + blocks_of  # the canvas each block is denoised on
-  # The sequence with room either side: [window of padding, prompt, generation, window].
-  tokens_BxS = jnp.concatenate([jnp.zeros((batch, window), jnp.int32), whole_BxP, tail_BxR,
-                                jnp.full((batch, span_length - tail_width), mask_id, jnp.int32),
-                                jnp.zeros((batch, window), jnp.int32)], 1)
-  valid_BxS = jnp.concatenate([jnp.zeros((batch, window), bool), valid_BxP,
-                               jnp.ones((batch, span_length), bool),
-                               jnp.zeros((batch, window), bool)], 1)
+  tokens_BxS, valid_BxS = _sequence(whole_BxP, valid_BxP, tail_BxR, mask_id=mask_id,
+                                    window=window, span_length=num_blocks * blocks_of)
   longest_prompt = valid_BxP.sum(-1).max()
   ones_B = jnp.ones((batch,), jnp.float32)
 
   def canvas_of(n, tokens_BxS):
-    """Block n's canvas: (start in the sequence, block offset on it, whether every row's
-    tokens so far fit the window, tokens_BxC, valid_BxC). While they fit the canvas stays
-    put (the cache can grow block by block); after, it slides with the block at offset W."""
+    """Block n's canvas: (whether every row's tokens so far fit the window, the block's
+    offset on it, tokens_BxC, valid_BxC). While they fit the canvas stays put (the cache
+    can grow block by block); after, it slides with the block at offset W."""
     block_start = window + prompt_len + n * blocks_of
     fits = n * blocks_of + longest_prompt <= window
     begin = jnp.where(fits, window + prompt_len - longest_prompt, block_start - window)
@@ -284,36 +319,29 @@ def _program(denoiser, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_Bx
     core, _, _ = driver.run(spec, block, core, ctx, plan, skip)
     return core.tokens_BxL, core.nfe + int(cached), cache
 
-  def body(carry, n):
-    tokens_BxS, ended_B, nfe, blocks_run, cache = carry
+  def body(state: _BlocksState, n):
+    ended_B = state.ended_B
     if eos_id is None:
-      block_BxW, calls, cache = denoise_block(n, tokens_BxS, cache)
+      block_BxW, calls, cache = denoise_block(n, state.tokens_BxS, state.cache)
     else:  # no pass once every row has ended
-      idle = (jnp.zeros((batch, blocks_of), jnp.int32), jnp.zeros((), jnp.int32), cache)
-      block_BxW, calls, cache = jax.lax.cond(ended_B.all(), lambda: idle,
-                                             lambda: denoise_block(n, tokens_BxS, cache))
+      idle = (jnp.zeros((batch, blocks_of), jnp.int32), jnp.zeros((), jnp.int32), state.cache)
+      block_BxW, calls, cache = jax.lax.cond(
+          ended_B.all(), lambda: idle, lambda: denoise_block(n, state.tokens_BxS, state.cache))
       block_BxW = jnp.where(ended_B[:, None], eos_id, block_BxW)
       written_BxW = (n * blocks_of + jnp.arange(blocks_of))[None] >= tail_B[:, None]
       ended_B = ended_B | ((block_BxW == eos_id) & written_BxW).any(-1)
     tokens_BxS = jax.lax.dynamic_update_slice_in_dim(
-        tokens_BxS, block_BxW, window + prompt_len + n * blocks_of, axis=1)
-    return (tokens_BxS, ended_B, nfe + calls, blocks_run + (calls > 0), cache), None
+        state.tokens_BxS, block_BxW, window + prompt_len + n * blocks_of, axis=1)
+    return _BlocksState(tokens_BxS=tokens_BxS, ended_B=ended_B, nfe=state.nfe + calls,
+                        blocks_run=state.blocks_run + (calls > 0), cache=cache), None
 
-  cache = None
-  if cached:  # zeros of the prefill's shapes: the first block encodes its canvas
-    shapes = jax.eval_shape(denoiser.prefill, params, tokens_BxS[:, :span], ones_B,
-                            valid_BxL=valid_BxS[:, :span])[1]
-    cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
   zero = jnp.zeros((), jnp.int32)
-  carry = (tokens_BxS, jnp.zeros((batch,), bool), zero, zero, cache)
-  (tokens_BxS, _, nfe, blocks_run, _), _ = jax.lax.scan(
-      body, carry, jnp.arange(num_blocks, dtype=jnp.int32))
-  first = window + prompt_len
-  if tail_width:  # each row's `length` positions after its own tail
-    columns_BxG = first + tail_B[:, None] + jnp.arange(length)[None]
-    generated_BxG = jnp.take_along_axis(tokens_BxS, columns_BxG, axis=1)
-  else:
-    generated_BxG = tokens_BxS[:, first:first + length]
+  state = _BlocksState(tokens_BxS=tokens_BxS, ended_B=jnp.zeros((batch,), bool), nfe=zero,
+                       blocks_run=zero, cache=_empty_cache(denoiser, params, tokens_BxS[:, :span],
+                                                          valid_BxS[:, :span]) if cached else None)
+  state, _ = jax.lax.scan(body, state, jnp.arange(num_blocks, dtype=jnp.int32))
+  generated_BxG = _generated(state.tokens_BxS, tail_B, first=window + prompt_len,
+                             tail_width=tail_width, length=length)
   if eos_id is None:
     generated_length_B = jnp.full((batch,), length, jnp.int32)
   else:
@@ -321,4 +349,5 @@ def _program(denoiser, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_Bx
     generated_length_B = jnp.where(is_eos_BxG.any(-1), jnp.argmax(is_eos_BxG, -1),
                                    length).astype(jnp.int32)
   return BlocksResult(tokens_BxT=jnp.concatenate([prompt_BxP, generated_BxG], 1),
-                      generated_length_B=generated_length_B, nfe=nfe, blocks_run=blocks_run)
+                      generated_length_B=generated_length_B, nfe=state.nfe,
+                      blocks_run=state.blocks_run)

@@ -253,22 +253,44 @@ def _start(key, tokens_BxL, fixed_BxL, mask_id, valid_BxL=None) -> tuple[Core, C
                                          shift_B=shift_B)
 
 
-def _step(family: Family, spec, denoiser: BoundDenoiser, core: Core, aux, reuse, kv, ctx: Context,
-          index: Array, plan, kv_plan):
+@struct.dataclass
+class LoopState:
+  """What a step-wise family's loop carries from one step to the next."""
+
+  core: Core  # the canvas and the counters every family shares
+  aux: Any  # the family's own carry (`Family.init`; None when it has none)
+  reuse: _Reuse | None  # the last call's canvas and logits (a family that reuses logits)
+  kv: kv_cache.KVState | None  # the KV cache (a spec with kv_cache), else None
+
+
+@struct.dataclass
+class StepInputs:
+  """What the loop hands one step: its index and its slices of the per-step plans."""
+
+  index: Array  # the step i, 0..K-1
+  plan: Any  # the family's plan at step i
+  kv_plan: kv_cache.KVPlan | None  # the cache's plan at step i (a cached spec), else None
+
+
+def _step(family: Family, spec, denoiser: BoundDenoiser, ctx: Context, state: LoopState,
+          inputs: StepInputs) -> LoopState:
   """One step of a step-wise family: call the denoiser (or, with `reuse`, reuse the last
-  logits when the canvas did not change), count, update. With a KV cache (`kv`, `kv_plan`)
-  the call is a full pass or a window pass."""
-  step = StepInfo(index=index, keys_B=threefry.fold_in(ctx.keys_B, index),
+  logits when the canvas did not change), count, update. With a KV cache the call is a
+  full pass or a window pass."""
+  core, plan = state.core, inputs.plan
+  step = StepInfo(index=inputs.index, keys_B=threefry.fold_in(ctx.keys_B, inputs.index),
                   plan=plan, shift_B=ctx.shift_B)
-  if kv is None:
+  if state.kv is None:
     call = lambda: (denoiser(core.tokens_BxL, plan.t), None)
     keep = lambda logits: (logits, None)
   else:
     width = family.block_length(spec)
-    call = lambda: kv_cache.call(denoiser, kv, core.tokens_BxL, plan.t, kv_plan, width)
-    keep = lambda logits: (logits, kv_cache.skipped(kv, kv_plan))
+    call = lambda: kv_cache.call(denoiser, state.kv, core.tokens_BxL, plan.t, inputs.kv_plan,
+                                 width)
+    keep = lambda logits: (logits, kv_cache.skipped(state.kv, inputs.kv_plan))
   full_ctx, ctx = ctx, open_rows(ctx, core.tokens_BxL, spec.eos_id)  # finished rows freeze
   active_B = ctx.masked(core.tokens_BxL).any(-1)
+  reuse = state.reuse
   if reuse is not None:
     called = jnp.any(core.tokens_BxL != reuse.tokens_BxL)
     logits, kv = jax.lax.cond(called, call, lambda: keep(reuse.logits_BxLxV))
@@ -279,46 +301,48 @@ def _step(family: Family, spec, denoiser: BoundDenoiser, core: Core, aux, reuse,
   core = core.count_call(called).replace(saved_calls=core.saved_calls + (~called),
                                          rounds_B=core.rounds_B + (called & active_B))
   denoise = lambda tokens_NxL: denoiser(tokens_NxL, plan.t)
-  core, aux = family.update(spec, core, aux, ctx, step, logits, denoise)
+  core, aux = family.update(spec, core, state.aux, ctx, step, logits, denoise)
   if spec.eos_id is not None:
-    core = finish_rows(core, full_ctx, spec.eos_id, index)
-  return core, aux, reuse, kv
+    core = finish_rows(core, full_ctx, spec.eos_id, inputs.index)
+  return LoopState(core=core, aux=aux, reuse=reuse, kv=kv)
 
 
-def _needs_call(family: Family, spec, core: Core, aux, ctx: Context, plan) -> Array:
+def _needs_call(family: Family, spec, ctx: Context, state: LoopState, plan) -> Array:
   """Whether a step can write anything in any row; the loop jumps over steps that cannot
   (their update would leave everything as it is)."""
+  core = state.core
   open_ctx = open_rows(ctx, core.tokens_BxL, spec.eos_id)
-  need = jnp.array(True) if family.rewrites else family.needs_call(spec, core, aux, open_ctx,
-                                                                    plan)
+  need = jnp.array(True) if family.rewrites else family.needs_call(spec, core, state.aux,
+                                                                    open_ctx, plan)
   if spec.eos_id is not None:  # once every row has finished, no step calls the denoiser
     need &= ~eos_state(core.tokens_BxL, ctx.editable_BxL, ctx.mask_id, spec.eos_id)[1].all()
   return need
 
 
-def _skip_steps(kv_plan, carry, lo: Array, hi: Array):
+def _skip_steps(kv_plan, state: LoopState, lo: Array, hi: Array) -> LoopState:
   """The bookkeeping of the idle steps lo..hi-1 jumped over: counted as saved calls; a
   cache refresh planned at one of them is owed to the next call."""
-  core, aux, reuse, kv = carry
-  core = core.replace(saved_calls=core.saved_calls + (hi - lo))
+  core = state.core.replace(saved_calls=state.core.saved_calls + (hi - lo))
+  kv = state.kv
   if kv is not None:
     in_range_K = skipping.in_range(kv_plan.refresh.shape[0], lo, hi)
     owed = lambda x_K: None if x_K is None else jnp.any(x_K & in_range_K)
     kv = kv_cache.skipped(kv, kv_plan.replace(refresh=owed(kv_plan.refresh),
                                               append=owed(kv_plan.append)))
-  return core, aux, reuse, kv
+  return state.replace(core=core, kv=kv)
 
 
-def _init(family: Family, spec, denoiser: BoundDenoiser, core: Core, ctx: Context, cached: bool):
-  """The family's carry, the reuse slot when it reuses logits, the KV cache when `cached`."""
-  aux = family.init(spec, core, ctx)
+def _init(family: Family, spec, denoiser: BoundDenoiser, core: Core, ctx: Context,
+          cached: bool) -> LoopState:
+  """The loop's state at step 0: the family's carry beside the core, the reuse slot when it
+  reuses logits, the KV cache when `cached`."""
   reuse = None
   if family.reuses_logits(spec):
     out = jax.eval_shape(denoiser, core.tokens_BxL, 1.0)
     reuse = _Reuse(tokens_BxL=jnp.full_like(core.tokens_BxL, -1),
                    logits_BxLxV=jnp.zeros(out.shape, out.dtype))
   kv = kv_cache.init(denoiser, core.tokens_BxL) if cached else None
-  return aux, reuse, kv
+  return LoopState(core=core, aux=family.init(spec, core, ctx), reuse=reuse, kv=kv)
 
 
 def _at(plans, i):
@@ -344,26 +368,26 @@ def run(spec, denoiser: BoundDenoiser, core: Core, ctx: Context, plan, skip: boo
       last = family.num_steps(spec, core.tokens_BxL.shape[1]) - 1
       core = finish_rows(core, ctx, spec.eos_id, jnp.int32(last))
     return core, aux, trajectory
-  aux, reuse, kv = _init(family, spec, denoiser, core, ctx, cached=kv_plan is not None)
+  state = _init(family, spec, denoiser, core, ctx, cached=kv_plan is not None)
   num_steps = family.num_steps(spec, core.tokens_BxL.shape[1])
-  record = (lambda carry: carry[0].tokens_BxL) if spec.record_trajectory else None
+  record = (lambda state: state.core.tokens_BxL) if spec.record_trajectory else None
+  step = lambda state, inputs: _step(family, spec, denoiser, ctx, state, inputs)
   if skip:
-    step = lambda carry, i: _step(family, spec, denoiser, *carry, ctx, i,
-                                  *_at((plan, kv_plan), i))
-    needs = lambda carry, i: _needs_call(family, spec, carry[0], carry[1], ctx, _at(plan, i))
-    (core, aux, _, _), trajectory = skipping.loop(
-        step, needs, num_steps, (core, aux, reuse, kv),
-        skip_range=functools.partial(_skip_steps, kv_plan), record=record)
-    return core, aux, trajectory
+    step_at = lambda state, i: step(state, StepInputs(index=i, plan=_at(plan, i),
+                                                      kv_plan=_at(kv_plan, i)))
+    needs = lambda state, i: _needs_call(family, spec, ctx, state, _at(plan, i))
+    state, trajectory = skipping.loop(step_at, needs, num_steps, state,
+                                      skip_range=functools.partial(_skip_steps, kv_plan),
+                                      record=record)
+    return state.core, state.aux, trajectory
 
-  def body(carry, xs):
-    carry = _step(family, spec, denoiser, *carry, ctx, *xs)
-    return carry, (None if record is None else record(carry))
+  def body(state, inputs):
+    state = step(state, inputs)
+    return state, (None if record is None else record(state))
 
-  indices = jnp.arange(num_steps, dtype=jnp.int32)
-  (core, aux, _, _), trajectory = jax.lax.scan(body, (core, aux, reuse, kv),
-                                               (indices, plan, kv_plan))
-  return core, aux, trajectory
+  inputs_K = StepInputs(index=jnp.arange(num_steps, dtype=jnp.int32), plan=plan, kv_plan=kv_plan)
+  state, trajectory = jax.lax.scan(body, state, inputs_K)
+  return state.core, state.aux, trajectory
 
 
 def _invalid_input(tokens_BxL: Array, ctx: Context) -> Array:
@@ -392,8 +416,8 @@ def _program(denoiser, params, key, tokens_BxL, fixed_BxL, plan, kv_plan, valid_
   bound = BoundDenoiser(denoiser, params, valid_BxL)
   core, ctx = _start(key, tokens_BxL, fixed_BxL, mask_id, valid_BxL)
   invalid_B = _invalid_input(core.tokens_BxL, ctx)
-  return _result(family, spec, *run(spec, bound, core, ctx, plan, skip, kv_plan), ctx,
-                 invalid_B)
+  core, aux, trajectory = run(spec, bound, core, ctx, plan, skip, kv_plan)
+  return _result(family, spec, core, aux, trajectory, ctx, invalid_B)
 
 
 # ----------------------------------------------------------------------------
@@ -442,26 +466,24 @@ def lower(apply_fn, params: Any, key: Array, tokens_BxL: Array, spec: SamplerSpe
 _STEP_STATIC = ("family", "spec", "denoiser")
 
 
-@functools.partial(jax.jit, static_argnames=_STEP_STATIC + ("mask_id", "skip", "cached"))
-def _start_jit(denoiser, params, key, tokens_BxL, fixed_BxL, *, family, spec, mask_id, skip,
-               cached):
-  del skip
+@functools.partial(jax.jit, static_argnames=_STEP_STATIC + ("mask_id", "cached"))
+def _start_jit(denoiser, params, key, tokens_BxL, fixed_BxL, *, family, spec, mask_id,
+               cached) -> tuple[Context, LoopState]:
   core, ctx = _start(key, tokens_BxL, fixed_BxL, mask_id)
-  return core, ctx, *_init(family, spec, BoundDenoiser(denoiser, params), core, ctx, cached)
+  return ctx, _init(family, spec, BoundDenoiser(denoiser, params), core, ctx, cached)
 
 
-@functools.partial(jax.jit, static_argnames=_STEP_STATIC, donate_argnames=("core",))
-def _step_jit(denoiser, params, core, aux, reuse, kv, ctx, index, plan, kv_plan, *, family, spec):
-  return _step(family, spec, BoundDenoiser(denoiser, params), core, aux, reuse, kv, ctx, index,
-               plan, kv_plan)
+@functools.partial(jax.jit, static_argnames=_STEP_STATIC, donate_argnames=("state",))
+def _step_jit(denoiser, params, ctx, state, inputs, *, family, spec) -> LoopState:
+  return _step(family, spec, BoundDenoiser(denoiser, params), ctx, state, inputs)
 
 
 @functools.partial(jax.jit, static_argnames=("family", "spec"))
-def _jump_jit(carry, ctx, plan, kv_plan, start, *, family, spec):
-  """The first step from `start` that needs a call, and the carry after the jump to it."""
-  needs = lambda carry, i: _needs_call(family, spec, carry[0], carry[1], ctx, _at(plan, i))
-  following = skipping.next_needed(needs, plan.t.shape[0], carry, start)
-  return following, _skip_steps(kv_plan, carry, start, following)
+def _jump_jit(ctx, state, plan, kv_plan, start, *, family, spec):
+  """The first step from `start` that needs a call, and the state after the jump to it."""
+  needs = lambda state, i: _needs_call(family, spec, ctx, state, _at(plan, i))
+  following = skipping.next_needed(needs, plan.t.shape[0], state, start)
+  return following, _skip_steps(kv_plan, state, start, following)
 
 
 def sample_python_loop(apply_fn, params: Any, key: Array, tokens_BxL: Array, spec: SamplerSpec,
@@ -482,20 +504,18 @@ def sample_python_loop(apply_fn, params: Any, key: Array, tokens_BxL: Array, spe
   if spec.record_trajectory:
     raise ValueError("record_trajectory=True: use sample; the Python loop keeps no record.")
   params, key, tokens_BxL, fixed_BxL, plan, kv_plan = args
-  core, ctx, *rest = _start_jit(denoiser, params, key, tokens_BxL, fixed_BxL, family=family,
-                                cached=kv_plan is not None, **static)
-  invalid_B = _invalid_input(core.tokens_BxL, ctx)
-  carry = (core, *rest)
+  ctx, state = _start_jit(denoiser, params, key, tokens_BxL, fixed_BxL, family=family,
+                          spec=spec, mask_id=static["mask_id"], cached=kv_plan is not None)
+  invalid_B = _invalid_input(state.core.tokens_BxL, ctx)
   num_steps, i = family.num_steps(spec, np.shape(tokens_BxL)[1]), 0
   while True:
     if static["skip"]:
-      following, carry = _jump_jit(carry, ctx, plan, kv_plan, np.int32(i), family=family,
+      following, state = _jump_jit(ctx, state, plan, kv_plan, np.int32(i), family=family,
                                    spec=spec)
       i = int(following)
     if i >= num_steps:
       break
-    carry = _step_jit(denoiser, params, *carry, ctx, np.int32(i), *_at((plan, kv_plan), i),
-                      family=family, spec=spec)
+    inputs = StepInputs(index=np.int32(i), plan=_at(plan, i), kv_plan=_at(kv_plan, i))
+    state = _step_jit(denoiser, params, ctx, state, inputs, family=family, spec=spec)
     i += 1
-  core, aux, _, _ = carry
-  return _result(family, spec, core, aux, None, ctx, invalid_B)
+  return _result(family, spec, state.core, state.aux, None, ctx, invalid_B)
