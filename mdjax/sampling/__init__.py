@@ -18,10 +18,11 @@ family protocol.
 """
 
 from mdjax.denoiser import Denoiser
-from mdjax.sampling.base import (IDLE_FRACTION_TO_SKIP, KV_CACHES, BoundDenoiser, Canvas, Family,
+from mdjax.sampling.base import (KV_CACHES, BoundDenoiser, Canvas, Counters, Family,
                                  SamplerSpec, families, family_of, make_spec, register)
-from mdjax.sampling.driver import (SampleResult, lower, num_steps, row_keys, sample,
-                                   sample_python_loop)
+from mdjax.sampling.driver import (IDLE_FRACTION_TO_SKIP, SampleResult, lower, num_steps,
+                                   row_keys, sample, sample_python_loop)
+from mdjax.sampling.end_of_row import EndOfRow
 from mdjax.sampling.kv_cache import offers_cache, recompute_cache
 from mdjax.sampling.block_generation import BlocksResult, sample_blocks
 from mdjax.sampling.reveal import time_grid
@@ -43,8 +44,8 @@ from mdjax.sampling.families.speculative import SpeculativeSpec
 from mdjax.sampling.base import families  # noqa: E402,F811
 
 __all__ = [
-    "AncestralSpec", "BlocksResult", "BoundDenoiser", "Canvas", "ConfidenceSpec", "DeferSpec",
-    "Denoiser",
+    "AncestralSpec", "BlocksResult", "BoundDenoiser", "Canvas", "ConfidenceSpec", "Counters",
+    "DeferSpec", "Denoiser", "EndOfRow",
     "EntropyBoundedSpec", "Family", "FieldOrderSpec", "IDLE_FRACTION_TO_SKIP", "KV_CACHES", "LocalRemaskSpec", "OrderedSpec",
     "RandomOrderSpec", "RemaskSpec",
     "RevisionSpec", "SCORES", "SampleResult", "SamplerSpec", "SpeculativeSpec", "families",

@@ -195,29 +195,63 @@ class Canvas:
 
 
 @struct.dataclass
-class Core:
-  """The carry every family shares: the canvas and one set of counters."""
+class Counters:
+  """What a run counts: one set for every result (`SampleResult`, `BlocksResult`), summed
+  over a composite family's sub-runs and over generated blocks."""
 
-  tokens_BxL: Array
-  write_step_BxL: Array  # step at which a position last received its value (-1: never)
-  write_conf_BxL: Array  # probability of the value when it was written
-  reopened_B: Array  # committed tokens returned to the mask
   nfe: Array  # sequential denoiser calls made (a batched call of many contexts counts 1)
   saved_calls: Array  # steps whose call was skipped (nothing to write, or reused logits)
   contexts_B: Array  # sequences evaluated for each row (a call of J contexts counts J)
   rounds_B: Array  # steps in which the row still had positions to write
+  reopened_B: Array  # committed tokens returned to the mask
   nonfinite_B: Array  # positions written from non-finite logits (NaN or inf: a broken model)
+
+  @classmethod
+  def zeros(cls, batch: int) -> "Counters":
+    zero, zeros_B = jnp.zeros((), jnp.int32), jnp.zeros((batch,), jnp.int32)
+    return cls(nfe=zero, saved_calls=zero, contexts_B=zeros_B, rounds_B=zeros_B,
+               reopened_B=zeros_B, nonfinite_B=zeros_B)
+
+  def __add__(self, other: "Counters") -> "Counters":
+    return jax.tree.map(jnp.add, self, other)
+
+  def add(self, **increments) -> "Counters":
+    """These counters with `increments` (by counter name) added."""
+    return self.replace(**{name: getattr(self, name) + value
+                           for name, value in increments.items()})
+
+
+class CountedView:
+  """The counters of `self.counters` read by name (`result.nfe`, `core.rounds_B`)."""
+
+  nfe = property(lambda self: self.counters.nfe)
+  saved_calls = property(lambda self: self.counters.saved_calls)
+  contexts_B = property(lambda self: self.counters.contexts_B)
+  rounds_B = property(lambda self: self.counters.rounds_B)
+  reopened_B = property(lambda self: self.counters.reopened_B)
+  nonfinite_B = property(lambda self: self.counters.nonfinite_B)
+
+
+@struct.dataclass
+class Core(CountedView):
+  """The carry every family shares: the canvas and the counters."""
+
+  tokens_BxL: Array
+  write_step_BxL: Array  # step at which a position last received its value (-1: never)
+  write_conf_BxL: Array  # probability of the value when it was written
+  counters: Counters
 
   @classmethod
   def start(cls, tokens_BxL: Array) -> "Core":
     batch, length = tokens_BxL.shape
-    zero = jnp.zeros((), jnp.int32)
-    zeros_B = jnp.zeros((batch,), jnp.int32)
     return cls(tokens_BxL=tokens_BxL,
                write_step_BxL=jnp.full((batch, length), -1, jnp.int32),
                write_conf_BxL=jnp.ones((batch, length), jnp.float32),
-               reopened_B=zeros_B, nfe=zero, saved_calls=zero, contexts_B=zeros_B,
-               rounds_B=zeros_B, nonfinite_B=zeros_B)
+               counters=Counters.zeros(batch))
+
+  def count(self, **increments) -> "Core":
+    """The core with `increments` added to its counters (`Counters.add`)."""
+    return self.replace(counters=self.counters.add(**increments))
 
   def commit(self, write_BxL: Array, values_BxL: Array, conf_BxL: Array,
              step: Array) -> "Core":
@@ -227,11 +261,21 @@ class Core:
         tokens_BxL=jnp.where(write_BxL, values_BxL, self.tokens_BxL),
         write_step_BxL=jnp.where(write_BxL, step, self.write_step_BxL),
         write_conf_BxL=jnp.where(write_BxL, conf_BxL, self.write_conf_BxL),
-        nonfinite_B=self.nonfinite_B + (write_BxL & ~jnp.isfinite(conf_BxL)).sum(-1))
+    ).count(nonfinite_B=(write_BxL & ~jnp.isfinite(conf_BxL)).sum(-1))
 
   def count_call(self, called: Array, contexts: int = 1) -> "Core":
     """One more sequential call (if `called`) of `contexts` sequences per row."""
-    return self.replace(nfe=self.nfe + called, contexts_B=self.contexts_B + called * contexts)
+    return self.count(nfe=called, contexts_B=called * contexts)
+
+  def absorb(self, inner: "Core", where_BxL: Array, step_offset) -> "Core":
+    """A composite family's sub-run folded in: `inner`'s canvas, its writes at `where_BxL`
+    (their steps shifted by `step_offset`), and its counters added to these."""
+    return self.replace(
+        tokens_BxL=inner.tokens_BxL,
+        write_step_BxL=jnp.where(where_BxL, inner.write_step_BxL + step_offset,
+                                 self.write_step_BxL),
+        write_conf_BxL=jnp.where(where_BxL, inner.write_conf_BxL, self.write_conf_BxL),
+        counters=self.counters + inner.counters)
 
 
 @struct.dataclass
@@ -246,45 +290,6 @@ class Context:
   def masked(self, tokens_BxL: Array) -> Array:
     """Masked editable positions."""
     return (tokens_BxL == self.mask_id) & self.editable_BxL
-
-
-def eos_state(tokens_BxL: Array, editable_BxL: Array, mask_id: int, eos_id: int):
-  """(first_B, finished_B): each row's first EOS at an editable position (L if none), and
-  whether the row is finished: it has one and every position before it is written."""
-  length = tokens_BxL.shape[1]
-  eos_BxL = (tokens_BxL == eos_id) & editable_BxL
-  has_eos_B = eos_BxL.any(-1)
-  first_B = jnp.where(has_eos_B, jnp.argmax(eos_BxL, -1), length).astype(jnp.int32)
-  before_BxL = jnp.arange(length)[None] < first_B[:, None]
-  return first_B, has_eos_B & ~((tokens_BxL == mask_id) & before_BxL).any(-1)
-
-
-def finish_rows(core: "Core", ctx: "Context", eos_id: int, step: Array) -> "Core":
-  """Writes EOS at the editable positions after the first EOS of every finished row."""
-  first_B, finished_B = eos_state(core.tokens_BxL, ctx.editable_BxL, ctx.mask_id, eos_id)
-  after_BxL = jnp.arange(core.tokens_BxL.shape[1])[None] > first_B[:, None]
-  fill_BxL = (finished_B[:, None] & after_BxL & ctx.editable_BxL
-              & (core.tokens_BxL != eos_id))
-  return core.commit(fill_BxL, jnp.full_like(core.tokens_BxL, eos_id),
-                     jnp.ones(core.write_conf_BxL.shape, core.write_conf_BxL.dtype), step)
-
-
-def open_rows(ctx: "Context", tokens_BxL: Array, eos_id: int | None) -> "Context":
-  """`ctx` with the positions of finished rows no longer editable (they stop changing)."""
-  if eos_id is None:
-    return ctx
-  _, finished_B = eos_state(tokens_BxL, ctx.editable_BxL, ctx.mask_id, eos_id)
-  return ctx.replace(editable_BxL=ctx.editable_BxL & ~finished_B[:, None])
-
-
-def generated_length(tokens_BxL: Array, editable_BxL: Array, mask_id: int,
-                     eos_id: int | None) -> Array:
-  """Editable positions of each row before its first EOS (all of them without one)."""
-  if eos_id is None:
-    return editable_BxL.sum(-1, dtype=jnp.int32)
-  first_B, _ = eos_state(tokens_BxL, editable_BxL, mask_id, eos_id)
-  before_BxL = jnp.arange(tokens_BxL.shape[1])[None] < first_B[:, None]
-  return (editable_BxL & before_BxL).sum(-1, dtype=jnp.int32)
 
 
 @struct.dataclass
@@ -432,27 +437,6 @@ class Family:
   def run(self, spec, denoiser: BoundDenoiser, core: Core, ctx: Context, plan):
     """A composite family's whole program: (core, aux, trajectory or None)."""
     raise NotImplementedError
-
-
-# The driver jumps over idle steps only when at least this fraction of the steps is idle. The
-# jumping while loop costs one test per step (under 1 us on the CPU, 0 to 3% of a bench-model
-# step, within noise) but on an accelerator each test is a device-to-host read of the loop
-# predicate, where a scan runs without one; a scan stays the default where few calls are saved.
-IDLE_FRACTION_TO_SKIP = 0.1
-
-
-def skips_idle_steps(family: Family, spec, canvas: Canvas, plan) -> bool:
-  """Whether the program jumps over idle steps (see `SamplerSpec`)."""
-  if spec.skip_idle_steps is False:
-    return False
-  if spec.eos_id is not None:
-    return True  # rows that end early leave idle steps that cannot be counted before the run
-  if family.rewrites:
-    return False
-  if spec.skip_idle_steps:
-    return True
-  idle = family.idle_steps(spec, canvas, plan)
-  return idle is None or idle >= IDLE_FRACTION_TO_SKIP * family.num_steps(spec, canvas.length)
 
 
 _BY_SPEC: dict[type, Family] = {}

@@ -48,26 +48,29 @@ from flax import struct
 
 from mdjax.denoiser import Denoiser
 from mdjax.sampling import driver
-from mdjax.sampling.base import BoundDenoiser, Canvas, check, family_of, skips_idle_steps
+from mdjax.sampling.base import BoundDenoiser, Canvas, CountedView, Counters, check, family_of
+from mdjax.sampling.end_of_row import EndOfRow
 
 Array = jax.Array
 
 
 @struct.dataclass
-class BlocksResult:
+class BlocksResult(CountedView):
   """What `sample_blocks` returns.
 
   tokens_BxT: the prompt (as given, padding included) and the T - P generated positions.
   generated_length_B: generated positions of each row before its first EOS (all of them
     when the row has none or `spec.eos_id` is None).
-  nfe: sequential denoiser passes (the family's calls, plus, when cached, one pass per block
-    that appends the finished block or encodes a slid window).
+  counters: what the blocks counted, summed (`base.Counters`, as `SampleResult`'s), each
+    also read by name; `nfe` is the sequential denoiser passes: the family's calls, plus,
+    when cached, one pass per block that appends the finished block or encodes a slid
+    window.
   blocks_run: blocks that called the denoiser (fewer than requested once every row ended).
   """
 
   tokens_BxT: Array
   generated_length_B: Array
-  nfe: Array
+  counters: Counters
   blocks_run: Array
 
 
@@ -111,8 +114,7 @@ def _check(denoiser: Denoiser, params, prompt: np.ndarray, spec, *, length, bloc
                      f"holds tokens 0..{mask_id - 1} (the mask id is {mask_id}).")
   if valid is not None and valid.shape != prompt.shape:
     raise ValueError(f"valid_BxP has shape {valid.shape}; prompt_BxP has {prompt.shape}.")
-  if spec.eos_id is not None and not 0 <= spec.eos_id < mask_id:
-    raise ValueError(f"spec.eos_id={spec.eos_id} is outside the vocabulary 0..{mask_id - 1}.")
+  EndOfRow.of(spec).check_vocabulary(mask_id)
   if cached:
     model_block = denoiser.block_size
     if model_block is None or not denoiser.offers_cache:
@@ -145,7 +147,7 @@ def _check(denoiser: Denoiser, params, prompt: np.ndarray, spec, *, length, bloc
   if tuple(out.shape) != (*context.shape, mask_id):
     raise ValueError(f"apply_fn returns logits of shape {tuple(out.shape)} on a window of "
                      f"{context.shape}; expected {(*context.shape, mask_id)} (V = mask id).")
-  return family, plan, skips_idle_steps(family, spec, canvas, plan)
+  return family, plan, driver.skips_idle_steps(family, spec, canvas, plan)
 
 
 def sample_blocks(apply_fn, params: Any, key: Array, prompt_BxP, spec, *, length: int,
@@ -223,7 +225,7 @@ class _BlocksState:
 
   tokens_BxS: Array  # the sequence: [window of padding, prompt, generation, window]
   ended_B: Array  # rows that have written EOS: their later blocks are all EOS
-  nfe: Array  # denoiser passes made so far
+  counters: Counters  # what the blocks so far counted (nfe: their denoiser passes)
   blocks_run: Array  # blocks that called the denoiser
   cache: Any  # the canvas's keys and values (cached=True), else None
 
@@ -242,6 +244,23 @@ def _sequence(whole_BxP, valid_BxP, tail_BxR, *, mask_id: int, window: int,
   return tokens_BxS, valid_BxS
 
 
+def _canvas_of(n: Array, tokens_BxS: Array, *, valid_BxS: Array, longest_prompt: Array,
+               prompt_len: int, window: int, blocks_of: int):
+  """Block n's canvas: (whether every row's tokens so far fit the window, the block's
+  offset on it, tokens_BxC, valid_BxC). While they fit the canvas stays put (the cache
+  can grow block by block); after, it slides with the block at offset W."""
+  span = window + blocks_of
+  block_start = window + prompt_len + n * blocks_of
+  fits = n * blocks_of + longest_prompt <= window
+  begin = jnp.where(fits, window + prompt_len - longest_prompt, block_start - window)
+  offset = block_start - begin
+  tokens_BxC = jax.lax.dynamic_slice_in_dim(tokens_BxS, begin, span, axis=1)
+  valid_BxC = jax.lax.dynamic_slice_in_dim(valid_BxS, begin, span, axis=1)
+  # Nothing after the block is seen: a bidirectional model too gets [window, block].
+  valid_BxC = valid_BxC & (jnp.arange(span) < offset + blocks_of)[None]
+  return fits, offset, tokens_BxC, valid_BxC
+
+
 def _generated(tokens_BxS: Array, tail_B: Array, *, first: int, tail_width: int,
                length: int) -> Array:
   """generated_BxG: each row's `length` positions after its own tail (from `first`)."""
@@ -252,7 +271,7 @@ def _generated(tokens_BxS: Array, tail_B: Array, *, first: int, tail_width: int,
 
 
 def _empty_cache(denoiser: Denoiser, params, tokens_BxC: Array, valid_BxC: Array):
-  """Zeros of the prefill's cache shapes: the first block encodes its canvas."""
+  """Zeros of the prefill's cache shapes on a canvas."""
   ones_B = jnp.ones(tokens_BxC.shape[:1], jnp.float32)
   shapes = jax.eval_shape(denoiser.prefill, params, tokens_BxC, ones_B, valid_BxL=valid_BxC)[1]
   return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
@@ -269,26 +288,14 @@ def _program(denoiser, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_Bx
   tail_width = tail_BxR.shape[1]
   tail_B = (tail_BxR != mask_id).sum(-1)
   num_blocks = -(-(length + tail_width) // blocks_of)
-  eos_id = spec.eos_id
+  end = EndOfRow.of(spec)
   span = window + blocks_of  # the canvas each block is denoised on
   tokens_BxS, valid_BxS = _sequence(whole_BxP, valid_BxP, tail_BxR, mask_id=mask_id,
                                     window=window, span_length=num_blocks * blocks_of)
-  longest_prompt = valid_BxP.sum(-1).max()
   ones_B = jnp.ones((batch,), jnp.float32)
-
-  def canvas_of(n, tokens_BxS):
-    """Block n's canvas: (whether every row's tokens so far fit the window, the block's
-    offset on it, tokens_BxC, valid_BxC). While they fit the canvas stays put (the cache
-    can grow block by block); after, it slides with the block at offset W."""
-    block_start = window + prompt_len + n * blocks_of
-    fits = n * blocks_of + longest_prompt <= window
-    begin = jnp.where(fits, window + prompt_len - longest_prompt, block_start - window)
-    offset = block_start - begin
-    tokens_BxC = jax.lax.dynamic_slice_in_dim(tokens_BxS, begin, span, axis=1)
-    valid_BxC = jax.lax.dynamic_slice_in_dim(valid_BxS, begin, span, axis=1)
-    # Nothing after the block is seen: a bidirectional model too gets [window, block].
-    valid_BxC = valid_BxC & (jnp.arange(span) < offset + blocks_of)[None]
-    return fits, offset, tokens_BxC, valid_BxC
+  canvas_of = functools.partial(_canvas_of, valid_BxS=valid_BxS,
+                                longest_prompt=valid_BxP.sum(-1).max(), prompt_len=prompt_len,
+                                window=window, blocks_of=blocks_of)
 
   def refreshed(n, cache, fits, offset, tokens_BxC, valid_BxC):
     """The canvas's cache for block n: encoded anew (the first block, or a slid window), or
@@ -306,7 +313,7 @@ def _program(denoiser, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_Bx
     return jax.lax.cond(fits & (n > 0), append, encode)
 
   def denoise_block(n, tokens_BxS, cache):
-    """Block n's tokens by the family, the passes made, and the cache."""
+    """Block n's tokens by the family, its counters (nfe: the passes made), the cache."""
     fits, offset, tokens_BxC, valid_BxC = canvas_of(n, tokens_BxS)
     if cached:
       cache = refreshed(n, cache, fits, offset, tokens_BxC, valid_BxC)
@@ -317,37 +324,31 @@ def _program(denoiser, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_Bx
     core, ctx = driver._start(jax.vmap(jax.random.fold_in, (0, None))(keys_B, n), block_BxW,
                               None, mask_id)
     core, _, _ = driver.run(spec, block, core, ctx, plan, skip)
-    return core.tokens_BxL, core.nfe + int(cached), cache
+    return core.tokens_BxL, core.counters.add(nfe=int(cached)), cache
 
   def body(state: _BlocksState, n):
-    ended_B = state.ended_B
-    if eos_id is None:
-      block_BxW, calls, cache = denoise_block(n, state.tokens_BxS, state.cache)
-    else:  # no pass once every row has ended
-      idle = (jnp.zeros((batch, blocks_of), jnp.int32), jnp.zeros((), jnp.int32), state.cache)
-      block_BxW, calls, cache = jax.lax.cond(
-          ended_B.all(), lambda: idle, lambda: denoise_block(n, state.tokens_BxS, state.cache))
-      block_BxW = jnp.where(ended_B[:, None], eos_id, block_BxW)
-      written_BxW = (n * blocks_of + jnp.arange(blocks_of))[None] >= tail_B[:, None]
-      ended_B = ended_B | ((block_BxW == eos_id) & written_BxW).any(-1)
+    # No pass once every row has ended.
+    idle = lambda: (jnp.zeros((batch, blocks_of), jnp.int32), Counters.zeros(batch), state.cache)
+    block_BxW, counted, cache = end.unless_ended(
+        state.ended_B, lambda: denoise_block(n, state.tokens_BxS, state.cache), idle)
+    written_BxW = (n * blocks_of + jnp.arange(blocks_of))[None] >= tail_B[:, None]
+    block_BxW, ended_B = end.after_block(block_BxW, state.ended_B, written_BxW)
     tokens_BxS = jax.lax.dynamic_update_slice_in_dim(
         state.tokens_BxS, block_BxW, window + prompt_len + n * blocks_of, axis=1)
-    return _BlocksState(tokens_BxS=tokens_BxS, ended_B=ended_B, nfe=state.nfe + calls,
-                        blocks_run=state.blocks_run + (calls > 0), cache=cache), None
+    return _BlocksState(tokens_BxS=tokens_BxS, ended_B=ended_B,
+                        counters=state.counters + counted,
+                        blocks_run=state.blocks_run + (counted.nfe > 0), cache=cache), None
 
-  zero = jnp.zeros((), jnp.int32)
-  state = _BlocksState(tokens_BxS=tokens_BxS, ended_B=jnp.zeros((batch,), bool), nfe=zero,
-                       blocks_run=zero, cache=_empty_cache(denoiser, params, tokens_BxS[:, :span],
-                                                          valid_BxS[:, :span]) if cached else None)
+  cache = None
+  if cached:  # zeros of the prefill's shapes: the first block encodes its canvas
+    cache = _empty_cache(denoiser, params, tokens_BxS[:, :span], valid_BxS[:, :span])
+  state = _BlocksState(tokens_BxS=tokens_BxS, ended_B=jnp.zeros((batch,), bool),
+                       counters=Counters.zeros(batch), blocks_run=jnp.zeros((), jnp.int32),
+                       cache=cache)
   state, _ = jax.lax.scan(body, state, jnp.arange(num_blocks, dtype=jnp.int32))
   generated_BxG = _generated(state.tokens_BxS, tail_B, first=window + prompt_len,
                              tail_width=tail_width, length=length)
-  if eos_id is None:
-    generated_length_B = jnp.full((batch,), length, jnp.int32)
-  else:
-    is_eos_BxG = generated_BxG == eos_id
-    generated_length_B = jnp.where(is_eos_BxG.any(-1), jnp.argmax(is_eos_BxG, -1),
-                                   length).astype(jnp.int32)
   return BlocksResult(tokens_BxT=jnp.concatenate([prompt_BxP, generated_BxG], 1),
-                      generated_length_B=generated_length_B, nfe=state.nfe,
-                      blocks_run=state.blocks_run)
+                      generated_length_B=end.generated_length(
+                          generated_BxG, jnp.ones(generated_BxG.shape, bool), mask_id),
+                      counters=state.counters, blocks_run=state.blocks_run)

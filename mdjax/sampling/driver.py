@@ -21,26 +21,27 @@ from flax import struct
 from mdjax import streams
 from mdjax.denoiser import Denoiser
 from mdjax.sampling import kv_cache, skipping, threefry
-from mdjax.sampling.base import (BoundDenoiser, Canvas, Context, Core, Family, SamplerSpec,
-                                 StepInfo, eos_state, family_of, finish_rows,
-                                 generated_length, open_rows, skips_idle_steps)
+from mdjax.sampling.base import (BoundDenoiser, Canvas, Context, CountedView, Core, Counters,
+                                 Family, SamplerSpec, StepInfo, family_of)
+from mdjax.sampling.end_of_row import EndOfRow
 
 Array = jax.Array
 
 
 @struct.dataclass
-class SampleResult:
+class SampleResult(CountedView):
   """What `sample` returns.
 
   tokens_BxL: the final canvas. write_step_BxL: the step at which each position last
   received its value (-1 for positions never written).
-  nfe: sequential denoiser calls made (a batched call of several contexts counts once).
-  saved_calls: steps whose call was skipped (nothing to write, or an unchanged canvas).
-  contexts_B: sequences evaluated for each row (a call of J contexts counts J).
-  rounds_B: steps (speculative: rounds) in which the row still had positions to write:
-    its sequential depth.
-  reopened_B: committed tokens returned to the mask (remasking, revision).
-  nonfinite_B: positions of the row written from non-finite (NaN or inf) logits.
+  counters: what the run counted (`base.Counters`), each also read by name:
+    nfe: sequential denoiser calls made (a batched call of several contexts counts once).
+    saved_calls: steps whose call was skipped (nothing to write, or an unchanged canvas).
+    contexts_B: sequences evaluated for each row (a call of J contexts counts J).
+    rounds_B: steps (speculative: rounds) in which the row still had positions to write:
+      its sequential depth.
+    reopened_B: committed tokens returned to the mask (remasking, revision).
+    nonfinite_B: positions of the row written from non-finite (NaN or inf) logits.
   invalid_B: positions of the row whose input was invalid (a token id outside [0, V], or
     a fixed position holding the mask id). `sample` raises for these before tracing; inside
     the caller's jit, where values cannot be read before the run, they are reported here.
@@ -55,12 +56,7 @@ class SampleResult:
 
   tokens_BxL: Array
   write_step_BxL: Array
-  nfe: Array
-  saved_calls: Array
-  contexts_B: Array
-  rounds_B: Array
-  reopened_B: Array
-  nonfinite_B: Array
+  counters: Counters
   invalid_B: Array
   unfilled_B: Array
   generated_length_B: Array
@@ -180,9 +176,7 @@ def _prepare(denoiser: Denoiser, params, key, tokens_BxL, spec, fixed_BxL, mask_
           f"tokens_BxL holds no mask id {mask_id} (taken from apply_fn's {mask_id} logits per "
           "position): there is nothing to generate. If the denoiser's logits include the mask "
           "class, pass mask_id=V.")
-  if spec.eos_id is not None and not spec.eos_id < mask_id:
-    raise ValueError(f"spec.eos_id={spec.eos_id} is outside the vocabulary: token ids are "
-                     f"0..{mask_id - 1} (the mask id is {mask_id}).")
+  EndOfRow.of(spec).check_vocabulary(mask_id)
   canvas = Canvas(batch=batch, length=length, mask_id=mask_id, tokens=tokens, fixed=fixed)
   streams.check_steps(family.num_steps(spec, length))
   family.validate(spec, canvas)
@@ -227,6 +221,29 @@ def _check_valid(denoiser: Denoiser, params, valid_BxL, canvas: Canvas):
                      "denoiser contract with padding is apply_fn(params, tokens_BxL, t_B, "
                      "valid_BxL=...).") from None
   return jnp.asarray(valid_BxL, bool) if valid is None else valid
+
+
+# The driver jumps over idle steps only when at least this fraction of the steps is idle. The
+# jumping while loop costs one test per step (under 1 us on the CPU, 0 to 3% of a bench-model
+# step, within noise) but on an accelerator each test is a device-to-host read of the loop
+# predicate, where a scan runs without one; a scan stays the default where few calls are saved.
+IDLE_FRACTION_TO_SKIP = 0.1
+
+
+def skips_idle_steps(family: Family, spec, canvas: Canvas | None = None, plan=None) -> bool:
+  """Whether the program jumps over idle steps (see `SamplerSpec.skip_idle_steps`); the one
+  place this is decided. Without a canvas (a run inside a composite family, whose positions
+  are chosen at run time) the idle steps cannot be counted before the run."""
+  if spec.skip_idle_steps is False:
+    return False
+  if EndOfRow.of(spec).leaves_idle_steps:
+    return True
+  if family.rewrites:
+    return False
+  if spec.skip_idle_steps or canvas is None:
+    return True
+  idle = family.idle_steps(spec, canvas, plan)
+  return idle is None or idle >= IDLE_FRACTION_TO_SKIP * family.num_steps(spec, canvas.length)
 
 
 # ----------------------------------------------------------------------------
@@ -288,7 +305,8 @@ def _step(family: Family, spec, denoiser: BoundDenoiser, ctx: Context, state: Lo
     call = lambda: kv_cache.call(denoiser, state.kv, core.tokens_BxL, plan.t, inputs.kv_plan,
                                  width)
     keep = lambda logits: (logits, kv_cache.skipped(state.kv, inputs.kv_plan))
-  full_ctx, ctx = ctx, open_rows(ctx, core.tokens_BxL, spec.eos_id)  # finished rows freeze
+  end = EndOfRow.of(spec)
+  full_ctx, ctx = ctx, end.open(ctx, core.tokens_BxL)  # finished rows freeze
   active_B = ctx.masked(core.tokens_BxL).any(-1)
   reuse = state.reuse
   if reuse is not None:
@@ -298,38 +316,27 @@ def _step(family: Family, spec, denoiser: BoundDenoiser, ctx: Context, state: Lo
   else:
     called = jnp.array(True)
     logits, kv = call()
-  core = core.count_call(called).replace(saved_calls=core.saved_calls + (~called),
-                                         rounds_B=core.rounds_B + (called & active_B))
+  core = core.count_call(called).count(saved_calls=~called, rounds_B=called & active_B)
   denoise = lambda tokens_NxL: denoiser(tokens_NxL, plan.t)
   core, aux = family.update(spec, core, state.aux, ctx, step, logits, denoise)
-  if spec.eos_id is not None:
-    core = finish_rows(core, full_ctx, spec.eos_id, inputs.index)
-  return LoopState(core=core, aux=aux, reuse=reuse, kv=kv)
+  return LoopState(core=end.finish(core, full_ctx, inputs.index), aux=aux, reuse=reuse, kv=kv)
 
 
 def _needs_call(family: Family, spec, ctx: Context, state: LoopState, plan) -> Array:
   """Whether a step can write anything in any row; the loop jumps over steps that cannot
   (their update would leave everything as it is)."""
-  core = state.core
-  open_ctx = open_rows(ctx, core.tokens_BxL, spec.eos_id)
+  core, end = state.core, EndOfRow.of(spec)
+  open_ctx = end.open(ctx, core.tokens_BxL)
   need = jnp.array(True) if family.rewrites else family.needs_call(spec, core, state.aux,
                                                                     open_ctx, plan)
-  if spec.eos_id is not None:  # once every row has finished, no step calls the denoiser
-    need &= ~eos_state(core.tokens_BxL, ctx.editable_BxL, ctx.mask_id, spec.eos_id)[1].all()
-  return need
+  return need & end.any_open(core.tokens_BxL, ctx)
 
 
 def _skip_steps(kv_plan, state: LoopState, lo: Array, hi: Array) -> LoopState:
   """The bookkeeping of the idle steps lo..hi-1 jumped over: counted as saved calls; a
-  cache refresh planned at one of them is owed to the next call."""
-  core = state.core.replace(saved_calls=state.core.saved_calls + (hi - lo))
-  kv = state.kv
-  if kv is not None:
-    in_range_K = skipping.in_range(kv_plan.refresh.shape[0], lo, hi)
-    owed = lambda x_K: None if x_K is None else jnp.any(x_K & in_range_K)
-    kv = kv_cache.skipped(kv, kv_plan.replace(refresh=owed(kv_plan.refresh),
-                                              append=owed(kv_plan.append)))
-  return state.replace(core=core, kv=kv)
+  cache refresh planned at one of them is owed to the next call (`kv_cache.skip_steps`)."""
+  return state.replace(core=state.core.count(saved_calls=hi - lo),
+                       kv=kv_cache.skip_steps(state.kv, kv_plan, lo, hi))
 
 
 def _init(family: Family, spec, denoiser: BoundDenoiser, core: Core, ctx: Context,
@@ -354,20 +361,18 @@ def run(spec, denoiser: BoundDenoiser, core: Core, ctx: Context, plan, skip: boo
         kv_plan: kv_cache.KVPlan | None = None):
   """Runs a family from `core` in the current trace: (core, aux, trajectory or None).
 
-  skip: whether the loop jumps over idle steps (`base.skips_idle_steps`): a while loop from
-  one step that needs the denoiser to the next, instead of a scan over every step. None (a
-  run inside a composite family, whose refills are mostly idle) jumps unless the spec
-  says False or the family rewrites (and has no end of sequence).
+  skip: whether the loop jumps over idle steps (`skips_idle_steps`): a while loop from
+  one step that needs the denoiser to the next, instead of a scan over every step. None: a
+  run inside a composite family, decided without a canvas.
   """
   family = family_of(spec)
   if skip is None:
-    skip = spec.skip_idle_steps is not False and (spec.eos_id is not None or not family.rewrites)
+    skip = skips_idle_steps(family, spec)
   if family.composite:
     core, aux, trajectory = family.run(spec, denoiser, core, ctx, plan)
-    if spec.eos_id is not None:  # the composite's own rounds freeze finished rows; this fills
-      last = family.num_steps(spec, core.tokens_BxL.shape[1]) - 1
-      core = finish_rows(core, ctx, spec.eos_id, jnp.int32(last))
-    return core, aux, trajectory
+    # The composite's own rounds freeze finished rows; this fills them.
+    last = jnp.int32(family.num_steps(spec, core.tokens_BxL.shape[1]) - 1)
+    return EndOfRow.of(spec).finish(core, ctx, last), aux, trajectory
   state = _init(family, spec, denoiser, core, ctx, cached=kv_plan is not None)
   num_steps = family.num_steps(spec, core.tokens_BxL.shape[1])
   record = (lambda state: state.core.tokens_BxL) if spec.record_trajectory else None
@@ -399,14 +404,13 @@ def _invalid_input(tokens_BxL: Array, ctx: Context) -> Array:
 
 def _result(family: Family, spec, core: Core, aux, trajectory, ctx: Context,
             invalid_B: Array) -> SampleResult:
+  generated_length_B = EndOfRow.of(spec).generated_length(core.tokens_BxL, ctx.editable_BxL,
+                                                          ctx.mask_id)
   return SampleResult(tokens_BxL=core.tokens_BxL, write_step_BxL=core.write_step_BxL,
-                      nfe=core.nfe, saved_calls=core.saved_calls, contexts_B=core.contexts_B,
-                      rounds_B=core.rounds_B, reopened_B=core.reopened_B,
-                      nonfinite_B=core.nonfinite_B, invalid_B=invalid_B,
+                      counters=core.counters, invalid_B=invalid_B,
                       unfilled_B=ctx.masked(core.tokens_BxL).sum(-1),
-                      generated_length_B=generated_length(core.tokens_BxL, ctx.editable_BxL,
-                                                          ctx.mask_id, spec.eos_id),
-                      trajectory_KxBxL=trajectory, extras=family.extras(spec, aux))
+                      generated_length_B=generated_length_B, trajectory_KxBxL=trajectory,
+                      extras=family.extras(spec, aux))
 
 
 @functools.partial(jax.jit, static_argnames=("denoiser", "spec", "mask_id", "skip"))

@@ -41,7 +41,7 @@ import numpy as np
 from flax import struct
 
 from mdjax.denoiser import Denoiser
-from mdjax.sampling import semi_autoregressive
+from mdjax.sampling import semi_autoregressive, skipping
 from mdjax.sampling.base import KV_CACHES, BoundDenoiser, Canvas, Family, check
 
 Array = jax.Array
@@ -247,3 +247,16 @@ def skipped(state: KVState, kv_plan: KVPlan) -> KVState:
   append too: the next call makes a full pass, which is exact on a block-causal model)."""
   owed = kv_plan.refresh if kv_plan.append is None else kv_plan.refresh | kv_plan.append
   return state.replace(stale=state.stale | owed)
+
+
+def skip_steps(state: KVState | None, kv_plan_K: KVPlan | None, lo: Array,
+               hi: Array) -> KVState | None:
+  """The state after the steps lo..hi-1 were jumped over (per-step plans `kv_plan_K`): a
+  refresh or append planned at any of them is owed, as at one skipped step. None without
+  a cache."""
+  if state is None:
+    return None
+  in_range_K = skipping.in_range(kv_plan_K.refresh.shape[0], lo, hi)
+  owed = lambda x_K: None if x_K is None else jnp.any(x_K & in_range_K)
+  return skipped(state, kv_plan_K.replace(refresh=owed(kv_plan_K.refresh),
+                                          append=owed(kv_plan_K.append)))

@@ -1,6 +1,9 @@
-"""Confidence scores, ranking and rank-mask top-k selection, scheduled commit counts."""
+"""Confidence scores, proposals, ranking and rank-mask top-k selection, scheduled commit
+counts."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +51,25 @@ def eos_last(score_BxL: Array, values_BxL: Array, spec) -> Array:
   # Finite, so ranks among candidates stay 0..n-1 (non-candidates rank on +inf keys).
   lowest = jnp.finfo(score_BxL.dtype).min / 2
   return jnp.where(values_BxL == spec.eos_id, lowest, score_BxL)
+
+
+class Proposal(NamedTuple):
+  """A drawn value for every position and how it scores (`propose`)."""
+
+  values_BxL: Array  # drawn with the spec's transform (temperature, top-k, EOS knobs, ...)
+  probs_BxLxV: Array  # the untransformed softmax
+  conf_BxL: Array  # each value's probability under it
+  score_BxL: Array  # its confidence score (`spec.score`), EOS last with eos_rank_last
+
+
+def propose(spec, step, logits_BxLxV: Array) -> Proposal:
+  """Proposes a value for every position and scores it: the start of each step of the
+  families that rank proposals by `spec.score` (write orders, test-and-defer, revision)."""
+  values_BxL = transforms.draw_values(step.keys_B, logits_BxLxV, shift_B=step.shift_B,
+                                      **spec.transform)
+  probs_BxLxV, conf_BxL = transforms.value_probs(logits_BxLxV, values_BxL)
+  score_BxL = confidence_score(spec.score, probs_BxLxV, values_BxL, step.keys_B, step.shift_B)
+  return Proposal(values_BxL, probs_BxLxV, conf_BxL, eos_last(score_BxL, values_BxL, spec))
 
 
 # Up to this length ranks come from pairwise compares (L^2 work, no sort: 4x faster than

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from mdjax.sampling import scores, skipping, transforms
+from mdjax.sampling import scores, skipping
 from mdjax.sampling.base import (Family, SamplerSpec, StepPlan, check, check_steps,
                                  register)
 
@@ -87,13 +87,7 @@ class Defer(Family):
     batch, length = core.tokens_BxL.shape
     num_j = num_levels(length)
     cand_BxL = ctx.masked(core.tokens_BxL)
-    values_BxL = transforms.draw_values(step.keys_B, logits_BxLxV, shift_B=step.shift_B,
-                                        **spec.transform)
-    probs_BxLxV, conf_BxL = transforms.value_probs(logits_BxLxV, values_BxL)
-    score_BxL = scores.eos_last(
-        scores.confidence_score(spec.score, probs_BxLxV, values_BxL, step.keys_B,
-                                step.shift_B), values_BxL,
-        spec)
+    values_BxL, probs_BxLxV, conf_BxL, score_BxL = scores.propose(spec, step, logits_BxLxV)
     rank_BxL = scores.rank_descending(score_BxL, cand_BxL)
     level_BxL = levels(rank_BxL)
 

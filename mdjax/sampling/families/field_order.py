@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from mdjax.sampling import scores, transforms
+from mdjax.sampling import scores
 from mdjax.sampling.base import Family, SamplerSpec, StepPlan, check, register
 
 Array = jax.Array
@@ -113,13 +113,7 @@ class FieldOrder(Family):
 
   def update(self, spec: FieldOrderSpec, core, aux, ctx, step, logits_BxLxV, denoise):
     """Each field's scheduled count of its most confident masked positions."""
-    values_BxL = transforms.draw_values(step.keys_B, logits_BxLxV, shift_B=step.shift_B,
-                                        **spec.transform)
-    probs_BxLxV, conf_BxL = transforms.value_probs(logits_BxLxV, values_BxL)
-    score_BxL = scores.eos_last(
-        scores.confidence_score(spec.score, probs_BxLxV, values_BxL, step.keys_B,
-                                step.shift_B), values_BxL,
-        spec)
+    values_BxL, _, conf_BxL, score_BxL = scores.propose(spec, step, logits_BxLxV)
     cand_BxL = ctx.masked(core.tokens_BxL)
     batch, length = cand_BxL.shape
     write_BxL = jnp.zeros((batch, length), bool)

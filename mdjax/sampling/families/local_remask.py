@@ -12,7 +12,8 @@ from flax import struct
 
 from mdjax.sampling import contexts, driver, scores, transforms
 from mdjax.sampling.base import (Canvas, Context, Core, Family, SamplerSpec, check,
-                                 family_of, make_spec, open_rows, register)
+                                 family_of, make_spec, register)
+from mdjax.sampling.end_of_row import EndOfRow
 from mdjax.streams import RowStream, StepStream
 
 Array = jax.Array
@@ -119,8 +120,7 @@ class LocalRemask(Family):
             + spec.rounds * family_of(spec.refill).num_steps(spec.refill, length))
 
   def validate(self, spec: LocalRemaskSpec, canvas: Canvas):
-    for name in ("base", "refill"):
-      inner = getattr(spec, name)
+    for name, inner in (("base", spec.base), ("refill", spec.refill)):
       check(inner.kv_cache == "none", f"{name}.kv_cache", inner.kv_cache,
             "local remasking runs its samplers uncached: use 'none'")
     family_of(spec.base).validate(spec.base, canvas)
@@ -135,8 +135,10 @@ class LocalRemask(Family):
           plan: LocalRemaskPlan):
     batch, length = core.tokens_BxL.shape
     # The end of sequence is the outer spec's: base and refill end rows by it too.
-    eos = {f: getattr(spec, f) for f in ("eos_id", "eos_penalty", "eos_never", "eos_rank_last")}
+    eos = dict(eos_id=spec.eos_id, eos_penalty=spec.eos_penalty, eos_never=spec.eos_never,
+               eos_rank_last=spec.eos_rank_last)
     base_spec, refill_spec = (dataclasses.replace(s, **eos) for s in (spec.base, spec.refill))
+    end = EndOfRow.of(spec)
     core, _, _ = driver.run(base_spec, denoiser, core, ctx, plan.base)
     base_steps = family_of(spec.base).num_steps(spec.base, length)
     refill_steps = family_of(spec.refill).num_steps(spec.refill, length)
@@ -154,7 +156,7 @@ class LocalRemask(Family):
           axis=-1)[..., 0])
       choice_keys_B = jax.vmap(jax.random.fold_in, (0, None))(round_keys_B,
                                                                RowStream.LOCAL_CHOICE)
-      open_BxL = open_rows(ctx, core.tokens_BxL, spec.eos_id).editable_BxL  # finished: frozen
+      open_BxL = end.open(ctx, core.tokens_BxL).editable_BxL  # finished: frozen
       remask_BxL = choose_remask(spec, choice_keys_B, open_BxL, core.write_conf_BxL,
                                  conf_now_BxL, ctx.shift_B)
       refill_ctx = Context(mask_id=ctx.mask_id, editable_BxL=remask_BxL, keys_B=round_keys_B,
@@ -163,17 +165,10 @@ class LocalRemask(Family):
           refill_spec, denoiser,
           Core.start(jnp.where(remask_BxL, ctx.mask_id, core.tokens_BxL)), refill_ctx,
           plan.refill)
-      offset = base_steps + r * refill_steps
-      return core.replace(
-          tokens_BxL=refill.tokens_BxL,
-          write_step_BxL=jnp.where(remask_BxL, refill.write_step_BxL + offset,
-                                   core.write_step_BxL),
-          write_conf_BxL=jnp.where(remask_BxL, refill.write_conf_BxL, core.write_conf_BxL),
-          reopened_B=core.reopened_B + remask_BxL.sum(-1) + refill.reopened_B,
-          nfe=core.nfe + 1 + refill.nfe, saved_calls=core.saved_calls + refill.saved_calls,
-          contexts_B=core.contexts_B + spec.score_groups + refill.contexts_B,
-          rounds_B=core.rounds_B + refill.rounds_B,
-          nonfinite_B=core.nonfinite_B + refill.nonfinite_B), None
+      # The round's own scoring call (G contexts) and remasked positions, and the refill.
+      core = core.absorb(refill, remask_BxL, base_steps + r * refill_steps)
+      return core.count(nfe=1, contexts_B=spec.score_groups,
+                        reopened_B=remask_BxL.sum(-1)), None
 
     core, _ = jax.lax.scan(one_round, core, jnp.arange(spec.rounds))
     return core, None, None

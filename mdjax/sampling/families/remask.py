@@ -122,5 +122,5 @@ class Remask(Family):
                                          step.shift_B)
     remask_BxL = committed_BxL & (remask_u_BxL < sigma_BxL)
     core = reveal.reveal(spec, core, step, masked_BxL, logits_BxLxV, reveal_p_B)
-    return core.replace(tokens_BxL=jnp.where(remask_BxL, ctx.mask_id, core.tokens_BxL),
-                        reopened_B=core.reopened_B + remask_BxL.sum(-1)), None
+    return core.replace(tokens_BxL=jnp.where(remask_BxL, ctx.mask_id, core.tokens_BxL)
+                        ).count(reopened_B=remask_BxL.sum(-1)), None

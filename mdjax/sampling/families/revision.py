@@ -10,7 +10,7 @@ import numpy as np
 from flax import struct
 
 from mdjax import diffusion
-from mdjax.sampling import contexts, scores, transforms
+from mdjax.sampling import contexts, scores
 from mdjax.sampling.base import (Family, SamplerSpec, StepPlan, check, check_steps,
                                  register)
 
@@ -86,13 +86,7 @@ class Revision(Family):
           lambda: logits_BxLxV)
       logits_BxLxV = jnp.where(visible_BxL[..., None], regrouped, logits_BxLxV)
       core = core.count_call(need, spec.score_groups)
-    values_BxL = transforms.draw_values(step.keys_B, logits_BxLxV, shift_B=step.shift_B,
-                                        **spec.transform)
-    probs_BxLxV, conf_BxL = transforms.value_probs(logits_BxLxV, values_BxL)
-    score_BxL = scores.eos_last(
-        scores.confidence_score(spec.score, probs_BxLxV, values_BxL, step.keys_B,
-                                step.shift_B), values_BxL,
-        spec)
+    values_BxL, _, conf_BxL, score_BxL = scores.propose(spec, step, logits_BxLxV)
     num_editable_B = editable_BxL.sum(-1)
     # Kept after this step: all but the scheduled remaining fraction (ConfidenceSpec's counts).
     keep_count_B = scores.commit_counts(num_editable_B, num_editable_B, step.plan.remaining)
@@ -107,5 +101,5 @@ class Revision(Family):
     core = core.commit(written_BxL, values_BxL, conf_BxL, step.index)
     core = core.replace(tokens_BxL=jnp.where(dropped_BxL, mask_id, core.tokens_BxL),
                         write_step_BxL=jnp.where(dropped_BxL, -1, core.write_step_BxL),
-                        reopened_B=core.reopened_B + dropped_BxL.sum(-1))
+                        ).count(reopened_B=dropped_BxL.sum(-1))
     return core, changes_KxB.at[step.index].set(changed_BxL.sum(-1))

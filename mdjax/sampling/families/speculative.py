@@ -31,8 +31,8 @@ import numpy as np
 from flax import struct
 
 from mdjax.sampling import scores, skipping, threefry, transforms
-from mdjax.sampling.base import (Core, Family, SamplerSpec, check, finish_rows, open_rows,
-                                 register)
+from mdjax.sampling.base import Core, Family, SamplerSpec, check, register
+from mdjax.sampling.end_of_row import EndOfRow
 from mdjax.streams import StepStream
 
 Array = jax.Array
@@ -180,9 +180,7 @@ def run_round(denoiser, core: Core, draft_logits_BxLxV: Array, ctx, round_index:
   core = core.replace(
       tokens_BxL=tokens_BxL,
       write_step_BxL=jnp.where(written_BxL, round_index, core.write_step_BxL),
-      rounds_B=core.rounds_B + active_B,
-      contexts_B=core.contexts_B + jnp.where(active_B, num_valid_B, 0),
-      nfe=core.nfe + 1)
+  ).count(rounds_B=active_B, contexts_B=jnp.where(active_B, num_valid_B, 0), nfe=1)
   return core, jnp.where(active_B[:, None, None], next_logits, draft_logits_BxLxV)
 
 
@@ -218,24 +216,22 @@ class Speculative(Family):
     length = core.tokens_BxL.shape[1]
     first_logits = denoiser(core.tokens_BxL, 1.0)
     has_masked_B = ctx.masked(core.tokens_BxL).any(-1)
-    core = core.replace(contexts_B=has_masked_B.astype(jnp.int32), nfe=core.nfe + 1)
+    core = core.count(contexts_B=has_masked_B.astype(jnp.int32), nfe=1)
+    end = EndOfRow.of(spec)
 
     def round_(carry, round_index):
       core, draft_logits_BxLxV = carry
-      round_ctx = open_rows(ctx, core.tokens_BxL, spec.eos_id)  # finished rows freeze
+      round_ctx = end.open(ctx, core.tokens_BxL)  # finished rows freeze
       core, logits = run_round(denoiser, core, draft_logits_BxLxV, round_ctx, round_index,
                                spec=spec, order_rank_L=plan.order_rank_L)
-      if spec.eos_id is not None:
-        core = finish_rows(core, ctx, spec.eos_id, round_index)
-      return core, logits
+      return end.finish(core, ctx, round_index), logits
 
     carry = (core, first_logits.astype(jnp.float32))
     record = (lambda carry: carry[0].tokens_BxL) if spec.record_trajectory else None
     if spec.skip_idle_steps is not False:  # rounds end early by design: jump over idle ones
-      busy = lambda carry, _: open_rows(ctx, carry[0].tokens_BxL, spec.eos_id).masked(
+      busy = lambda carry, _: end.open(ctx, carry[0].tokens_BxL).masked(
           carry[0].tokens_BxL).any()
-      count_saved = lambda carry, lo, hi: (
-          carry[0].replace(saved_calls=carry[0].saved_calls + (hi - lo)), carry[1])
+      count_saved = lambda carry, lo, hi: (carry[0].count(saved_calls=hi - lo), carry[1])
       (core, _), trajectory = skipping.loop(round_, busy, length, carry,
                                             skip_range=count_saved, record=record)
     else:
