@@ -20,6 +20,7 @@ as a plain function is; every public entry point takes either and wraps a functi
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable
 
 # The passes a denoiser may offer beside `apply`: read, for a plain function, from
@@ -42,9 +43,23 @@ class Denoiser:
   block_pair: Callable | None = None  # (params, noisy_BxL, clean_BxL, t_B) -> logits_BxLxV
 
   def __post_init__(self):
-    for name in CAPABILITIES:
-      if getattr(self, name) is None:
-        object.__setattr__(self, name, getattr(self.apply, name, None))
+    if isinstance(self.apply, Denoiser):  # a wrapped value keeps what it offers
+      for name in CAPABILITIES:
+        if getattr(self, name) is None:
+          object.__setattr__(self, name, getattr(self.apply, name))
+      return
+    # The earlier contract hung the passes on the function as attributes: read for one
+    # release, with a warning (build a Denoiser instead).
+    legacy = {name: value for name in CAPABILITIES
+              if getattr(self, name) is None
+              and (value := vars(self.apply).get(name) if hasattr(self.apply, "__dict__")
+                   else None) is not None}
+    if legacy:
+      warnings.warn(f"passes set as attributes of a function ({', '.join(legacy)}) are read for "
+                    "one release; build mdjax.denoiser.Denoiser(apply, ...) instead.",
+                    DeprecationWarning, stacklevel=3)
+    for name, value in legacy.items():
+      object.__setattr__(self, name, value)
 
   @classmethod
   def of(cls, apply_fn: Any) -> "Denoiser":

@@ -18,6 +18,7 @@ from absl import flags
 
 import sample
 from mdjax import sampling, tasks
+from mdjax.denoiser import Denoiser
 from tests.text_fixtures import tiny_config, write_corpus
 
 # A value for each flag (not its default), and the flags its sampler family needs.
@@ -89,8 +90,9 @@ class Recorder:
     def apply_fn(params, tokens_BxL, t_B, valid_BxL=None):
       raise AssertionError("the recorders never call the denoiser")
 
-    apply_fn.block_size = 4  # block-causal: --blocks_of on the exact cache
-    return types.SimpleNamespace(task=self.task, apply_fn=apply_fn, params=None,
+    # Block-causal: --blocks_of on the exact cache.
+    denoiser = Denoiser(apply_fn, block_size=4)
+    return types.SimpleNamespace(task=self.task, apply_fn=denoiser, params=None,
                                  step=step or 7)
 
   def reference(self, workdir, task, tokens_NxL):

@@ -21,6 +21,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from mdjax import tasks
+from mdjax.denoiser import Denoiser
 from mdjax.train.state import TrainState, init_state, make_mesh
 
 
@@ -290,14 +291,15 @@ def restore_latest(manager: ocp.CheckpointManager, abstract_state: TrainState, c
 class Model:
   """A trained denoiser loaded from a workdir (`mdjax.load`).
 
-  `apply_fn(params, tokens_BxL, t_B) -> logits_BxLxV` is the denoiser contract; `params`
+  `apply_fn` is the model's `Denoiser` value (callable as the denoiser contract
+  `apply_fn(params, tokens_BxL, t_B) -> logits_BxLxV`, with its cached passes); `params`
   are the EMA parameters when the run kept them. `task` is rebuilt from the saved config and
   tokenizer (no corpus file needed: a text task without its corpus samples and decodes, but
   has no training data). `tokenizer` is the task's (None for synthetic tasks).
   """
 
   config: ml_collections.ConfigDict
-  apply_fn: Callable
+  apply_fn: Denoiser
   params: Any
   task: tasks.Task
   step: int

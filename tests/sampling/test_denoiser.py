@@ -2,6 +2,7 @@
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from mdjax import diffusion, sampling
 from mdjax.denoiser import Denoiser
@@ -30,14 +31,15 @@ def test_it_is_called_like_the_function():
                                 _plain(None, tokens, jnp.ones(1), valid))
 
 
-def test_attributes_set_on_a_function_are_kept():
+def test_attributes_set_on_a_function_are_kept_for_one_release():
   def legacy(params, tokens_BxL, t_B):
     return _plain(params, tokens_BxL, t_B)
 
   legacy.prefill = lambda params, tokens, t_B: (legacy(params, tokens, t_B), tokens)
   legacy.decode = lambda params, cache, tokens, start, t_B: (legacy(params, tokens, t_B), cache)
   legacy.block_size = 2
-  denoiser = Denoiser.of(legacy)
+  with pytest.warns(DeprecationWarning, match="build mdjax.denoiser.Denoiser"):
+    denoiser = Denoiser.of(legacy)
   assert denoiser.offers_cache and denoiser.block_size == 2 and denoiser.block_pair is None
   assert sampling.recompute_cache(legacy) is legacy  # already cached
 
