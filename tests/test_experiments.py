@@ -6,7 +6,7 @@ import math
 import numpy as np
 
 from experiments import scan_and_add_oracle, two_color_oracle
-from mdjax import sampling, tasks, train
+from mdjax import sampling, tasks
 from mdjax.tasks import scan_and_add as sa
 
 

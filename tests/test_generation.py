@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from mdjax import generation, models, sampling
-from mdjax.sampling import base
 
 pytestmark = pytest.mark.xdist_group("generation")
 

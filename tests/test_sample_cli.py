@@ -1,6 +1,5 @@
 """sample.py: one-line usage errors, --out checked first, exact counts, every family."""
 
-import json
 import os
 import subprocess
 import sys

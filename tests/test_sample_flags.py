@@ -17,7 +17,7 @@ import pytest
 from absl import flags
 
 import sample
-from mdjax import sampling, tasks
+from mdjax import tasks
 from mdjax.denoiser import Denoiser
 from tests.text_fixtures import tiny_config, write_corpus
 

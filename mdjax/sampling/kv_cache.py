@@ -42,7 +42,7 @@ from flax import struct
 
 from mdjax.denoiser import Denoiser
 from mdjax.sampling import semi_autoregressive, skipping
-from mdjax.sampling.base import KV_CACHES, BoundDenoiser, Canvas, Family, check
+from mdjax.sampling.base import BoundDenoiser, Canvas, Family, check
 
 Array = jax.Array
 

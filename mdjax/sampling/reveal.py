@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Union
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mdjax.sampling import transforms

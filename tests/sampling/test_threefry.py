@@ -1,7 +1,6 @@
 """The unrolled Threefry draws equal jax.random's bit for bit (mdjax/sampling/threefry.py)."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
