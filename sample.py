@@ -262,10 +262,8 @@ def complete_prompts(task, apply_fn: Denoiser, params, spec) -> None:
   try:
     prompts = generation.read_prompts(_PROMPTS.value)
     ids = generation.prompt_ids(task, prompts, where=where)
-    plan = generation.plan_generation(
-        [len(p) for p in ids], _MAX_NEW_TOKENS.value, max_len=task.length,
-        model_block=apply_fn.block_size, blocks_of=_BLOCKS_OF.value, window=_CONTEXT.value,
-        block_length=sampling.family_of(spec).block_length(spec))
+    plan = generation.plan_for(apply_fn, task, ids, spec, max_new_tokens=_MAX_NEW_TOKENS.value,
+                               blocks_of=_BLOCKS_OF.value, window=_CONTEXT.value)
   except (ValueError, OSError) as error:
     flag_names = str(error).replace("spec.block_length=", "--block_length=")
     for name in ("max_new_tokens", "blocks_of"):

@@ -184,6 +184,14 @@ def prompt_ids(task, prompts: Sequence, where: str = "prompts") -> list[np.ndarr
   return encoded
 
 
+def plan_for(apply_fn, task, prompts_ids: Sequence[np.ndarray], spec, *, max_new_tokens: int,
+             blocks_of: int | None = None, window: int | None = None) -> GenerationPlan:
+  """`plan_generation` for this denoiser, task and spec: what `generate` will run."""
+  return plan_generation([len(p) for p in prompts_ids], max_new_tokens, max_len=task.length,
+                         model_block=Denoiser.of(apply_fn).block_size, blocks_of=blocks_of,
+                         window=window, block_length=sampling.family_of(spec).block_length(spec))
+
+
 def generate(apply_fn, params, task, prompts: Sequence, spec, *, max_new_tokens: int,
              key: jax.Array, batch_size: int | None = None, blocks_of: int | None = None,
              window: int | None = None,
@@ -207,9 +215,8 @@ def generate(apply_fn, params, task, prompts: Sequence, spec, *, max_new_tokens:
   ids = prompt_ids(task, prompts)
   denoiser = Denoiser.of(apply_fn)
   model_block = denoiser.block_size
-  plan = plan_generation([len(p) for p in ids], max_new_tokens, max_len=task.length,
-                         model_block=model_block, blocks_of=blocks_of, window=window,
-                         block_length=sampling.family_of(spec).block_length(spec))
+  plan = plan_for(denoiser, task, ids, spec, max_new_tokens=max_new_tokens,
+                  blocks_of=blocks_of, window=window)
   batch_size = len(ids) if batch_size is None else batch_size
   if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
       or batch_size < 1:
