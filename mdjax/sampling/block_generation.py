@@ -47,7 +47,7 @@ import numpy as np
 from flax import struct
 
 from mdjax.denoiser import Denoiser
-from mdjax.sampling import driver
+from mdjax.sampling import driver, kv_cache
 from mdjax.sampling.base import BoundDenoiser, Canvas, CountedView, Counters, check, family_of
 from mdjax.sampling.end_of_row import EndOfRow
 
@@ -270,13 +270,6 @@ def _generated(tokens_BxS: Array, tail_B: Array, *, first: int, tail_width: int,
   return jnp.take_along_axis(tokens_BxS, columns_BxG, axis=1)
 
 
-def _empty_cache(denoiser: Denoiser, params, tokens_BxC: Array, valid_BxC: Array):
-  """Zeros of the prefill's cache shapes on a canvas."""
-  ones_B = jnp.ones(tokens_BxC.shape[:1], jnp.float32)
-  shapes = jax.eval_shape(denoiser.prefill, params, tokens_BxC, ones_B, valid_BxL=valid_BxC)[1]
-  return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-
-
 @functools.partial(jax.jit, static_argnames=("denoiser", "spec", "mask_id", "length",
                                              "blocks_of", "window", "cached", "skip"))
 def _program(denoiser, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_BxR, plan, *,
@@ -301,14 +294,15 @@ def _program(denoiser, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_Bx
     """The canvas's cache for block n: encoded anew (the first block, or a slid window), or
     the last one with block n - 1 appended (one pass over its final tokens)."""
 
+    canvas = BoundDenoiser(denoiser, params, valid_BxL=valid_BxC)
+
     def encode():
-      return denoiser.prefill(params, tokens_BxC, ones_B, valid_BxL=valid_BxC)[1]
+      return canvas.prefill(tokens_BxC, ones_B)[1]
 
     def append():
       begin = offset - blocks_of
       finished_BxW = jax.lax.dynamic_slice_in_dim(tokens_BxC, begin, blocks_of, axis=1)
-      return denoiser.decode(params, cache, finished_BxW, begin, ones_B,
-                             valid_BxL=valid_BxC)[1]
+      return canvas.decode(cache, finished_BxW, begin, ones_B)[1]
 
     return jax.lax.cond(fits & (n > 0), append, encode)
 
@@ -341,7 +335,8 @@ def _program(denoiser, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_Bx
 
   cache = None
   if cached:  # zeros of the prefill's shapes: the first block encodes its canvas
-    cache = _empty_cache(denoiser, params, tokens_BxS[:, :span], valid_BxS[:, :span])
+    cache = kv_cache.init(BoundDenoiser(denoiser, params, valid_BxL=valid_BxS[:, :span]),
+                          tokens_BxS[:, :span]).cache
   state = _BlocksState(tokens_BxS=tokens_BxS, ended_B=jnp.zeros((batch,), bool),
                        counters=Counters.zeros(batch), blocks_run=jnp.zeros((), jnp.int32),
                        cache=cache)

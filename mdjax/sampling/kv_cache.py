@@ -84,7 +84,7 @@ def recompute_cache(apply_fn) -> Denoiser:
   """
   plain = Denoiser.of(apply_fn)
   if plain.offers_cache:
-    return apply_fn
+    return plain
   adapter = _ADAPTERS.get(plain)
   if adapter is None:
 

@@ -41,7 +41,7 @@ def test_attributes_set_on_a_function_are_kept_for_one_release():
   with pytest.warns(DeprecationWarning, match="build mdjax.denoiser.Denoiser"):
     denoiser = Denoiser.of(legacy)
   assert denoiser.offers_cache and denoiser.block_size == 2 and denoiser.block_pair is None
-  assert sampling.recompute_cache(legacy) is legacy  # already cached
+  assert sampling.recompute_cache(denoiser) is denoiser  # already cached
 
 
 def test_adapters_keep_every_capability():
