@@ -255,9 +255,6 @@ def eos_spec(task: tasks.Task, spec):
 def complete_prompts(task, apply_fn: Denoiser, params, spec) -> None:
   """--prompts: `generation.generate` (--max_new_tokens after each prompt), completions.jsonl,
   output tokens per second."""
-  if _MAX_NEW_TOKENS.value is None:
-    raise app.UsageError("--prompts needs --max_new_tokens=N: the tokens to generate after "
-                         f"each prompt (the model holds {task.length} positions).")
   where = f"--prompts={_PROMPTS.value!r}"
   try:
     prompts = generation.read_prompts(_PROMPTS.value)
@@ -387,6 +384,9 @@ def check_mode_flags() -> None:
   for name, (modes, why) in MODE_FLAGS.items():
     if _given(name) and current not in modes:
       raise app.UsageError(f"--{name} does not apply {MODE_NAMES[current]}: {why}.")
+  if current == "prompts" and _MAX_NEW_TOKENS.value is None:
+    raise app.UsageError("--prompts needs --max_new_tokens=N: the tokens to generate after "
+                         "each prompt.")
   if current == "prompts" and _given("context") and _BLOCKS_OF.value is None:
     raise app.UsageError("--context does not apply with --prompts alone: it is the window of "
                          "--blocks_of generation.")

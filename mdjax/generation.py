@@ -47,7 +47,12 @@ def left_padded(prompts_ids: Sequence[np.ndarray], length: int, mask_id: int,
   """Three values, (tokens_BxL, valid_BxL, start): the prompts right-aligned at `start`
   (default: the longest prompt's length), padding (`pad_id`, not valid) before them, masks
   from `start` to the end (`length` - `start` positions to generate)."""
-  start = max(len(p) for p in prompts_ids) if start is None else start
+  longest = max(len(p) for p in prompts_ids)
+  if start is None:
+    start = longest
+  elif not longest <= start <= length:
+    raise ValueError(f"start={start} is invalid: the prompts end there, so it must lie in "
+                     f"[{longest} (the longest prompt), {length}].")
   tokens = np.full((len(prompts_ids), length), mask_id, np.int32)
   valid = np.ones((len(prompts_ids), length), bool)
   for row, ids in enumerate(prompts_ids):
@@ -198,8 +203,10 @@ def generate(apply_fn, params, task, prompts: Sequence, spec, *, max_new_tokens:
              on_batch: Callable[[int, int], None] | None = None) -> Completions:
   """`max_new_tokens` new tokens after each prompt (texts or token ids), whatever the batch.
 
-  Prompts are left-padded per batch (exact: each row gives what it gives alone), and row i
-  draws with `fold_in(key, i)`, so completions do not depend on `batch_size`. Up to the
+  Prompts are left-padded to the longest prompt of all (exact: each row gives what it gives
+  alone), and row i draws with `fold_in(key, i)`, so completions do not depend on
+  `batch_size` (up to the rounding of programs compiled for other batch sizes, which can
+  flip exact near-ties). Up to the
   model's length (`task.length`) every row is generated on one canvas; past it a
   block-causal denoiser (`Denoiser.block_size`) generates block by block
   (`sampling.sample_blocks`, the exact cache), any other is a ValueError giving the limit.

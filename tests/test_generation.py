@@ -254,5 +254,7 @@ def test_generate_past_the_model_length_on_a_block_causal_model():
 def test_plan_generation_bad_input(kwargs, match):
   with pytest.raises(ValueError, match=match):
     generation.plan_generation([3, 1], max_len=GEN_LEN, **kwargs)
+  with pytest.raises(ValueError, match=r"start=2 is invalid.*\[3 \(the longest prompt\), 6\]"):
+    generation.left_padded([np.zeros(3, np.int32)], 6, GEN_V, start=2)
   plan = generation.plan_generation([3, 1], 8, max_len=GEN_LEN, blocks_of=4)
   assert (plan.layout, plan.window, plan.length) == ("blocks", 8, 8)

@@ -206,7 +206,8 @@ class _ReadLeftovers:
 
   @contextlib.contextmanager
   def read(self, folder: str):
-    """A read of a step folder; if the block raises, the read failed."""
+    """A read of a step folder; if the block raises, the read failed. A mismatch is not a
+    failed read: the folder was read whole, and no read was abandoned."""
     folder = os.path.join(folder, "")  # '/.../checkpoints/30/' does not name step 300
     self.install()
     with self.lock:
@@ -215,6 +216,9 @@ class _ReadLeftovers:
     try:
       yield
       failed = False
+    except CheckpointMismatch:
+      failed = False
+      raise
     finally:
       with self.lock:
         self.reading.remove(folder)
