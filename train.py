@@ -71,9 +71,10 @@ flags.mark_flags_as_required(["config", "workdir"])
 _HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?", "h")
 
 
-def _command_line_error(argv: list[str]) -> str | None:
-  """A missing config file, or an override of a field the config lacks, as one line naming
-  the flag and what is allowed (ml_collections would raise a long traceback); else None."""
+def _command_line_error(argv: list[str], check_fields: bool = True) -> str | None:
+  """A missing config file, or (`check_fields`, loading the config) an override of a field
+  the config lacks, as one line naming the flag and what is allowed (ml_collections would
+  raise a long traceback); else None."""
   args = argv[1:argv.index("--")] if "--" in argv else argv[1:]
   path, overrides = None, []
   for i, arg in enumerate(args):
@@ -94,6 +95,8 @@ def _command_line_error(argv: list[str]) -> str | None:
     close = difflib.get_close_matches(file, configs, n=1)
     hint = f"did you mean --config={close[0]}? " if close else ""
     return f"--config={path!r} is not a file; {hint}the configs: {', '.join(configs)}."
+  if not check_fields:
+    return None
   try:
     config = flags.FLAGS["config"].parser.parse(path)  # the loader --config itself uses
   except Exception:  # an error inside the file: its own traceback tells more
@@ -118,13 +121,19 @@ def _command_line_error(argv: list[str]) -> str | None:
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, its errors on one line."""
-  error = _command_line_error(argv)
+  """absl's flag parsing, its errors on one line (the config file is loaded once when the
+  command line is right; only a failed parse looks at it again to say why)."""
+  # A missing file first: ml_collections reports it only when the config is first read.
+  error = _command_line_error(argv, check_fields=False)
   if error is None:
     try:
       return flags.FLAGS(argv)
-    except flags.Error as flag_error:
-      error = str(flag_error)
+    except Exception as parse_error:  # ml_collections raises more than flags.Error
+      error = _command_line_error(argv)
+      if error is None:
+        if not isinstance(parse_error, flags.Error):
+          raise
+        error = str(parse_error)
   print(f"train.py: error: {error}", file=sys.stderr)
   sys.exit(1)
 
