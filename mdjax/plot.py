@@ -121,8 +121,8 @@ class Curves:
   nothing; a png that cannot be written is reported once too. Training goes on either way.
   """
 
-  def __init__(self, workdir: str, log, every_s: float = 30.0):
-    self.workdir, self.log, self.every_s, self.off = workdir, log, every_s, False
+  def __init__(self, workdir: str, log, every_s: float = 30.0, draws: bool = True):
+    self.workdir, self.log, self.every_s, self.off = workdir, log, every_s, not draws
     self.last = time.perf_counter()
 
   def draw(self, last: bool = False) -> None:

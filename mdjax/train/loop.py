@@ -241,7 +241,7 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
   pending = None  # metrics of the previous step: fetched one step late (async dispatch)
   tty = sys.stdout.isatty()
   throughput = _Throughput(config.batch_size * task.length)
-  curves = plot.Curves(workdir, log)
+  curves = plot.Curves(workdir, log, draws=jax.process_index() == 0)  # one host draws
 
   def report(step_metrics, step):
     host = _finite_on_host(step_metrics, step, workdir)
