@@ -1,0 +1,329 @@
+"""The two published checkpoint layouts: config.json <-> PublishedConfig, HF tensors <-> params.
+
+LLaDA (model_type "llada", LLaDAModelLM; an OLMo-derived "llama" block) and Dream
+(model_type "Dream", DreamModel; Qwen2 names). A torch Linear weight is [out, in] and is
+transposed to the params' [in, out]; a stacked "layers" leaf [N, ...] is built from the N
+per-layer tensors `...{i}...`. A config key that changes the architecture to one the params
+cannot express (fused q/k/v, LayerNorm, ALiBi, biases outside q/k/v, RoPE scaling) is a
+ValueError naming the key, never a silently wrong model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from mdjax.models.published import PublishedConfig, param_shapes
+
+# LLaDA's end-of-turn token (<|eot_id|>) is in its tokenizer, not in its config.json.
+LLADA_VOCAB = 126464
+LLADA_EOT_ID = 126348
+LLADA_MASK_ID = 126336
+DREAM_MASK_ID = 151666
+
+# torch_dtype strings of config.json <-> PublishedConfig dtypes.
+TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+  """One params leaf and the HF tensor(s) it comes from.
+
+  hf: the tensor name; a stacked leaf's has `{i}` for the layer. transpose: a torch Linear
+  weight ([out, in]) that the params hold as [in, out].
+  """
+
+  path: tuple[str, ...]
+  hf: str
+  transpose: bool = False
+
+  @property
+  def stacked(self) -> bool:
+    return self.path[0] == "layers"
+
+  @property
+  def key(self) -> str:
+    return "/".join(self.path)
+
+  def hf_names(self, num_layers: int) -> list[str]:
+    return [self.hf.format(i=i) for i in range(num_layers)] if self.stacked else [self.hf]
+
+
+def leaf_shape(config: PublishedConfig, leaf: Leaf) -> tuple[int, ...]:
+  """The params leaf's shape (stacked leaves with their leading [num_layers])."""
+  shapes = param_shapes(config)
+  for part in leaf.path:
+    shapes = shapes[part]
+  return tuple(shapes)
+
+
+def hf_shape(config: PublishedConfig, leaf: Leaf) -> tuple[int, ...]:
+  """The shape of one of the leaf's HF tensors (one layer's; torch's [out, in] order)."""
+  shape = leaf_shape(config, leaf)[1 if leaf.stacked else 0:]
+  return shape[::-1] if leaf.transpose else shape
+
+
+def _get(raw: dict, key: str, kind, family: str, default: Any = ...):
+  """raw[key] checked to be of `kind` (a missing key takes `default`, or is an error)."""
+  if key not in raw or raw[key] is None:
+    if default is ...:
+      raise ValueError(f"{family} config.json: missing {key!r}")
+    return default
+  value = raw[key]
+  ok = (isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
+        else isinstance(value, kind) and not (kind is int and isinstance(value, bool)))
+  if not ok:
+    raise ValueError(f"{family} config.json: {key}={value!r} is not a{'n' if kind is int else ''} "
+                     f"{kind.__name__}")
+  return kind(value)
+
+
+def _first_id(raw: dict, key: str, family: str):
+  """A token id that some configs give as a list (the first is the canonical one)."""
+  value = raw.get(key)
+  if isinstance(value, list):
+    value = value[0] if value else None
+  if value is None:
+    return None
+  if not isinstance(value, int) or isinstance(value, bool):
+    raise ValueError(f"{family} config.json: {key}={value!r} is not a token id")
+  return value
+
+
+def _refuse(raw: dict, family: str, key: str, allowed: tuple, why: str):
+  """A present key whose value the params cannot express is an error naming it."""
+  if key in raw and raw[key] not in allowed:
+    raise ValueError(f"{family} config.json: {key}={raw[key]!r} is not supported ({why}; "
+                     f"supported: {', '.join(repr(a) for a in allowed)})")
+
+
+class Layout:
+  """A family's checkpoint layout (see the module docstring)."""
+
+  family: str
+  model_types: tuple[str, ...]
+  architectures: tuple[str, ...]
+
+  def matches(self, raw: dict) -> bool:
+    if raw.get("model_type") is not None:
+      return raw["model_type"] in self.model_types
+    return any(a in self.architectures for a in raw.get("architectures") or ())
+
+  def tied(self, raw: dict) -> bool:
+    """Whether the checkpoint's head is its embedding (no head tensor is stored)."""
+    raise NotImplementedError
+
+  def config_from_hf(self, raw: dict, dtype: str) -> PublishedConfig:
+    raise NotImplementedError
+
+  def config_to_hf(self, config: PublishedConfig) -> dict:
+    raise NotImplementedError
+
+  def leaves(self, config: PublishedConfig, tied: bool = False) -> list[Leaf]:
+    raise NotImplementedError
+
+  def _check_writable(self, config: PublishedConfig):
+    if config.family != self.family:
+      raise ValueError(f"config.family={config.family!r} cannot be written as {self.family}")
+    if config.head_dim * config.num_heads != config.d_model:
+      raise ValueError(f"head_dim={config.head_dim} * num_heads={config.num_heads} != "
+                       f"d_model={config.d_model}: the {self.family} config has no head_dim key "
+                       "(its code takes d_model / num_heads)")
+
+
+def _head_dim(d_model: int, heads: int, family: str, key: str) -> int:
+  if d_model % heads:
+    raise ValueError(f"{family} config.json: the hidden size {d_model} is not a multiple of "
+                     f"{key}={heads}")
+  return d_model // heads
+
+
+class LLaDALayout(Layout):
+  """LLaDA-8B's layout (GSAI-ML/LLaDA-8B-Base, -Instruct; the same for LLaDA-1.5)."""
+
+  family = "llada"
+  model_types = ("llada",)
+  architectures = ("LLaDAModelLM",)
+
+  def tied(self, raw: dict) -> bool:
+    value = raw.get("weight_tying", False)  # ModelConfig's default is True; configs set it
+    if not isinstance(value, bool):
+      raise ValueError(f"llada config.json: weight_tying={value!r} is not a bool")
+    return value
+
+  def config_from_hf(self, raw: dict, dtype: str) -> PublishedConfig:
+    f = self.family
+    _refuse(raw, f, "block_type", ("llama",), "only the llama block has separate q/k/v and "
+            "gate/up projections")
+    _refuse(raw, f, "block_group_size", (1,), "grouped blocks are named block_groups")
+    _refuse(raw, f, "layer_norm_type", ("rms",), "the norms are RMSNorm")
+    _refuse(raw, f, "layer_norm_with_affine", (True,), "the norms have weights")
+    _refuse(raw, f, "activation_type", ("silu",), "the MLP is silu(gate) * up")
+    _refuse(raw, f, "rope", (True,), "positions are RoPE")
+    _refuse(raw, f, "alibi", (False,), "positions are RoPE")
+    _refuse(raw, f, "attention_layer_norm", (False,), "there is no q/k norm")
+    _refuse(raw, f, "input_emb_norm", (False,), "the embedding is not normed")
+    _refuse(raw, f, "scale_logits", (False,), "the logits are not scaled")
+    _refuse(raw, f, "include_bias", (False, None), "only q/k/v biases (include_qkv_bias)")
+    _refuse(raw, f, "bias_for_layer_norm", (False, None), "the norms have no bias")
+    _refuse(raw, f, "rope_scaling", (None,), "RoPE is unscaled")
+    d = _get(raw, "d_model", int, f)
+    heads = _get(raw, "n_heads", int, f)
+    kv = raw.get("n_kv_heads")
+    if kv is None:  # ModelConfig.effective_n_kv_heads
+      kv = 1 if raw.get("multi_query_attention") is True else heads
+    else:
+      kv = _get(raw, "n_kv_heads", int, f)
+    mlp = raw.get("mlp_hidden_size")
+    mlp = (_get(raw, "mlp_ratio", int, f, 4) * d if mlp is None
+           else _get(raw, "mlp_hidden_size", int, f))
+    vocab = _get(raw, "embedding_size", int, f, None) or _get(raw, "vocab_size", int, f)
+    eot = _first_id(raw, "eot_token_id", f)
+    if eot is None and vocab == LLADA_VOCAB:
+      eot = LLADA_EOT_ID
+    return PublishedConfig(
+        family=f, vocab_size=vocab, d_model=d, num_layers=_get(raw, "n_layers", int, f),
+        num_heads=heads, num_kv_heads=kv, head_dim=_head_dim(d, heads, f, "n_heads"),
+        mlp_hidden=mlp, rope_theta=_get(raw, "rope_theta", float, f, 10000.0),
+        norm_eps=_get(raw, "rms_norm_eps", float, f, 1e-5),
+        qkv_bias=bool(raw.get("include_qkv_bias") or False), logit_shift=False,
+        mask_id=_get(raw, "mask_token_id", int, f, LLADA_MASK_ID),
+        eos_id=_first_id(raw, "eos_token_id", f), eot_id=eot,
+        max_len=_get(raw, "max_sequence_length", int, f, 1024), dtype=dtype)
+
+  def config_to_hf(self, config: PublishedConfig) -> dict:
+    self._check_writable(config)
+    if config.logit_shift:
+      raise ValueError("config.logit_shift=True cannot be written as llada (its code does not "
+                       "shift logits)")
+    raw = {
+        "architectures": ["LLaDAModelLM"], "model_type": "llada",
+        "activation_type": "silu", "alibi": False, "alibi_bias_max": 8.0,
+        "attention_dropout": 0.0, "attention_layer_norm": False,
+        "attention_layer_norm_with_affine": True, "bias_for_layer_norm": False,
+        "block_group_size": 1, "block_type": "llama", "d_model": config.d_model,
+        "embedding_dropout": 0.0, "embedding_size": config.vocab_size,
+        "flash_attention": False, "include_bias": False, "include_qkv_bias": config.qkv_bias,
+        "init_cutoff_factor": None, "init_device": "meta", "init_fn": "mitchell",
+        "init_std": 0.02, "input_emb_norm": False, "layer_norm_type": "rms",
+        "layer_norm_with_affine": True, "mask_token_id": config.mask_id,
+        "max_sequence_length": config.max_len, "mlp_hidden_size": config.mlp_hidden,
+        "mlp_ratio": 4, "multi_query_attention": None, "n_heads": config.num_heads,
+        "n_kv_heads": config.num_kv_heads, "n_layers": config.num_layers,
+        "precision": "amp_bf16", "residual_dropout": 0.0, "rms_norm_eps": config.norm_eps,
+        "rope": True, "rope_full_precision": True, "rope_theta": config.rope_theta,
+        "scale_logits": False, "torch_dtype": TORCH_DTYPES[config.dtype], "use_cache": False,
+        "vocab_size": config.vocab_size, "weight_tying": False,
+    }
+    if config.eos_id is not None:
+      raw["eos_token_id"] = raw["pad_token_id"] = config.eos_id
+    if config.eot_id is not None:
+      raw["eot_token_id"] = config.eot_id
+    return raw
+
+  def leaves(self, config: PublishedConfig, tied: bool = False) -> list[Leaf]:
+    t, b = "model.transformer", "model.transformer.blocks.{i}"
+    out = [Leaf(("embed",), f"{t}.wte.weight"),
+           Leaf(("layers", "attn_norm"), f"{b}.attn_norm.weight"),
+           Leaf(("layers", "q"), f"{b}.q_proj.weight", True),
+           Leaf(("layers", "k"), f"{b}.k_proj.weight", True),
+           Leaf(("layers", "v"), f"{b}.v_proj.weight", True)]
+    if config.qkv_bias:
+      out += [Leaf(("layers", f"{p}_bias"), f"{b}.{p}_proj.bias") for p in "qkv"]
+    out += [Leaf(("layers", "o"), f"{b}.attn_out.weight", True),
+            Leaf(("layers", "mlp_norm"), f"{b}.ff_norm.weight"),
+            Leaf(("layers", "gate"), f"{b}.ff_proj.weight", True),
+            Leaf(("layers", "up"), f"{b}.up_proj.weight", True),
+            Leaf(("layers", "down"), f"{b}.ff_out.weight", True),
+            Leaf(("final_norm",), f"{t}.ln_f.weight"),
+            Leaf(("head",), f"{t}.wte.weight" if tied else f"{t}.ff_out.weight", True)]
+    return out
+
+
+class DreamLayout(Layout):
+  """Dream-7B's layout (Dream-org/Dream-v0-Base-7B, -Instruct-7B): Qwen2 names."""
+
+  family = "dream"
+  model_types = ("Dream",)
+  architectures = ("DreamModel",)
+
+  def tied(self, raw: dict) -> bool:
+    value = raw.get("tie_word_embeddings", False)
+    if not isinstance(value, bool):
+      raise ValueError(f"dream config.json: tie_word_embeddings={value!r} is not a bool")
+    return value
+
+  def config_from_hf(self, raw: dict, dtype: str) -> PublishedConfig:
+    f = self.family
+    _refuse(raw, f, "hidden_act", ("silu",), "the MLP is silu(gate) * up")
+    _refuse(raw, f, "rope_scaling", (None,), "RoPE is unscaled")
+    _refuse(raw, f, "use_sliding_window", (False,), "attention is over the whole sequence")
+    d = _get(raw, "hidden_size", int, f)
+    heads = _get(raw, "num_attention_heads", int, f)
+    return PublishedConfig(
+        family=f, vocab_size=_get(raw, "vocab_size", int, f), d_model=d,
+        num_layers=_get(raw, "num_hidden_layers", int, f), num_heads=heads,
+        num_kv_heads=_get(raw, "num_key_value_heads", int, f, heads),
+        head_dim=_head_dim(d, heads, f, "num_attention_heads"),
+        mlp_hidden=_get(raw, "intermediate_size", int, f),
+        rope_theta=_get(raw, "rope_theta", float, f, 10000.0),
+        norm_eps=_get(raw, "rms_norm_eps", float, f, 1e-6), qkv_bias=True, logit_shift=True,
+        mask_id=_get(raw, "mask_token_id", int, f, DREAM_MASK_ID),
+        eos_id=_first_id(raw, "eos_token_id", f), eot_id=_first_id(raw, "eot_token_id", f),
+        max_len=_get(raw, "max_position_embeddings", int, f, 32768), dtype=dtype)
+
+  def config_to_hf(self, config: PublishedConfig) -> dict:
+    self._check_writable(config)
+    if not (config.qkv_bias and config.logit_shift):
+      raise ValueError(f"config.qkv_bias={config.qkv_bias}, logit_shift={config.logit_shift} "
+                       "cannot be written as dream (its code has q/k/v biases and shifts logits)")
+    raw = {
+        "architectures": ["DreamModel"], "model_type": "Dream", "attention_dropout": 0.0,
+        "hidden_act": "silu", "hidden_size": config.d_model, "initializer_range": 0.02,
+        "intermediate_size": config.mlp_hidden, "mask_token_id": config.mask_id,
+        "max_position_embeddings": config.max_len, "max_window_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_hidden_layers": config.num_layers,
+        "num_key_value_heads": config.num_kv_heads, "rms_norm_eps": config.norm_eps,
+        "rope_scaling": None, "rope_theta": config.rope_theta, "sliding_window": None,
+        "tie_word_embeddings": False, "torch_dtype": TORCH_DTYPES[config.dtype],
+        "use_cache": False, "use_sliding_window": False, "vocab_size": config.vocab_size,
+    }
+    if config.eos_id is not None:
+      raw["eos_token_id"] = raw["bos_token_id"] = raw["pad_token_id"] = config.eos_id
+    if config.eot_id is not None:
+      raw["eot_token_id"] = config.eot_id
+    return raw
+
+  def leaves(self, config: PublishedConfig, tied: bool = False) -> list[Leaf]:
+    b = "model.layers.{i}"
+    out = [Leaf(("embed",), "model.embed_tokens.weight"),
+           Leaf(("layers", "attn_norm"), f"{b}.input_layernorm.weight")]
+    out += [Leaf(("layers", p), f"{b}.self_attn.{p}_proj.weight", True) for p in "qkv"]
+    if config.qkv_bias:
+      out += [Leaf(("layers", f"{p}_bias"), f"{b}.self_attn.{p}_proj.bias") for p in "qkv"]
+    out += [Leaf(("layers", "o"), f"{b}.self_attn.o_proj.weight", True),
+            Leaf(("layers", "mlp_norm"), f"{b}.post_attention_layernorm.weight"),
+            Leaf(("layers", "gate"), f"{b}.mlp.gate_proj.weight", True),
+            Leaf(("layers", "up"), f"{b}.mlp.up_proj.weight", True),
+            Leaf(("layers", "down"), f"{b}.mlp.down_proj.weight", True),
+            Leaf(("final_norm",), "model.norm.weight"),
+            Leaf(("head",), "model.embed_tokens.weight" if tied else "lm_head.weight", True)]
+    return out
+
+
+LAYOUTS: dict[str, Layout] = {"llada": LLaDALayout(), "dream": DreamLayout()}
+
+
+def supported() -> str:
+  """The supported model_types and architectures, for error messages."""
+  return "; ".join(f"{name}: model_type {'/'.join(map(repr, l.model_types))}, architectures "
+                   f"{'/'.join(map(repr, l.architectures))}" for name, l in LAYOUTS.items())
+
+
+def detect(raw: dict, where: str) -> Layout:
+  """The layout of a config.json, by model_type (or by architectures when it has none)."""
+  for layout in LAYOUTS.values():
+    if layout.matches(raw):
+      return layout
+  raise ValueError(f"{where}: unsupported model_type={raw.get('model_type')!r}, "
+                   f"architectures={raw.get('architectures')!r} (supported: {supported()})")

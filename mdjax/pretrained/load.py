@@ -1,0 +1,392 @@
+"""Loading and saving Hugging Face folders of the published checkpoints (LLaDA, Dream).
+
+`load` checks everything it can before it reads a weight: the folder, config.json, the
+family, every safetensors header against its file, the set of tensors and each one's shape and
+dtype against the config, and (with a mesh) that each sharded dimension divides. Then it
+streams: one tensor at a time is mapped from its file, transposed and cast on the host, and put
+on the device(s); a stacked "layers" leaf is allocated on the device and filled layer by layer
+in place (a donated update), so the host holds about one tensor at a time, never the model.
+
+Sharding with a mesh (FSDP style): every matrix (of one layer, for stacked leaves) is split
+along its larger dimension (the first on a tie) over the mesh's first axis, and the layer axis
+and the other dimension are not split; vectors (norms, biases) are replicated. Other mesh axes
+replicate everything. An axis size that does not divide the dimension it must split is a
+ValueError naming the tensor, the dimension and the axis size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import shutil
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mdjax.models.published import DTYPES, PublishedConfig
+from mdjax.pretrained import layouts as layouts_lib
+from mdjax.pretrained import tensors as tensors_lib
+
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+# Files beside the weights that `save` copies from the folder a model was loaded from.
+SIDE_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json",
+              CHAT_TEMPLATE_FILE, "generation_config.json")
+# Checkpoint dtype codes that load as they are when no dtype is asked for.
+_NATIVE = {"F32": "float32", "BF16": "bfloat16"}
+_FLOATS = ("F64", "F32", "F16", "BF16")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PretrainedModel:
+  """A loaded checkpoint: the denoiser, its params and what came with them.
+
+  apply_fn: `mdjax.models.published.denoiser(config)`. tokenizer: a `tokenizers.Tokenizer`
+  (None without tokenizer.json). source: the folder it was loaded from (save copies its
+  tokenizer files). hf_config: config.json as read. bytes_read: the tensor bytes read.
+  """
+
+  apply_fn: Any
+  params: dict
+  config: PublishedConfig
+  family: str
+  tokenizer: Any = None
+  chat_template: str | None = None
+  source: str | None = None
+  hf_config: dict | None = None
+  bytes_read: int = 0
+
+  @property
+  def mask_id(self) -> int:
+    return self.config.mask_id
+
+  @property
+  def eos_id(self) -> int | None:
+    return self.config.eos_id
+
+  @property
+  def vocab_size(self) -> int:
+    return self.config.vocab_size
+
+
+# ----------------------------------------------------------------------------
+# Sharding.
+# ----------------------------------------------------------------------------
+
+
+def partition_spec(name: str, shape: tuple[int, ...], axis_name: str, axis_size: int,
+                   stacked: bool = False) -> PartitionSpec:
+  """The FSDP spec of one leaf (see the module docstring); ValueError if the axis does not
+  divide the dimension it splits. stacked: shape[0] is the layer axis (never split)."""
+  dims = shape[1:] if stacked else shape
+  if len(dims) < 2:
+    return PartitionSpec()
+  j = 0 if dims[0] >= dims[1] else 1
+  if dims[j] % axis_size:
+    raise ValueError(f"tensor {name} {tuple(shape)}: dim {j + stacked} of size {dims[j]} is "
+                     f"not divisible by mesh axis {axis_name!r} of size {axis_size}")
+  spec: list[Any] = [None] * len(shape)
+  spec[j + stacked] = axis_name
+  return PartitionSpec(*spec)
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros(shape, dtype, sharding):
+  return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=None)
+def _set_layer(sharding):
+  # Donating the stacked array updates it in place: no second copy of the leaf on the device.
+  return jax.jit(lambda stacked, layer, i: lax.dynamic_update_index_in_dim(stacked, layer, i, 0),
+                 donate_argnums=0, out_shardings=sharding)
+
+
+# ----------------------------------------------------------------------------
+# Loading.
+# ----------------------------------------------------------------------------
+
+
+def _check_dtype(dtype):
+  if dtype is not None and dtype not in DTYPES:
+    raise ValueError(f"unsupported dtype {dtype!r} (supported: None, {', '.join(DTYPES)})")
+
+
+def _read_json(path: str) -> dict:
+  try:
+    with open(path) as f:
+      raw = json.load(f)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"{path}: unreadable JSON ({e})") from e
+  if not isinstance(raw, dict):
+    raise ValueError(f"{path}: not a JSON object")
+  return raw
+
+
+def _checkpoint_dtype(infos, needed: list[str], embed: str, folder: str) -> str:
+  """The dtype a checkpoint loads in when none is asked for: its tensors' (or, when they
+  differ, its embedding's)."""
+  codes = {infos[n].dtype for n in needed}
+  code = codes.pop() if len(codes) == 1 else infos[embed].dtype
+  if code not in _NATIVE:
+    raise ValueError(f"{folder}: the checkpoint's tensors are {code}, which loads only when "
+                     f"cast: pass dtype='bfloat16' or 'float32'")
+  return _NATIVE[code]
+
+
+def _host(info: tensors_lib.TensorInfo, transpose: bool, dtype: np.dtype) -> np.ndarray:
+  """One tensor on the host in the params' order and dtype (a copy: the file's map is closed
+  when this returns)."""
+  mapped = tensors_lib.read_tensor(info)
+  out = np.array(mapped.T if transpose else mapped, dtype=dtype, order="C")
+  del mapped
+  return out
+
+
+def _load_tokenizer(folder: str):
+  path = os.path.join(folder, TOKENIZER_FILE)
+  if not os.path.isfile(path):
+    return None
+  import tokenizers  # a dependency of mdjax; imported only when a folder has a tokenizer
+  try:
+    return tokenizers.Tokenizer.from_file(path)
+  except Exception as e:  # tokenizers raises its own exception type for a bad file
+    raise ValueError(f"{path}: unreadable tokenizer ({e})") from e
+
+
+def _chat_template(folder: str) -> str | None:
+  path = os.path.join(folder, CHAT_TEMPLATE_FILE)
+  if os.path.isfile(path):
+    with open(path) as f:
+      return f.read()
+  path = os.path.join(folder, TOKENIZER_CONFIG_FILE)
+  if not os.path.isfile(path):
+    return None
+  template = _read_json(path).get("chat_template")
+  if isinstance(template, list):  # named templates: the default one
+    template = next((t.get("template") for t in template
+                     if isinstance(t, dict) and t.get("name") == "default"), None)
+  return template if isinstance(template, str) else None
+
+
+def load(path: str, *, dtype: str | None = None, mesh: Mesh | None = None) -> PretrainedModel:
+  """Loads a Hugging Face folder of a LLaDA or Dream checkpoint.
+
+  dtype: None keeps the checkpoint's (BF16 -> "bfloat16", F32 -> "float32"); "float32" or
+  "bfloat16" casts each tensor as it streams. mesh: shard the params over it (module
+  docstring); None puts them on the default device. Every bad input is a ValueError raised
+  before any weight is read.
+  """
+  _check_dtype(dtype)
+  folder = os.fspath(path)
+  if not os.path.isdir(folder):
+    raise ValueError(f"{folder}: not a folder")
+  config_path = os.path.join(folder, CONFIG_FILE)
+  if not os.path.isfile(config_path):
+    raise ValueError(f"{folder}: no {CONFIG_FILE}")
+  raw = _read_json(config_path)
+  layout = layouts_lib.detect(raw, config_path)
+  infos = tensors_lib.read_checkpoint(folder)
+  tied = layout.tied(raw)
+
+  # The tensor names come from the config alone, so a first config (any dtype) finds them.
+  probe = layout.config_from_hf(raw, dtype or "float32")
+  leaves = layout.leaves(probe, tied)
+  needed = list(dict.fromkeys(n for leaf in leaves for n in leaf.hf_names(probe.num_layers)))
+  missing = [n for n in needed if n not in infos]
+  extra = sorted(set(infos) - set(needed))
+  if missing:
+    raise ValueError(f"{folder}: missing tensor(s) {', '.join(missing[:5])}"
+                     f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}")
+  if extra:
+    raise ValueError(f"{folder}: unexpected tensor(s) {', '.join(extra[:5])}"
+                     f"{f' and {len(extra) - 5} more' if len(extra) > 5 else ''} "
+                     f"(not in the {layout.family} layout of this config)")
+  for n in needed:
+    if infos[n].dtype not in _FLOATS:
+      raise ValueError(f"{infos[n].path}: tensor {n!r} is {infos[n].dtype}, not a float dtype")
+  config = dataclasses.replace(
+      probe, dtype=dtype or _checkpoint_dtype(infos, needed, leaves[0].hf, folder))
+  for leaf in leaves:
+    want = layouts_lib.hf_shape(config, leaf)
+    for n in leaf.hf_names(config.num_layers):
+      if infos[n].shape != want:
+        raise ValueError(f"{infos[n].path}: tensor {n!r} has shape {list(infos[n].shape)}, "
+                         f"expected {list(want)} for this config.json")
+
+  shardings = {}
+  for leaf in leaves:
+    shape = layouts_lib.leaf_shape(config, leaf)
+    if mesh is None:
+      shardings[leaf.key] = (None, None)
+    else:
+      axis = mesh.axis_names[0]
+      spec = partition_spec(f"{leaf.key} ({leaf.hf})", shape, axis, mesh.shape[axis],
+                            leaf.stacked)
+      layer_spec = PartitionSpec(*spec[1:]) if leaf.stacked else spec
+      shardings[leaf.key] = (NamedSharding(mesh, spec), NamedSharding(mesh, layer_spec))
+  tokenizer = _load_tokenizer(folder)
+  chat_template = _chat_template(folder)
+
+  np_dtype = np.dtype(config.jnp_dtype)
+  params: dict[str, Any] = {"layers": {}}
+  bytes_read = 0
+  for leaf in leaves:
+    sharding, layer_sharding = shardings[leaf.key]
+    names = leaf.hf_names(config.num_layers)
+    if not leaf.stacked:
+      value = jax.device_put(_host(infos[names[0]], leaf.transpose, np_dtype), sharding)
+    else:
+      shape = layouts_lib.leaf_shape(config, leaf)
+      if sharding is None:
+        value = jnp.zeros(shape, np_dtype)
+        update = _set_layer(None)
+      else:
+        value = _zeros(shape, np_dtype, sharding)()
+        update = _set_layer(sharding)
+      for i, n in enumerate(names):
+        layer = jax.device_put(_host(infos[n], leaf.transpose, np_dtype), layer_sharding)
+        value = update(value, layer, i)
+        del layer
+    bytes_read += sum(infos[n].nbytes for n in names)
+    target = params["layers"] if leaf.stacked else params
+    target[leaf.path[-1]] = value
+  from mdjax.models import published  # the model module loads only with a model
+  return PretrainedModel(apply_fn=published.denoiser(config), params=params, config=config,
+                         family=layout.family, tokenizer=tokenizer, chat_template=chat_template,
+                         source=os.path.abspath(folder), hf_config=raw, bytes_read=bytes_read)
+
+
+# ----------------------------------------------------------------------------
+# Saving.
+# ----------------------------------------------------------------------------
+
+
+def _flat(params, where="params") -> dict[str, Any]:
+  """{"embed": ..., "layers/q": ...} of a params pytree."""
+  if not isinstance(params, dict):
+    raise ValueError(f"{where} is a {type(params).__name__}, not a dict of params")
+  out = {}
+  for k, v in params.items():
+    if isinstance(v, dict):
+      out.update({f"{k}/{kk}": vv for kk, vv in _flat(v, f"{where}[{k!r}]").items()})
+    else:
+      out[k] = v
+  return out
+
+
+def _to_host(x, index: int | None, transpose: bool, dtype: np.dtype) -> np.ndarray:
+  x = x if index is None else x[index]
+  x = np.asarray(x)
+  return np.ascontiguousarray((x.T if transpose else x).astype(dtype, copy=False))
+
+
+def _auto_map_files(raw: dict) -> list[str]:
+  """The modeling files config.json's auto_map names ("module.Class" -> module.py)."""
+  auto_map = raw.get("auto_map")
+  if not isinstance(auto_map, dict):
+    return []
+  refs = [r for v in auto_map.values() for r in (v if isinstance(v, list) else [v])]
+  return sorted({r.rsplit(".", 1)[0] + ".py" for r in refs
+                 if isinstance(r, str) and "--" not in r and "." in r})
+
+
+def _copy(src: str, dst: str):
+  if os.path.exists(dst) and os.path.samefile(src, dst):
+    return
+  shutil.copyfile(src, dst)
+
+
+def save(model_or_params, path: str, *, family: str | None = None,
+         config: PublishedConfig | None = None, dtype: str | None = None,
+         max_shard_bytes: int | None = None) -> list[str]:
+  """Writes a Hugging Face folder (config.json, safetensors) that `load` and the published
+  modeling code read; returns the files written.
+
+  model_or_params: a PretrainedModel (its tokenizer and chat template files come along), or
+  a params pytree with `config`. dtype: None keeps each leaf's dtype, else casts. With
+  max_shard_bytes the weights are sharded (model-0000i-of-0000n.safetensors and
+  model.safetensors.index.json). The head is always written as its own tensor (weight_tying /
+  tie_word_embeddings false).
+  """
+  _check_dtype(dtype)
+  model = model_or_params if isinstance(model_or_params, PretrainedModel) else None
+  params = model.params if model else model_or_params
+  config = config or (model.config if model else None)
+  if config is None:
+    raise ValueError("save: a params pytree needs config= (a PublishedConfig)")
+  family = family or config.family
+  if family not in layouts_lib.LAYOUTS:
+    raise ValueError(f"save: unknown family {family!r} (supported: "
+                     f"{', '.join(layouts_lib.LAYOUTS)})")
+  if family != config.family:
+    raise ValueError(f"save: family={family!r} but config.family={config.family!r}")
+  layout = layouts_lib.LAYOUTS[family]
+
+  flat = _flat(params)
+  leaves = layout.leaves(config)
+  keys = [leaf.key for leaf in leaves]
+  missing = [k for k in keys if k not in flat]
+  extra = sorted(set(flat) - set(keys))
+  if missing or extra:
+    raise ValueError(f"save: params do not match the {family} layout of the config: "
+                     f"missing {missing}, extra {extra}")
+  for leaf in leaves:
+    want, got = layouts_lib.leaf_shape(config, leaf), tuple(flat[leaf.key].shape)
+    if got != want:
+      raise ValueError(f"save: params leaf {leaf.key} has shape {list(got)}, expected "
+                       f"{list(want)} for the config")
+  written_dtype = dtype or str(np.dtype(flat["embed"].dtype))
+  if written_dtype not in DTYPES:
+    raise ValueError(f"save: params are {written_dtype}: pass dtype='bfloat16' or 'float32'")
+  hf = layout.config_to_hf(dataclasses.replace(config, dtype=written_dtype))
+
+  tensors = {}
+  for leaf in leaves:
+    x = flat[leaf.key]
+    out_dtype = np.dtype(jnp.dtype(dtype)) if dtype else np.dtype(x.dtype)
+    shape = layouts_lib.hf_shape(config, leaf)
+    for i, n in enumerate(leaf.hf_names(config.num_layers)):
+      fn = functools.partial(_to_host, x, i if leaf.stacked else None, leaf.transpose, out_dtype)
+      tensors[n] = tensors_lib.Lazy(shape, out_dtype, fn)
+  folder = os.fspath(path)
+  os.makedirs(folder, exist_ok=True)
+  written = tensors_lib.write_checkpoint(folder, tensors, max_shard_bytes=max_shard_bytes,
+                                         metadata={"format": "pt"})
+
+  source = model.source if model and model.source and os.path.isdir(model.source) else None
+  copied = []
+  if source:
+    for name in SIDE_FILES + tuple(_auto_map_files(model.hf_config or {})):
+      if os.path.isfile(os.path.join(source, name)):
+        _copy(os.path.join(source, name), os.path.join(folder, name))
+        copied.append(name)
+  if model and model.tokenizer is not None and TOKENIZER_FILE not in copied:
+    with open(os.path.join(folder, TOKENIZER_FILE), "w") as f:
+      f.write(model.tokenizer.to_str())
+    copied.append(TOKENIZER_FILE)
+  if (model and model.chat_template is not None and CHAT_TEMPLATE_FILE not in copied
+      and TOKENIZER_CONFIG_FILE not in copied):
+    with open(os.path.join(folder, CHAT_TEMPLATE_FILE), "w") as f:
+      f.write(model.chat_template)
+    copied.append(CHAT_TEMPLATE_FILE)
+
+  # The source's own config.json keys (auto_map, ids the params do not carry) are kept where
+  # they do not describe the architecture; the architecture keys are always ours.
+  base = dict(model.hf_config) if model and model.hf_config else {}
+  if "auto_map" in base and not all(f in copied for f in _auto_map_files(base)):
+    del base["auto_map"]
+  if family == "llada" and isinstance(base.get("vocab_size"), int) and (
+      base["vocab_size"] <= config.vocab_size):
+    hf["vocab_size"] = base["vocab_size"]  # the tokenizer's size; embedding_size is the rows
+  base.update(hf)
+  tensors_lib.write_json(os.path.join(folder, CONFIG_FILE), base)
+  return written + [os.path.join(folder, CONFIG_FILE)] + [os.path.join(folder, c) for c in copied]

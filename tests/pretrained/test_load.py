@@ -1,0 +1,423 @@
+"""mdjax.pretrained: the safetensors reader/writer, both layouts, load/save round trips, and
+every bad input as a ValueError naming it."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mdjax import pretrained
+from mdjax.models import published
+from mdjax.pretrained import layouts, tensors
+
+TINY = dict(vocab_size=64, d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
+            mlp_hidden=24, rope_theta=10000.0, max_len=128)
+
+
+def tiny_config(family, dtype="float32", **kw):
+  extra = (dict(norm_eps=1e-5, qkv_bias=False, logit_shift=False, mask_id=63, eos_id=1)
+           if family == "llada" else
+           dict(norm_eps=1e-6, qkv_bias=True, logit_shift=True, mask_id=62, eos_id=2))
+  return published.PublishedConfig(family=family, dtype=dtype, **{**TINY, **extra, **kw})
+
+
+def random_params(config, seed=0):
+  """Random values in every leaf (norms and biases too), so a swapped or untransposed tensor
+  shows."""
+  rng = np.random.default_rng(seed)
+  shapes = published.param_shapes(config)
+  return jax.tree.map(lambda s: rng.normal(size=s).astype(config.jnp_dtype), shapes,
+                      is_leaf=lambda x: isinstance(x, tuple))
+
+
+def assert_same(a, b):
+  for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape, path
+    assert x.tobytes() == y.tobytes(), path
+
+
+def tensor_bytes(folder):
+  return {n: np.asarray(tensors.read_tensor(i)).tobytes()
+          for n, i in tensors.read_checkpoint(folder).items()}
+
+
+@pytest.fixture
+def saved(tmp_path):
+  """A saved tiny checkpoint: (folder, config, params)."""
+  def make(family="llada", dtype="float32", **kw):
+    config = tiny_config(family, dtype)
+    params = random_params(config)
+    folder = tmp_path / f"{family}-{dtype}"
+    pretrained.save(params, folder, config=config, **kw)
+    return str(folder), config, params
+  return make
+
+
+# --- the safetensors format ----------------------------------------------------------------
+
+
+def test_write_read_every_dtype(tmp_path):
+  arrays = {"f32": np.arange(6, dtype=np.float32).reshape(2, 3),
+            "bf16": np.linspace(-1, 1, 5).astype(ml_dtypes.bfloat16),
+            "f16": np.ones((2, 2), np.float16), "i64": np.arange(3, dtype=np.int64),
+            "empty": np.zeros((0, 4), np.float32)}
+  path = str(tmp_path / "x.safetensors")
+  tensors.write_file(path, arrays, {"format": "pt"})
+  infos, metadata = tensors.read_header(path)
+  assert metadata == {"format": "pt"}
+  assert (8 + int.from_bytes(open(path, "rb").read(8), "little")) % 8 == 0  # aligned data
+  for name, x in arrays.items():
+    y = np.asarray(tensors.read_tensor(infos[name]))
+    assert y.dtype == x.dtype and y.shape == x.shape and y.tobytes() == x.tobytes()
+  assert not [f for f in os.listdir(tmp_path) if f.startswith(".tmp")]  # no temporary left
+
+
+def test_interoperates_with_the_safetensors_package(tmp_path):
+  st = pytest.importorskip("safetensors.numpy")
+  x = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.arange(3, dtype=np.int64)}
+  tensors.write_file(str(tmp_path / "ours.safetensors"), x, {"format": "pt"})
+  theirs = st.load_file(str(tmp_path / "ours.safetensors"))
+  assert all(np.array_equal(theirs[k], x[k]) for k in x)
+  st.save_file(x, str(tmp_path / "theirs.safetensors"))
+  infos, _ = tensors.read_header(str(tmp_path / "theirs.safetensors"))
+  assert all(np.array_equal(tensors.read_tensor(infos[k]), x[k]) for k in x)
+
+
+def write_raw(path, header, data):
+  raw = json.dumps(header).encode()
+  with open(path, "wb") as f:
+    f.write(len(raw).to_bytes(8, "little") + raw + data)
+
+
+@pytest.mark.parametrize("header, data, match", [
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+      "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12),
+     "'b'.*overlaps tensor 'a'"),
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(8),
+     "'a'.*out of range"),
+    ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8),
+     "'a'.*8 bytes for shape \\[3\\]"),
+    ({"a": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}}, bytes(8),
+     "'a'.*unknown dtype 'Q4'"),
+    ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, bytes(8), "'a'.*shape"),
+    ([1, 2], b"", "not an object"),
+])
+def test_corrupt_headers(tmp_path, header, data, match):
+  path = str(tmp_path / "bad.safetensors")
+  write_raw(path, header, data)
+  with pytest.raises(ValueError, match=f"bad.safetensors.*{match}"):
+    tensors.read_header(path)
+
+
+def test_corrupt_files(saved):
+  folder, _, _ = saved()
+  path = os.path.join(folder, "model.safetensors")
+  good = open(path, "rb").read()
+  n = int.from_bytes(good[:8], "little")
+  cases = [
+      (good[:-10], "out of range.*truncated"),  # truncated data
+      (good[:5], "truncated"),  # not even a header length
+      ((len(good) * 2).to_bytes(8, "little") + good[8:], "header length .* exceeds"),
+      (good[:8] + b"{" * n + good[8 + n:], "not JSON"),
+  ]
+  for data, match in cases:
+    with open(path, "wb") as f:
+      f.write(data)
+    with pytest.raises(ValueError, match=f"model.safetensors.*{match}"):
+      pretrained.load(folder)
+
+
+# --- layouts ------------------------------------------------------------------------------
+
+
+LLADA_8B_INSTRUCT = {  # the published config.json, less auto_map
+    "activation_type": "silu", "alibi": False, "alibi_bias_max": 8.0,
+    "architectures": ["LLaDAModelLM"], "attention_dropout": 0.0, "attention_layer_norm": False,
+    "attention_layer_norm_with_affine": True, "bias_for_layer_norm": False,
+    "block_group_size": 1, "block_type": "llama", "d_model": 4096, "embedding_dropout": 0.0,
+    "embedding_size": 126464, "eos_token_id": 126081, "flash_attention": False,
+    "include_bias": False, "include_qkv_bias": False, "init_cutoff_factor": None,
+    "init_device": "meta", "init_fn": "mitchell", "init_std": 0.02, "input_emb_norm": False,
+    "layer_norm_type": "rms", "layer_norm_with_affine": True, "mask_token_id": 126336,
+    "max_sequence_length": 4096, "mlp_hidden_size": 12288, "mlp_ratio": 4, "model_type": "llada",
+    "multi_query_attention": None, "n_heads": 32, "n_kv_heads": 32, "n_layers": 32,
+    "pad_token_id": 126081, "precision": "amp_bf16", "residual_dropout": 0.0,
+    "rms_norm_eps": 1e-05, "rope": True, "rope_full_precision": True, "rope_theta": 500000.0,
+    "scale_logits": False, "use_cache": False, "vocab_size": 126464, "weight_tying": False}
+
+DREAM_7B = {
+    "architectures": ["DreamModel"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584,
+    "initializer_range": 0.02, "intermediate_size": 18944, "mask_token_id": 151666,
+    "max_position_embeddings": 131072, "max_window_layers": 28, "model_type": "Dream",
+    "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+    "pad_token_id": 151643, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_cache": False, "use_sliding_window": False,
+    "vocab_size": 152064}
+
+
+def test_published_configs():
+  llada = layouts.detect(LLADA_8B_INSTRUCT, "x").config_from_hf(LLADA_8B_INSTRUCT, "bfloat16")
+  assert (llada.family, llada.vocab_size, llada.d_model, llada.num_layers, llada.num_heads,
+          llada.num_kv_heads, llada.head_dim, llada.mlp_hidden) == (
+              "llada", 126464, 4096, 32, 32, 32, 128, 12288)
+  assert (llada.mask_id, llada.eos_id, llada.eot_id, llada.rope_theta, llada.qkv_bias,
+          llada.logit_shift, llada.max_len) == (126336, 126081, 126348, 5e5, False, False, 4096)
+  dream = layouts.detect(DREAM_7B, "x").config_from_hf(DREAM_7B, "bfloat16")
+  assert (dream.family, dream.vocab_size, dream.num_kv_heads, dream.head_dim, dream.mask_id,
+          dream.eos_id, dream.rope_theta, dream.norm_eps, dream.qkv_bias, dream.logit_shift) == (
+              "dream", 152064, 4, 128, 151666, 151643, 1e6, 1e-6, True, True)
+  # Written back, the architecture keys are the published ones; nothing is made up.
+  for raw, cfg in ((LLADA_8B_INSTRUCT, llada), (DREAM_7B, dream)):
+    back = layouts.LAYOUTS[cfg.family].config_to_hf(cfg)
+    shared = [k for k in back if k in raw]
+    assert {k: back[k] for k in shared} == {k: raw[k] for k in shared}
+    assert set(back) - set(raw) <= {"torch_dtype", "eot_token_id"}
+    assert layouts.LAYOUTS[cfg.family].config_from_hf(back, "bfloat16") == cfg
+
+
+def test_hf_tensor_names_and_orientation(saved):
+  folder, config, params = saved("llada")
+  infos = tensors.read_checkpoint(folder)
+  d, f, v = config.d_model, config.mlp_hidden, config.vocab_size
+  assert infos["model.transformer.blocks.1.ff_proj.weight"].shape == (f, d)  # torch [out, in]
+  assert infos["model.transformer.blocks.1.ff_out.weight"].shape == (d, f)
+  assert infos["model.transformer.ff_out.weight"].shape == (v, d)
+  gate = np.asarray(tensors.read_tensor(infos["model.transformer.blocks.1.ff_proj.weight"]))
+  np.testing.assert_array_equal(gate.T, params["layers"]["gate"][1])
+  assert len(infos) == 3 + 2 * 9  # embed, final_norm, head; 9 per layer
+  folder, config, params = saved("dream")
+  infos = tensors.read_checkpoint(folder)
+  k = np.asarray(tensors.read_tensor(infos["model.layers.0.self_attn.k_proj.weight"]))
+  np.testing.assert_array_equal(k.T, params["layers"]["k"][0])
+  kb = np.asarray(tensors.read_tensor(infos["model.layers.1.self_attn.k_proj.bias"]))
+  np.testing.assert_array_equal(kb, params["layers"]["k_bias"][1])
+  assert infos["lm_head.weight"].shape == (v, d)
+  assert len(infos) == 3 + 2 * 12
+
+
+# --- load and save -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_round_trip(saved, tmp_path, family, dtype):
+  folder, config, params = saved(family, dtype)
+  model = pretrained.load(folder)
+  assert model.config == config and model.family == family
+  assert (model.mask_id, model.eos_id, model.vocab_size) == (
+      config.mask_id, config.eos_id, config.vocab_size)
+  assert model.tokenizer is None and model.chat_template is None
+  assert model.bytes_read == sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))
+  assert callable(model.apply_fn.apply)
+  assert_same(params, model.params)
+  with open(os.path.join(folder, "config.json")) as f:
+    assert json.load(f)["torch_dtype"] == dtype
+  # load -> save -> load: the same tensor bytes, the same params.
+  again = str(tmp_path / "again")
+  pretrained.save(model, again)
+  assert tensor_bytes(again) == tensor_bytes(folder)
+  assert_same(model.params, pretrained.load(again).params)
+
+
+def test_cast_on_load_and_save(saved, tmp_path):
+  folder, config, params = saved("dream", "float32")
+  model = pretrained.load(folder, dtype="bfloat16")
+  assert model.config.dtype == "bfloat16"
+  assert_same(jax.tree.map(lambda x: x.astype(ml_dtypes.bfloat16), params), model.params)
+  pretrained.save(pretrained.load(folder), tmp_path / "bf16", dtype="bfloat16")
+  assert {i.dtype for i in tensors.read_checkpoint(str(tmp_path / "bf16")).values()} == {"BF16"}
+  assert_same(model.params, pretrained.load(tmp_path / "bf16").params)
+
+
+def test_sharded_round_trip(saved, tmp_path):
+  folder, config, params = saved("llada", max_shard_bytes=4096)
+  files = sorted(os.listdir(folder))
+  shards = [f for f in files if f.startswith("model-0")]
+  assert len(shards) > 2 and "model.safetensors" not in files
+  assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+  with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+    index = json.load(f)
+  assert set(index["weight_map"].values()) == set(shards)
+  assert index["metadata"]["total_size"] == sum(
+      np.asarray(x).nbytes for x in jax.tree.leaves(params))
+  assert all(os.path.getsize(os.path.join(folder, s)) < 4096 + 2048 for s in shards)
+  model = pretrained.load(folder)
+  assert_same(params, model.params)
+  # Saved again in one file (into the same folder): the stale index goes, the data stay.
+  pretrained.save(model, folder)
+  assert not os.path.exists(os.path.join(folder, "model.safetensors.index.json"))
+  assert_same(params, pretrained.load(folder).params)
+
+
+def test_tied_head(saved):
+  folder, config, params = saved("dream")
+  raw = json.load(open(os.path.join(folder, "config.json")))
+  raw["tie_word_embeddings"] = True
+  json.dump(raw, open(os.path.join(folder, "config.json"), "w"))
+  infos = tensors.read_checkpoint(folder)
+  tensors.write_file(os.path.join(folder, "model.safetensors"),
+                     {n: np.asarray(tensors.read_tensor(i)) for n, i in infos.items()
+                      if n != "lm_head.weight"})
+  model = pretrained.load(folder)
+  np.testing.assert_array_equal(model.params["head"], params["embed"].T)
+
+
+def test_tokenizer_and_chat_template(saved, tmp_path):
+  tokenizers = pytest.importorskip("tokenizers")
+  folder, _, _ = saved("llada")
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1, "[UNK]": 2},
+                                                         unk_token="[UNK]"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tok.save(os.path.join(folder, "tokenizer.json"))
+  template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+  with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+    json.dump({"chat_template": template}, f)
+  model = pretrained.load(folder)
+  assert model.tokenizer.encode("a b").ids == [0, 1]
+  assert model.chat_template == template
+  pretrained.save(model, tmp_path / "copy")
+  copy = pretrained.load(tmp_path / "copy")
+  assert copy.tokenizer.encode("b a").ids == [1, 0] and copy.chat_template == template
+  # Without a source folder the tokenizer is serialized and the template gets its own file.
+  pretrained.save(dataclasses.replace(model, source=None), tmp_path / "fresh")
+  fresh = pretrained.load(tmp_path / "fresh")
+  assert fresh.tokenizer.encode("a").ids == [0] and fresh.chat_template == template
+
+
+def test_mesh_sharding(saved):
+  folder, config, params = saved("dream")
+  mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+  model = pretrained.load(folder, mesh=mesh)
+  spec = lambda x: x.sharding.spec  # noqa: E731
+  assert isinstance(model.params["embed"].sharding, NamedSharding)
+  assert spec(model.params["embed"]) == PartitionSpec("fsdp", None)  # [V, D]: V is larger
+  assert spec(model.params["head"]) == PartitionSpec(None, "fsdp")  # [D, V]
+  assert spec(model.params["layers"]["gate"]) == PartitionSpec(None, None, "fsdp")  # [N, D, F]
+  assert spec(model.params["layers"]["down"]) == PartitionSpec(None, "fsdp", None)  # [N, F, D]
+  assert spec(model.params["layers"]["k"]) == PartitionSpec(None, "fsdp", None)  # [N, D, G*K]
+  assert spec(model.params["final_norm"]) == PartitionSpec()
+  assert_same(params, model.params)
+
+
+def test_mesh_axis_must_divide():
+  assert pretrained.partition_spec("t", (16, 64), "fsdp", 8) == PartitionSpec(None, "fsdp")
+  assert pretrained.partition_spec("t", (2, 24, 16), "fsdp", 3, stacked=True) == PartitionSpec(
+      None, "fsdp", None)
+  assert pretrained.partition_spec("t", (2, 24), "fsdp", 5, stacked=True) == PartitionSpec()
+  with pytest.raises(ValueError, match=r"tensor layers/gate \(2, 16, 24\): dim 2 of size 24 .*"
+                                       r"not divisible by mesh axis 'fsdp' of size 5"):
+    pretrained.partition_spec("layers/gate", (2, 16, 24), "fsdp", 5, stacked=True)
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+
+def edit_config(folder, **changes):
+  path = os.path.join(folder, "config.json")
+  raw = json.load(open(path))
+  raw.update(changes)
+  json.dump(raw, open(path, "w"))
+
+
+def rewrite(folder, drop=(), add=None, replace=None):
+  """Rewrites model.safetensors without `drop`, with `add` and with `replace` tensors."""
+  infos = tensors.read_checkpoint(folder)
+  arrays = {n: np.array(tensors.read_tensor(i)) for n, i in infos.items() if n not in drop}
+  arrays.update(add or {})
+  arrays.update(replace or {})
+  tensors.write_file(os.path.join(folder, "model.safetensors"), arrays)
+
+
+def test_bad_folders(tmp_path, saved):
+  with pytest.raises(ValueError, match="not a folder"):
+    pretrained.load(tmp_path / "nowhere")
+  with pytest.raises(ValueError, match="no config.json"):
+    pretrained.load(tmp_path)
+  folder, _, _ = saved("llada")
+  with pytest.raises(ValueError, match="unsupported dtype 'float16'"):
+    pretrained.load(folder, dtype="float16")
+  os.remove(os.path.join(folder, "model.safetensors"))
+  with pytest.raises(ValueError, match="no weights"):
+    pretrained.load(folder)
+
+
+def test_unknown_family(saved):
+  folder, _, _ = saved("llada")
+  edit_config(folder, model_type="llama", architectures=["LlamaForCausalLM"])
+  with pytest.raises(ValueError, match="unsupported model_type='llama'.*supported.*'llada'.*"
+                                       "'LLaDAModelLM'.*'Dream'.*'DreamModel'"):
+    pretrained.load(folder)
+
+
+def test_unsupported_architecture_keys(saved):
+  folder, _, _ = saved("llada")
+  edit_config(folder, block_type="sequential")
+  with pytest.raises(ValueError, match="block_type='sequential' is not supported"):
+    pretrained.load(folder)
+  edit_config(folder, block_type="llama", include_bias=True)
+  with pytest.raises(ValueError, match="include_bias=True is not supported"):
+    pretrained.load(folder)
+
+
+def test_missing_extra_and_misshapen_tensors(saved):
+  folder, config, _ = saved("dream")
+  rewrite(folder, drop=["model.layers.1.mlp.up_proj.weight"])
+  with pytest.raises(ValueError, match="missing tensor.*model.layers.1.mlp.up_proj.weight"):
+    pretrained.load(folder)
+  folder, config, _ = saved("llada")
+  rewrite(folder, add={"model.transformer.blocks.0.attn_out.bias": np.zeros(16, np.float32)})
+  with pytest.raises(ValueError, match="unexpected tensor.*blocks.0.attn_out.bias"):
+    pretrained.load(folder)
+  rewrite(folder, drop=["model.transformer.blocks.0.attn_out.bias"],
+          replace={"model.transformer.blocks.1.q_proj.weight": np.zeros((16, 12), np.float32)})
+  with pytest.raises(ValueError, match=r"'model.transformer.blocks.1.q_proj.weight' has shape "
+                                       r"\[16, 12\], expected \[16, 16\]"):
+    pretrained.load(folder)
+  rewrite(folder, replace={"model.transformer.blocks.1.q_proj.weight":
+                           np.zeros((16, 16), np.int32)})
+  with pytest.raises(ValueError, match="q_proj.weight' is I32, not a float"):
+    pretrained.load(folder)
+  # A config that disagrees with the tensors names the tensor it disagrees on.
+  rewrite(folder, replace={"model.transformer.blocks.1.q_proj.weight":
+                           np.zeros((16, 16), np.float32)})
+  edit_config(folder, mlp_hidden_size=32)
+  with pytest.raises(ValueError, match=r"blocks.0.ff_proj.weight' has shape \[24, 16\], "
+                                       r"expected \[32, 16\]"):
+    pretrained.load(folder)
+
+
+def test_bad_sharded_index(saved):
+  folder, _, _ = saved("llada", max_shard_bytes=4096)
+  second = sorted(f for f in os.listdir(folder) if f.startswith("model-0"))[1]
+  os.remove(os.path.join(folder, second))
+  with pytest.raises(ValueError, match="shard file 'model-00002-of-.*' is missing"):
+    pretrained.load(folder)
+  with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+    f.write("{not json")
+  with pytest.raises(ValueError, match="index.json: unreadable"):
+    pretrained.load(folder)
+
+
+def test_bad_save_inputs(tmp_path):
+  config = tiny_config("llada")
+  params = random_params(config)
+  with pytest.raises(ValueError, match="needs config="):
+    pretrained.save(params, tmp_path)
+  with pytest.raises(ValueError, match="family='dream' but config.family='llada'"):
+    pretrained.save(params, tmp_path, config=config, family="dream")
+  with pytest.raises(ValueError, match=r"layers/up has shape \[2, 16, 8\], expected \[2, 16, 24\]"):
+    pretrained.save({**params, "layers": {**params["layers"], "up": np.zeros((2, 16, 8))}},
+                    tmp_path, config=config)
+  with pytest.raises(ValueError, match="missing \\['head'\\]"):
+    pretrained.save({k: v for k, v in params.items() if k != "head"}, tmp_path, config=config)
+  with pytest.raises(ValueError, match="unsupported dtype 'int8'"):
+    pretrained.save(params, tmp_path, config=config, dtype="int8")
+  assert not os.listdir(tmp_path)
