@@ -289,7 +289,7 @@ class DreamLayout(Layout):
         "use_cache": False, "use_sliding_window": False, "vocab_size": config.vocab_size,
     }
     if config.eos_id is not None:
-      raw["eos_token_id"] = raw["bos_token_id"] = raw["pad_token_id"] = config.eos_id
+      raw["eos_token_id"] = raw["pad_token_id"] = config.eos_id
     if config.eot_id is not None:
       raw["eot_token_id"] = config.eot_id
     return raw

@@ -387,6 +387,8 @@ def save(model_or_params, path: str, *, family: str | None = None,
   if family == "llada" and isinstance(base.get("vocab_size"), int) and (
       base["vocab_size"] <= config.vocab_size):
     hf["vocab_size"] = base["vocab_size"]  # the tokenizer's size; embedding_size is the rows
+  if "pad_token_id" in base:  # the params do not carry a pad id: the source's stands
+    hf.pop("pad_token_id", None)
   base.update(hf)
   tensors_lib.write_json(os.path.join(folder, CONFIG_FILE), base)
   return written + [os.path.join(folder, CONFIG_FILE)] + [os.path.join(folder, c) for c in copied]

@@ -292,6 +292,24 @@ def test_tokenizer_and_chat_template(saved, tmp_path):
   assert fresh.tokenizer.encode("a").ids == [0] and fresh.chat_template == template
 
 
+def test_save_keeps_the_source_config_keys(saved, tmp_path):
+  folder, _, _ = saved("dream")
+  auto_map = {"AutoConfig": "configuration_dream.DreamConfig",
+              "AutoModel": "modeling_dream.DreamModel"}
+  edit_config(folder, pad_token_id=7, bos_token_id=3, auto_map=auto_map, num_hidden_layers=2)
+  for name in ("configuration_dream.py", "modeling_dream.py"):
+    with open(os.path.join(folder, name), "w") as f:
+      f.write("# the published modeling code\n")
+  pretrained.save(pretrained.load(folder), tmp_path / "a")
+  raw = json.load(open(tmp_path / "a" / "config.json"))
+  assert (raw["pad_token_id"], raw["bos_token_id"], raw["auto_map"]) == (7, 3, auto_map)
+  assert os.path.isfile(tmp_path / "a" / "modeling_dream.py")
+  # Without the files it names, auto_map would point at nothing: it is dropped.
+  os.remove(os.path.join(folder, "modeling_dream.py"))
+  pretrained.save(pretrained.load(folder), tmp_path / "b")
+  assert "auto_map" not in json.load(open(tmp_path / "b" / "config.json"))
+
+
 def test_mesh_sharding(saved):
   folder, config, params = saved("dream")
   mesh = Mesh(np.array(jax.devices()), ("fsdp",))
