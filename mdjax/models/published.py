@@ -19,16 +19,39 @@ layers keeps compile time flat in depth):
 
 (H heads, G key/value heads, K = head_dim, F = mlp_hidden; matrices are [in, out], the
 transpose of torch's Linear weight.)
+
+Entry points: `forward` (logits), `prefill` and `decode` (the cached contract of
+`mdjax.denoiser`: a full pass that returns every layer's keys and values, and a pass over a
+window of W positions against them), `denoiser(config)` (the `Denoiser` value the samplers
+take; these models are time-free, so t_B is ignored), `init_params` and `num_params`.
+
+Padding (`valid_BxL`, False on padding): padded keys are attended by nothing; padded queries
+still attend to the real keys (finite, unused outputs). Positions for RoPE: LLaDA's are
+always 0..L-1 (its modeling code ignores padding there); Dream's are counted from each row's
+first real token, cumsum(valid) - 1, with padded positions set to 1 as Dream's generation
+code does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
+import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from mdjax.denoiser import Denoiser
+
+Array = jax.Array
 
 FAMILIES = ("llada", "dream")
 DTYPES = ("float32", "bfloat16")
+
+# A masked score: finite, so a query whose every key is masked gets a uniform (finite)
+# average instead of NaN.
+_MASKED = -1e30
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,6 +82,348 @@ class PublishedConfig:
   max_len: int = 4096
   dtype: str = "float32"
 
+  def __post_init__(self):
+    if self.family not in FAMILIES:
+      raise ValueError(f"family={self.family!r} must be one of {FAMILIES}.")
+    if self.dtype not in DTYPES:
+      raise ValueError(f"dtype={self.dtype!r} must be one of {DTYPES}.")
+    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "mlp_hidden", "max_len"):
+      value = getattr(self, name)
+      if not (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+              and value >= 1):
+        raise ValueError(f"{name}={value!r} must be an integer >= 1.")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads="
+                       f"{self.num_kv_heads} (each key/value head serves a group of query "
+                       "heads).")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs of halves).")
+    for name in ("rope_theta", "norm_eps"):
+      value = getattr(self, name)
+      if not (isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
+              and value > 0):
+        raise ValueError(f"{name}={value!r} must be a number > 0.")
+    for name in ("mask_id", "eos_id", "eot_id"):
+      value = getattr(self, name)
+      if value is None and name != "mask_id":
+        continue
+      if not (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+              and 0 <= value < self.vocab_size):
+        raise ValueError(f"{name}={value!r} must be an id in [0, vocab_size={self.vocab_size}).")
+
   @property
   def jnp_dtype(self):
     return jnp.dtype(self.dtype)
+
+
+@struct.dataclass
+class PublishedCache:
+  """Every layer's keys (after RoPE) and values, stacked over layers and stored for the G
+  key/value heads only (grouped heads are not repeated), heads-major so a window's queries
+  read them with one batched matmul per group. `tokens_BxL` is the canvas they were computed
+  from: Dream's shifted window needs the token just before the window."""
+
+  keys_NxBxGxLxK: Array
+  values_NxBxGxLxK: Array
+  tokens_BxL: Array
+
+  @property
+  def length(self) -> int:
+    return self.keys_NxBxGxLxK.shape[3]
+
+
+# --- building blocks -------------------------------------------------------------------
+
+
+def _rms_norm(x_BxLxD: Array, weight_D: Array, eps: float) -> Array:
+  """HF's LlamaRMSNorm: normalized in float32, cast back, then scaled by the weight."""
+  x = x_BxLxD.astype(jnp.float32)
+  x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+  return weight_D * x.astype(x_BxLxD.dtype)
+
+
+def _matmul(x: Array, w: Array) -> Array:
+  """x @ w in the weights' dtype (accumulated in float32 by the backend)."""
+  return jnp.einsum("...i,io->...o", x, w.astype(x.dtype))
+
+
+def positions(config: PublishedConfig, valid_BxL: Array | None, length: int) -> Array:
+  """Each position's RoPE position, B x L (1 x L without padding). Dream counts from each
+  row's first real token and puts padding at 1; LLaDA always counts 0..L-1."""
+  if valid_BxL is None or config.family == "llada":
+    return jnp.arange(length, dtype=jnp.int32)[None]
+  valid_BxL = valid_BxL.astype(bool)
+  counted_BxL = jnp.cumsum(valid_BxL, axis=-1, dtype=jnp.int32) - 1
+  return jnp.where(valid_BxL, counted_BxL, 1)
+
+
+def _rope_cos_sin(config: PublishedConfig, positions_BxQ: Array) -> tuple[Array, Array]:
+  """cos and sin of Llama's rotary angles, B x Q x K (angles in float32 as HF computes them,
+  then cast to the compute dtype as HF applies them)."""
+  k = config.head_dim
+  inv_freq_K2 = 1.0 / (config.rope_theta ** (np.arange(0, k, 2, dtype=np.float64) / k))
+  angle_BxQxK2 = positions_BxQ.astype(jnp.float32)[..., None] * jnp.asarray(
+      inv_freq_K2, jnp.float32)
+  angle_BxQxK = jnp.concatenate([angle_BxQxK2, angle_BxQxK2], axis=-1)
+  dtype = config.jnp_dtype
+  return jnp.cos(angle_BxQxK).astype(dtype), jnp.sin(angle_BxQxK).astype(dtype)
+
+
+def _rope(x_BxQxHxK: Array, cos_BxQxK: Array, sin_BxQxK: Array) -> Array:
+  """x * cos + rotate_half(x) * sin (Llama's half-split rotation)."""
+  half = x_BxQxHxK.shape[-1] // 2
+  rotated = jnp.concatenate([-x_BxQxHxK[..., half:], x_BxQxHxK[..., :half]], axis=-1)
+  return x_BxQxHxK * cos_BxQxK[:, :, None] + rotated * sin_BxQxK[:, :, None]
+
+
+def _qkv(config: PublishedConfig, layer: dict, x_BxQxD: Array, cos_BxQxK: Array,
+         sin_BxQxK: Array) -> tuple[Array, Array, Array]:
+  """Queries B x Q x G x R x K (R = H / G query heads per key/value head, HF's repeat_kv
+  order: query head h reads key/value head h // R), keys and values B x G x Q x K."""
+  batch, width, _ = x_BxQxD.shape
+  heads, groups, k = config.num_heads, config.num_kv_heads, config.head_dim
+  q, kk, v = (_matmul(x_BxQxD, layer[name]) for name in ("q", "k", "v"))
+  if config.qkv_bias:
+    q = q + layer["q_bias"].astype(q.dtype)
+    kk = kk + layer["k_bias"].astype(kk.dtype)
+    v = v + layer["v_bias"].astype(v.dtype)
+  q_BxQxHxK = _rope(q.reshape(batch, width, heads, k), cos_BxQxK, sin_BxQxK)
+  k_BxQxGxK = _rope(kk.reshape(batch, width, groups, k), cos_BxQxK, sin_BxQxK)
+  v_BxQxGxK = v.reshape(batch, width, groups, k)
+  q_BxQxGxRxK = q_BxQxHxK.reshape(batch, width, groups, heads // groups, k)
+  return q_BxQxGxRxK, k_BxQxGxK.transpose(0, 2, 1, 3), v_BxQxGxK.transpose(0, 2, 1, 3)
+
+
+def _attend(q_BxQxGxRxK: Array, parts: list[tuple[Array, Array, Array]]) -> Array:
+  """Attention of the queries over the concatenation of key parts, each (keys_BxGxSxK,
+  values_BxGxSxK, visible_BxQxS or B x 1 x S), under one float32 softmax; the values are
+  never concatenated (a window pass reads the cache in place). Returns B x Q x H*K."""
+  batch, width, groups, ratio, k = q_BxQxGxRxK.shape
+  dtype = q_BxQxGxRxK.dtype
+  scale = 1.0 / np.sqrt(k)
+  scores = []
+  for keys_BxGxSxK, _, visible_BxQxS in parts:
+    s_BxGxRxQxS = jnp.einsum("bqgrk,bgsk->bgrqs", q_BxQxGxRxK, keys_BxGxSxK.astype(dtype),
+                             preferred_element_type=jnp.float32) * scale
+    scores.append(jnp.where(visible_BxQxS[:, None, None], s_BxGxRxQxS, _MASKED))
+  sizes = np.cumsum([s.shape[-1] for s in scores])[:-1]
+  probs = jnp.split(jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1), sizes, axis=-1)
+  out_BxQxGxRxK = sum(
+      jnp.einsum("bgrqs,bgsk->bqgrk", p.astype(dtype), values_BxGxSxK.astype(dtype))
+      for p, (_, values_BxGxSxK, _) in zip(probs, parts))
+  return out_BxQxGxRxK.reshape(batch, width, groups * ratio * k)
+
+
+def _mlp_and_residuals(config: PublishedConfig, layer: dict, h_BxQxD: Array,
+                       attn_BxQxHK: Array) -> Array:
+  """The attention output's projection and residual, then the SwiGLU MLP and its residual."""
+  h_BxQxD = h_BxQxD + _matmul(attn_BxQxHK, layer["o"])
+  x = _rms_norm(h_BxQxD, layer["mlp_norm"], config.norm_eps)
+  y = jax.nn.silu(_matmul(x, layer["gate"])) * _matmul(x, layer["up"])
+  return h_BxQxD + _matmul(y, layer["down"])
+
+
+def _logits(config: PublishedConfig, params: dict, h_BxQxD: Array) -> Array:
+  """Final norm and head: float32 logits with the mask id's at -inf (never a prediction)."""
+  x = _rms_norm(h_BxQxD, params["final_norm"], config.norm_eps)
+  logits_BxQxV = jnp.einsum("bqd,dv->bqv", x, params["head"].astype(x.dtype),
+                            preferred_element_type=jnp.float32)
+  return logits_BxQxV.at[..., config.mask_id].set(-jnp.inf)
+
+
+def _embed(config: PublishedConfig, params: dict, tokens_BxQ: Array) -> Array:
+  return jnp.take(params["embed"], tokens_BxQ, axis=0).astype(config.jnp_dtype)
+
+
+def _check_length(config: PublishedConfig, length: int):
+  if length > config.max_len:
+    raise ValueError(f"sequence length {length} exceeds max_len={config.max_len}.")
+
+
+# --- the passes --------------------------------------------------------------------------
+
+
+def _full_pass(config: PublishedConfig, params: dict, tokens_BxL: Array,
+               valid_BxL: Array | None) -> tuple[Array, Array, Array]:
+  """Unshifted logits_BxLxV and every layer's keys and values (N x B x G x L x K)."""
+  batch, length = tokens_BxL.shape
+  _check_length(config, length)
+  cos_BxLxK, sin_BxLxK = _rope_cos_sin(config, positions(config, valid_BxL, length))
+  visible_Bx1xL = (jnp.ones((1, 1, length), bool) if valid_BxL is None
+                   else valid_BxL.astype(bool)[:, None, :])
+
+  def layer_fn(h_BxLxD, layer):
+    x = _rms_norm(h_BxLxD, layer["attn_norm"], config.norm_eps)
+    q, k_BxGxLxK, v_BxGxLxK = _qkv(config, layer, x, cos_BxLxK, sin_BxLxK)
+    attn = _attend(q, [(k_BxGxLxK, v_BxGxLxK, visible_Bx1xL)])
+    return _mlp_and_residuals(config, layer, h_BxLxD, attn), (k_BxGxLxK, v_BxGxLxK)
+
+  h_BxLxD, (keys, values) = jax.lax.scan(layer_fn, _embed(config, params, tokens_BxL),
+                                         params["layers"])
+  return _logits(config, params, h_BxLxD), keys, values
+
+
+def _shift(logits_BxLxV: Array) -> Array:
+  """Dream's shift: the prediction for position i is the output at i - 1 (position 0 keeps
+  its own)."""
+  return jnp.concatenate([logits_BxLxV[:, :1], logits_BxLxV[:, :-1]], axis=1)
+
+
+def forward(config: PublishedConfig, params: dict, tokens_BxL: Array,
+            valid_BxL: Array | None = None) -> Array:
+  """logits_BxLxV (float32) of the whole canvas; `valid_BxL` False on padding."""
+  return prefill(config, params, tokens_BxL, valid_BxL)[0]
+
+
+def prefill(config: PublishedConfig, params: dict, tokens_BxL: Array,
+            valid_BxL: Array | None = None) -> tuple[Array, PublishedCache]:
+  """One full pass: (logits_BxLxV, the cache of every layer's keys and values)."""
+  tokens_BxL = jnp.asarray(tokens_BxL, jnp.int32)
+  logits_BxLxV, keys, values = _full_pass(config, params, tokens_BxL, valid_BxL)
+  if config.logit_shift:
+    logits_BxLxV = _shift(logits_BxLxV)
+  return logits_BxLxV, PublishedCache(keys_NxBxGxLxK=keys, values_NxBxGxLxK=values,
+                                      tokens_BxL=tokens_BxL)
+
+
+def decode(config: PublishedConfig, params: dict, cache: PublishedCache, tokens_BxW: Array,
+           start, valid_BxL: Array | None = None) -> tuple[Array, PublishedCache]:
+  """A pass over the W positions [start, start + W) (start may be traced) against `cache`:
+  their queries attend to the cached keys and values outside the window and to their own
+  fresh ones under one softmax. Returns (logits_BxWxV, the cache with the window's keys,
+  values and tokens written in).
+
+  With Dream's shift the prediction for window position start + j is the output at
+  start + j - 1, so the pass also runs one extra query first, at start - 1 (its token read
+  from the cache's canvas; its own key and value stay the cached ones): W + 1 queries, the
+  first output kept for window position 0. At start = 0 position 0 predicts itself, and
+  the extra query (then a copy of position 0) is dropped.
+  """
+  tokens_BxW = jnp.asarray(tokens_BxW, jnp.int32)
+  batch, width = tokens_BxW.shape
+  length = cache.length
+  if width > length:
+    raise ValueError(f"window of {width} positions is longer than the cache ({length}).")
+  _check_length(config, length)
+  start = jnp.asarray(start, jnp.int32)
+  pos_BxL = jnp.broadcast_to(positions(config, valid_BxL, length), (batch, length))
+  pos_BxW = jax.lax.dynamic_slice_in_dim(pos_BxL, start, width, axis=1)
+  key_L = jnp.arange(length)
+  outside_1x1xL = ((key_L < start) | (key_L >= start + width))[None, None]
+  own_Bx1xW = jnp.ones((batch, 1, width), bool)
+  if valid_BxL is not None:  # padding is attended by nothing
+    valid_BxL = valid_BxL.astype(bool)
+    outside_1x1xL = outside_1x1xL & valid_BxL[:, None, :]
+    own_Bx1xW = jax.lax.dynamic_slice_in_dim(valid_BxL, start, width, axis=1)[:, None]
+  tokens_BxQ, pos_BxQ, extra = tokens_BxW, pos_BxW, 0
+  if config.logit_shift:
+    before = jnp.maximum(start - 1, 0)
+    tokens_BxQ = jnp.concatenate(
+        [jax.lax.dynamic_slice_in_dim(cache.tokens_BxL, before, 1, axis=1), tokens_BxW], axis=1)
+    pos_BxQ = jnp.concatenate(
+        [jax.lax.dynamic_slice_in_dim(pos_BxL, before, 1, axis=1), pos_BxW], axis=1)
+    extra = 1
+  cos_BxQxK, sin_BxQxK = _rope_cos_sin(config, pos_BxQ)
+
+  def layer_fn(h_BxQxD, xs):
+    layer, cached_keys_BxGxLxK, cached_values_BxGxLxK = xs
+    x = _rms_norm(h_BxQxD, layer["attn_norm"], config.norm_eps)
+    q, k_BxGxQxK, v_BxGxQxK = _qkv(config, layer, x, cos_BxQxK, sin_BxQxK)
+    k_BxGxWxK, v_BxGxWxK = k_BxGxQxK[:, :, extra:], v_BxGxQxK[:, :, extra:]
+    attn = _attend(q, [(cached_keys_BxGxLxK, cached_values_BxGxLxK, outside_1x1xL),
+                       (k_BxGxWxK, v_BxGxWxK, own_Bx1xW)])
+    return _mlp_and_residuals(config, layer, h_BxQxD, attn), (k_BxGxWxK, v_BxGxWxK)
+
+  h_BxQxD, (keys_NxBxGxWxK, values_NxBxGxWxK) = jax.lax.scan(
+      layer_fn, _embed(config, params, tokens_BxQ),
+      (params["layers"], cache.keys_NxBxGxLxK, cache.values_NxBxGxLxK))
+  if config.logit_shift:  # window position j reads the output at query j (position start+j-1)
+    first_Bx1xD = jnp.where(start > 0, h_BxQxD[:, :1], h_BxQxD[:, 1:2])
+    h_BxQxD = jnp.concatenate([first_Bx1xD, h_BxQxD[:, 1:width]], axis=1)
+  logits_BxWxV = _logits(config, params, h_BxQxD)
+  put = lambda old, new: jax.lax.dynamic_update_slice_in_dim(old, new.astype(old.dtype), start,
+                                                             axis=old.ndim - 2)
+  return logits_BxWxV, PublishedCache(
+      keys_NxBxGxLxK=put(cache.keys_NxBxGxLxK, keys_NxBxGxWxK),
+      values_NxBxGxLxK=put(cache.values_NxBxGxLxK, values_NxBxGxWxK),
+      tokens_BxL=jax.lax.dynamic_update_slice_in_dim(cache.tokens_BxL, tokens_BxW, start,
+                                                     axis=1))
+
+
+# --- the Denoiser -------------------------------------------------------------------------
+
+
+def _apply(config, params, tokens_BxL, t_B, valid_BxL=None):
+  del t_B  # time-free
+  return forward(config, params, tokens_BxL, valid_BxL)
+
+
+def _prefill(config, params, tokens_BxL, t_B, valid_BxL=None):
+  del t_B
+  return prefill(config, params, tokens_BxL, valid_BxL)
+
+
+def _decode(config, params, cache, tokens_BxW, start, t_B, valid_BxL=None):
+  del t_B
+  return decode(config, params, cache, tokens_BxW, start, valid_BxL)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bound:
+  """A module-level function with its config bound first: equal (and equally hashed) for
+  equal configs, so equal Denoisers share compiled programs (functools.partial compares by
+  identity)."""
+
+  fn: Callable
+  config: PublishedConfig
+
+  def __call__(self, *args, **kwargs):
+    return self.fn(self.config, *args, **kwargs)
+
+
+def denoiser(config: PublishedConfig) -> Denoiser:
+  """The model as a `Denoiser` (t_B ignored): apply, prefill and decode; no blocks."""
+  return Denoiser(apply=_Bound(_apply, config), prefill=_Bound(_prefill, config),
+                  decode=_Bound(_decode, config))
+
+
+# --- parameters ---------------------------------------------------------------------------
+
+
+def param_shapes(config: PublishedConfig) -> dict:
+  """The params pytree's shapes (the module docstring's layout)."""
+  n, d, v, f = config.num_layers, config.d_model, config.vocab_size, config.mlp_hidden
+  hk, gk = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+  layers = {"attn_norm": (n, d), "q": (n, d, hk), "k": (n, d, gk), "v": (n, d, gk),
+            "o": (n, hk, d), "mlp_norm": (n, d), "gate": (n, d, f), "up": (n, d, f),
+            "down": (n, f, d)}
+  if config.qkv_bias:
+    layers.update(q_bias=(n, hk), k_bias=(n, gk), v_bias=(n, gk))
+  return {"embed": (v, d), "layers": layers, "final_norm": (d,), "head": (d, v)}
+
+
+def init_params(config: PublishedConfig, key: Array) -> dict:
+  """Random params in the config's dtype (normal 0.02 matrices, unit norm weights, zero
+  biases): for tests and benchmarks."""
+  shapes = param_shapes(config)
+  leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+      shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
+  keys = jax.random.split(key, len(leaves))
+  dtype = config.jnp_dtype
+
+  def one(path, shape, k):
+    if "norm" in path:
+      return jnp.ones(shape, dtype)
+    if "bias" in path:
+      return jnp.zeros(shape, dtype)
+    return (0.02 * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+
+  return jax.tree.unflatten(treedef, [one(p, s, k) for p, s, k in zip(paths, leaves, keys)])
+
+
+def num_params(config: PublishedConfig) -> int:
+  """The number of parameters (embedding and head counted apart: they are untied)."""
+  shapes = jax.tree.leaves(param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
+  return int(sum(np.prod(s) for s in shapes))
