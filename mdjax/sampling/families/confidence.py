@@ -32,6 +32,18 @@ class ConfidenceSpec(SamplerSpec):
   c_i annealed linearly to 0 (MaskGIT's choice temperature). `threshold`
   instead commits every proposal scoring at least it (always at least one,
   everything at the last step), with `steps` as the bound.
+
+  count_rule="even" replaces the schedule's counts by LLaDA's `get_num_transfer_tokens`:
+  the N masked positions of the block at its first step spread over its S steps as N // S
+  each, the remainder N % S one more each on the FIRST steps. `factor` is Fast-dLLM's
+  dynamic threshold (`get_transfer_index_dynamic`, see `factor_counts`): with the block's
+  n proposals ranked by score, the first rank i >= 1 scoring below 1 - factor / (i + 2)
+  stops the commits at i, but a stop at the last rank n - 1, or none, commits all n;
+  everything at the last step of a block, `steps` as the bound.
+  `banned_ids`: these ids' logits are -inf before the step reads them (draw and score).
+  `score_excluded_ids`: these ids' logits are -inf only in the softmax the score reads, not
+  in the draw: a proposal of one scores 0 and the other proposals' probabilities are
+  renormalised without them (what LLaDA's code does for `confidence_eos_eot_inf`).
   """
 
   steps: int
@@ -40,6 +52,10 @@ class ConfidenceSpec(SamplerSpec):
   gumbel_temperature: float = 0.0
   threshold: float | None = None
   block_length: int | None = None
+  count_rule: str = "schedule"
+  factor: float | None = None
+  banned_ids: tuple[int, ...] = ()
+  score_excluded_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
     super().__post_init__()
@@ -54,6 +70,31 @@ class ConfidenceSpec(SamplerSpec):
       check(isinstance(self.threshold, (int, float)) and low <= self.threshold <= high,
             "threshold", self.threshold, f"must be None or lie in [{low}, {high}] for "
             f"score={self.score!r}")
+    check(self.count_rule in COUNT_RULES, "count_rule", self.count_rule,
+          f"must be one of {COUNT_RULES}")
+    if self.factor is not None:
+      check(isinstance(self.factor, (int, float)) and not isinstance(self.factor, bool)
+            and math.isfinite(self.factor) and self.factor > 0, "factor", self.factor,
+            "must be None or a finite number > 0")
+      check(self.threshold is None, "factor", self.factor,
+            "and threshold are two rules for one thing: set one")
+    for name in ("banned_ids", "score_excluded_ids"):
+      ids = getattr(self, name)
+      if not isinstance(ids, tuple):  # lists become tuples: specs are hashed
+        ids = tuple(ids) if isinstance(ids, (list, np.ndarray)) else ids
+        object.__setattr__(self, name, ids)
+      check(isinstance(ids, tuple) and all(isinstance(i, (int, np.integer))
+                                           and not isinstance(i, bool) and i >= 0 for i in ids),
+            name, ids, "must be a tuple of token ids >= 0")
+      object.__setattr__(self, name, tuple(int(i) for i in ids))
+
+  @property
+  def adaptive(self) -> bool:
+    """Commits decided by the scores (threshold or factor), `steps` only the bound."""
+    return self.threshold is not None or self.factor is not None
+
+
+COUNT_RULES = ("schedule", "even")
 
 
 @struct.dataclass
@@ -63,6 +104,8 @@ class ConfidencePlan(StepPlan):
   last_in_block: Array  # last step of its block (threshold mode commits the rest)
   remaining: Array  # fraction of the block left masked after this step
   choice_temperature: Array  # MaskGIT's Gumbel scale at this step
+  block_step: Array  # this step's index j within its block
+  block_steps: Array  # S, the steps of each block
 
 
 @struct.dataclass
@@ -96,7 +139,9 @@ class Confidence(Family):
         t=tile(1.0 - j / per_block), block=semi_autoregressive.step_blocks(num_blocks, per_block),
         block_start=tile(j == 0), last_in_block=tile(j == per_block - 1),
         remaining=tile(scores.remaining_fractions(spec.count_schedule, per_block)),
-        choice_temperature=tile(spec.gumbel_temperature * (1.0 - (j + 1) / per_block)))
+        choice_temperature=tile(spec.gumbel_temperature * (1.0 - (j + 1) / per_block)),
+        block_step=tile(j.astype(np.int32)), block_steps=tile(np.full(per_block, per_block,
+                                                                      np.int32)))
 
   def init(self, spec: ConfidenceSpec, core, ctx) -> ConfidenceCarry:
     block_id_BxL = semi_autoregressive.block_ids(ctx.editable_BxL, spec.block_length)
@@ -106,9 +151,13 @@ class Confidence(Family):
   def idle_steps(self, spec: ConfidenceSpec, canvas, plan: ConfidencePlan) -> float | None:
     """With a count schedule, exactly the steps at which every row's count is 0."""
     n_BxN = semi_autoregressive.masked_counts(canvas, spec.block_length)
-    if n_BxN is None or spec.threshold is not None:
+    if n_BxN is None or spec.adaptive:
       return None
     num_blocks = n_BxN.shape[1]
+    if spec.count_rule == "even":
+      j_J, per_block = plan.block_step[:plan.block_steps[0]], int(plan.block_steps[0])
+      k_BxNxJ = n_BxN[..., None] // per_block + (j_J < n_BxN[..., None] % per_block)
+      return float((k_BxNxJ <= 0).all(0).sum())
     remaining_NxJ = plan.remaining.reshape(num_blocks, -1).astype(np.float32)
     left_BxNxJ = np.floor(n_BxN[..., None] * remaining_NxJ + np.float32(scores.COUNT_EPS))
     before_BxNxJ = np.concatenate([n_BxN[..., None], left_BxNxJ[..., :-1]], axis=-1)
@@ -117,9 +166,9 @@ class Confidence(Family):
   def needs_call(self, spec, core, aux: ConfidenceCarry, ctx, plan) -> Array:
     """A step calls the denoiser when some row commits something: k_B > 0."""
     cand_BxL = semi_autoregressive.candidates(core.tokens_BxL, ctx, aux.block_id_BxL, plan.block)
-    if spec.threshold is not None:  # commits at least one wherever a candidate is left
+    if spec.adaptive:  # commits at least one wherever a candidate is left
       return jnp.any(cand_BxL)
-    return jnp.any(_scheduled_counts(cand_BxL, aux, plan)[0] > 0)
+    return jnp.any(_scheduled_counts(spec, cand_BxL, aux, plan)[0] > 0)
 
   def update(self, spec: ConfidenceSpec, core, aux: ConfidenceCarry, ctx, step, logits_BxLxV,
              denoise):
@@ -127,16 +176,23 @@ class Confidence(Family):
     plan, keys_B = step.plan, step.keys_B
     length = core.tokens_BxL.shape[1]
     cand_BxL = semi_autoregressive.candidates(core.tokens_BxL, ctx, aux.block_id_BxL, plan.block)
-    k_B, block_count_B = _scheduled_counts(cand_BxL, aux, plan)
+    k_B, block_count_B = _scheduled_counts(spec, cand_BxL, aux, plan)
+    logits_BxLxV = _without(logits_BxLxV, spec.banned_ids)
     values_BxL = transforms.draw_values(keys_B, logits_BxLxV, shift_B=step.shift_B,
                                         **spec.transform)
     probs_BxLxV, conf_BxL = transforms.value_probs(logits_BxLxV, values_BxL)
+    if spec.score_excluded_ids:
+      probs_BxLxV = jax.nn.softmax(
+          _without(logits_BxLxV, spec.score_excluded_ids).astype(jnp.float32), axis=-1)
     score_BxL = scores.confidence_score(spec.score, probs_BxLxV, values_BxL, keys_B,
                                          step.shift_B)
     if spec.threshold is not None:
       above_B = (cand_BxL & (score_BxL >= spec.threshold)).sum(-1)
       k_B = jnp.where(plan.last_in_block, cand_BxL.sum(-1), jnp.maximum(above_B, 1))
     score_BxL = scores.eos_last(score_BxL, values_BxL, spec)
+    if spec.factor is not None:
+      k_B = jnp.where(plan.last_in_block, cand_BxL.sum(-1),
+                      factor_counts(score_BxL, cand_BxL, spec.factor))
     rank_score_BxL = score_BxL
     if spec.gumbel_temperature > 0:
       gumbel_BxL = transforms.row_gumbel(keys_B, StepStream.SELECT, (length,), step.shift_B)
@@ -149,9 +205,36 @@ class Confidence(Family):
     return core, aux.replace(block_count_B=block_count_B)
 
 
-def _scheduled_counts(cand_BxL: Array, aux: ConfidenceCarry, plan: ConfidencePlan):
+def _scheduled_counts(spec: ConfidenceSpec, cand_BxL: Array, aux: ConfidenceCarry,
+                      plan: ConfidencePlan):
   """(k_B, block_count_B): this step's scheduled commits, and the block's masked count at
   its first step."""
   num_masked_B = cand_BxL.sum(-1)
   block_count_B = jnp.where(plan.block_start, num_masked_B, aux.block_count_B)
+  if spec.count_rule == "even":
+    k_B = (block_count_B // plan.block_steps
+           + (plan.block_step < block_count_B % plan.block_steps).astype(jnp.int32))
+    return jnp.minimum(k_B, num_masked_B), block_count_B
   return scores.commit_counts(block_count_B, num_masked_B, plan.remaining), block_count_B
+
+
+def _without(logits_BxLxV: Array, ids: tuple[int, ...]) -> Array:
+  """The logits with these ids' columns at -inf (unchanged without ids)."""
+  if not ids:
+    return logits_BxLxV
+  return logits_BxLxV.at[..., np.asarray(ids)].set(-jnp.inf)
+
+
+def factor_counts(score_BxL: Array, cand_BxL: Array, factor: float) -> Array:
+  """Fast-dLLM's `get_transfer_index_dynamic` count: with the n candidates ranked by score
+  (rank i, 0 first), the first rank i in [1, n - 2] whose score is below 1 - factor/(i + 2),
+  else n. (The reference loops to the first failing rank and adds one when it stopped at
+  rank 0 or n - 1: rank 0 never fails, its threshold being -1, and a stop at n - 1 commits
+  all n.) 0 for a row without candidates."""
+  length = score_BxL.shape[-1]
+  n_B = cand_BxL.sum(-1)
+  rank_BxL = scores.rank_descending(score_BxL, cand_BxL)
+  rank_f = rank_BxL.astype(jnp.float32)
+  below_BxL = score_BxL < 1.0 - factor / (rank_f + 2.0)
+  stop_BxL = cand_BxL & (rank_BxL >= 1) & (rank_BxL <= n_B[:, None] - 2) & below_BxL
+  return jnp.minimum(jnp.min(jnp.where(stop_BxL, rank_BxL, length), -1), n_B).astype(jnp.int32)
