@@ -31,6 +31,7 @@ from mdjax.sampling.scores import SCORES
 from mdjax.sampling.families.ancestral import AncestralSpec
 from mdjax.sampling.families.confidence import ConfidenceSpec
 from mdjax.sampling.families.defer import DeferSpec
+from mdjax.sampling.families.dream import DreamSpec
 from mdjax.sampling.families.entropy_bounded import EntropyBoundedSpec
 from mdjax.sampling.families.field_order import FieldOrderSpec, parse_write_order
 from mdjax.sampling.families.local_remask import LocalRemaskSpec
@@ -45,7 +46,7 @@ from mdjax.sampling.base import families  # noqa: E402,F811
 
 __all__ = [
     "AncestralSpec", "BlocksResult", "BoundDenoiser", "Canvas", "ConfidenceSpec", "Counters",
-    "DeferSpec", "Denoiser", "EndOfRow",
+    "DeferSpec", "Denoiser", "DreamSpec", "EndOfRow",
     "EntropyBoundedSpec", "Family", "FieldOrderSpec", "IDLE_FRACTION_TO_SKIP", "KV_CACHES", "LocalRemaskSpec", "OrderedSpec",
     "RandomOrderSpec", "RemaskSpec",
     "RevisionSpec", "SCORES", "SampleResult", "SamplerSpec", "SpeculativeSpec", "families",
