@@ -78,6 +78,7 @@ FAMILY_FLAGS = {
     "ancestral": ["--steps=10", "--block_length=5"],
     "confidence": ["--steps=5", "--threshold=0.9"],
     "defer": ["--steps=5"],
+    "dream": ["--steps=10", "--temperature=0"],
     "entropy_bounded": ["--steps=10", "--gamma=0.3", "--block_length=5", "--kv_cache=dual",
                         "--refresh_every=2"],
     "field_order": ["--order=[VOA][v×9]o×10[ht1]"],
