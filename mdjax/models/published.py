@@ -159,22 +159,24 @@ def positions(config: PublishedConfig, valid_BxL: Array | None, length: int) -> 
 
 
 def _rope_cos_sin(config: PublishedConfig, positions_BxQ: Array) -> tuple[Array, Array]:
-  """cos and sin of Llama's rotary angles, B x Q x K (angles in float32 as HF computes them,
-  then cast to the compute dtype as HF applies them)."""
+  """cos and sin of Llama's rotary angles, B x Q x K, in float32."""
   k = config.head_dim
   inv_freq_K2 = 1.0 / (config.rope_theta ** (np.arange(0, k, 2, dtype=np.float64) / k))
   angle_BxQxK2 = positions_BxQ.astype(jnp.float32)[..., None] * jnp.asarray(
       inv_freq_K2, jnp.float32)
   angle_BxQxK = jnp.concatenate([angle_BxQxK2, angle_BxQxK2], axis=-1)
-  dtype = config.jnp_dtype
-  return jnp.cos(angle_BxQxK).astype(dtype), jnp.sin(angle_BxQxK).astype(dtype)
+  return jnp.cos(angle_BxQxK), jnp.sin(angle_BxQxK)
 
 
 def _rope(x_BxQxHxK: Array, cos_BxQxK: Array, sin_BxQxK: Array) -> Array:
-  """x * cos + rotate_half(x) * sin (Llama's half-split rotation)."""
-  half = x_BxQxHxK.shape[-1] // 2
-  rotated = jnp.concatenate([-x_BxQxHxK[..., half:], x_BxQxHxK[..., :half]], axis=-1)
-  return x_BxQxHxK * cos_BxQxK[:, :, None] + rotated * sin_BxQxK[:, :, None]
+  """x * cos + rotate_half(x) * sin (Llama's half-split rotation), in float32 as LLaDA's
+  code does it (HF Llama rotates in the compute dtype: the same up to bfloat16 rounding),
+  cast back."""
+  x = x_BxQxHxK.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  out = x * cos_BxQxK[:, :, None] + rotated * sin_BxQxK[:, :, None]
+  return out.astype(x_BxQxHxK.dtype)
 
 
 def _qkv(config: PublishedConfig, layer: dict, x_BxQxD: Array, cos_BxQxK: Array,
