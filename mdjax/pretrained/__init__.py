@@ -1,13 +1,20 @@
-"""The published diffusion LMs' Hugging Face checkpoints (LLaDA, Dream): load and save.
+"""The published diffusion LMs' Hugging Face checkpoints (LLaDA, Dream): load, sample, save.
 
 `load(folder)` reads config.json, the safetensors weights (one file or sharded with an
 index), tokenizer.json and the chat template into a `PretrainedModel` whose `apply_fn` is
-`mdjax.models.published.denoiser(config)`; `save` writes such a folder back, bit for bit.
+`mdjax.models.published.denoiser(config)`; `generate` (LLaDA's, with Fast-dLLM's rules and
+caches) and `diffusion_generate` (Dream's) sample it as the reference code does;
+`complete` goes from texts to texts; `save` writes such a folder back, bit for bit.
 """
 
+from mdjax.pretrained.complete import (Completion, complete, encode_prompts, render_chat,
+                                       sample_family)
+from mdjax.pretrained.generate import diffusion_generate, generate
 from mdjax.pretrained.layouts import LAYOUTS, detect
 from mdjax.pretrained.load import PretrainedModel, load, partition_spec, save
 from mdjax.pretrained.tensors import read_checkpoint, read_header, read_tensor, write_checkpoint
 
-__all__ = ["LAYOUTS", "PretrainedModel", "detect", "load", "partition_spec", "read_checkpoint",
-           "read_header", "read_tensor", "save", "write_checkpoint"]
+__all__ = ["LAYOUTS", "Completion", "PretrainedModel", "complete", "detect",
+           "diffusion_generate", "encode_prompts", "generate", "load", "partition_spec",
+           "read_checkpoint", "read_header", "read_tensor", "render_chat", "sample_family",
+           "save", "write_checkpoint"]

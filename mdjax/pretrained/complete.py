@@ -1,0 +1,178 @@
+"""Text in, text out for a loaded checkpoint: prompts (optionally through its chat template)
+left-padded into one batch, completed by its reference sampler or any mdjax family.
+
+    model = pretrained.load("LLaDA-8B-Instruct", dtype="bfloat16")
+    out = pretrained.complete(model, ["What is 7 * 8?"], max_new_tokens=64, chat=True,
+                              steps=64, block_length=32)
+    print(out.texts[0])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from mdjax import sampling
+from mdjax.pretrained import generate as reference
+
+# The keyword arguments each reference sampler takes besides its lengths (the defaults
+# `complete` fills in are below).
+REFERENCE_KNOBS = {
+    "llada": ("steps", "block_length", "temperature", "cfg_scale", "remasking",
+              "logits_eos_inf", "confidence_eos_eot_inf", "threshold", "factor", "kv_cache"),
+    "dream": ("steps", "eps", "alg", "alg_temp", "temperature", "top_p", "top_k",
+              "per_row_count"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+  """The completions of one batch of prompts.
+
+  token_ids: each prompt's generated ids (the prompt and its padding dropped).
+  texts: their decoded text (None without a tokenizer).
+  prompt_BxP, attention_mask_BxP: the left-padded prompts as the sampler saw them.
+  """
+
+  token_ids: list[np.ndarray]
+  texts: list[str] | None
+  prompt_BxP: np.ndarray
+  attention_mask_BxP: np.ndarray
+
+
+def _special_token(value) -> str:
+  """A tokenizer_config.json special token: a string or {"content": ...}."""
+  if isinstance(value, dict):
+    return str(value.get("content", ""))
+  return "" if value is None else str(value)
+
+
+def render_chat(model, messages: Sequence[dict[str, str]]) -> str:
+  """The checkpoint's chat template applied to `messages` ([{"role", "content"}]), with the
+  assistant's turn opened (add_generation_prompt), as Hugging Face's apply_chat_template."""
+  if model.chat_template is None:
+    raise ValueError("chat=True needs the checkpoint's chat template (tokenizer_config.json "
+                     "'chat_template' or chat_template.jinja); this folder has none.")
+  import jinja2  # only chat prompts need it
+  from jinja2 import sandbox
+
+  special = {}
+  config_path = os.path.join(model.source or "", "tokenizer_config.json")
+  if model.source and os.path.isfile(config_path):
+    with open(config_path) as f:
+      special = json.load(f)
+
+  def raise_exception(message):
+    raise ValueError(f"the chat template refused the messages: {message}")
+
+  env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                              undefined=jinja2.StrictUndefined)
+  env.globals["raise_exception"] = raise_exception
+  env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
+  return env.from_string(model.chat_template).render(
+      messages=list(messages), add_generation_prompt=True,
+      bos_token=_special_token(special.get("bos_token")),
+      eos_token=_special_token(special.get("eos_token")))
+
+
+def encode_prompts(model, prompts: Sequence[Any], *, chat: bool = False
+                   ) -> tuple[np.ndarray, np.ndarray]:
+  """Prompts -> (ids [B, P] left-padded to the longest, attention mask [B, P]).
+
+  A prompt is a text, a list of ids, or (with chat=True, or always for a list of dicts) a
+  list of chat messages; a text with chat=True is one user message. Padding uses the EOS
+  id (LLaDA's pad id) and is masked out by the attention mask.
+  """
+  if not prompts:
+    raise ValueError("prompts is empty; give at least one prompt.")
+  rows = []
+  for i, prompt in enumerate(prompts):
+    is_messages = isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict)
+    if isinstance(prompt, str) or is_messages:
+      if chat or is_messages:
+        prompt = render_chat(model, [{"role": "user", "content": prompt}]
+                             if isinstance(prompt, str) else prompt)
+      if model.tokenizer is None:
+        raise ValueError(f"prompt {i} is text but the checkpoint has no tokenizer.json; "
+                         "give token ids.")
+      ids = model.tokenizer.encode(prompt, add_special_tokens=False).ids
+    else:
+      if chat:
+        raise ValueError(f"prompt {i} is ids; chat=True needs texts or messages.")
+      ids = list(prompt)
+    ids = np.asarray(ids, np.int64).reshape(-1)
+    if ids.size == 0:
+      raise ValueError(f"prompt {i} is empty.")
+    if ids.min() < 0 or ids.max() >= model.vocab_size or (ids == model.mask_id).any():
+      raise ValueError(f"prompt {i} holds ids outside [0, {model.vocab_size}) or the mask id "
+                       f"{model.mask_id}.")
+    rows.append(ids.astype(np.int32))
+  width = max(len(r) for r in rows)
+  pad = model.eos_id if model.eos_id is not None else 0
+  prompt_BxP = np.full((len(rows), width), pad, np.int32)
+  mask_BxP = np.zeros((len(rows), width), np.int32)
+  for i, ids in enumerate(rows):
+    prompt_BxP[i, width - len(ids):] = ids
+    mask_BxP[i, width - len(ids):] = 1
+  return prompt_BxP, mask_BxP
+
+
+def sample_family(model, prompt_BxP, spec: sampling.SamplerSpec, *, max_new_tokens: int,
+                  attention_mask=None, key=None):
+  """Any mdjax sampler family on [prompt, max_new_tokens masks]: ids [B, P + N]."""
+  prompt_BxP = reference._prompt(model, prompt_BxP)
+  reference._check_int(max_new_tokens, "max_new_tokens", 1)
+  batch, prompt_length = prompt_BxP.shape
+  valid_BxL = reference._valid(attention_mask, batch, prompt_length, max_new_tokens)
+  return reference._run(model, model.apply_fn, prompt_BxP, max_new_tokens, spec, valid_BxL,
+                        key)
+
+
+def complete(model, prompts: Sequence[Any], *, max_new_tokens: int,
+             spec: sampling.SamplerSpec | None = None, chat: bool = False, key=None,
+             stop_at_eos: bool = True, **knobs) -> Completion:
+  """Completes each prompt with `max_new_tokens` new tokens.
+
+  spec None runs the checkpoint's reference sampler (`generate` for LLaDA with
+  block_length = max_new_tokens and steps = max_new_tokens unless given;
+  `diffusion_generate` for Dream with steps = max_new_tokens unless given), `knobs` its
+  keyword arguments (REFERENCE_KNOBS); a `SamplerSpec` runs that mdjax family instead.
+  The decoded text of a row stops before its first EOS (or EoT) when stop_at_eos.
+  """
+  prompt_BxP, mask_BxP = encode_prompts(model, prompts, chat=chat)
+  if spec is not None:
+    if knobs:
+      raise ValueError(f"{sorted(knobs)} are reference-sampler arguments; with spec= the "
+                       "spec carries the sampler's knobs.")
+    ids_BxT = sample_family(model, prompt_BxP, spec, max_new_tokens=max_new_tokens,
+                            attention_mask=mask_BxP, key=key)
+  else:
+    allowed = REFERENCE_KNOBS[model.family]
+    unknown = sorted(set(knobs) - set(allowed))
+    if unknown:
+      raise ValueError(f"{unknown[0]}= does not apply to the {model.family} reference "
+                       f"sampler; its arguments: {', '.join(allowed)}.")
+    knobs.setdefault("steps", max_new_tokens)
+    if model.family == "llada":
+      knobs.setdefault("block_length", max_new_tokens)
+      ids_BxT = reference.generate(model, prompt_BxP, gen_length=max_new_tokens,
+                                   attention_mask=mask_BxP, key=key, **knobs)
+    else:
+      ids_BxT = reference.diffusion_generate(model, prompt_BxP, max_new_tokens=max_new_tokens,
+                                             attention_mask=mask_BxP, key=key, **knobs)
+  generated_BxN = np.asarray(jax.device_get(ids_BxT))[:, prompt_BxP.shape[1]:]
+  stops = {i for i in (model.eos_id, model.config.eot_id) if i is not None}
+  token_ids = []
+  for row in generated_BxN:
+    ends = np.flatnonzero(np.isin(row, list(stops))) if stop_at_eos and stops else []
+    token_ids.append(row[:ends[0]] if len(ends) else row)
+  texts = None
+  if model.tokenizer is not None:
+    texts = [model.tokenizer.decode([int(t) for t in row]) for row in token_ids]
+  return Completion(token_ids=token_ids, texts=texts, prompt_BxP=prompt_BxP,
+                    attention_mask_BxP=mask_BxP)
