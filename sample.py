@@ -23,6 +23,7 @@ import os
 import sys
 import tempfile
 import time
+import types
 
 from absl import app, flags, logging
 
@@ -64,7 +65,7 @@ _SCORE_GROUPS = flags.DEFINE_integer("score_groups", None,
 _BLOCK = flags.DEFINE_integer("block_length", None,
                               "Semi-autoregressive blocks (ancestral, confidence, entropy_bounded).")
 _KV_CACHE = flags.DEFINE_enum(
-    "kv_cache", None, list(sampling.KV_CACHES),
+    "kv_cache", None, list(sampling.KV_CACHES) + ["prefix"],
     "KV-cached block decoding (with --block_length): 'dual' runs one full pass per block, "
     "then passes over the block only. Exact oracles run it through the recompute adapter.")
 _REFRESH_EVERY = flags.DEFINE_integer(
@@ -101,6 +102,25 @@ _MAX_NEW_TOKENS = flags.DEFINE_integer(
     "max_new_tokens", None, "With --prompts: tokens generated after each prompt (fewer when a "
     "row ends at EOS), whatever the batch. Past the model's length a block-causal model "
     "generates block by block (--blocks_of, default its block size); others refuse.")
+_PRETRAINED = flags.DEFINE_string(
+    "pretrained", None, "A published checkpoint's Hugging Face folder (LLaDA, Dream): "
+    "completes --prompts with its reference sampler, or with --sampler's family.")
+_CHAT = flags.DEFINE_bool("chat", False, "With --pretrained: each prompt through the "
+                          "checkpoint's chat template (a user turn; or {\"messages\": [...]}).")
+_DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
+                           "With --pretrained: the weights' dtype (default: the checkpoint's).")
+_CFG_SCALE = flags.DEFINE_float("cfg_scale", None, "LLaDA: classifier-free guidance scale.")
+_REMASKING = flags.DEFINE_enum("remasking", None, ["low_confidence", "random"],
+                               "LLaDA: the confidence that picks the committed positions.")
+_LOGITS_EOS_INF = flags.DEFINE_bool("logits_eos_inf", False, "LLaDA: EOS is never proposed.")
+_CONFIDENCE_EOS_EOT_INF = flags.DEFINE_bool("confidence_eos_eot_inf", False,
+                                            "LLaDA: EoT proposals score 0 (LLaDA's knob).")
+_FACTOR = flags.DEFINE_float("factor", None, "Confidence / LLaDA: Fast-dLLM's dynamic threshold.")
+_ALG = flags.DEFINE_enum("alg", None, ["origin", "maskgit_plus", "topk_margin", "entropy"],
+                         "Dream: the algorithm that picks the revealed positions.")
+_ALG_TEMP = flags.DEFINE_float("alg_temp", None, "Dream: draw the revealed positions from "
+                               "softmax(confidence / alg_temp).")
+_EPS = flags.DEFINE_float("eps", None, "Dream: the time grid's last point, linspace(1, eps).")
 _EOS = flags.DEFINE_bool("eos", True, "End rows at the task's EOS id (text tasks of documents).")
 _EOS_PENALTY = flags.DEFINE_float("eos_penalty", None, "Subtracted from the EOS logit.")
 _EOS_NEVER = flags.DEFINE_bool("eos_never", False, "Never propose EOS.")
@@ -146,7 +166,8 @@ SPEC_FLAGS = {"steps": _STEPS, "k": _K, "temperature": _TEMPERATURE, "top_k": _T
               "threshold": _THRESHOLD, "score_groups": _SCORE_GROUPS, "block_length": _BLOCK,
               "rounds": _ROUNDS, "seeds": _SEEDS, "window": _WINDOW,
               "context_fraction": _CONTEXT_FRACTION, "kv_cache": _KV_CACHE,
-              "refresh_every": _REFRESH_EVERY}
+              "refresh_every": _REFRESH_EVERY, "factor": _FACTOR, "alg": _ALG,
+              "alg_temp": _ALG_TEMP, "eps": _EPS}
 DRAW_FLAGS = ("temperature", "top_k", "top_p", "min_p")  # local_remask: its base and refill's
 LOCAL_REMASK_FLAGS = ("steps", "base", "refill", "refill_steps") + DRAW_FLAGS
 SPECIAL_FLAGS = {"field_order": ("order",), "ordered": ("groups",),
@@ -295,6 +316,69 @@ def complete_prompts(task, apply_fn: Denoiser, params, spec) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def pretrained_sampler(model, length: int) -> dict:
+  """The keyword arguments of `pretrained.complete`: --sampler's spec, or without --sampler
+  the checkpoint's reference sampler and the knobs given for it."""
+  if _given("sampler"):
+    wrong = [n for n in PRETRAINED_FLAGS[2:] if _given(n)]
+    if wrong:
+      raise app.UsageError(f"--{wrong[0]} is a knob of LLaDA's reference sampler; it does "
+                           f"not apply with --sampler={_SAMPLER.value}.")
+    # sampler_spec reads a task's name and canvas length only.
+    return {"spec": sampler_spec(types.SimpleNamespace(name="pretrained", length=length,
+                                                       params=None))}
+  from mdjax import pretrained
+  values = {**SPEC_FLAGS, "cfg_scale": _CFG_SCALE, "remasking": _REMASKING,
+            "logits_eos_inf": _LOGITS_EOS_INF, "confidence_eos_eot_inf": _CONFIDENCE_EOS_EOT_INF}
+  allowed = [n for n in pretrained.REFERENCE_KNOBS[model.family] if n in values]
+  for name in sorted(set(values) | set(PRETRAINED_FLAGS[2:])):
+    if _given(name) and name not in allowed:
+      raise app.UsageError(f"--{name} does not apply to the {model.family} reference sampler "
+                           f"(or give --sampler); its flags: "
+                           + ", ".join(f"--{n}" for n in allowed) + ".")
+  return {name: values[name].value for name in allowed if _given(name)}
+
+
+def complete_pretrained() -> None:
+  """--pretrained: `pretrained.complete` on --prompts, completions.jsonl, tokens per second."""
+  from mdjax import pretrained
+  try:
+    prompts = pretrained.read_prompts(_PROMPTS.value)
+    model = pretrained.load(_PRETRAINED.value, dtype=_DTYPE.value)
+    prompt_BxP, _ = pretrained.encode_prompts(model, prompts, chat=_CHAT.value)
+  except (ValueError, OSError) as error:
+    raise app.UsageError(str(error)) from error
+  if _BATCH.value < 1:
+    raise app.UsageError(f"--batch_size={_BATCH.value} must be >= 1.")
+  knobs = pretrained_sampler(model, prompt_BxP.shape[1] + _MAX_NEW_TOKENS.value)
+  print(f"pretrained={_PRETRAINED.value} family={model.family} dtype={model.config.dtype} "
+        f"prompts={len(prompts)} sampler={knobs.get('spec', 'reference')}")
+  start_time = time.perf_counter()
+  rows, output_tokens = [], 0
+  for first in range(0, len(prompts), _BATCH.value):
+    part = prompts[first:first + _BATCH.value]
+    try:
+      out = pretrained.complete(model, part, max_new_tokens=_MAX_NEW_TOKENS.value,
+                                chat=_CHAT.value,
+                                key=jax.random.fold_in(jax.random.key(_SEED.value), first),
+                                **knobs)
+    except ValueError as error:
+      raise app.UsageError(str(error)) from error
+    for prompt, text, ids in zip(part, out.texts or [None] * len(part), out.token_ids):
+      rows.append({"prompt": prompt, "completion": text, "token_ids": ids.tolist(),
+                   "generated_length": len(ids)})
+      output_tokens += len(ids)
+  elapsed = time.perf_counter() - start_time
+  for row in rows[:_NUM_SHOWN.value]:
+    print(f"--- {row['prompt']!r} -> {row['completion']!r}")
+  print(f"{len(rows)} completions, {output_tokens} output tokens (up to EOS) in {elapsed:.2f}s: "
+        f"{output_tokens / elapsed:.1f} output tokens/s")
+  if _OUT.value:
+    with open(os.path.join(_OUT.value, "completions.jsonl"), "w") as f:
+      for row in rows:
+        f.write(json.dumps(row) + "\n")
+
+
 def generate_in_blocks(task, apply_fn: Denoiser, params, spec) -> None:
   """--blocks_of: `sampling.sample_blocks` after --prompt / --prefix, any --length."""
   block = _BLOCKS_OF.value
@@ -368,14 +452,40 @@ SOURCE_FLAGS = {"task": ("oracle", "the workdir's checkpoint fixes the task"),
                 "step": ("workdir", "it picks a checkpoint of --workdir")}
 
 
+# Flags only --pretrained reads, and the reference samplers' knobs.
+PRETRAINED_FLAGS = ("chat", "dtype", "cfg_scale", "remasking", "logits_eos_inf",
+                    "confidence_eos_eot_inf")
+# What --pretrained does not read: the task, its canvas and its EOS (the reference samplers
+# have their own EOS knobs).
+NOT_PRETRAINED = ("task", "step", "prompt", "prefix", "suffix", "reference", "num_samples",
+                  "blocks_of", "length", "context", "eos", "eos_penalty", "eos_never",
+                  "eos_rank_last")
+
+
 def mode() -> str:
+  if _PRETRAINED.value:
+    return "pretrained"
   return "prompts" if _PROMPTS.value else "blocks" if _BLOCKS_OF.value is not None else "samples"
 
 
 def check_mode_flags() -> None:
   """Refuses, in one line, a flag that the mode or the source does not use."""
-  if bool(_WORKDIR.value) == _ORACLE.value:
-    raise app.UsageError("give exactly one of --workdir=DIR and --oracle.")
+  if bool(_WORKDIR.value) + _ORACLE.value + bool(_PRETRAINED.value) != 1:
+    raise app.UsageError("give exactly one of --workdir=DIR, --oracle and --pretrained=DIR.")
+  if _PRETRAINED.value:
+    for name in NOT_PRETRAINED:
+      if _given(name):
+        raise app.UsageError(f"--{name} does not apply with --pretrained: it completes "
+                             "--prompts with the checkpoint's own ids and samplers.")
+    if not _PROMPTS.value or _MAX_NEW_TOKENS.value is None:
+      raise app.UsageError("--pretrained needs --prompts=FILE.jsonl and --max_new_tokens=N.")
+    return
+  for name in PRETRAINED_FLAGS:
+    if _given(name):
+      raise app.UsageError(f"--{name} applies only with --pretrained=DIR.")
+  if _given("kv_cache") and _KV_CACHE.value == "prefix":
+    raise app.UsageError("--kv_cache=prefix applies only with --pretrained=DIR (LLaDA's "
+                         "reference sampler).")
   source = "workdir" if _WORKDIR.value else "oracle"
   for name, (wanted, why) in SOURCE_FLAGS.items():
     if _given(name) and source != wanted:
@@ -398,6 +508,8 @@ def main(argv):
   check_mode_flags()
   if _OUT.value:
     check_out(_OUT.value)
+  if _PRETRAINED.value:
+    return complete_pretrained()
   if _WORKDIR.value:
     import mdjax
     try:

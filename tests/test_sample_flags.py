@@ -8,6 +8,7 @@ error. Any other outcome (the same calls, output and files) is a flag silently i
 """
 
 import json
+import os
 import re
 import types
 
@@ -19,6 +20,7 @@ from absl import flags
 import sample
 from mdjax import tasks
 from mdjax.denoiser import Denoiser
+from tests.paths import REPO
 from tests.text_fixtures import tiny_config, write_corpus
 
 # A value for each flag (not its default), and the flags its sampler family needs.
@@ -44,12 +46,18 @@ FLAG_VALUES = {
     "num_samples": ("3", {}), "seed": ("1", {}), "out": (None, {}), "prompts": (None, {}),
     "max_new_tokens": ("2", {}), "eos": ("false", {}), "eos_penalty": ("0.5", {}),
     "eos_never": ("true", {}), "eos_rank_last": ("true", {}),
+    "pretrained": ("/ckpt", {}), "chat": ("true", {}), "dtype": ("bfloat16", {}),
+    "cfg_scale": ("0.5", {}), "remasking": ("random", {}), "logits_eos_inf": ("true", {}),
+    "confidence_eos_eot_inf": ("true", {}), "factor": ("1.0", {"sampler": "confidence"}),
+    "alg": ("entropy", {"sampler": "dream"}), "alg_temp": ("0.5", {"sampler": "dream"}),
+    "eps": ("0.01", {"sampler": "dream"}),
 }
 MODES = {
     "oracle": {"oracle": "true", "num_samples": "4", "batch_size": "4"},
     "workdir": {"workdir": "/run", "num_samples": "4"},
     "prompts": {"workdir": "/run", "prompts": None, "max_new_tokens": "4"},
     "blocks": {"workdir": "/run", "blocks_of": "4", "length": "8", "num_samples": "2"},
+    "pretrained": {"pretrained": "/ckpt", "prompts": None, "max_new_tokens": "4"},
 }
 
 
@@ -95,6 +103,16 @@ class Recorder:
     return types.SimpleNamespace(task=self.task, apply_fn=denoiser, params=None,
                                  step=step or 7)
 
+  def load_pretrained(self, path, dtype=None):
+    self.calls.append(("load_pretrained", path, dtype))
+    return self.checkpoint
+
+  def complete(self, model, prompts, *, max_new_tokens, key=None, **kw):
+    self.calls.append(("complete", repr(prompts), max_new_tokens, _plain(key),
+                       sorted((k, _plain(v)) for k, v in kw.items())))
+    ids = [np.ones(max_new_tokens, np.int32) for _ in prompts]
+    return types.SimpleNamespace(token_ids=ids, texts=["x" * max_new_tokens] * len(prompts))
+
   def reference(self, workdir, task, tokens_NxL):
     self.calls.append(("reference", workdir, _plain(tokens_NxL)))
     return 1.5
@@ -133,7 +151,12 @@ def test_every_flag_in_every_mode_is_used_or_refused(sample_cli, text_task, tmp_
   monkeypatch.setattr(sample.sampling, "sample_blocks", recorder.sample_blocks)
   monkeypatch.setattr(sample, "reference_bits_per_char", recorder.reference)
   import mdjax
+  from mdjax import pretrained
   monkeypatch.setattr(mdjax, "load", recorder.load)
+  # The tiny LLaDA fixture (its tokenizer and chat template encode the prompts).
+  recorder.checkpoint = pretrained.load(os.path.join(REPO, "tests/fixtures/pretrained/llada"))
+  monkeypatch.setattr(pretrained, "load", recorder.load_pretrained)
+  monkeypatch.setattr(pretrained, "complete", recorder.complete)
   table, ignored, unnamed = {}, [], []
   for mode, base in MODES.items():
     assert _run(sample_cli, recorder, tmp_path, base)[0].returncode == 0, mode
@@ -162,13 +185,19 @@ def test_every_flag_in_every_mode_is_used_or_refused(sample_cli, text_task, tmp_
   # --order needs a task with named fields (scan_and_add), which a workdir of text is not:
   # its family is refused there, so --order cannot be ignored either. Nothing else is.
   family_refused = {key for key, outcome in table.items() if outcome == "family refused"}
-  assert family_refused == {(mode, "order") for mode in ("workdir", "prompts", "blocks")}
+  assert family_refused == {(mode, "order")
+                            for mode in ("workdir", "prompts", "blocks", "pretrained")}
   # The ones the modes exist for are used there.
   for mode, name in (("prompts", "max_new_tokens"), ("prompts", "blocks_of"),
                      ("blocks", "length"), ("blocks", "context"), ("workdir", "step"),
-                     ("oracle", "num_samples"), ("prompts", "batch_size"), ("oracle", "order")):
+                     ("oracle", "num_samples"), ("prompts", "batch_size"), ("oracle", "order"),
+                     ("pretrained", "chat"), ("pretrained", "dtype"), ("pretrained", "cfg_scale"),
+                     ("pretrained", "remasking"), ("pretrained", "batch_size"),
+                     ("pretrained", "alg"), ("pretrained", "factor")):
     assert table[mode, name] == "used", (mode, name, table[mode, name])
   for mode, name in (("prompts", "length"), ("prompts", "num_samples"), ("prompts", "prefix"),
                      ("workdir", "task"), ("oracle", "step"), ("blocks", "suffix"),
-                     ("blocks", "reference"), ("oracle", "max_new_tokens")):
+                     ("blocks", "reference"), ("oracle", "max_new_tokens"),
+                     ("pretrained", "task"), ("pretrained", "eos"), ("pretrained", "top_k"),
+                     ("oracle", "chat"), ("workdir", "cfg_scale")):
     assert table[mode, name] == "refused", (mode, name, table[mode, name])
