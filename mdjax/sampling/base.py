@@ -163,7 +163,8 @@ class Canvas:
   """The host's view of a call, for validation and plans made before tracing.
 
   tokens and fixed are numpy arrays, or None when `sample` runs inside a trace (fixed is
-  still known there when the caller passes a concrete fixed_BxL).
+  still known there when the caller passes a concrete fixed_BxL). vocab_size is V, the
+  denoiser's logits per position (None: V = mask_id, the mask outside the vocabulary).
   """
 
   batch: int
@@ -171,6 +172,11 @@ class Canvas:
   mask_id: int
   tokens: np.ndarray | None
   fixed: np.ndarray | None
+  vocab_size: int | None = None
+
+  def __post_init__(self):
+    if self.vocab_size is None:
+      object.__setattr__(self, "vocab_size", self.mask_id)
 
   def generated(self) -> np.ndarray | None:
     """Positions some row generates (masked and not fixed), or None when traced."""
@@ -278,18 +284,40 @@ class Core(CountedView):
         counters=self.counters + inner.counters)
 
 
+def mask_inside(mask_id: int, vocab_size: int | None) -> int | None:
+  """The mask id when it lies inside the vocabulary (mask_id < V), else None (V = mask_id:
+  the denoiser has no logit for it)."""
+  return None if vocab_size is None or mask_id >= vocab_size else mask_id
+
+
 @struct.dataclass
 class Context:
-  """Per-call constants: fixed for the whole trajectory."""
+  """Per-call constants: fixed for the whole trajectory.
+
+  vocab_size is V, the logits per position: token ids are 0..V-1 and the mask id, which is
+  V (outside the vocabulary) or an id inside it (a published checkpoint's own mask id).
+  None: V = mask_id.
+  """
 
   mask_id: int = struct.field(pytree_node=False)
   editable_BxL: Array  # positions a sampler may write (not fixed)
   keys_B: Array  # the row keys; step i uses fold_in(row key, i)
   shift_B: Array | None = None  # each row's first valid position (see StepInfo)
+  vocab_size: int | None = struct.field(pytree_node=False, default=None)
 
   def masked(self, tokens_BxL: Array) -> Array:
     """Masked editable positions."""
     return (tokens_BxL == self.mask_id) & self.editable_BxL
+
+  @property
+  def vocab(self) -> int:
+    """V: the logits per position."""
+    return self.mask_id if self.vocab_size is None else self.vocab_size
+
+  @property
+  def mask_in_vocab(self) -> int | None:
+    """The mask id when it is an id inside the vocabulary, else None."""
+    return mask_inside(self.mask_id, self.vocab_size)
 
 
 @struct.dataclass
@@ -320,12 +348,23 @@ class BoundDenoiser:
   per-row arrays: `sample_blocks` passes each row's window canvas, or its cache). N = J x B
   contexts get them tiled context-major (J blocks of B rows), or repeated row-major when
   the caller says so, so they follow the rows of every context a family builds.
+
+  mask_in_vocab: a mask id inside the vocabulary (`Context.mask_in_vocab`); every pass
+  returns its logit as -inf, so no family ever draws, scores or proposes the mask, even
+  from a denoiser that forgets to rule it out. None (the mask id is V): logits as given.
   """
 
   model: Denoiser
   params: Any
   valid_BxL: Array | None = None
   context: Any = None
+  mask_in_vocab: int | None = None
+
+  def _no_mask(self, logits_NxLxV: Array) -> Array:
+    """The logits with the mask id's ruled out (-inf), where it lies inside the vocabulary."""
+    if self.mask_in_vocab is None:
+      return logits_NxLxV
+    return logits_NxLxV.at[..., self.mask_in_vocab].set(-jnp.inf)
 
   @classmethod
   def of(cls, denoiser) -> "BoundDenoiser":
@@ -352,17 +391,20 @@ class BoundDenoiser:
 
   def __call__(self, tokens_NxL: Array, t, row_major: bool = False) -> Array:
     t_N = jnp.full((tokens_NxL.shape[0],), t, jnp.float32)
-    return self.model.apply(self.params, tokens_NxL, t_N,
-                            **self.rows_for(tokens_NxL.shape[0], row_major))
+    return self._no_mask(self.model.apply(self.params, tokens_NxL, t_N,
+                                          **self.rows_for(tokens_NxL.shape[0], row_major)))
 
   def prefill(self, tokens_BxL: Array, t_B: Array):
     """The model's full pass that returns its cache: (logits_BxLxV, cache)."""
-    return self.model.prefill(self.params, tokens_BxL, t_B, **self.rows_for(len(tokens_BxL)))
+    logits_BxLxV, cache = self.model.prefill(self.params, tokens_BxL, t_B,
+                                             **self.rows_for(len(tokens_BxL)))
+    return self._no_mask(logits_BxLxV), cache
 
   def decode(self, cache, tokens_BxW: Array, start, t_B: Array):
     """The model's pass over W positions from `start` against `cache`: (logits, cache)."""
-    return self.model.decode(self.params, cache, tokens_BxW, start, t_B,
-                             **self.rows_for(len(tokens_BxW)))
+    logits_BxWxV, cache = self.model.decode(self.params, cache, tokens_BxW, start, t_B,
+                                            **self.rows_for(len(tokens_BxW)))
+    return self._no_mask(logits_BxWxV), cache
 
 
 # ----------------------------------------------------------------------------

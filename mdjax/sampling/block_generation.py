@@ -94,7 +94,8 @@ def _block_denoiser(denoiser: Denoiser, offset: Array, cached: bool) -> Denoiser
 
 def _check(denoiser: Denoiser, params, prompt: np.ndarray, spec, *, length, blocks_of, window,
            mask_id, valid: np.ndarray | None, cached: bool):
-  """The checks that need no tracing of the whole program; returns (family, plan, skip)."""
+  """The checks that need no tracing of the whole program; returns (family, plan, skip,
+  vocab_size)."""
   check(isinstance(blocks_of, (int, np.integer)) and blocks_of >= 1, "blocks_of",
         blocks_of, "must be an integer >= 1")
   check(isinstance(length, (int, np.integer)) and length >= 1 and length % blocks_of == 0,
@@ -102,19 +103,14 @@ def _check(denoiser: Denoiser, params, prompt: np.ndarray, spec, *, length, bloc
   check(isinstance(window, (int, np.integer)) and window >= blocks_of, "window", window,
         f"must be an integer >= blocks_of={blocks_of} (a window shorter than one "
         "block cannot hold the block before it)")
-  check(isinstance(mask_id, (int, np.integer)) and mask_id >= 1, "mask_id", mask_id,
-        "must be the mask id V >= 1")
+  driver.check_mask_id(mask_id)
   check(spec.kv_cache == "none", "spec.kv_cache", spec.kv_cache,
         "must be 'none': sample_blocks keeps the cache itself (cached=True)")
   if prompt.ndim != 2 or not np.issubdtype(prompt.dtype, np.integer):
     raise ValueError(f"prompt_BxP has shape {prompt.shape} and dtype {prompt.dtype}; it must "
                      "be a 2-D integer array (P = 0 for no prompt).")
-  if prompt.size and (prompt.min() < 0 or prompt.max() >= mask_id):
-    raise ValueError(f"prompt_BxP holds ids in [{prompt.min()}, {prompt.max()}]; a prompt "
-                     f"holds tokens 0..{mask_id - 1} (the mask id is {mask_id}).")
   if valid is not None and valid.shape != prompt.shape:
     raise ValueError(f"valid_BxP has shape {valid.shape}; prompt_BxP has {prompt.shape}.")
-  EndOfRow.of(spec).check_vocabulary(mask_id)
   if cached:
     model_block = denoiser.block_size
     if model_block is None or not denoiser.offers_cache:
@@ -126,15 +122,10 @@ def _check(denoiser: Denoiser, params, prompt: np.ndarray, spec, *, length, bloc
           f"must be a multiple of the model's block size {model_block} (cached=True)")
     check(window % model_block == 0, "window", window,
           f"must be a multiple of the model's block size {model_block} (cached=True)")
-  family = family_of(spec)
   batch = prompt.shape[0]
-  canvas = Canvas(batch=batch, length=blocks_of, mask_id=mask_id,
-                  tokens=np.full((batch, blocks_of), mask_id, np.int32),
-                  fixed=np.zeros((batch, blocks_of), bool))
-  family.validate(spec, canvas)
-  plan = family.plan(spec, canvas)
   # The denoiser on [window, block], traced abstractly: a model that cannot take
-  # window + blocks_of positions or valid_BxL fails here, before compiling.
+  # window + blocks_of positions or valid_BxL fails here, before compiling; its logits
+  # give V.
   context = jax.ShapeDtypeStruct((batch, window + blocks_of), jnp.int32)
   try:
     out = jax.eval_shape(
@@ -144,10 +135,23 @@ def _check(denoiser: Denoiser, params, prompt: np.ndarray, spec, *, length, bloc
     raise ValueError(f"apply_fn does not take valid_BxL ({error}); sample_blocks pads the "
                      "window on the left and needs apply_fn(params, tokens_BxL, t_B, "
                      "valid_BxL=...).") from None
-  if tuple(out.shape) != (*context.shape, mask_id):
+  if len(out.shape) != 3 or tuple(out.shape[:2]) != context.shape:
     raise ValueError(f"apply_fn returns logits of shape {tuple(out.shape)} on a window of "
-                     f"{context.shape}; expected {(*context.shape, mask_id)} (V = mask id).")
-  return family, plan, driver.skips_idle_steps(family, spec, canvas, plan)
+                     f"{context.shape}; expected {(*context.shape, 'V')}.")
+  vocab_size = int(out.shape[-1])
+  driver.check_mask_id(mask_id, vocab_size)
+  if prompt.size and (prompt.min() < 0 or prompt.max() >= vocab_size
+                      or (prompt == mask_id).any()):
+    raise ValueError(f"prompt_BxP holds ids in [{prompt.min()}, {prompt.max()}]; a prompt "
+                     f"holds tokens 0..{vocab_size - 1}, never the mask id {mask_id}.")
+  EndOfRow.of(spec).check_vocabulary(vocab_size, mask_id)
+  family = family_of(spec)
+  canvas = Canvas(batch=batch, length=blocks_of, mask_id=mask_id,
+                  tokens=np.full((batch, blocks_of), mask_id, np.int32),
+                  fixed=np.zeros((batch, blocks_of), bool), vocab_size=vocab_size)
+  family.validate(spec, canvas)
+  plan = family.plan(spec, canvas)
+  return family, plan, driver.skips_idle_steps(family, spec, canvas, plan), vocab_size
 
 
 def sample_blocks(apply_fn, params: Any, key: Array, prompt_BxP, spec, *, length: int,
@@ -170,7 +174,8 @@ def sample_blocks(apply_fn, params: Any, key: Array, prompt_BxP, spec, *, length
       means semi-autoregressive blocks inside the canvas.)
     window: positions of context before each block (>= blocks_of); window +
       blocks_of should be the length the model was trained on.
-    mask_id: the mask id V.
+    mask_id: the mask id: V (the denoiser's logits per position) or an id inside the
+      vocabulary (never drawn: see `sampling.sample`).
     valid_BxP: False on the prompts' left padding (default: every position valid).
     cached: keep the canvas's keys and values (exact on a block-causal model) and run the
       family's calls on the block only.
@@ -187,9 +192,10 @@ def sample_blocks(apply_fn, params: Any, key: Array, prompt_BxP, spec, *, length
   prompt = np.asarray(prompt_BxP)
   valid = None if valid_BxP is None else np.asarray(valid_BxP).astype(bool)
   denoiser = Denoiser.of(apply_fn)
-  family, plan, skip = _check(denoiser, params, prompt, spec, length=length,
-                              blocks_of=blocks_of, window=window, mask_id=mask_id,
-                              valid=valid, cached=cached)
+  family, plan, skip, vocab_size = _check(denoiser, params, prompt, spec, length=length,
+                                          blocks_of=blocks_of, window=window, mask_id=mask_id,
+                                          valid=valid, cached=cached)
+  mask_id = int(mask_id)
   batch = prompt.shape[0]
   driver._check_key_rows(key, batch)
   valid = np.ones(prompt.shape, bool) if valid is None else valid
@@ -198,7 +204,8 @@ def sample_blocks(apply_fn, params: Any, key: Array, prompt_BxP, spec, *, length
   if denoiser.block_size is not None:  # blocks start where the model's blocks do
     whole_BxP, valid, tail_BxR = split_tails(prompt, valid, denoiser.block_size, mask_id)
   return _program(denoiser, params, driver.row_keys(key, batch), prompt, whole_BxP, valid,
-                  tail_BxR, plan, spec=spec, mask_id=mask_id, length=length,
+                  tail_BxR, plan, spec=spec, mask_id=mask_id, vocab_size=vocab_size,
+                  length=length,
                   blocks_of=blocks_of, window=window, cached=cached, skip=skip)
 
 
@@ -270,10 +277,11 @@ def _generated(tokens_BxS: Array, tail_B: Array, *, first: int, tail_width: int,
   return jnp.take_along_axis(tokens_BxS, columns_BxG, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("denoiser", "spec", "mask_id", "length",
-                                             "blocks_of", "window", "cached", "skip"))
+@functools.partial(jax.jit, static_argnames=("denoiser", "spec", "mask_id", "vocab_size",
+                                             "length", "blocks_of", "window", "cached", "skip"))
 def _program(denoiser, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_BxR, plan, *,
-             spec, mask_id, length, blocks_of, window, cached, skip) -> BlocksResult:
+             spec, mask_id, vocab_size, length, blocks_of, window, cached,
+             skip) -> BlocksResult:
   """The generation: `whole_BxP` (valid: `valid_BxP`) before the blocks, `tail_BxR` fixed at
   the start of the first one (`split_tails`); returns `prompt_BxP` and each row's `length`
   positions after its tail."""
@@ -312,11 +320,11 @@ def _program(denoiser, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_Bx
     if cached:
       cache = refreshed(n, cache, fits, offset, tokens_BxC, valid_BxC)
     context = cache if cached else tokens_BxC
-    block = BoundDenoiser(_block_denoiser(denoiser, offset, cached), params, valid_BxL=valid_BxC,
-                          context=context)
     block_BxW = jax.lax.dynamic_slice_in_dim(tokens_BxC, offset, blocks_of, axis=1)
     core, ctx = driver._start(jax.vmap(jax.random.fold_in, (0, None))(keys_B, n), block_BxW,
-                              None, mask_id)
+                              None, mask_id, vocab_size=vocab_size)
+    block = BoundDenoiser(_block_denoiser(denoiser, offset, cached), params, valid_BxL=valid_BxC,
+                          context=context, mask_in_vocab=ctx.mask_in_vocab)
     core, _, _ = driver.run(spec, block, core, ctx, plan, skip)
     return core.tokens_BxL, core.counters.add(nfe=int(cached)), cache
 

@@ -42,8 +42,8 @@ class SampleResult(CountedView):
       its sequential depth.
     reopened_B: committed tokens returned to the mask (remasking, revision).
     nonfinite_B: positions of the row written from non-finite (NaN or inf) logits.
-  invalid_B: positions of the row whose input was invalid (a token id outside [0, V], or
-    a fixed position holding the mask id). `sample` raises for these before tracing; inside
+  invalid_B: positions of the row whose input was invalid (a token id outside [0, V) that is
+    not the mask id, or a fixed position holding the mask id). `sample` raises for these before tracing; inside
     the caller's jit, where values cannot be read before the run, they are reported here.
   unfilled_B: editable positions of the row still masked at the end (0 for every family
     when the spec covers the canvas; inside a jit, a write order that misses positions
@@ -96,15 +96,33 @@ def _host_array(x) -> np.ndarray | None:
     return None
 
 
-def _check_values(tokens: np.ndarray, fixed: np.ndarray, mask_id: int):
-  if tokens.min() < 0 or tokens.max() > mask_id:
-    bad = tokens[(tokens < 0) | (tokens > mask_id)][0]
-    raise ValueError(f"tokens_BxL holds {bad}; token ids must lie in [0, {mask_id}] "
-                     f"({mask_id} being the mask id).")
+def _check_values(tokens: np.ndarray, fixed: np.ndarray, mask_id: int,
+                  vocab_size: int | None):
+  """Token ids in [0, V) or the mask id, and no fixed position on the mask. With V None
+  (not known before the denoiser is traced) only what needs no V: no negative id."""
+  bad_BxL = tokens < 0
+  if vocab_size is not None:
+    bad_BxL |= (tokens >= vocab_size) & (tokens != mask_id)
+  if bad_BxL.any():
+    allowed = ("must be >= 0" if vocab_size is None else
+               f"must lie in [0, {vocab_size - 1}] or be the mask id {mask_id}")
+    raise ValueError(f"tokens_BxL holds {tokens[bad_BxL][0]}; token ids {allowed}.")
   if (fixed & (tokens == mask_id)).any():
     row, pos = np.argwhere(fixed & (tokens == mask_id))[0]
     raise ValueError(f"fixed_BxL marks position {pos} of row {row} as fixed, but it holds "
                      f"the mask id {mask_id}; fixed positions need a token.")
+
+
+def check_mask_id(mask_id, vocab_size: int | None = None) -> None:
+  """mask_id is an integer in [0, V]: V (outside the vocabulary) or an id inside it."""
+  if isinstance(mask_id, bool) or not isinstance(mask_id, (int, np.integer)) or mask_id < 0:
+    raise ValueError(f"mask_id={mask_id!r} is invalid: it must be an integer id >= 0 (V, the "
+                     "denoiser's logits per position, or an id inside the vocabulary).")
+  if vocab_size is not None and mask_id > vocab_size:
+    raise ValueError(f"mask_id={mask_id} is invalid: the denoiser returns V={vocab_size} "
+                     f"logits per position, so the mask id must lie in [0, {vocab_size}]: "
+                     f"{vocab_size} (the mask outside the vocabulary) or an id inside it "
+                     "(its logit is then ruled out, -inf).")
 
 
 # The denoiser's output shape per signature (denoiser, parameter shapes, B, L): tracing a
@@ -160,6 +178,9 @@ def _prepare(denoiser: Denoiser, params, key, tokens_BxL, spec, fixed_BxL, mask_
   if mask_id is None:
     logits_shape = _logits_shape(denoiser, params, batch, length)
     mask_id = int(logits_shape[-1])
+  else:
+    check_mask_id(mask_id)
+    mask_id = int(mask_id)
   if fixed_BxL is not None and np.shape(fixed_BxL) != shape:
     raise ValueError(f"fixed_BxL has shape {np.shape(fixed_BxL)}; tokens_BxL has {shape}.")
   tokens = _host_array(tokens_BxL)
@@ -168,31 +189,39 @@ def _prepare(denoiser: Denoiser, params, key, tokens_BxL, spec, fixed_BxL, mask_
     fixed = fixed.astype(bool)  # known even with traced tokens: blocks can be counted
   elif fixed_BxL is not None:
     tokens = None  # a traced layout: nothing value-dependent can be checked before the run
+  inferred = logits_shape is not None
   if tokens is not None:
     fixed = tokens != mask_id if fixed is None else fixed
-    _check_values(tokens, fixed, mask_id)
-    if logits_shape is not None and not family.rewrites and not (tokens == mask_id).any():
+    # With mask_id given, V is known only after the trace below: an id above the mask id
+    # may be a token (a mask inside the vocabulary), so only negative ids are refused here.
+    _check_values(tokens, fixed, mask_id, mask_id if inferred else None)
+    if inferred and not family.rewrites and not (tokens == mask_id).any():
       raise ValueError(
           f"tokens_BxL holds no mask id {mask_id} (taken from apply_fn's {mask_id} logits per "
           "position): there is nothing to generate. If the denoiser's logits include the mask "
-          "class, pass mask_id=V.")
-  EndOfRow.of(spec).check_vocabulary(mask_id)
-  canvas = Canvas(batch=batch, length=length, mask_id=mask_id, tokens=tokens, fixed=fixed)
+          "class, pass its id as mask_id=.")
+  # The one check that traces the denoiser (abstractly, once per signature): V.
+  logits_shape = logits_shape or _logits_shape(denoiser, params, batch, length)
+  if len(logits_shape) != 3 or logits_shape[:2] != (batch, length):
+    raise ValueError(f"apply_fn returns logits of shape {logits_shape}; expected (B, L, V) "
+                     f"with (B, L) = {(batch, length)}.")
+  vocab_size = int(logits_shape[-1])
+  check_mask_id(mask_id, vocab_size)
+  if tokens is not None and not inferred:
+    _check_values(tokens, fixed, mask_id, vocab_size)
+  EndOfRow.of(spec).check_vocabulary(vocab_size, mask_id)
+  canvas = Canvas(batch=batch, length=length, mask_id=mask_id, tokens=tokens, fixed=fixed,
+                  vocab_size=vocab_size)
   streams.check_steps(family.num_steps(spec, length))
   family.validate(spec, canvas)
   plan = family.plan(spec, canvas)
   kv_plan = kv_cache.plan(denoiser, family, spec, canvas)
-  # Last: the only check that traces the denoiser (abstractly, once per signature).
-  logits_shape = logits_shape or _logits_shape(denoiser, params, batch, length)
-  if logits_shape != (batch, length, mask_id):
-    raise ValueError(f"apply_fn returns logits of shape {logits_shape}; expected "
-                     f"(B, L, V) = {(batch, length, mask_id)} with V = mask id.")
   args = (params, key, tokens_BxL, fixed_BxL, plan, kv_plan)
   if valid_BxL is not None:
     args += (_check_valid(denoiser, params, valid_BxL, canvas),)
     kv_cache.check_exact_valid(denoiser, spec, canvas, args[-1])
   skip = skips_idle_steps(family, spec, canvas, plan)
-  return family, args, dict(spec=spec, mask_id=mask_id, skip=skip)
+  return family, args, dict(spec=spec, mask_id=mask_id, vocab_size=vocab_size, skip=skip)
 
 
 def _check_valid(denoiser: Denoiser, params, valid_BxL, canvas: Canvas):
@@ -259,7 +288,8 @@ class _Reuse:
   logits_BxLxV: Array
 
 
-def _start(key, tokens_BxL, fixed_BxL, mask_id, valid_BxL=None) -> tuple[Core, Context]:
+def _start(key, tokens_BxL, fixed_BxL, mask_id, valid_BxL=None,
+           vocab_size: int | None = None) -> tuple[Core, Context]:
   """The shared carry and the call's constants, from the arguments as `sample` got them.
   With a validity mask, draws are indexed from each row's first valid position."""
   tokens_BxL = tokens_BxL.astype(jnp.int32)
@@ -267,7 +297,7 @@ def _start(key, tokens_BxL, fixed_BxL, mask_id, valid_BxL=None) -> tuple[Core, C
   keys_B = row_keys(key, tokens_BxL.shape[0])
   shift_B = None if valid_BxL is None else jnp.argmax(valid_BxL, -1).astype(jnp.int32)
   return Core.start(tokens_BxL), Context(mask_id=mask_id, editable_BxL=~fixed_BxL, keys_B=keys_B,
-                                         shift_B=shift_B)
+                                         shift_B=shift_B, vocab_size=vocab_size)
 
 
 @struct.dataclass
@@ -396,8 +426,10 @@ def run(spec, denoiser: BoundDenoiser, core: Core, ctx: Context, plan, skip: boo
 
 
 def _invalid_input(tokens_BxL: Array, ctx: Context) -> Array:
-  """Positions per row with a token id outside [0, V] or a fixed position on the mask."""
-  out_of_range_BxL = (tokens_BxL < 0) | (tokens_BxL > ctx.mask_id)
+  """Positions per row with a token id outside [0, V) that is not the mask id, or a fixed
+  position on the mask."""
+  out_of_range_BxL = (tokens_BxL < 0) | ((tokens_BxL >= ctx.vocab)
+                                         & (tokens_BxL != ctx.mask_id))
   fixed_mask_BxL = ~ctx.editable_BxL & (tokens_BxL == ctx.mask_id)
   return (out_of_range_BxL | fixed_mask_BxL).sum(-1)
 
@@ -413,12 +445,12 @@ def _result(family: Family, spec, core: Core, aux, trajectory, ctx: Context,
                       extras=family.extras(spec, aux))
 
 
-@functools.partial(jax.jit, static_argnames=("denoiser", "spec", "mask_id", "skip"))
+@functools.partial(jax.jit, static_argnames=("denoiser", "spec", "mask_id", "vocab_size", "skip"))
 def _program(denoiser, params, key, tokens_BxL, fixed_BxL, plan, kv_plan, valid_BxL=None, *,
-             spec, mask_id, skip) -> SampleResult:
+             spec, mask_id, vocab_size, skip) -> SampleResult:
   family = family_of(spec)
-  bound = BoundDenoiser(denoiser, params, valid_BxL)
-  core, ctx = _start(key, tokens_BxL, fixed_BxL, mask_id, valid_BxL)
+  core, ctx = _start(key, tokens_BxL, fixed_BxL, mask_id, valid_BxL, vocab_size)
+  bound = BoundDenoiser(denoiser, params, valid_BxL, mask_in_vocab=ctx.mask_in_vocab)
   invalid_B = _invalid_input(core.tokens_BxL, ctx)
   core, aux, trajectory = run(spec, bound, core, ctx, plan, skip, kv_plan)
   return _result(family, spec, core, aux, trajectory, ctx, invalid_B)
@@ -442,7 +474,10 @@ def sample(apply_fn, params: Any, key: Array, tokens_BxL: Array, spec: SamplerSp
     tokens_BxL: the starting canvas: the mask id where generation happens.
     spec: the sampler and its knobs (a frozen spec from `mdjax.sampling`).
     fixed_BxL: positions that never change; default: every visible position.
-    mask_id: the mask id V; inferred from the denoiser's output when None.
+    mask_id: the mask id: V (the denoiser's logits per position; the default when None), or
+      an id inside the vocabulary (a published checkpoint's own: its logit is then set to
+      -inf wherever the sampler reads logits, so it is never drawn). Token ids are 0..V-1
+      and the mask id.
     valid_BxL: False on padding (left-padded prompts of different lengths); passed to
       apply_fn as `valid_BxL=` only when given. Padding must be fixed.
   """
@@ -470,16 +505,18 @@ def lower(apply_fn, params: Any, key: Array, tokens_BxL: Array, spec: SamplerSpe
 _STEP_STATIC = ("family", "spec", "denoiser")
 
 
-@functools.partial(jax.jit, static_argnames=_STEP_STATIC + ("mask_id", "cached"))
+@functools.partial(jax.jit, static_argnames=_STEP_STATIC + ("mask_id", "vocab_size", "cached"))
 def _start_jit(denoiser, params, key, tokens_BxL, fixed_BxL, *, family, spec, mask_id,
-               cached) -> tuple[Context, LoopState]:
-  core, ctx = _start(key, tokens_BxL, fixed_BxL, mask_id)
-  return ctx, _init(family, spec, BoundDenoiser(denoiser, params), core, ctx, cached)
+               vocab_size, cached) -> tuple[Context, LoopState]:
+  core, ctx = _start(key, tokens_BxL, fixed_BxL, mask_id, vocab_size=vocab_size)
+  bound = BoundDenoiser(denoiser, params, mask_in_vocab=ctx.mask_in_vocab)
+  return ctx, _init(family, spec, bound, core, ctx, cached)
 
 
 @functools.partial(jax.jit, static_argnames=_STEP_STATIC, donate_argnames=("state",))
 def _step_jit(denoiser, params, ctx, state, inputs, *, family, spec) -> LoopState:
-  return _step(family, spec, BoundDenoiser(denoiser, params), ctx, state, inputs)
+  bound = BoundDenoiser(denoiser, params, mask_in_vocab=ctx.mask_in_vocab)
+  return _step(family, spec, bound, ctx, state, inputs)
 
 
 @functools.partial(jax.jit, static_argnames=("family", "spec"))
@@ -509,7 +546,8 @@ def sample_python_loop(apply_fn, params: Any, key: Array, tokens_BxL: Array, spe
     raise ValueError("record_trajectory=True: use sample; the Python loop keeps no record.")
   params, key, tokens_BxL, fixed_BxL, plan, kv_plan = args
   ctx, state = _start_jit(denoiser, params, key, tokens_BxL, fixed_BxL, family=family,
-                          spec=spec, mask_id=static["mask_id"], cached=kv_plan is not None)
+                          spec=spec, mask_id=static["mask_id"],
+                          vocab_size=static["vocab_size"], cached=kv_plan is not None)
   invalid_B = _invalid_input(state.core.tokens_BxL, ctx)
   num_steps, i = family.num_steps(spec, np.shape(tokens_BxL)[1]), 0
   while True:

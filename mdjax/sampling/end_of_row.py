@@ -33,8 +33,9 @@ class EndOfRow:
     """The policy of a spec: its `eos_id`, or none."""
     return EndOfRow() if spec.eos_id is None else EndAtEos(spec.eos_id)
 
-  def check_vocabulary(self, mask_id: int) -> None:
-    """Raises ValueError when the EOS id is not a token id below `mask_id` (host side)."""
+  def check_vocabulary(self, vocab_size: int, mask_id: int | None = None) -> None:
+    """Raises ValueError when the EOS id is not a token id: in [0, V) and not the mask id
+    (host side; `mask_id` None: V is the mask id)."""
 
   def open(self, ctx: Context, tokens_BxL: Array) -> Context:
     """`ctx` with the positions of finished rows no longer editable (they stop changing)."""
@@ -70,10 +71,14 @@ class EndAtEos(EndOfRow):
   eos_id: int
   leaves_idle_steps: ClassVar[bool] = True
 
-  def check_vocabulary(self, mask_id: int) -> None:
-    if not 0 <= self.eos_id < mask_id:
+  def check_vocabulary(self, vocab_size, mask_id=None):
+    mask_id = vocab_size if mask_id is None else mask_id
+    if not 0 <= self.eos_id < vocab_size:
       raise ValueError(f"spec.eos_id={self.eos_id} is outside the vocabulary: token ids are "
-                       f"0..{mask_id - 1} (the mask id is {mask_id}).")
+                       f"0..{vocab_size - 1} (the mask id is {mask_id}).")
+    if self.eos_id == mask_id:
+      raise ValueError(f"spec.eos_id={self.eos_id} is the mask id; the end-of-sequence id "
+                       "must be a token id other than the mask's.")
 
   def state(self, tokens_BxL: Array, editable_BxL: Array, mask_id: int):
     """(first_B, finished_B): each row's first EOS at an editable position (L if none), and

@@ -83,7 +83,9 @@ CASES = {
     "spec_not_a_spec": (lambda: sampling.sample(stubs.stub_denoiser, PARAMS, jax.random.key(0), TOKENS, "confidence"), "spec"),
     "block_length_not_dividing": (lambda: _sample(sampling.ConfidenceSpec(steps=4, block_length=3)), "block_length"),
     "denoiser_with_mask_class": (lambda: _sample(apply_fn=_with_mask_class), "mask_id"),
-    "denoiser_with_mask_class_given": (lambda: _sample(apply_fn=_with_mask_class, mask_id=VOCAB), "apply_fn"),
+    "mask_id_above_vocabulary": (lambda: _sample(apply_fn=_with_mask_class, mask_id=VOCAB + 2), "mask_id=8"),
+    "mask_id_negative": (lambda: _sample(mask_id=-1), "mask_id=-1"),
+    "denoiser_logits_wrong_length": (lambda: _sample(apply_fn=lambda p, x, t: stubs.stub_denoiser(p, x, t)[:, 1:]), "apply_fn"),
     "denoiser_returns_tuple": (lambda: _sample(apply_fn=_with_aux), "apply_fn"),
     # The loss.
     "nelbo_schedule_name_unknown": (lambda: _nelbo(schedule="lin"), "schedule"),

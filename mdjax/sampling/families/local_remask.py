@@ -159,8 +159,7 @@ class LocalRemask(Family):
       open_BxL = end.open(ctx, core.tokens_BxL).editable_BxL  # finished: frozen
       remask_BxL = choose_remask(spec, choice_keys_B, open_BxL, core.write_conf_BxL,
                                  conf_now_BxL, ctx.shift_B)
-      refill_ctx = Context(mask_id=ctx.mask_id, editable_BxL=remask_BxL, keys_B=round_keys_B,
-                           shift_B=ctx.shift_B)
+      refill_ctx = ctx.replace(editable_BxL=remask_BxL, keys_B=round_keys_B)
       refill, _, _ = driver.run(
           refill_spec, denoiser,
           Core.start(jnp.where(remask_BxL, ctx.mask_id, core.tokens_BxL)), refill_ctx,
