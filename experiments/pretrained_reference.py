@@ -77,7 +77,8 @@ Every decision is checked to be robust to float rounding: at each step the argma
 transferred position, the confidence gap at the top-k cut, each threshold comparison and Dream's
 int() of the transfer count must exceed 1e-4 relative. A case whose prompt seed fails is rerun
 with the next seed (the seed used is stored in the case); left-padded cases must also give each
-row the tokens it gets alone.
+row the tokens it gets alone, the cases in DIFFERS_FROM must be changed by the option they
+test, and those in MUST_GENERATE must generate their id.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ import importlib.util
 import json
 import math
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -938,6 +940,12 @@ CASES = {
     "llada_eos_eot": ("llada", "generate",
                       dict(steps=8, gen_length=8, block_length=8, logits_eos_inf=True,
                            confidence_eos_eot_inf=True), "llada", False),
+    # At temperature 0 add_gumbel_noise returns the logits tensor itself, so LLaDA's
+    # `logits_with_noise[:, :, eos] = logits[:, :, eot] = -inf` excludes both EOS and EoT from
+    # the confidence (at temperature > 0 only EoT): this case has an EOS in its output.
+    "llada_confidence_eos_eot": ("llada", "generate",
+                                 dict(steps=8, gen_length=8, block_length=8,
+                                      confidence_eos_eot_inf=True), "llada", False),
     "llada_left_padded": ("llada", "generate",
                           dict(steps=8, gen_length=8, block_length=4), "llada", True),
     "llada_threshold": ("llada", "generate",
@@ -965,6 +973,16 @@ CASES = {
     "dream_left_padded": ("dream", "diffusion_generate",
                           dict(max_new_tokens=8, steps=4, alg="maskgit_plus"), "dream", True),
 }
+
+# Options a case exists to test must change its outcome: the case's output must differ from
+# the one with these kwargs replaced (a seed whose output does not is skipped).
+DIFFERS_FROM = {
+    "llada_semi_ar": dict(block_length=8),
+    "llada_eos_eot": dict(logits_eos_inf=False, confidence_eos_eot_inf=False),
+    "llada_confidence_eos_eot": dict(confidence_eos_eot_inf=False),
+}
+# ... and these must generate the id somewhere.
+MUST_GENERATE = {"llada_confidence_eos_eot": EOS_ID}
 
 REFERENCES = {
     "llada": "ML-GSAI/LLaDA generate.py generate (transformers Llama, bidirectional)",
@@ -1014,6 +1032,13 @@ def make_case(name: str, models: dict, base_seed: int, tries: int = 200) -> dict
     out = run_reference(loop, models, kwargs, prompt, attention_mask, margins)
     if margins.min <= MARGIN:
       continue
+    if name in MUST_GENERATE and MUST_GENERATE[name] not in out[:, PROMPT:]:
+      continue
+    if name in DIFFERS_FROM:
+      plain = run_reference(loop, models, {**kwargs, **DIFFERS_FROM[name]}, prompt,
+                            attention_mask, None)
+      if torch.equal(plain, out):
+        continue
     if padded:  # each row alone gives the same tokens
       alone = run_reference(loop, models, kwargs, prompt[:1, PAD_ROW0:], None, margins)
       if margins.min <= MARGIN or not torch.equal(alone[0, PROMPT - PAD_ROW0:], out[0, PROMPT:]):
@@ -1295,7 +1320,11 @@ def main(argv=None):
     cases.append(case)
     print(f"{name}: seed {case['seed']}, min margin {case['min_margin']:.3g}, "
           f"output {case['output_BxT']}")
-  (out / "generations.json").write_text(json.dumps(cases, indent=1) + "\n")
+  text = json.dumps(cases, indent=1)
+  # one line per row of ids
+  text = re.sub(r"\[\s*((?:-?\d+,\s*)*-?\d+)\s*\]",
+                lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]", text)
+  (out / "generations.json").write_text(text + "\n")
 
   report = {}
   if args.llada is not None:

@@ -38,9 +38,7 @@ def reference_logits():
 
 
 def run(case, prompt_BxP, attention_mask_BxP):
-  # Imported here so that the logits tests still run while the samplers are missing.
-  from mdjax.pretrained import generate as generate_lib
-  fn = getattr(generate_lib, case["fn"])
+  fn = getattr(pretrained, case["fn"])  # generate or diffusion_generate
   mask = None if attention_mask_BxP is None else jnp.asarray(attention_mask_BxP, jnp.int32)
   return np.asarray(fn(model(case["family"]), jnp.asarray(prompt_BxP, jnp.int32),
                        attention_mask=mask, **case["kwargs"]))
