@@ -56,12 +56,14 @@ def generate(model, prompt_BxP, *, steps: int, gen_length: int, block_length: in
     remasking: "low_confidence" or "random".
     logits_eos_inf: the EOS logit is -inf (never proposed; confidence renormalised
       without it), as LLaDA sets it before the noise and the softmax.
-    confidence_eos_eot_inf: as LLaDA's code does it: after x0 is drawn the EoT logit
-      (`model.config.eot_id`) is set to -inf in the softmax the confidence reads, so an
-      EoT proposal scores 0 (ranks below every other proposal) and the other proposals'
-      probabilities are renormalised without EoT; the line also sets EOS in the noised
-      logits, which nothing reads after x0, so EOS proposals are not demoted. No effect
-      with remasking="random".
+    confidence_eos_eot_inf: as LLaDA's code does it: after x0 is drawn, the EoT logit
+      (`model.config.eot_id`) is -inf in the softmax the confidence reads, so an EoT
+      proposal scores 0 (below every other proposal) and the other proposals'
+      probabilities are renormalised without it. The same line sets EOS to -inf in the
+      noised logits, which at temperature 0 are the logits themselves (the noise function
+      returns its input): so at T = 0 EOS is excluded from that softmax too, and at T > 0
+      it is not (nothing reads the noised logits after x0). No effect with
+      remasking="random".
     attention_mask: [B, P], 1 real and 0 padding (left padding); the generation is real.
     key: a PRNG key (default key(0)); only T > 0 and random remasking read it.
     threshold: Fast-dLLM's `get_transfer_index`: each step commits the most confident
@@ -119,7 +121,7 @@ def generate(model, prompt_BxP, *, steps: int, gen_length: int, block_length: in
       score="prob" if remasking == "low_confidence" else "random", temperature=float(temperature),
       threshold=threshold, factor=factor,
       banned_ids=(eos_id,) if logits_eos_inf else (),
-      score_excluded_ids=(eot_id,) if confidence_eos_eot_inf else (),
+      score_excluded_ids=_excluded(confidence_eos_eot_inf, temperature, eos_id, eot_id),
       kv_cache="none" if kv_cache == "none" else "dual")
   denoiser = Denoiser.of(model.apply_fn)
   if cfg_scale > 0:
@@ -181,6 +183,14 @@ def diffusion_generate(model, prompt_BxP, *, max_new_tokens: int, steps: int,
                             top_p=1.0 if top_p is None else float(top_p), top_k=top_k)
   return _run(model, Denoiser.of(model.apply_fn), prompt_BxP, max_new_tokens, spec, valid_BxL,
               key)
+
+
+def _excluded(confidence_eos_eot_inf: bool, temperature: float, eos_id, eot_id) -> tuple:
+  """The ids LLaDA's `confidence_eos_eot_inf` line leaves out of the confidence softmax:
+  EoT, and EOS where the noised logits it writes to are the logits (temperature 0)."""
+  if not confidence_eos_eot_inf:
+    return ()
+  return (eot_id,) + ((eos_id,) if temperature == 0 and eos_id is not None else ())
 
 
 # --- the prefix cache ---------------------------------------------------------------------
