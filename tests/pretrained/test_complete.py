@@ -1,0 +1,99 @@
+"""Texts in, texts out for a loaded checkpoint: prompts, chat, `complete`, sample.py --pretrained."""
+
+import dataclasses
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from mdjax import pretrained, sampling
+from tests.paths import REPO
+
+FIXTURES = os.path.join(REPO, "tests", "fixtures", "pretrained")
+
+
+@pytest.fixture(scope="module")
+def llada():
+  return pretrained.load(os.path.join(FIXTURES, "llada"))
+
+
+def test_prompts_left_padded_with_their_mask(llada):
+  prompt_BxP, mask_BxP = pretrained.encode_prompts(llada, ["Hi!", [5, 6, 7, 8, 9]])
+  assert prompt_BxP.shape == mask_BxP.shape == (2, 5)
+  np.testing.assert_array_equal(mask_BxP, [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+  np.testing.assert_array_equal(prompt_BxP[0, 2:], llada.tokenizer.encode("Hi!").ids)
+  np.testing.assert_array_equal(prompt_BxP[0, :2], [llada.eos_id] * 2)  # LLaDA pads with EOS
+
+
+def test_chat_template_renders_as_hugging_face(llada):
+  # The LLaDA template (Llama-3 style): bos, one header per turn, the assistant's opened.
+  text = pretrained.render_chat(llada, [{"role": "user", "content": " Hi! "}])
+  assert text == ("<|startoftext|><|start_header_id|>user<|end_header_id|>\n\nHi!<|eot_id|>"
+                  "<|start_header_id|>assistant<|end_header_id|>\n\n")
+  chat_BxP, _ = pretrained.encode_prompts(llada, ["Hi!"], chat=True)
+  np.testing.assert_array_equal(chat_BxP[0], llada.tokenizer.encode(text).ids)
+
+
+def test_bad_prompts(llada, tmp_path):
+  with pytest.raises(ValueError, match="prompts is empty"):
+    pretrained.encode_prompts(llada, [])
+  with pytest.raises(ValueError, match=f"prompt 1 holds .*mask id {llada.mask_id}"):
+    pretrained.encode_prompts(llada, ["a", [1, llada.mask_id]])
+  with pytest.raises(ValueError, match="prompt 0 is ids; chat=True"):
+    pretrained.encode_prompts(llada, [[1, 2]], chat=True)
+  no_template = dataclasses.replace(llada, chat_template=None)
+  with pytest.raises(ValueError, match="chat template"):
+    pretrained.encode_prompts(no_template, ["a"], chat=True)
+  path = tmp_path / "p.jsonl"
+  path.write_text('{"prompt": "a"}\n{"messages": [{"role": "user", "content": "b"}]}\n')
+  assert pretrained.read_prompts(str(path)) == ["a", [{"role": "user", "content": "b"}]]
+  path.write_text('{"prompt": "a"}\n{"text": "b"}\n')
+  with pytest.raises(ValueError, match="line 2"):
+    pretrained.read_prompts(str(path))
+
+
+def test_complete_is_generate_cut_at_the_end_of_text(llada):
+  prompts = ["Hello", "Hi there, you"]
+  out = pretrained.complete(llada, prompts, max_new_tokens=8, steps=4, block_length=4)
+  prompt_BxP, mask_BxP = pretrained.encode_prompts(llada, prompts)
+  ids_BxT = np.asarray(pretrained.generate(llada, prompt_BxP, steps=4, gen_length=8,
+                                           block_length=4, attention_mask=mask_BxP))
+  for row, got in zip(ids_BxT[:, prompt_BxP.shape[1]:], out.token_ids):
+    ends = np.flatnonzero(np.isin(row, [llada.eos_id, llada.config.eot_id]))
+    np.testing.assert_array_equal(got, row[:ends[0]] if len(ends) else row)
+  assert out.texts == [llada.tokenizer.decode(list(map(int, ids))) for ids in out.token_ids]
+  with pytest.raises(ValueError, match="alg= does not apply to the llada"):
+    pretrained.complete(llada, prompts, max_new_tokens=8, alg="entropy")
+
+
+def test_any_family_samples_a_checkpoint(llada):
+  """A family on the checkpoint's own ids: the mask id (inside the vocabulary) never comes
+  out, and complete(spec=) is sample_family on the encoded prompts."""
+  spec = sampling.ConfidenceSpec(steps=4, block_length=4, kv_cache="dual", temperature=0.0)
+  prompt_BxP, mask_BxP = pretrained.encode_prompts(llada, ["Hello", "Hi there, you"])
+  ids_BxT = np.asarray(pretrained.sample_family(llada, prompt_BxP, spec, max_new_tokens=8,
+                                                attention_mask=mask_BxP))
+  np.testing.assert_array_equal(ids_BxT[:, :prompt_BxP.shape[1]], prompt_BxP)
+  assert not (ids_BxT == llada.mask_id).any()
+  out = pretrained.complete(llada, ["Hello", "Hi there, you"], max_new_tokens=8, spec=spec,
+                            stop_at_eos=False)
+  np.testing.assert_array_equal(np.stack(out.token_ids), ids_BxT[:, prompt_BxP.shape[1]:])
+
+
+def test_sample_cli_pretrained(sample_cli, llada, tmp_path):
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text('{"prompt": "Hello"}\n{"prompt": "Hi there, you"}\n')
+  proc = sample_cli(f"--pretrained={os.path.join(FIXTURES, 'llada')}",
+                    f"--prompts={prompts}", "--max_new_tokens=8", "--steps=4",
+                    "--block_length=4", f"--out={tmp_path}")
+  assert proc.returncode == 0, proc.stderr
+  assert "2 completions" in proc.stdout
+  rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+  out = pretrained.complete(llada, ["Hello", "Hi there, you"], max_new_tokens=8, steps=4,
+                            block_length=4, key=jax.random.fold_in(jax.random.key(0), 0))
+  assert [r["token_ids"] for r in rows] == [ids.tolist() for ids in out.token_ids]
+  proc = sample_cli(f"--pretrained={os.path.join(FIXTURES, 'llada')}", f"--prompts={prompts}",
+                    "--max_new_tokens=8", "--alg=entropy")
+  assert proc.returncode == 1 and "--alg does not apply to the llada" in proc.stderr
