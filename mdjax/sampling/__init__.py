@@ -13,8 +13,9 @@ blocks inside one canvas (`sampling.semi_autoregressive`) are the `block_length`
 ancestral, confidence and entropy-bounded decoding; with `kv_cache="dual"` they decode each
 block against a KV cache (`sampling.kv_cache`). Block-by-block generation
 (`sampling.block_generation.sample_blocks`, block diffusion) runs any family one block at a
-time after a sliding window: exact cache on a block-causal model, any length. `sampling.base` defines the
-family protocol.
+time after a sliding window: exact cache on a block-causal model, any length.
+`sampling.classifier_free` wraps any denoiser with classifier-free guidance
+(`sampling.guidance`). `sampling.base` defines the family protocol.
 """
 
 from mdjax.denoiser import Denoiser
@@ -25,6 +26,7 @@ from mdjax.sampling.driver import (IDLE_FRACTION_TO_SKIP, SampleResult, lower, n
 from mdjax.sampling.end_of_row import EndOfRow
 from mdjax.sampling.kv_cache import offers_cache, recompute_cache
 from mdjax.sampling.block_generation import BlocksResult, sample_blocks
+from mdjax.sampling.guidance import classifier_free
 from mdjax.sampling.reveal import time_grid
 from mdjax.sampling.scores import SCORES
 # Each family module registers its family on import.
@@ -46,7 +48,7 @@ from mdjax.sampling.base import families  # noqa: E402,F811
 
 __all__ = [
     "AncestralSpec", "BlocksResult", "BoundDenoiser", "Canvas", "ConfidenceSpec", "Counters",
-    "DeferSpec", "Denoiser", "DreamSpec", "EndOfRow",
+    "DeferSpec", "Denoiser", "DreamSpec", "EndOfRow", "classifier_free",
     "EntropyBoundedSpec", "Family", "FieldOrderSpec", "IDLE_FRACTION_TO_SKIP", "KV_CACHES", "LocalRemaskSpec", "OrderedSpec",
     "RandomOrderSpec", "RemaskSpec",
     "RevisionSpec", "SCORES", "SampleResult", "SamplerSpec", "SpeculativeSpec", "families",

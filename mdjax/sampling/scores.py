@@ -25,7 +25,8 @@ def confidence_score(name: str, probs_BxLxV: Array, values_BxL: Array,
   """Confidence of each proposal, read from the untransformed softmax.
 
   prob: p(proposal); max_prob: max_v p(v); margin: top-1 minus top-2
-  probability; neg_entropy: sum_v p log p; random: U[0, 1) noise.
+  probability; neg_entropy: sum_v p log p (0 log 0 = 0); random: U[0, 1) noise. Values
+  ruled out (-inf logits, p = 0) make no NaN.
   """
   if name == "prob":
     return jnp.take_along_axis(probs_BxLxV, values_BxL[..., None], axis=-1)[..., 0]
@@ -35,8 +36,9 @@ def confidence_score(name: str, probs_BxLxV: Array, values_BxL: Array,
     top2 = jax.lax.top_k(probs_BxLxV, 2)[0]
     return top2[..., 0] - top2[..., 1]
   if name == "neg_entropy":
-    plogp = jnp.where(probs_BxLxV > 0, probs_BxLxV * jnp.log(probs_BxLxV), 0.0)
-    return plogp.sum(-1)
+    # 0 log 0 = 0 without ever forming 0 * -inf (values ruled out at -inf have p = 0).
+    safe_BxLxV = jnp.where(probs_BxLxV > 0, probs_BxLxV, 1.0)
+    return (probs_BxLxV * jnp.log(safe_BxLxV)).sum(-1)
   if name == "random":
     noise_BxL = transforms.row_uniform(keys_B, StepStream.SCORE, values_BxL.shape[1:], shift_B)
     return noise_BxL.astype(probs_BxLxV.dtype)
