@@ -9,7 +9,7 @@ caches) and `diffusion_generate` (Dream's) sample it as the reference code does;
 
 from mdjax.pretrained.complete import (REFERENCE_KNOBS, Completion, complete, encode_prompts,
                                        read_prompts, render_chat, sample_family)
-from mdjax.pretrained.generate import diffusion_generate, generate
+from mdjax.pretrained.samplers import diffusion_generate, generate
 from mdjax.pretrained.layouts import LAYOUTS, detect
 from mdjax.pretrained.load import PretrainedModel, load, partition_spec, save
 from mdjax.pretrained.tensors import read_checkpoint, read_header, read_tensor, write_checkpoint

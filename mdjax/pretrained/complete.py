@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from mdjax import sampling
-from mdjax.pretrained import generate as reference
+from mdjax.pretrained import samplers as reference
 
 # The keyword arguments each reference sampler takes besides its lengths (the defaults
 # `complete` fills in are below).

@@ -2,7 +2,6 @@
 model and a tiny random Dream-shaped Transformer; token-level parity with the torch
 references is tests/pretrained/test_parity.py."""
 
-import importlib
 import types
 
 import jax
@@ -11,11 +10,9 @@ import numpy as np
 import pytest
 
 from mdjax import sampling
+from mdjax.pretrained import samplers as gen
 from mdjax.sampling.families import confidence, dream
 from tests import stubs
-
-# The module (the package re-exports its function under the same name).
-gen = importlib.import_module("mdjax.pretrained.generate")
 
 V, EOS, EOT = 12, 10, 11  # the stub's mask id is V
 P, G = 3, 8  # prompt and generation lengths
