@@ -25,17 +25,51 @@ stacked (one `lax.scan` over blocks):
 (D hidden_dim, C cond_dim, R mlp_ratio (4), N n_blocks; matrices are [in, out], the transpose
 of torch's Linear weight; qkv's output columns are packed (three, heads, head_dim) as the
 reference's rearrange 'b s (three h d)'.)
+
+Entry points: `forward` (the network's raw logits over V + 1 ids, conditioned on sigma),
+`fold` and `forward_folded` (the same network with every adaLN term folded into the norms
+and output matrices: exact when time_conditioning is False, as in the released checkpoints),
+`prefill` and `decode` (the cached contract's passes on the network), `denoiser(config)` (the
+`Denoiser` the samplers and losses take: logits over the V real ids under MDLM's SUBS
+parameterization), `init_params`, `param_shapes` and `num_params`.
+
+Positions: 0..L-1 as in the reference; with `valid_BxL` (False on padding) they are counted
+from each row's first real token (cumsum(valid) - 1, padding at 0), as mdjax's Transformer
+does, and so are BD3-LM's blocks, so a left-padded row gives the logits of the row without
+its padding. Padded keys are attended by nothing; padded queries still attend to the real
+keys (finite, unused outputs).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Callable
 
+import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from mdjax.denoiser import Denoiser
+from mdjax.models.transformer import block_pair_mask
+
+Array = jax.Array
 
 FAMILIES = ("mdlm", "bd3lm")
 DTYPES = ("float32", "bfloat16")
 FREQUENCY_FEATURES = 256
+# A masked attention score: finite, so a query whose every key is masked gets a uniform
+# (finite) average instead of NaN.
+_MASKED = -1e30
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+  return isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,6 +82,8 @@ class DiTConfig:
     is a constant and the folded fast path applies.
   noise_eps: the log-linear schedule's eps: the denoiser maps t in [0, 1] to
     sigma(t) = -log(1 - (1 - eps) t).
+  dtype: the matmuls' dtype (accumulated in float32); the residual stream, norms, softmax
+    and logits are float32.
   """
 
   family: str
@@ -65,6 +101,37 @@ class DiTConfig:
   norm_eps: float = 1e-5
   dtype: str = "float32"
 
+  def __post_init__(self):
+    if self.family not in FAMILIES:
+      raise ValueError(f"family={self.family!r} must be one of {FAMILIES}.")
+    if self.dtype not in DTYPES:
+      raise ValueError(f"dtype={self.dtype!r} must be one of {DTYPES}.")
+    for name in ("vocab_size", "hidden_dim", "cond_dim", "n_blocks", "n_heads",
+                 "model_length", "mlp_ratio"):
+      value = getattr(self, name)
+      if not (_is_int(value) and value >= 1):
+        raise ValueError(f"{name}={value!r} must be an integer >= 1.")
+    if self.hidden_dim % self.n_heads:
+      raise ValueError(f"hidden_dim={self.hidden_dim} is not divisible by n_heads="
+                       f"{self.n_heads}.")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim={self.head_dim} (hidden_dim / n_heads) must be even (the "
+                       "rotary embedding rotates pairs of halves).")
+    if self.block_size is not None:
+      size = self.block_size
+      if not (_is_int(size) and size >= 1):
+        raise ValueError(f"block_size={size!r} must be None or an integer >= 1.")
+      if self.model_length % size:
+        raise ValueError(f"block_size={size} must divide model_length={self.model_length}.")
+    if not isinstance(self.time_conditioning, (bool, np.bool_)):
+      raise ValueError(f"time_conditioning={self.time_conditioning!r} must be True or False.")
+    if not (_is_number(self.noise_eps) and 0 <= self.noise_eps < 1):
+      raise ValueError(f"noise_eps={self.noise_eps!r} must be a number in [0, 1).")
+    for name in ("rope_base", "norm_eps"):
+      value = getattr(self, name)
+      if not (_is_number(value) and value > 0):
+        raise ValueError(f"{name}={value!r} must be a number > 0.")
+
   @property
   def mask_id(self) -> int:
     return self.vocab_size
@@ -76,3 +143,490 @@ class DiTConfig:
   @property
   def jnp_dtype(self):
     return jnp.dtype(self.dtype)
+
+
+@struct.dataclass
+class DiTCache:
+  """Every block's keys (after rotary) and values, stacked over blocks, heads-major so a
+  window's queries read them with one batched matmul per head."""
+
+  keys_NxBxHxLxK: Array
+  values_NxBxHxLxK: Array
+
+  @property
+  def length(self) -> int:
+    return self.keys_NxBxHxLxK.shape[3]
+
+
+# --- building blocks -------------------------------------------------------------------
+
+
+def _matmul(x: Array, w: Array, dtype) -> Array:
+  """x @ w in `dtype`, accumulated and returned in float32."""
+  return jnp.einsum("...i,io->...o", x.astype(dtype), w.astype(dtype),
+                    preferred_element_type=jnp.float32)
+
+
+def _layer_norm(x_BxQxD: Array, weight_D: Array, bias_D: Array | None, eps: float) -> Array:
+  """The reference's LayerNorm (F.layer_norm without affine, in float32, times the weight);
+  the folded path adds a bias."""
+  x = x_BxQxD.astype(jnp.float32)
+  mean = x.mean(-1, keepdims=True)
+  var = jnp.square(x - mean).mean(-1, keepdims=True)
+  x = (x - mean) * jax.lax.rsqrt(var + eps) * weight_D.astype(jnp.float32)
+  return x if bias_D is None else x + bias_D.astype(jnp.float32)
+
+
+def timestep_embedding(sigma_B: Array) -> Array:
+  """The 256 frequency features of sigma (cos before sin), B x 256, float32."""
+  half = FREQUENCY_FEATURES // 2
+  freqs = jnp.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / half)
+  args = jnp.asarray(sigma_B, jnp.float32)[:, None] * freqs[None]
+  return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
+
+
+def conditioning(config: DiTConfig, params: dict, sigma_B: Array) -> Array:
+  """c = SiLU(TimestepEmbedder(sigma)), B x C in float32; sigma is zeroed without
+  time_conditioning, as the reference's `_process_sigma` does."""
+  sigma_B = jnp.asarray(sigma_B, jnp.float32).reshape(-1)
+  if not config.time_conditioning:
+    sigma_B = jnp.zeros_like(sigma_B)
+  m = params["sigma_map"]
+  h = jax.nn.silu(_matmul(timestep_embedding(sigma_B), m["w1"], jnp.float32)
+                  + m["b1"].astype(jnp.float32))
+  return jax.nn.silu(_matmul(h, m["w2"], jnp.float32) + m["b2"].astype(jnp.float32))
+
+
+def total_noise(config: DiTConfig, t_B: Array) -> Array:
+  """MDLM's log-linear schedule: sigma(t) = -log(1 - (1 - eps) t)."""
+  return -jnp.log1p(-(1.0 - config.noise_eps) * jnp.asarray(t_B, jnp.float32))
+
+
+def positions(valid_BxL: Array | None, length: int) -> Array:
+  """Each position's rotary (and block) position: 1 x L of 0..L-1, or B x L counted from
+  each row's first real token (padding at 0)."""
+  if valid_BxL is None:
+    return jnp.arange(length, dtype=jnp.int32)[None]
+  return jnp.maximum(jnp.cumsum(valid_BxL.astype(bool), -1, dtype=jnp.int32) - 1, 0)
+
+
+def _rotary(config: DiTConfig, positions_BxQ: Array) -> tuple[Array, Array]:
+  """cos and sin of the rotary angles, B x Q x K/2 (float32)."""
+  k = config.head_dim
+  inv_freq = 1.0 / (config.rope_base ** (np.arange(0, k, 2, dtype=np.float64) / k))
+  angle = positions_BxQ.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+  return jnp.cos(angle), jnp.sin(angle)
+
+
+def _rotate(x_BxQxHxK: Array, cos_BxQxK2: Array, sin_BxQxK2: Array) -> Array:
+  """x * cos + rotate_half(x) * sin (half-split, non-interleaved), in float32."""
+  x = x_BxQxHxK.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  x1, x2 = x[..., :half], x[..., half:]
+  cos, sin = cos_BxQxK2[:, :, None], sin_BxQxK2[:, :, None]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _qkv(config: DiTConfig, layer: dict, x_BxQxD: Array, cos, sin):
+  """Queries B x Q x H x K and keys, values B x H x Q x K (q and k rotated, v not)."""
+  batch, width, _ = x_BxQxD.shape
+  qkv = _matmul(x_BxQxD, layer["qkv"], config.jnp_dtype)
+  qkv = qkv.reshape(batch, width, 3, config.n_heads, config.head_dim)  # (three h d)
+  q = _rotate(qkv[:, :, 0], cos, sin)
+  k = _rotate(qkv[:, :, 1], cos, sin)
+  dtype = config.jnp_dtype
+  return (q.astype(dtype), k.transpose(0, 2, 1, 3).astype(dtype),
+          qkv[:, :, 2].transpose(0, 2, 1, 3).astype(dtype))
+
+
+def _attend(config: DiTConfig, q_BxQxHxK: Array, parts) -> Array:
+  """Attention of the queries over the concatenation of key parts, each (keys_BxHxSxK,
+  values_BxHxSxK, visible_BxQxS or broadcastable, or None: all), under one float32
+  softmax scaled by 1/sqrt(K); the parts are never concatenated (a window pass reads the
+  cache in place). Returns B x Q x D."""
+  batch, width, heads, k = q_BxQxHxK.shape
+  dtype = q_BxQxHxK.dtype
+  scores = []
+  for keys_BxHxSxK, _, visible_BxQxS in parts:
+    s_BxHxQxS = jnp.einsum("bqhk,bhsk->bhqs", q_BxQxHxK, keys_BxHxSxK.astype(dtype),
+                           preferred_element_type=jnp.float32) / math.sqrt(k)
+    if visible_BxQxS is not None:
+      s_BxHxQxS = jnp.where(visible_BxQxS[:, None], s_BxHxQxS, _MASKED)
+    scores.append(s_BxHxQxS)
+  sizes = np.cumsum([s.shape[-1] for s in scores])[:-1]
+  probs = jnp.split(jax.nn.softmax(jnp.concatenate(scores, -1), -1), sizes, axis=-1)
+  out_BxQxHxK = sum(
+      jnp.einsum("bhqs,bhsk->bqhk", p.astype(dtype), values_BxHxSxK.astype(dtype),
+                 preferred_element_type=jnp.float32)
+      for p, (_, values_BxHxSxK, _) in zip(probs, parts))
+  return out_BxQxHxK.reshape(batch, width, heads * k)
+
+
+def _modulation(config: DiTConfig, ada: Array, ada_bias: Array, c_BxC: Array | None,
+                parts: int) -> list:
+  """adaLN's `parts` chunks of ada(c), each B x 1 x D (None for folded params)."""
+  if c_BxC is None:
+    return [None] * parts
+  mods = _matmul(c_BxC, ada, config.jnp_dtype) + ada_bias.astype(jnp.float32)
+  return jnp.split(mods[:, None], parts, axis=-1)
+
+
+def _modulate(x: Array, shift, scale) -> Array:
+  return x if shift is None else x * (1.0 + scale) + shift
+
+
+def _gated(gate, x: Array) -> Array:
+  return x if gate is None else gate * x
+
+
+def _block(config: DiTConfig, layer: dict, c_BxC: Array | None, h_BxQxD: Array,
+           attention: Callable):
+  """One DDiT block on the float32 residual stream; `attention(x_BxQxD)` -> (the heads'
+  output B x Q x D before attn_out, what the pass keeps). Folded params (c None) carry
+  their modulation in the norms' affine terms and the gates in the output matrices."""
+  dtype, eps = config.jnp_dtype, config.norm_eps
+  shift1, scale1, gate1, shift2, scale2, gate2 = _modulation(
+      config, layer.get("ada"), layer.get("ada_bias"), c_BxC, 6)
+  x = _modulate(_layer_norm(h_BxQxD, layer["norm1"], layer.get("norm1_bias"), eps),
+                shift1, scale1)
+  out_BxQxD, kept = attention(x)
+  h_BxQxD = h_BxQxD + _gated(gate1, _matmul(out_BxQxD, layer["attn_out"], dtype))
+  x = _modulate(_layer_norm(h_BxQxD, layer["norm2"], layer.get("norm2_bias"), eps),
+                shift2, scale2)
+  y = jax.nn.gelu(_matmul(x, layer["mlp_in"], dtype) + layer["mlp_in_bias"].astype(jnp.float32),
+                  approximate=True)
+  y = _matmul(y, layer["mlp_out"], dtype) + layer["mlp_out_bias"].astype(jnp.float32)
+  return h_BxQxD + _gated(gate2, y), kept
+
+
+def _final(config: DiTConfig, final: dict, c_BxC: Array | None, h_BxQxD: Array) -> Array:
+  """The final layer: norm, modulate, linear with bias; float32 logits over V + 1 ids."""
+  shift, scale = _modulation(config, final.get("ada"), final.get("ada_bias"), c_BxC, 2)
+  x = _modulate(_layer_norm(h_BxQxD, final["norm"], final.get("norm_bias"), config.norm_eps),
+                shift, scale)
+  return (_matmul(x, final["linear"], config.jnp_dtype)
+          + final["linear_bias"].astype(jnp.float32))
+
+
+def _embed(params: dict, tokens_BxQ: Array) -> Array:
+  return jnp.take(params["embed"], tokens_BxQ, axis=0).astype(jnp.float32)
+
+
+def _visible(config: DiTConfig, query_BxQ: Array, key_BxS: Array) -> Array | None:
+  """Block-causal visibility (query block b sees key blocks <= b), [B x] Q x S; None when
+  bidirectional."""
+  if config.block_size is None:
+    return None
+  return key_BxS[..., None, :] // config.block_size <= query_BxQ[..., :, None] // config.block_size
+
+
+def _and(a: Array | None, b: Array | None) -> Array | None:
+  return b if a is None else a if b is None else a & b
+
+
+# --- the passes on the network -----------------------------------------------------------
+
+
+def _full_pass(config: DiTConfig, params: dict, c_BxC: Array | None, tokens_BxQ: Array,
+               positions_BxQ: Array, visible_BxQxQ: Array | None):
+  """Raw logits_BxQx(V+1) of a pass over Q positions where each query sees the keys
+  `visible_BxQxQ` says (None: all), and every block's keys and values (N x B x H x Q x K)."""
+  cos, sin = _rotary(config, positions_BxQ)
+
+  def body(h_BxQxD, layer):
+    def attention(x):
+      q, k, v = _qkv(config, layer, x, cos, sin)
+      return _attend(config, q, [(k, v, visible_BxQxQ)]), (k, v)
+    return _block(config, layer, c_BxC, h_BxQxD, attention)
+
+  h_BxQxD, (keys, values) = jax.lax.scan(body, _embed(params, tokens_BxQ), params["blocks"])
+  return h_BxQxD, keys, values
+
+
+def _canvas_pass(config: DiTConfig, params: dict, c_BxC: Array | None, tokens_BxL: Array,
+                 valid_BxL: Array | None) -> tuple[Array, DiTCache]:
+  """The pass over a whole canvas: raw logits and the cache."""
+  tokens_BxL = jnp.asarray(tokens_BxL, jnp.int32)
+  length = tokens_BxL.shape[1]
+  pos_BxL = positions(valid_BxL, length)
+  visible = _visible(config, pos_BxL, pos_BxL)
+  if valid_BxL is not None:  # padding is attended by nothing
+    visible = _and(visible, valid_BxL.astype(bool)[:, None, :])
+  h_BxLxD, keys, values = _full_pass(config, params, c_BxC, tokens_BxL, pos_BxL, visible)
+  return _final(config, params["final"], c_BxC, h_BxLxD), DiTCache(keys_NxBxHxLxK=keys,
+                                                                   values_NxBxHxLxK=values)
+
+
+def _window_pass(config: DiTConfig, params: dict, c_BxC: Array | None, cache: DiTCache,
+                 tokens_BxW: Array, start, valid_BxL: Array | None):
+  """The pass over [start, start + W) against `cache`: the window's queries attend to the
+  cached keys outside it and to their own fresh ones (both under the attention pattern),
+  under one softmax. Returns (raw logits_BxWx(V+1), the cache with the window written)."""
+  tokens_BxW = jnp.asarray(tokens_BxW, jnp.int32)
+  batch, width = tokens_BxW.shape
+  length = cache.length
+  if width > length:
+    raise ValueError(f"window of {width} positions is longer than the cache ({length}).")
+  start = jnp.asarray(start, jnp.int32)
+  pos_BxL = jnp.broadcast_to(positions(valid_BxL, length), (batch, length))
+  pos_BxW = jax.lax.dynamic_slice_in_dim(pos_BxL, start, width, axis=1)
+  key_L = jnp.arange(length)
+  cached_vis = ((key_L < start) | (key_L >= start + width))[None, None]
+  cached_vis = _and(cached_vis, _visible(config, pos_BxW, pos_BxL))
+  own_vis = _visible(config, pos_BxW, pos_BxW)
+  if valid_BxL is not None:  # padding is attended by nothing
+    valid_BxL = valid_BxL.astype(bool)
+    cached_vis = cached_vis & valid_BxL[:, None, :]
+    own_vis = _and(own_vis, jax.lax.dynamic_slice_in_dim(valid_BxL, start, width, 1)[:, None])
+  cos, sin = _rotary(config, pos_BxW)
+
+  def body(h_BxWxD, xs):
+    layer, cached_keys, cached_values = xs
+
+    def attention(x):
+      q, k, v = _qkv(config, layer, x, cos, sin)
+      out = _attend(config, q, [(cached_keys, cached_values, cached_vis), (k, v, own_vis)])
+      return out, (k, v)
+    return _block(config, layer, c_BxC, h_BxWxD, attention)
+
+  h_BxWxD, (keys, values) = jax.lax.scan(
+      body, _embed(params, tokens_BxW),
+      (params["blocks"], cache.keys_NxBxHxLxK, cache.values_NxBxHxLxK))
+  put = lambda old, new: jax.lax.dynamic_update_slice_in_dim(old, new.astype(old.dtype), start,
+                                                             axis=3)
+  return _final(config, params["final"], c_BxC, h_BxWxD), DiTCache(
+      keys_NxBxHxLxK=put(cache.keys_NxBxHxLxK, keys),
+      values_NxBxHxLxK=put(cache.values_NxBxHxLxK, values))
+
+
+def _pair_pass(config: DiTConfig, params: dict, c_BxC: Array | None, noisy_BxL: Array,
+               clean_BxL: Array) -> Array:
+  """BD3-LM's training pass over [x_t ; x_0] (both at positions 0..L-1) under
+  `block_pair_mask`: the noisy half's raw logits."""
+  if config.block_size is None:
+    raise ValueError("block_pair needs a block-causal model: set DiTConfig.block_size.")
+  if noisy_BxL.shape != clean_BxL.shape:
+    raise ValueError(f"noisy_BxL has shape {noisy_BxL.shape}, clean_BxL {clean_BxL.shape}; "
+                     "they must match.")
+  length = noisy_BxL.shape[1]
+  if length % config.block_size:
+    raise ValueError(f"block_pair over {length} positions: block_size={config.block_size} "
+                     "must divide it.")
+  tokens = jnp.concatenate([noisy_BxL, clean_BxL], axis=1).astype(jnp.int32)
+  pos_1x2L = jnp.asarray(np.concatenate([np.arange(length)] * 2), jnp.int32)[None]
+  visible = jnp.asarray(block_pair_mask(length, config.block_size))[None]
+  h, _, _ = _full_pass(config, params, c_BxC, tokens, pos_1x2L, visible)
+  return _final(config, params["final"], c_BxC, h[:, :length])
+
+
+def forward(config: DiTConfig, params: dict, tokens_BxL: Array, sigma_B: Array, *,
+            valid_BxL: Array | None = None) -> Array:
+  """The network's raw output, logits_BxLx(V+1) in float32, conditioned on sigma (zeroed
+  without time_conditioning); `valid_BxL` False on padding."""
+  c_BxC = conditioning(config, params, sigma_B)
+  return _canvas_pass(config, params, c_BxC, tokens_BxL, valid_BxL)[0]
+
+
+def forward_folded(config: DiTConfig, folded: dict, tokens_BxL: Array,
+                   valid_BxL: Array | None = None) -> Array:
+  """`forward` on `fold(config, params)` (no sigma: the network is time-free)."""
+  return _canvas_pass(config, folded, None, tokens_BxL, valid_BxL)[0]
+
+
+def prefill(config: DiTConfig, params: dict, tokens_BxL: Array, sigma_B: Array | None, *,
+            valid_BxL: Array | None = None) -> tuple[Array, DiTCache]:
+  """One full pass: (raw logits_BxLx(V+1), every block's keys and values). `sigma_B=None`:
+  `params` are `fold`'s."""
+  c_BxC = None if sigma_B is None else conditioning(config, params, sigma_B)
+  return _canvas_pass(config, params, c_BxC, tokens_BxL, valid_BxL)
+
+
+def decode(config: DiTConfig, params: dict, cache: DiTCache, tokens_BxW: Array, start,
+           sigma_B: Array | None, *, valid_BxL: Array | None = None
+           ) -> tuple[Array, DiTCache]:
+  """A pass over the W positions [start, start + W) (start may be traced) against `cache`:
+  (raw logits_BxWx(V+1), the cache with the window's keys and values written in).
+  `sigma_B=None`: `params` are `fold`'s."""
+  c_BxC = None if sigma_B is None else conditioning(config, params, sigma_B)
+  return _window_pass(config, params, c_BxC, cache, tokens_BxW, start, valid_BxL)
+
+
+# --- folding -----------------------------------------------------------------------------
+
+
+def fold(config: DiTConfig, params: dict) -> dict:
+  """The params with every adaLN term folded in (time_conditioning False: c is a constant):
+
+    blocks: norm1 <- norm1 (1 + scale1), norm1_bias = shift1, attn_out <- attn_out gate1,
+            norm2 <- norm2 (1 + scale2), norm2_bias = shift2, mlp_out <- mlp_out gate2,
+            mlp_out_bias <- mlp_out_bias gate2 (gates scale the output columns)
+    final:  norm <- norm (1 + scale), norm_bias = shift
+
+  no sigma_map or ada leaves. Computed in float32, stored in each leaf's dtype."""
+  if config.time_conditioning:
+    raise ValueError("fold needs time_conditioning=False: with it the adaLN terms depend on "
+                     "sigma and cannot be folded into the weights.")
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  c_C = conditioning(config, params, jnp.zeros((1,), jnp.float32))[0]
+  b = params["blocks"]
+  mods_Nx6D = jnp.einsum("c,nco->no", c_C, f32(b["ada"])) + f32(b["ada_bias"])
+  shift1, scale1, gate1, shift2, scale2, gate2 = jnp.split(mods_Nx6D, 6, axis=-1)
+  blocks = {
+      "norm1": f32(b["norm1"]) * (1 + scale1), "norm1_bias": shift1,
+      "qkv": b["qkv"], "attn_out": f32(b["attn_out"]) * gate1[:, None],
+      "norm2": f32(b["norm2"]) * (1 + scale2), "norm2_bias": shift2,
+      "mlp_in": b["mlp_in"], "mlp_in_bias": b["mlp_in_bias"],
+      "mlp_out": f32(b["mlp_out"]) * gate2[:, None],
+      "mlp_out_bias": f32(b["mlp_out_bias"]) * gate2,
+  }
+  fin = params["final"]
+  shift, scale = jnp.split(c_C @ f32(fin["ada"]) + f32(fin["ada_bias"]), 2)
+  final = {"norm": f32(fin["norm"]) * (1 + scale), "norm_bias": shift,
+           "linear": fin["linear"], "linear_bias": fin["linear_bias"]}
+  dtype_of = lambda x: jnp.asarray(x).dtype
+  blocks = {n: jnp.asarray(x, dtype_of(b.get(n, b["norm1"]))) for n, x in blocks.items()}
+  final = {n: jnp.asarray(x, dtype_of(fin.get(n, fin["norm"]))) for n, x in final.items()}
+  return {"embed": params["embed"], "blocks": blocks, "final": final}
+
+
+# --- the Denoiser -------------------------------------------------------------------------
+
+
+def subs(config: DiTConfig, logits_BxLxV1: Array, tokens_BxL: Array) -> Array:
+  """MDLM's SUBS parameterization over the V real ids (the mask column dropped): the
+  log-softmax of the logits with the mask logit at -inf, and at visible (unmasked)
+  positions the one-hot of the visible token in log space (0 at it, -inf elsewhere).
+  (The reference writes -1e6 for -inf; exp of either is 0 in float32.)"""
+  v = config.vocab_size
+  logp_BxLxV = jax.nn.log_softmax(logits_BxLxV1[..., :v].astype(jnp.float32), axis=-1)
+  tokens_BxL = jnp.asarray(tokens_BxL)
+  one_hot_BxLxV = jnp.where(jnp.arange(v) == tokens_BxL[..., None], 0.0, -jnp.inf)
+  return jnp.where((tokens_BxL != config.mask_id)[..., None], one_hot_BxLxV, logp_BxLxV)
+
+
+def _network(config: DiTConfig, mode: str, params: dict, t_B: Array):
+  """(params of the pass, c_BxC or None for folded params) for the denoiser's `mode`:
+  "fold" folds unfolded params in the program, "folded" takes `fold`'s, "plain" runs the
+  unfolded network on sigma(t)."""
+  if mode == "fold":
+    return fold(config, params), None
+  if mode == "folded":
+    return params, None
+  return params, conditioning(config, params, total_noise(config, t_B))
+
+
+def _apply(config, mode, params, tokens_BxL, t_B, valid_BxL=None):
+  net, c_BxC = _network(config, mode, params, t_B)
+  logits, _ = _canvas_pass(config, net, c_BxC, tokens_BxL, valid_BxL)
+  return subs(config, logits, tokens_BxL)
+
+
+def _prefill(config, mode, params, tokens_BxL, t_B, valid_BxL=None):
+  net, c_BxC = _network(config, mode, params, t_B)
+  logits, cache = _canvas_pass(config, net, c_BxC, tokens_BxL, valid_BxL)
+  return subs(config, logits, tokens_BxL), cache
+
+
+def _decode(config, mode, params, cache, tokens_BxW, start, t_B, valid_BxL=None):
+  net, c_BxC = _network(config, mode, params, t_B)
+  logits, cache = _window_pass(config, net, c_BxC, cache, tokens_BxW, start, valid_BxL)
+  return subs(config, logits, tokens_BxW), cache
+
+
+def _block_pair(config, mode, params, noisy_BxL, clean_BxL, t_B):
+  net, c_BxC = _network(config, mode, params, t_B)
+  return subs(config, _pair_pass(config, net, c_BxC, noisy_BxL, clean_BxL), noisy_BxL)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bound:
+  """A module-level function with its config and params mode bound first: equal (and
+  equally hashed) for equal arguments, so equal Denoisers share compiled programs."""
+
+  fn: Callable
+  config: DiTConfig
+  mode: str
+
+  def __call__(self, *args, **kwargs):
+    return self.fn(self.config, self.mode, *args, **kwargs)
+
+
+def denoiser(config: DiTConfig, *, folded: bool | None = None) -> Denoiser:
+  """The model as a `Denoiser`: apply(params, tokens_BxL, t_B, valid_BxL=None) ->
+  logits_BxLxV over the V real ids under SUBS (`subs`), t mapped to sigma(t) by the
+  log-linear schedule (`total_noise`).
+
+  folded: None (default): `params` in the unfolded layout; without time_conditioning the
+    program folds them (`fold`: one elementwise pass over the output matrices per call)
+    and runs the folded network. True: `params` are `fold(config, params)` (fold once, for
+    long sampling runs). False: the unfolded network, always.
+
+  Offers the cached contract (prefill, decode; exact for finished blocks when block_size
+  is set), and with block_size the `block_size` and `block_pair` fields. A block-causal
+  model with time_conditioning offers no cache: its keys would depend on the current t.
+  """
+  if folded is None:
+    mode = "plain" if config.time_conditioning else "fold"
+  elif folded:
+    if config.time_conditioning:
+      raise ValueError("folded=True needs time_conditioning=False (fold refuses "
+                       "time-conditioned params).")
+    mode = "folded"
+  else:
+    mode = "plain"
+  bound = lambda fn: _Bound(fn, config, mode)
+  blocks = config.block_size is not None
+  cached = not (blocks and config.time_conditioning)
+  return Denoiser(apply=bound(_apply),
+                  prefill=bound(_prefill) if cached else None,
+                  decode=bound(_decode) if cached else None,
+                  block_size=config.block_size,
+                  block_pair=bound(_block_pair) if blocks else None)
+
+
+# --- parameters ---------------------------------------------------------------------------
+
+
+def param_shapes(config: DiTConfig) -> dict:
+  """The params pytree's shapes (the module docstring's layout)."""
+  n, d, c, v1 = config.n_blocks, config.hidden_dim, config.cond_dim, config.vocab_size + 1
+  r = config.mlp_ratio * d
+  return {
+      "embed": (v1, d),
+      "sigma_map": {"w1": (FREQUENCY_FEATURES, c), "b1": (c,), "w2": (c, c), "b2": (c,)},
+      "blocks": {"norm1": (n, d), "qkv": (n, d, 3 * d), "attn_out": (n, d, d), "norm2": (n, d),
+                 "mlp_in": (n, d, r), "mlp_in_bias": (n, r), "mlp_out": (n, r, d),
+                 "mlp_out_bias": (n, d), "ada": (n, c, 6 * d), "ada_bias": (n, 6 * d)},
+      "final": {"norm": (d,), "ada": (c, 2 * d), "ada_bias": (2 * d,),
+                "linear": (d, v1), "linear_bias": (v1,)},
+  }
+
+
+def init_params(config: DiTConfig, key: Array) -> dict:
+  """Random params in the config's dtype: normal matrices (std 1/sqrt(fan in); embedding
+  std 1), norm weights 1 + noise, small random biases, and NONZERO adaLN weights and
+  biases (the reference zero-inits those; random ones let tests reach every term)."""
+  shapes = param_shapes(config)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(
+      shapes, is_leaf=lambda x: isinstance(x, tuple))
+  keys = jax.random.split(key, len(flat))
+  dtype = config.jnp_dtype
+
+  def one(path, shape, k):
+    name = jax.tree_util.keystr(path)
+    z = jax.random.normal(k, shape, jnp.float32)
+    if "norm" in name:
+      z = 1.0 + 0.1 * z
+    elif "bias" in name or name.endswith("['b1']") or name.endswith("['b2']"):
+      z = 0.1 * z
+    elif "embed" not in name:
+      z = z / np.sqrt(shape[-2])
+    return z.astype(dtype)
+
+  return jax.tree.unflatten(treedef, [one(p, s, k) for (p, s), k in zip(flat, keys)])
+
+
+def num_params(config: DiTConfig) -> int:
+  """The number of parameters (of the unfolded layout)."""
+  shapes = jax.tree.leaves(param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
+  return int(sum(np.prod(s) for s in shapes))
