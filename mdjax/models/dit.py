@@ -605,16 +605,19 @@ def param_shapes(config: DiTConfig) -> dict:
 def init_params(config: DiTConfig, key: Array) -> dict:
   """Random params in the config's dtype: normal matrices (std 1/sqrt(fan in); embedding
   std 1), norm weights 1 + noise, small random biases, and NONZERO adaLN weights and
-  biases (the reference zero-inits those; random ones let tests reach every term)."""
+  biases (the reference zero-inits those; random ones let tests reach every term). One
+  normal draw, cut into the leaves (one small program)."""
   shapes = param_shapes(config)
   flat, treedef = jax.tree_util.tree_flatten_with_path(
       shapes, is_leaf=lambda x: isinstance(x, tuple))
-  keys = jax.random.split(key, len(flat))
+  sizes = [int(np.prod(shape)) for _, shape in flat]
+  draws = jnp.split(jax.random.normal(key, (sum(sizes),), jnp.float32),
+                    np.cumsum(sizes)[:-1])
   dtype = config.jnp_dtype
 
-  def one(path, shape, k):
+  def one(path, shape, z):
     name = jax.tree_util.keystr(path)
-    z = jax.random.normal(k, shape, jnp.float32)
+    z = z.reshape(shape)
     if "norm" in name:
       z = 1.0 + 0.1 * z
     elif "bias" in name or name.endswith("['b1']") or name.endswith("['b2']"):
@@ -623,7 +626,7 @@ def init_params(config: DiTConfig, key: Array) -> dict:
       z = z / np.sqrt(shape[-2])
     return z.astype(dtype)
 
-  return jax.tree.unflatten(treedef, [one(p, s, k) for (p, s), k in zip(flat, keys)])
+  return jax.tree.unflatten(treedef, [one(p, s, z) for (p, s), z in zip(flat, draws)])
 
 
 def num_params(config: DiTConfig) -> int:
