@@ -1,18 +1,26 @@
-"""The two published checkpoint layouts: config.json <-> PublishedConfig, HF tensors <-> params.
+"""The published checkpoint layouts: config.json <-> a model config, HF tensors <-> params.
 
 LLaDA (model_type "llada", LLaDAModelLM; an OLMo-derived "llama" block) and Dream
-(model_type "Dream", DreamModel; Qwen2 names). A torch Linear weight is [out, in] and is
-transposed to the params' [in, out]; a stacked "layers" leaf [N, ...] is built from the N
-per-layer tensors `...{i}...`. A config key that changes the architecture to one the params
-cannot express (fused q/k/v, LayerNorm, ALiBi, biases outside q/k/v, RoPE scaling) is a
-ValueError naming the key, never a silently wrong model.
+(model_type "Dream", DreamModel; Qwen2 names) map onto `PublishedConfig`; MDLM (model_type
+"mdlm", MDLM: kuleshov-group/mdlm-owt) and BD3-LM (model_type "bd3lm", BD3LM:
+kuleshov-group/bd3lm-owt-block_size{4,8,16}) onto `mdjax.models.dit.DiTConfig`. A torch
+Linear weight is [out, in] and is transposed to the params' [in, out]; a stacked leaf
+("layers" or "blocks") [N, ...] is built from the N per-layer tensors `...{i}...`. A config
+key that changes the architecture to one the params cannot express (fused q/k/v, LayerNorm,
+ALiBi, biases outside q/k/v, RoPE scaling, causal attention) is a ValueError naming the key,
+never a silently wrong model.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
+import numpy as np
+
+from mdjax.models import dit
+from mdjax.models.dit import DiTConfig
 from mdjax.models.published import PublishedConfig, param_shapes
 
 # LLaDA's end-of-turn token (<|eot_id|>) is in its tokenizer, not in its config.json.
@@ -39,7 +47,7 @@ class Leaf:
 
   @property
   def stacked(self) -> bool:
-    return self.path[0] == "layers"
+    return self.path[0] in ("layers", "blocks")
 
   @property
   def key(self) -> str:
@@ -49,15 +57,20 @@ class Leaf:
     return [self.hf.format(i=i) for i in range(num_layers)] if self.stacked else [self.hf]
 
 
-def leaf_shape(config: PublishedConfig, leaf: Leaf) -> tuple[int, ...]:
+def depth(config) -> int:
+  """The number of stacked layers (blocks) of a config."""
+  return config.n_blocks if isinstance(config, DiTConfig) else config.num_layers
+
+
+def leaf_shape(config, leaf: Leaf) -> tuple[int, ...]:
   """The params leaf's shape (stacked leaves with their leading [num_layers])."""
-  shapes = param_shapes(config)
+  shapes = dit.param_shapes(config) if isinstance(config, DiTConfig) else param_shapes(config)
   for part in leaf.path:
     shapes = shapes[part]
   return tuple(shapes)
 
 
-def hf_shape(config: PublishedConfig, leaf: Leaf) -> tuple[int, ...]:
+def hf_shape(config, leaf: Leaf) -> tuple[int, ...]:
   """The shape of one of the leaf's HF tensors (one layer's; torch's [out, in] order)."""
   shape = leaf_shape(config, leaf)[1 if leaf.stacked else 0:]
   return shape[::-1] if leaf.transpose else shape
@@ -121,6 +134,26 @@ class Layout:
 
   def leaves(self, config: PublishedConfig, tied: bool = False) -> list[Leaf]:
     raise NotImplementedError
+
+  # Hooks the DiT layouts fill in: options of `leaves` read from config.json, params leaves
+  # a checkpoint does not store (built from the config), tensors stored beside the params
+  # (buffers), and config.json keys whose source value stands on save.
+  config_type: type = PublishedConfig
+  soft_keys: tuple[str, ...] = ()
+
+  def leaf_options(self, raw: dict) -> dict:
+    return {}
+
+  def synthesized(self, config, raw: dict) -> dict[str, np.ndarray]:
+    return {}
+
+  def buffers(self, config, raw: dict) -> dict[str, np.ndarray]:
+    """{name: value} of the non-parameter tensors the reference code stores (and reads
+    strictly): written on save, checked on load when present."""
+    return {}
+
+  def check_buffer(self, config, name: str, value: np.ndarray, where: str):
+    pass
 
   def _check_writable(self, config: PublishedConfig):
     if config.family != self.family:
@@ -311,7 +344,220 @@ class DreamLayout(Layout):
     return out
 
 
-LAYOUTS: dict[str, Layout] = {"llada": LLaDALayout(), "dream": DreamLayout()}
+# The reference DiT's fixed choices, which config.json has no key for.
+DIT_FIXED = {"mlp_ratio": 4, "rope_base": 10000.0, "norm_eps": 1e-5}
+# attn_backend values that name a torch kernel, not a different attention: read and ignored.
+ATTN_BACKENDS = ("sdpa", "flex", "flash_attn", "flash", "flash_attn_2")
+INV_FREQ = "backbone.rotary_emb.inv_freq"
+
+
+def inv_freq(config: DiTConfig) -> np.ndarray:
+  """The reference's rotary buffer, 1 / base^(arange(0, K, 2) / K) in float32 (the power in
+  float64: within one float32 ulp of torch's, which `save` keeps when the model has it)."""
+  k = config.head_dim
+  exponent = (np.arange(0, k, 2, dtype=np.float32) / np.float32(k)).astype(np.float64)
+  return np.float32(1.0) / np.power(np.float64(config.rope_base), exponent).astype(np.float32)
+
+
+def _bool(raw: dict, key: str, family: str, default: bool) -> bool:
+  value = raw.get(key, default)
+  if value is None:
+    return default
+  if not isinstance(value, bool):
+    raise ValueError(f"{family} config.json: {key}={value!r} is not a bool")
+  return value
+
+
+class DiTLayout(Layout):
+  """The MDLM / BD3-LM DiT (kuleshov-group/mdlm models/dit.py, bd3lms models/hf): every
+  tensor under `backbone.`, config keys hidden_dim, cond_dim, n_blocks, n_heads,
+  model_length, vocab_size (V + 1: the mask id V included), time_conditioning."""
+
+  config_type = DiTConfig
+  soft_keys = ("dropout", "return_dict", "attn_backend", "var_min", "sampling_eps_min",
+               "sampling_eps_max")
+
+  def tied(self, raw: dict) -> bool:
+    return False
+
+  def leaf_options(self, raw: dict) -> dict:
+    return {"adaln": _bool(raw, "adaln", self.family, True)}
+
+  def _block_size(self, raw: dict, model_length: int) -> int | None:
+    return None
+
+  def config_from_hf(self, raw: dict, dtype: str) -> DiTConfig:
+    f = self.family
+    _refuse(raw, f, "causal", (False, None), "the DiT's attention is bidirectional or "
+            "block-causal; causal is the autoregressive baseline")
+    _refuse(raw, f, "mlp_ratio", (4, None), "the reference's MLP is 4 x hidden_dim")
+    backend = raw.get("attn_backend")
+    if backend is not None and backend != "sdpa":
+      if backend not in ATTN_BACKENDS:
+        raise ValueError(f"{f} config.json: attn_backend={backend!r} is not one of the "
+                         f"reference's ({', '.join(map(repr, ATTN_BACKENDS))})")
+      warnings.warn(f"{f} config.json: attn_backend={backend!r} picks a torch attention "
+                    "kernel; mdjax computes the same attention with its own (key ignored)",
+                    stacklevel=3)
+    vocab = _get(raw, "vocab_size", int, f)
+    if vocab < 2:
+      raise ValueError(f"{f} config.json: vocab_size={vocab} must count the V real ids and "
+                       "the mask id (>= 2)")
+    hidden = _get(raw, "hidden_dim", int, f)
+    heads = _get(raw, "n_heads", int, f)
+    if heads < 1 or hidden % heads:
+      raise ValueError(f"{f} config.json: hidden_dim={hidden} is not divisible by "
+                       f"n_heads={heads}")
+    length = _get(raw, "model_length", int, f)
+    block_size = self._block_size(raw, length)
+    try:
+      return DiTConfig(
+          family=f, vocab_size=vocab - 1, hidden_dim=hidden, cond_dim=_get(raw, "cond_dim", int, f),
+          n_blocks=_get(raw, "n_blocks", int, f), n_heads=heads, model_length=length,
+          block_size=block_size,
+          time_conditioning=_bool(raw, "time_conditioning", f, False), dtype=dtype)
+    except ValueError as e:
+      raise ValueError(f"{f} config.json: {e}") from e
+
+  def _check_writable(self, config):
+    if not isinstance(config, DiTConfig) or config.family != self.family:
+      raise ValueError(f"config {type(config).__name__}(family={getattr(config, 'family', None)!r}) "
+                       f"cannot be written as {self.family} (a DiTConfig of that family)")
+    for name, value in DIT_FIXED.items():
+      if getattr(config, name) != value:
+        raise ValueError(f"config.{name}={getattr(config, name)!r} cannot be written as "
+                         f"{self.family}: the reference code fixes it at {value!r} (no "
+                         "config.json key)")
+
+  def _common_hf(self, config: DiTConfig) -> dict:
+    return {"vocab_size": config.vocab_size + 1, "model_length": config.model_length,
+            "hidden_dim": config.hidden_dim, "cond_dim": config.cond_dim,
+            "n_blocks": config.n_blocks, "n_heads": config.n_heads, "dropout": 0.1,
+            "time_conditioning": bool(config.time_conditioning), "return_dict": False,
+            "torch_dtype": TORCH_DTYPES[config.dtype]}
+
+  def leaves(self, config: DiTConfig, tied: bool = False, adaln: bool = True) -> list[Leaf]:
+    g, b, o = "backbone", "backbone.blocks.{i}", "backbone.output_layer"
+    out = [Leaf(("embed",), f"{g}.vocab_embed.embedding")]
+    if adaln:
+      out += [Leaf(("sigma_map", "w1"), f"{g}.sigma_map.mlp.0.weight", True),
+              Leaf(("sigma_map", "b1"), f"{g}.sigma_map.mlp.0.bias"),
+              Leaf(("sigma_map", "w2"), f"{g}.sigma_map.mlp.2.weight", True),
+              Leaf(("sigma_map", "b2"), f"{g}.sigma_map.mlp.2.bias")]
+    out += [Leaf(("blocks", "norm1"), f"{b}.norm1.weight"),
+            Leaf(("blocks", "qkv"), f"{b}.attn_qkv.weight", True),
+            Leaf(("blocks", "attn_out"), f"{b}.attn_out.weight", True),
+            Leaf(("blocks", "norm2"), f"{b}.norm2.weight"),
+            Leaf(("blocks", "mlp_in"), f"{b}.mlp.0.weight", True),
+            Leaf(("blocks", "mlp_in_bias"), f"{b}.mlp.0.bias"),
+            Leaf(("blocks", "mlp_out"), f"{b}.mlp.2.weight", True),
+            Leaf(("blocks", "mlp_out_bias"), f"{b}.mlp.2.bias")]
+    if adaln:
+      out += [Leaf(("blocks", "ada"), f"{b}.adaLN_modulation.weight", True),
+              Leaf(("blocks", "ada_bias"), f"{b}.adaLN_modulation.bias")]
+    out += [Leaf(("final", "norm"), f"{o}.norm_final.weight")]
+    if adaln:
+      out += [Leaf(("final", "ada"), f"{o}.adaLN_modulation.weight", True),
+              Leaf(("final", "ada_bias"), f"{o}.adaLN_modulation.bias")]
+    out += [Leaf(("final", "linear"), f"{o}.linear.weight", True),
+            Leaf(("final", "linear_bias"), f"{o}.linear.bias")]
+    return out
+
+  def synthesized(self, config: DiTConfig, raw: dict) -> dict[str, np.ndarray]:
+    """adaln=False (no sigma_map, no adaLN tensors: plain norms, gates 1) as the params'
+    adaLN terms: zero weights, so ada(c) is its bias exactly, with shift 0, scale 0, gate 1
+    (the reference's adaln=False forward, bit for bit)."""
+    if self.leaf_options(raw)["adaln"]:
+      return {}
+    dtype = np.dtype(config.jnp_dtype)
+    shapes = dit.param_shapes(config)
+    zeros = lambda shape: np.zeros(shape, dtype)
+    d = config.hidden_dim
+    gates = np.zeros((6, d), dtype)
+    gates[[2, 5]] = 1  # (shift, scale, gate) for attention, then for the MLP
+    out = {f"sigma_map/{k}": zeros(v) for k, v in shapes["sigma_map"].items()}
+    out["blocks/ada"] = zeros(shapes["blocks"]["ada"])
+    out["blocks/ada_bias"] = np.broadcast_to(gates.reshape(-1),
+                                             shapes["blocks"]["ada_bias"]).copy()
+    out["final/ada"] = zeros(shapes["final"]["ada"])
+    out["final/ada_bias"] = zeros(shapes["final"]["ada_bias"])
+    return out
+
+  def buffers(self, config: DiTConfig, raw: dict) -> dict[str, np.ndarray]:
+    return {INV_FREQ: inv_freq(config)}
+
+  def check_buffer(self, config: DiTConfig, name: str, value: np.ndarray, where: str):
+    if name == INV_FREQ:
+      want = inv_freq(config)
+      if value.shape != want.shape or not np.allclose(value.astype(np.float32), want,
+                                                      rtol=1e-5, atol=0):
+        raise ValueError(f"{where}: tensor {name!r} is not the rotary table of base "
+                         f"{config.rope_base} and head_dim {config.head_dim} (the reference's "
+                         "fixed RoPE)")
+
+
+class MDLMLayout(DiTLayout):
+  """MDLM's layout (kuleshov-group/mdlm-owt): bidirectional, no block_size key."""
+
+  family = "mdlm"
+  model_types = ("mdlm",)
+  architectures = ("MDLM",)
+
+  def config_to_hf(self, config: DiTConfig) -> dict:
+    self._check_writable(config)
+    if config.block_size is not None:
+      raise ValueError(f"config.block_size={config.block_size} cannot be written as mdlm "
+                       "(its attention is bidirectional): save it as bd3lm")
+    return {"architectures": ["MDLM"], "model_type": "mdlm", **self._common_hf(config)}
+
+
+class BD3LMLayout(DiTLayout):
+  """BD3-LM's layout (kuleshov-group/bd3lm-owt-block_size{4,8,16}): block-causal attention
+  with block_size when cross_attn is true (its default); with cross_attn false the
+  reference attends bidirectionally and block_size is unused (DiTConfig.block_size None)."""
+
+  family = "bd3lm"
+  model_types = ("bd3lm",)
+  architectures = ("BD3LM",)
+
+  def _block_size(self, raw: dict, model_length: int) -> int | None:
+    f = self.family
+    if not _bool(raw, "cross_attn", f, True):
+      return None
+    size = _get(raw, "block_size", int, f, 1)
+    if size < 1 or model_length % size:
+      raise ValueError(f"{f} config.json: block_size={size} does not divide "
+                       f"model_length={model_length}")
+    return size
+
+  def config_to_hf(self, config: DiTConfig) -> dict:
+    self._check_writable(config)
+    blocks = config.block_size is not None
+    return {"architectures": ["BD3LM"], "model_type": "bd3lm",
+            "block_size": config.block_size if blocks else config.model_length,
+            "cross_attn": blocks, "adaln": True, "attn_backend": "sdpa", "causal": False,
+            "var_min": True, "sampling_eps_min": 1e-3, "sampling_eps_max": 0.999,
+            **self._common_hf(config)}
+
+  def buffers(self, config: DiTConfig, raw: dict) -> dict[str, np.ndarray]:
+    out = super().buffers(config, raw)
+    if _bool(raw, "var_min", self.family, True):  # BD3LM registers them with var_min
+      for key, default in (("sampling_eps_min", 1e-3), ("sampling_eps_max", 0.999)):
+        out[key] = np.asarray(_get(raw, key, float, self.family, default), np.float32)
+    return out
+
+
+LAYOUTS: dict[str, Layout] = {"llada": LLaDALayout(), "dream": DreamLayout(),
+                              "mdlm": MDLMLayout(), "bd3lm": BD3LMLayout()}
+
+
+def optional_buffers(layout: Layout) -> tuple[str, ...]:
+  """Buffer names a checkpoint of the layout may hold (checked where they can be, not
+  params): the rotary table, and the variance-minimizing eps range BD3-LM's code (and a
+  Lightning module of either) registers."""
+  if isinstance(layout, DiTLayout):
+    return (INV_FREQ, "sampling_eps_min", "sampling_eps_max")
+  return ()
 
 
 def supported() -> str:

@@ -1,4 +1,5 @@
-"""Loading and saving Hugging Face folders of the published checkpoints (LLaDA, Dream).
+"""Loading and saving Hugging Face folders of the published checkpoints (LLaDA, Dream, MDLM,
+BD3-LM), and reading torch / Lightning `.ckpt` files of MDLM and BD3-LM.
 
 `load` checks everything it can before it reads a weight: the folder, config.json, the
 family, every safetensors header against its file, the set of tensors and each one's shape and
@@ -29,8 +30,10 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mdjax.models.dit import DiTConfig
 from mdjax.models.published import DTYPES, PublishedConfig
 from mdjax.pretrained import layouts as layouts_lib
+from mdjax.pretrained import lightning
 from mdjax.pretrained import tensors as tensors_lib
 
 CONFIG_FILE = "config.json"
@@ -49,20 +52,25 @@ _FLOATS = ("F64", "F32", "F16", "BF16")
 class PretrainedModel:
   """A loaded checkpoint: the denoiser, its params and what came with them.
 
-  apply_fn: `mdjax.models.published.denoiser(config)`. tokenizer: a `tokenizers.Tokenizer`
-  (None without tokenizer.json). source: the folder it was loaded from (save copies its
-  tokenizer files). hf_config: config.json as read. bytes_read: the tensor bytes read.
+  apply_fn: `mdjax.models.published.denoiser(config)` (LLaDA, Dream) or
+  `mdjax.models.dit.denoiser(config)` (MDLM, BD3-LM: config a DiTConfig, mask id V).
+  tokenizer: a `tokenizers.Tokenizer` (None without tokenizer.json). source: the folder it
+  was loaded from (save copies its tokenizer files). hf_config: config.json as read.
+  bytes_read: the tensor bytes read. buffers: {name: array} of the non-parameter tensors
+  the checkpoint stores (MDLM / BD3-LM's rotary table, BD3-LM's eps range), which `save`
+  writes back as read.
   """
 
   apply_fn: Any
   params: dict
-  config: PublishedConfig
+  config: PublishedConfig | DiTConfig
   family: str
   tokenizer: Any = None
   chat_template: str | None = None
   source: str | None = None
   hf_config: dict | None = None
   bytes_read: int = 0
+  buffers: dict | None = None  # MDLM / BD3-LM: the stored non-parameter tensors, as read
 
   @property
   def mask_id(self) -> int:
@@ -70,6 +78,8 @@ class PretrainedModel:
 
   @property
   def eos_id(self) -> int | None:
+    if isinstance(self.config, DiTConfig):  # GPT-2's 50256 where config.json names it
+      return layouts_lib._first_id(self.hf_config or {}, "eos_token_id", self.family)
     return self.config.eos_id
 
   @property
@@ -145,7 +155,7 @@ def _checkpoint_dtype(infos, needed: list[str], embed: str, folder: str) -> str:
 def _host(info: tensors_lib.TensorInfo, transpose: bool, dtype: np.dtype) -> np.ndarray:
   """One tensor on the host in the params' order and dtype (a copy: the file's map is closed
   when this returns)."""
-  mapped = tensors_lib.read_tensor(info)
+  mapped = _read(info)
   out = np.array(mapped.T if transpose else mapped, dtype=dtype, order="C")
   del mapped
   return out
@@ -177,71 +187,141 @@ def _chat_template(folder: str) -> str | None:
   return template if isinstance(template, str) else None
 
 
-def load(path: str, *, dtype: str | None = None, mesh: Mesh | None = None) -> PretrainedModel:
-  """Loads a Hugging Face folder of a LLaDA or Dream checkpoint.
+CKPT_SUFFIXES = (".ckpt", ".pt", ".pth")
+
+
+def _ckpt_file(src: str) -> str | None:
+  """The torch checkpoint `load` reads: `src` itself, or the one .ckpt of a folder without
+  safetensors weights; None for a Hugging Face folder."""
+  if os.path.isfile(src):
+    if src.endswith(CKPT_SUFFIXES):
+      return src
+    raise ValueError(f"{src}: not a folder, nor a torch checkpoint ({', '.join(CKPT_SUFFIXES)})")
+  if not os.path.isdir(src):
+    raise ValueError(f"{src}: not a folder")
+  if any(os.path.isfile(os.path.join(src, n))
+         for n in (tensors_lib.SINGLE_FILE, tensors_lib.INDEX_FILE)):
+    return None
+  found = sorted(n for n in os.listdir(src) if n.endswith(".ckpt"))
+  if len(found) > 1:
+    raise ValueError(f"{src}: several checkpoints ({', '.join(found)}): pass the file")
+  return os.path.join(src, found[0]) if found else None
+
+
+def _raw_config(config, folder: str, where: str) -> dict:
+  """config.json's object: from `config` (a PublishedConfig or DiTConfig, a dict, or a path
+  to a JSON file) or else the folder's config.json."""
+  if config is None:
+    path = os.path.join(folder, CONFIG_FILE)
+    if not os.path.isfile(path):
+      raise ValueError(f"{where}: no {CONFIG_FILE}" + (
+          "" if where == folder else f" beside it: pass config= (a DiTConfig, a config.json "
+          "dict or path)"))
+    return _read_json(path)
+  if isinstance(config, dict):
+    return dict(config)
+  if isinstance(config, (str, os.PathLike)):
+    return _read_json(os.fspath(config))
+  if isinstance(config, (PublishedConfig, DiTConfig)):
+    return layouts_lib.LAYOUTS[config.family].config_to_hf(config)
+  raise ValueError(f"config= is a {type(config).__name__}: pass a PublishedConfig or DiTConfig, "
+                   "a config.json dict or its path")
+
+
+def _read(info) -> np.ndarray:
+  # A .ckpt's StoredTensor reads itself; a safetensors TensorInfo is memory-mapped here.
+  return info.read() if hasattr(info, "read") else tensors_lib.read_tensor(info)
+
+
+def _put(tree: dict, path: tuple[str, ...], value):
+  for part in path[:-1]:
+    tree = tree.setdefault(part, {})
+  tree[path[-1]] = value
+
+
+def load(path: str, *, dtype: str | None = None, mesh: Mesh | None = None, config=None,
+         ema: bool = True) -> PretrainedModel:
+  """Loads a Hugging Face folder of a LLaDA, Dream, MDLM or BD3-LM checkpoint, or a torch /
+  PyTorch Lightning `.ckpt` (a file, or a folder holding one and no safetensors).
 
   dtype: None keeps the checkpoint's (BF16 -> "bfloat16", F32 -> "float32"); "float32" or
   "bfloat16" casts each tensor as it streams. mesh: shard the params over it (module
-  docstring); None puts them on the default device. Every bad input is a ValueError raised
-  before any weight is read.
+  docstring); None puts them on the default device. config: the architecture when the
+  checkpoint has no config.json beside it (a DiTConfig or PublishedConfig, a config.json
+  dict or path; it replaces config.json when given). ema: a Lightning checkpoint's EMA
+  weights (the ones its code evaluates and publishes) rather than its raw state_dict. A .ckpt
+  is read by `mdjax.pretrained.lightning` (never unpickled freely). Every bad input is a
+  ValueError raised before any weight is read.
   """
   _check_dtype(dtype)
-  folder = os.fspath(path)
-  if not os.path.isdir(folder):
-    raise ValueError(f"{folder}: not a folder")
-  config_path = os.path.join(folder, CONFIG_FILE)
-  if not os.path.isfile(config_path):
-    raise ValueError(f"{folder}: no {CONFIG_FILE}")
-  raw = _read_json(config_path)
-  layout = layouts_lib.detect(raw, config_path)
-  infos = tensors_lib.read_checkpoint(folder)
+  src = os.fspath(path)
+  ckpt = _ckpt_file(src)
+  if ckpt is None:
+    folder = src
+    raw = _raw_config(config, folder, folder)
+    where = os.path.join(folder, CONFIG_FILE) if config is None else folder
+    layout = layouts_lib.detect(raw, where)
+    infos = tensors_lib.read_checkpoint(folder)
+  else:
+    folder = os.path.dirname(os.path.abspath(ckpt))
+    raw = _raw_config(config, folder, ckpt)
+    layout = layouts_lib.detect(raw, ckpt if config is not None else
+                                os.path.join(folder, CONFIG_FILE))
+    infos = lightning.state_tensors(lightning.read_ckpt(ckpt), ckpt, ema=ema)
   tied = layout.tied(raw)
 
   # The tensor names come from the config alone, so a first config (any dtype) finds them.
   probe = layout.config_from_hf(raw, dtype or "float32")
-  leaves = layout.leaves(probe, tied)
-  needed = list(dict.fromkeys(n for leaf in leaves for n in leaf.hf_names(probe.num_layers)))
+  leaves = layout.leaves(probe, tied, **layout.leaf_options(raw))
+  n_layers = layouts_lib.depth(probe)
+  needed = list(dict.fromkeys(n for leaf in leaves for n in leaf.hf_names(n_layers)))
+  buffers = [n for n in layouts_lib.optional_buffers(layout) if n in infos]
   missing = [n for n in needed if n not in infos]
-  extra = sorted(set(infos) - set(needed))
+  extra = sorted(set(infos) - set(needed) - set(buffers))
   if missing:
-    raise ValueError(f"{folder}: missing tensor(s) {', '.join(missing[:5])}"
+    raise ValueError(f"{ckpt or folder}: missing tensor(s) {', '.join(missing[:5])}"
                      f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}")
   if extra:
-    raise ValueError(f"{folder}: unexpected tensor(s) {', '.join(extra[:5])}"
+    raise ValueError(f"{ckpt or folder}: unexpected tensor(s) {', '.join(extra[:5])}"
                      f"{f' and {len(extra) - 5} more' if len(extra) > 5 else ''} "
                      f"(not in the {layout.family} layout of this config)")
   for n in needed:
     if infos[n].dtype not in _FLOATS:
       raise ValueError(f"{infos[n].path}: tensor {n!r} is {infos[n].dtype}, not a float dtype")
   config = dataclasses.replace(
-      probe, dtype=dtype or _checkpoint_dtype(infos, needed, leaves[0].hf, folder))
+      probe, dtype=dtype or _checkpoint_dtype(infos, needed, leaves[0].hf, ckpt or folder))
   for leaf in leaves:
     want = layouts_lib.hf_shape(config, leaf)
-    for n in leaf.hf_names(config.num_layers):
+    for n in leaf.hf_names(n_layers):
       if infos[n].shape != want:
         raise ValueError(f"{infos[n].path}: tensor {n!r} has shape {list(infos[n].shape)}, "
-                         f"expected {list(want)} for this config.json")
+                         f"expected {list(want)} for this config")
+  read_buffers = {n: np.array(_read(infos[n])) for n in buffers}
+  for n, value in read_buffers.items():
+    layout.check_buffer(config, n, value, infos[n].path)
+  synthesized = layout.synthesized(config, raw)
 
   shardings = {}
-  for leaf in leaves:
-    shape = layouts_lib.leaf_shape(config, leaf)
+  for key, stacked, shape, name in (
+      [(leaf.key, leaf.stacked, layouts_lib.leaf_shape(config, leaf), f"{leaf.key} ({leaf.hf})")
+       for leaf in leaves]
+      + [(k, k.startswith("blocks/"), v.shape, k) for k, v in synthesized.items()]):
     if mesh is None:
-      shardings[leaf.key] = (None, None)
+      shardings[key] = (None, None)
     else:
       axis = mesh.axis_names[0]
-      spec = partition_spec(f"{leaf.key} ({leaf.hf})", shape, axis, mesh.shape[axis],
-                            leaf.stacked)
-      layer_spec = PartitionSpec(*spec[1:]) if leaf.stacked else spec
-      shardings[leaf.key] = (NamedSharding(mesh, spec), NamedSharding(mesh, layer_spec))
+      spec = partition_spec(name, shape, axis, mesh.shape[axis], stacked)
+      layer_spec = PartitionSpec(*spec[1:]) if stacked else spec
+      shardings[key] = (NamedSharding(mesh, spec), NamedSharding(mesh, layer_spec))
   tokenizer = _load_tokenizer(folder)
   chat_template = _chat_template(folder)
 
   np_dtype = np.dtype(config.jnp_dtype)
-  params: dict[str, Any] = {"layers": {}}
+  params: dict[str, Any] = {}
   bytes_read = 0
   for leaf in leaves:
     sharding, layer_sharding = shardings[leaf.key]
-    names = leaf.hf_names(config.num_layers)
+    names = leaf.hf_names(n_layers)
     if not leaf.stacked:
       value = jax.device_put(_host(infos[names[0]], leaf.transpose, np_dtype), sharding)
     else:
@@ -257,12 +337,19 @@ def load(path: str, *, dtype: str | None = None, mesh: Mesh | None = None) -> Pr
         value = update(value, layer, i)
         del layer
     bytes_read += sum(infos[n].nbytes for n in names)
-    target = params["layers"] if leaf.stacked else params
-    target[leaf.path[-1]] = value
-  from mdjax.models import published  # the model module loads only with a model
-  return PretrainedModel(apply_fn=published.denoiser(config), params=params, config=config,
+    _put(params, leaf.path, value)
+  for key, value in synthesized.items():
+    _put(params, tuple(key.split("/")), jax.device_put(value.astype(np_dtype), shardings[key][0]))
+  if isinstance(config, DiTConfig):
+    from mdjax.models import dit  # the model module loads only with a model
+    apply_fn = dit.denoiser(config)
+  else:
+    from mdjax.models import published
+    apply_fn = published.denoiser(config)
+  return PretrainedModel(apply_fn=apply_fn, params=params, config=config,
                          family=layout.family, tokenizer=tokenizer, chat_template=chat_template,
-                         source=os.path.abspath(folder), hf_config=raw, bytes_read=bytes_read)
+                         source=os.path.abspath(folder), hf_config=raw, bytes_read=bytes_read,
+                         buffers=read_buffers or None)
 
 
 # ----------------------------------------------------------------------------
@@ -312,7 +399,8 @@ def save(model_or_params, path: str, *, family: str | None = None,
   modeling code read; returns the files written.
 
   model_or_params: a PretrainedModel (its tokenizer and chat template files come along), or
-  a params pytree with `config`. dtype: None keeps each leaf's dtype, else casts. With
+  a params pytree with `config` (a PublishedConfig, or a DiTConfig for "mdlm" / "bd3lm":
+  their config.json and `backbone.*` tensors, the rotary buffer included). dtype: None keeps each leaf's dtype, else casts. With
   max_shard_bytes the weights are sharded (model-0000i-of-0000n.safetensors and
   model.safetensors.index.json). The head is always written as its own tensor (weight_tying /
   tie_word_embeddings false).
@@ -322,7 +410,7 @@ def save(model_or_params, path: str, *, family: str | None = None,
   params = model.params if model else model_or_params
   config = config or (model.config if model else None)
   if config is None:
-    raise ValueError("save: a params pytree needs config= (a PublishedConfig)")
+    raise ValueError("save: a params pytree needs config= (a PublishedConfig or DiTConfig)")
   family = family or config.family
   if family not in layouts_lib.LAYOUTS:
     raise ValueError(f"save: unknown family {family!r} (supported: "
@@ -330,6 +418,9 @@ def save(model_or_params, path: str, *, family: str | None = None,
   if family != config.family:
     raise ValueError(f"save: family={family!r} but config.family={config.family!r}")
   layout = layouts_lib.LAYOUTS[family]
+  if not isinstance(config, layout.config_type):
+    raise ValueError(f"save: family {family!r} needs a {layout.config_type.__name__}, got a "
+                     f"{type(config).__name__}")
 
   flat = _flat(params)
   leaves = layout.leaves(config)
@@ -354,9 +445,14 @@ def save(model_or_params, path: str, *, family: str | None = None,
     x = flat[leaf.key]
     out_dtype = np.dtype(jnp.dtype(dtype)) if dtype else np.dtype(x.dtype)
     shape = layouts_lib.hf_shape(config, leaf)
-    for i, n in enumerate(leaf.hf_names(config.num_layers)):
+    for i, n in enumerate(leaf.hf_names(layouts_lib.depth(config))):
       fn = functools.partial(_to_host, x, i if leaf.stacked else None, leaf.transpose, out_dtype)
       tensors[n] = tensors_lib.Lazy(shape, out_dtype, fn)
+  # The buffers the reference code reads strictly (MDLM / BD3-LM: the rotary table).
+  source_raw = dict(model.hf_config) if model and model.hf_config else {}
+  for name, value in layout.buffers(config, source_raw).items():
+    kept = (model.buffers or {}).get(name) if model else None
+    tensors[name] = kept if kept is not None and kept.shape == value.shape else value
   folder = os.fspath(path)
   os.makedirs(folder, exist_ok=True)
   written = tensors_lib.write_checkpoint(folder, tensors, max_shard_bytes=max_shard_bytes,
@@ -390,5 +486,8 @@ def save(model_or_params, path: str, *, family: str | None = None,
   if "pad_token_id" in base:  # the params do not carry a pad id: the source's stands
     hf.pop("pad_token_id", None)
   base.update(hf)
+  for key in layout.soft_keys:  # knobs outside the architecture: the source's values stand
+    if key in source_raw:
+      base[key] = source_raw[key]
   tensors_lib.write_json(os.path.join(folder, CONFIG_FILE), base)
   return written + [os.path.join(folder, CONFIG_FILE)] + [os.path.join(folder, c) for c in copied]

@@ -248,7 +248,7 @@ def write_file(path: str, tensors: Mapping[str, Any], metadata: Mapping[str, str
       for name in names:
         x = tensors[name]
         want = np.dtype(x.dtype)
-        host = np.ascontiguousarray(np.asarray(x))
+        host = np.asarray(np.asarray(x), order="C")  # (ascontiguousarray would make a scalar 1-d)
         if host.dtype != want or host.shape != tuple(x.shape):
           raise ValueError(f"{path}: tensor {name!r} gave {host.shape} {host.dtype}, "
                            f"not {tuple(x.shape)} {want}")
