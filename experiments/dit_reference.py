@@ -65,6 +65,7 @@ import importlib
 import json
 import math
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -500,6 +501,8 @@ def main(argv=None):
 
   cases = sampler_cases(bd3, mdlm, models)
   text = json.dumps(cases, indent=1)
+  # one line per innermost list (a row of ids, a distribution over the V + 1 ids)
+  text = re.sub(r"\[([^\[\]]*)\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
   (out / "samples.json").write_text(text + "\n")
 
   for what, value in checks.items():
@@ -533,13 +536,13 @@ def sampler_cases(bd3: Bd3lms, mdlm: Mdlm, models: dict) -> list[dict]:
                     "sigma_B": _round_trip(sigma),
                     "q_xs_BxLxV": _round_trip(q_xs)})
 
-    # BD3-LM (bd3lms diffusion.py): a canvas of 2 clean blocks and a last block with masks,
+    # BD3-LM (bd3lms diffusion.py): a canvas of 3 clean blocks and a last block with masks,
     # as _semi_ar_sampler passes it (x_accum[:, fwd_idx]). First hitting draws one masked
     # position of the last block uniformly and its value from p_x0 (nucleus-filtered); the
     # published sampler runs one row at a time (it asserts eval_batch_size == 1).
     model = models["bd3lm"]
     rng = np.random.default_rng(40)
-    x = rng.integers(0, VOCAB, (2, 3 * BLOCK_SIZE))
+    x = rng.integers(0, VOCAB, (2, LENGTH))
     x[0, -3:] = MASK_ID
     x[1, [-4, -2]] = MASK_ID
     x = torch.from_numpy(x)
