@@ -302,14 +302,21 @@ def complete_prompts(task, apply_fn: Denoiser, params, spec) -> None:
     raise app.UsageError(str(error)) from error
   print()
   elapsed = time.perf_counter() - start_time
-  rows = [{"prompt": prompt, "completion": text, "token_ids": gen.tolist(),
-           "generated_length": len(gen)}
-          for prompt, text, gen in zip(prompts, out.texts, out.token_ids)]
+  report_completions(prompts, out.texts, out.token_ids, elapsed,
+                     f", {out.nfe} denoiser passes")
+
+
+def report_completions(prompts, texts, token_ids, elapsed: float, more: str = "") -> None:
+  """Prints the first --show completions and the output tokens per second; writes
+  completions.jsonl to --out."""
+  rows = [{"prompt": prompt, "completion": text, "token_ids": ids.tolist(),
+           "generated_length": len(ids)}
+          for prompt, text, ids in zip(prompts, texts or [None] * len(prompts), token_ids)]
   for row in rows[:_NUM_SHOWN.value]:
     print(f"--- {row['prompt']!r} -> {row['completion']!r}")
-  output_tokens = int(out.generated_length_B.sum())
+  output_tokens = sum(row["generated_length"] for row in rows)
   print(f"{len(rows)} completions, {output_tokens} output tokens (up to EOS) in {elapsed:.2f}s: "
-        f"{output_tokens / elapsed:.1f} output tokens/s, {out.nfe} denoiser passes")
+        f"{output_tokens / elapsed:.1f} output tokens/s{more}")
   if _OUT.value:
     with open(os.path.join(_OUT.value, "completions.jsonl"), "w") as f:
       for row in rows:
@@ -343,7 +350,7 @@ def complete_pretrained() -> None:
   """--pretrained: `pretrained.complete` on --prompts, completions.jsonl, tokens per second."""
   from mdjax import pretrained
   try:
-    prompts = pretrained.read_prompts(_PROMPTS.value)
+    prompts = generation.read_prompts(_PROMPTS.value, messages=True)
     model = pretrained.load(_PRETRAINED.value, dtype=_DTYPE.value)
     prompt_BxP, _ = pretrained.encode_prompts(model, prompts, chat=_CHAT.value)
   except (ValueError, OSError) as error:
@@ -354,7 +361,7 @@ def complete_pretrained() -> None:
   print(f"pretrained={_PRETRAINED.value} family={model.family} dtype={model.config.dtype} "
         f"prompts={len(prompts)} sampler={knobs.get('spec', 'reference')}")
   start_time = time.perf_counter()
-  rows, output_tokens = [], 0
+  texts, token_ids = [], []
   for first in range(0, len(prompts), _BATCH.value):
     part = prompts[first:first + _BATCH.value]
     try:
@@ -364,19 +371,9 @@ def complete_pretrained() -> None:
                                 **knobs)
     except ValueError as error:
       raise app.UsageError(str(error)) from error
-    for prompt, text, ids in zip(part, out.texts or [None] * len(part), out.token_ids):
-      rows.append({"prompt": prompt, "completion": text, "token_ids": ids.tolist(),
-                   "generated_length": len(ids)})
-      output_tokens += len(ids)
-  elapsed = time.perf_counter() - start_time
-  for row in rows[:_NUM_SHOWN.value]:
-    print(f"--- {row['prompt']!r} -> {row['completion']!r}")
-  print(f"{len(rows)} completions, {output_tokens} output tokens (up to EOS) in {elapsed:.2f}s: "
-        f"{output_tokens / elapsed:.1f} output tokens/s")
-  if _OUT.value:
-    with open(os.path.join(_OUT.value, "completions.jsonl"), "w") as f:
-      for row in rows:
-        f.write(json.dumps(row) + "\n")
+    texts += out.texts or [None] * len(part)
+    token_ids += out.token_ids
+  report_completions(prompts, texts, token_ids, time.perf_counter() - start_time)
 
 
 def generate_in_blocks(task, apply_fn: Denoiser, params, spec) -> None:

@@ -21,8 +21,17 @@ from mdjax import sampling
 from mdjax.denoiser import Denoiser
 
 
-def read_prompts(path: str) -> list[str]:
-  """The prompts of a JSONL file, one `{"prompt": TEXT}` a line; a ValueError names the line."""
+def _is_chat(messages) -> bool:
+  return isinstance(messages, list) and bool(messages) and all(
+      isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages)
+
+
+def read_prompts(path: str, messages: bool = False) -> list:
+  """The prompts of a JSONL file, one `{"prompt": TEXT}` a line (with messages=True also
+  `{"messages": [{"role": ..., "content": ...}, ...]}`, a chat, read as its list); a
+  ValueError names the line."""
+  shape = "{\"prompt\": TEXT}" + (" or {\"messages\": [{\"role\": ..., \"content\": ...}]}"
+                                  if messages else "")
   prompts = []
   with open(path, encoding="utf-8") as f:
     for number, line in enumerate(f, 1):
@@ -32,12 +41,15 @@ def read_prompts(path: str) -> list[str]:
         row = json.loads(line)
       except json.JSONDecodeError as error:
         raise ValueError(f"prompts={path!r} line {number} is not JSON ({error.msg}).") from None
-      if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+      prompt = row.get("prompt") if isinstance(row, dict) else None
+      if messages and prompt is None and isinstance(row, dict):
+        prompt = row.get("messages") if _is_chat(row.get("messages")) else None
+      if prompt is None or not isinstance(prompt, (str, list)):
         raise ValueError(f"prompts={path!r} line {number} has no \"prompt\" string: "
-                         f"{line.strip()[:80]!r}; each line must be {{\"prompt\": TEXT}}.")
-      prompts.append(row["prompt"])
+                         f"{line.strip()[:80]!r}; each line must be {shape}.")
+      prompts.append(prompt)
   if not prompts:
-    raise ValueError(f"prompts={path!r} holds no prompt; give one {{\"prompt\": TEXT}} a line.")
+    raise ValueError(f"prompts={path!r} holds no prompt; give one {shape} a line.")
   return prompts
 
 

@@ -1,20 +1,23 @@
-"""The published diffusion LMs' Hugging Face checkpoints (LLaDA, Dream): load, sample, save.
+"""The published diffusion LMs' Hugging Face checkpoints (LLaDA, Dream, MDLM, BD3-LM): load,
+sample, save.
 
 `load(folder)` reads config.json, the safetensors weights (one file or sharded with an
 index), tokenizer.json and the chat template into a `PretrainedModel` whose `apply_fn` is
-`mdjax.models.published.denoiser(config)`; `generate` (LLaDA's, with Fast-dLLM's rules and
+`mdjax.models.published.denoiser(config)` (MDLM / BD3-LM: `mdjax.models.dit.denoiser`; a
+torch / Lightning `.ckpt` is read too, by the restricted reader of `lightning`); `generate` (LLaDA's, with Fast-dLLM's rules and
 caches) and `diffusion_generate` (Dream's) sample it as the reference code does;
 `complete` goes from texts to texts; `save` writes such a folder back, bit for bit.
 """
 
 from mdjax.pretrained.complete import (REFERENCE_KNOBS, Completion, complete, encode_prompts,
-                                       read_prompts, render_chat, sample_family)
+                                       render_chat, sample_family)
 from mdjax.pretrained.samplers import diffusion_generate, generate
 from mdjax.pretrained.layouts import LAYOUTS, detect
+from mdjax.pretrained.lightning import read_ckpt
 from mdjax.pretrained.load import PretrainedModel, load, partition_spec, save
 from mdjax.pretrained.tensors import read_checkpoint, read_header, read_tensor, write_checkpoint
 
 __all__ = ["LAYOUTS", "REFERENCE_KNOBS", "Completion", "PretrainedModel", "complete", "detect",
            "diffusion_generate", "encode_prompts", "generate", "load", "partition_spec",
-           "read_checkpoint", "read_header", "read_prompts", "read_tensor", "render_chat", "sample_family",
+           "read_checkpoint", "read_ckpt", "read_header", "read_tensor", "render_chat", "sample_family",
            "save", "write_checkpoint"]

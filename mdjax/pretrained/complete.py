@@ -45,31 +45,6 @@ class Completion:
   attention_mask_BxP: np.ndarray
 
 
-def read_prompts(path: str) -> list:
-  """A JSONL file's prompts, one a line: {"prompt": TEXT} or {"messages": [{"role",
-  "content"}, ...]} (a chat); a ValueError names the line."""
-  prompts = []
-  with open(path, encoding="utf-8") as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as error:
-        raise ValueError(f"prompts={path!r} line {number} is not JSON ({error.msg}).") from None
-      prompt = row.get("prompt", row.get("messages")) if isinstance(row, dict) else None
-      if not (isinstance(prompt, str) or (
-          isinstance(prompt, list) and prompt
-          and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt))):
-        raise ValueError(f"prompts={path!r} line {number}: {line.strip()[:80]!r}; each line "
-                         "must be {\"prompt\": TEXT} or {\"messages\": [{\"role\": ..., "
-                         "\"content\": ...}, ...]}.")
-      prompts.append(prompt)
-  if not prompts:
-    raise ValueError(f"prompts={path!r} holds no prompt.")
-  return prompts
-
-
 def _special_token(value) -> str:
   """A tokenizer_config.json special token: a string or {"content": ...}."""
   if isinstance(value, dict):

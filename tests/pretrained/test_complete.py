@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from mdjax import pretrained, sampling
+from mdjax import generation, pretrained, sampling
 from tests.paths import REPO
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "pretrained")
@@ -48,10 +48,11 @@ def test_bad_prompts(llada, tmp_path):
     pretrained.encode_prompts(no_template, ["a"], chat=True)
   path = tmp_path / "p.jsonl"
   path.write_text('{"prompt": "a"}\n{"messages": [{"role": "user", "content": "b"}]}\n')
-  assert pretrained.read_prompts(str(path)) == ["a", [{"role": "user", "content": "b"}]]
+  assert generation.read_prompts(str(path), messages=True) == [
+      "a", [{"role": "user", "content": "b"}]]
   path.write_text('{"prompt": "a"}\n{"text": "b"}\n')
   with pytest.raises(ValueError, match="line 2"):
-    pretrained.read_prompts(str(path))
+    generation.read_prompts(str(path), messages=True)
 
 
 def test_complete_is_generate_cut_at_the_end_of_text(llada):
