@@ -30,9 +30,14 @@ CONFIGS = {
 
 # One program per (function, config), shared by the tests.
 _forward = jax.jit(dit.forward, static_argnums=0)
-_fold = jax.jit(dit.fold, static_argnums=0)
-_fold_forward = jax.jit(lambda c, p, x, valid: dit.forward_folded(c, _fold(c, p), x, valid),
-                        static_argnums=0)
+
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _fold_forward(c, params, tokens_BxL, valid_BxL):
+  """(fold's params, forward_folded's logits) in one program."""
+  folded = dit.fold(c, params)
+  return folded, dit.forward_folded(c, folded, tokens_BxL, valid_BxL)
 
 
 def _params_of(config, seed=0):
@@ -58,6 +63,13 @@ PARAMS = _params_of(BASE)  # every config here has the same shapes
 
 def _params(config):
   return PARAMS
+
+
+@functools.lru_cache(maxsize=None)
+def _folded():
+  """`fold`'s params and the folded logits of (_tokens(), _valid()); fold ignores
+  block_size, so these serve every config without time conditioning."""
+  return _fold_forward(BASE, PARAMS, _tokens(), _valid())
 
 
 def _tokens(seed=0, mask_fraction=0.4):
@@ -138,6 +150,18 @@ def _reference(c, params, tokens_BxL, sigma_B, valid_BxL=None, positions_L=None,
   return np.stack(out)
 
 
+def _block_diff_mask(n, block_size):
+  """bd3lms' `block_diff_mask` over [x_t ; x_0] (2n x 2n), in numpy."""
+  q_idx, kv_idx = np.arange(2 * n)[:, None], np.arange(2 * n)[None]
+  x0_q, x0_kv = q_idx >= n, kv_idx >= n
+  block_q = np.where(x0_q, (q_idx - n) // block_size, q_idx // block_size)
+  block_kv = np.where(x0_kv, (kv_idx - n) // block_size, kv_idx // block_size)
+  block_diagonal = (block_q == block_kv) & (x0_q == x0_kv)
+  offset_block_causal = (block_q > block_kv) & x0_kv & ~x0_q
+  block_causal = (block_q >= block_kv) & x0_kv & x0_q
+  return block_diagonal | offset_block_causal | block_causal
+
+
 def _subs(c, raw_BxLxV1, tokens_BxL):
   """mdlm's `_subs_parameterization` in numpy, -1e6 written as -inf, the mask column dropped."""
   logits = np.array(raw_BxLxV1, np.float64)
@@ -173,7 +197,7 @@ def test_folded_equals_unfolded():
   c = CONFIGS["mdlm"]
   params, tokens, valid = _params(c), _tokens(), _valid()
   assert np.abs(params["blocks"]["ada"]).min() > 0 and np.abs(params["final"]["ada_bias"]).min() > 0
-  folded = _fold_forward(c, params, tokens, valid)
+  folded = _folded()[1]
   np.testing.assert_allclose(folded, _forward(c, params, tokens, SIGMA_B, valid_BxL=valid),
                              rtol=1e-5, atol=1e-5)
   layout = jax.eval_shape(functools.partial(dit.fold, c), params)
@@ -224,7 +248,7 @@ def test_block_causal_denoiser_and_exact_cache():
   den, pre = dit.denoiser(c), dit.denoiser(c, folded=True)
   assert den.block_size == BLOCK and den.offers_cache and den.block_pair is not None
   assert den == dit.denoiser(c)  # equal values share compiled programs
-  folded, valid = _fold(c, PARAMS), _valid()
+  folded, valid = _folded()[0], _valid()
   apply, prefill, decode = jax.jit(den.apply), jax.jit(pre.prefill), jax.jit(pre.decode)
   rng = np.random.default_rng(2)
   tokens = _tokens(seed=5)
@@ -249,7 +273,7 @@ def test_block_causal_denoiser_and_exact_cache():
   # Later blocks are invisible: changing them leaves the earlier blocks' logits alone.
   changed = canvas.copy()
   changed[:, 2 * BLOCK:] = 0
-  np.testing.assert_array_equal(apply(PARAMS, changed, T_B, valid)[:, :2 * BLOCK],
+  np.testing.assert_array_equal(np.asarray(apply(PARAMS, changed, T_B, valid))[:, :2 * BLOCK],
                                 full[:, :2 * BLOCK])
 
   # block_pair: noisy block b's logits are the plain pass over [clean < b, noisy b, ...].
@@ -262,12 +286,14 @@ def test_block_causal_denoiser_and_exact_cache():
     blocks = slice(b * BLOCK, (b + 1) * BLOCK)
     mixed = clean.copy()
     mixed[:, blocks] = noisy[:, blocks]
-    np.testing.assert_allclose(pair[:, blocks], apply(PARAMS, mixed, T_B, ones)[:, blocks],
-                               rtol=1e-5, atol=1e-5)
-  # The pass itself agrees with the reference under BD3-LM's mask (raw logits, noisy half).
+    plain = np.asarray(apply(PARAMS, mixed, T_B, ones))
+    np.testing.assert_allclose(pair[:, blocks], plain[:, blocks], rtol=1e-5, atol=1e-5)
+  # The pass itself agrees with the reference under BD3-LM's `block_diff_mask` (raw logits,
+  # noisy half; both halves at positions 0..L-1).
+  mask = _block_diff_mask(L, BLOCK)
+  np.testing.assert_array_equal(mask, block_pair_mask(L, BLOCK))
   raw = _reference(c, PARAMS, np.concatenate([noisy, clean], 1), SIGMA_B,
-                   positions_L=np.concatenate([np.arange(L)] * 2),
-                   mask=block_pair_mask(L, BLOCK))[:, :L]
+                   positions_L=np.concatenate([np.arange(L)] * 2), mask=mask)[:, :L]
   np.testing.assert_allclose(pair, _subs(c, raw, noisy), rtol=1e-4, atol=1e-4)
 
 
