@@ -496,7 +496,9 @@ def subs(config: DiTConfig, logits_BxLxV1: Array, tokens_BxL: Array) -> Array:
   """MDLM's SUBS parameterization over the V real ids (the mask column dropped): the
   log-softmax of the logits with the mask logit at -inf, and at visible (unmasked)
   positions the one-hot of the visible token in log space (0 at it, -inf elsewhere).
-  (The reference writes -1e6 for -inf; exp of either is 0 in float32.)"""
+  (The reference writes -1e6 for -inf; exp of either is 0 in float32.) mdjax's samplers
+  never read visible positions; its losses read only masked ones (`jnp.where` on the
+  mask), and the one-hot rows hold no parameter, so no gradient passes through them."""
   v = config.vocab_size
   logp_BxLxV = jax.nn.log_softmax(logits_BxLxV1[..., :v].astype(jnp.float32), axis=-1)
   tokens_BxL = jnp.asarray(tokens_BxL)

@@ -188,6 +188,10 @@ def test_forward_matches_reference(name):
   # Row 0 has no padding: the reference without a mask (positions 0..L-1) is the same.
   np.testing.assert_allclose(got[:1], _reference(c, params, tokens[:1], SIGMA_B[:1]),
                              rtol=1e-4, atol=1e-4)
+  # A left-padded row's real positions are those of the row alone.
+  np.testing.assert_allclose(got[1, BLOCK:],
+                             _reference(c, params, tokens[1:2, BLOCK:], SIGMA_B[1:2])[0],
+                             rtol=1e-4, atol=1e-4)
   # sigma reaches the network only with time conditioning.
   other = _reference(c, params, tokens[:1], SIGMA_B[2:])
   assert (np.abs(other - want[:1]).max() > 1e-3) == c.time_conditioning
