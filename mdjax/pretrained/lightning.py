@@ -325,43 +325,50 @@ def _strip(name: str) -> str:
   return name.replace("_orig_mod.", "")
 
 
-def state_tensors(obj: Any, path: str, *, ema: bool = True) -> dict[str, StoredTensor]:
-  """The named weights of a read checkpoint: a Lightning checkpoint's `state_dict` (with
-  `ema=True` and an `ema` entry, the EMA shadow params in its place: the weights the
-  reference code evaluates and publishes), or a bare state dict."""
+def select_weights(obj: Any, path: str, *, ema: bool = True, is_tensor=None) -> dict:
+  """The named weights of a read checkpoint (`is_tensor` tells its tensors; StoredTensor by
+  default): a Lightning checkpoint's `state_dict` (with `ema=True` and an `ema` entry, the EMA
+  shadow params in its place: the weights the reference code evaluates and publishes), or a
+  bare state dict. Names lose torch.compile's `_orig_mod.`."""
+  is_tensor = is_tensor or (lambda v: isinstance(v, StoredTensor))
   if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
     state = obj["state_dict"]
-  elif isinstance(obj, dict) and obj and all(isinstance(v, StoredTensor) for v in obj.values()):
+  elif isinstance(obj, dict) and obj and all(is_tensor(v) for v in obj.values()):
     state = obj
   else:
     raise ValueError(f"{path}: holds no state_dict of tensors (a Lightning checkpoint's "
                      "'state_dict' or a bare {name: tensor} dict)")
   out = {}
   for name, value in state.items():
-    if not isinstance(value, StoredTensor):
+    if not is_tensor(value):
       raise ValueError(f"{path}: state_dict entry {name!r} is a {type(value).__name__}, not a "
                        "tensor")
-    out[_strip(str(name))] = value.named(_strip(str(name)))
+    out[_strip(str(name))] = value
   shadow = obj.get("ema") if ema and isinstance(obj, dict) and "state_dict" in obj else None
   if isinstance(shadow, dict) and isinstance(shadow.get("shadow_params"), list):
-    out = _with_ema(out, shadow["shadow_params"], path)
+    out = _with_ema(out, shadow["shadow_params"], path, is_tensor)
   return out
 
 
-def _with_ema(state: dict[str, StoredTensor], shadow: list, path: str):
+def state_tensors(obj: Any, path: str, *, ema: bool = True) -> dict[str, StoredTensor]:
+  """`select_weights` of a `read_ckpt` result, each tensor named."""
+  return {n: t.named(n) for n, t in select_weights(obj, path, ema=ema).items()}
+
+
+def _with_ema(state: dict, shadow: list, path: str, is_tensor):
   """The EMA's shadow params are a list in `backbone.parameters()` order: the state dict's
   backbone entries less the buffers (rotary inv_freq), as the reference's push_to_hf pairs
   them."""
   names = [n for n in state if n.startswith("backbone.") and not n.endswith("inv_freq")]
-  if len(shadow) < len(names) or not all(isinstance(s, StoredTensor) for s in shadow):
+  if len(shadow) < len(names) or not all(is_tensor(s) for s in shadow):
     raise ValueError(f"{path}: the EMA holds {len(shadow)} shadow params for the "
                      f"{len(names)} backbone parameters; pass ema=False to read the raw "
                      "state_dict")
   out = dict(state)
   for name, s in zip(names, shadow):
-    if s.shape != state[name].shape:
+    if tuple(s.shape) != tuple(state[name].shape):
       raise ValueError(f"{path}: EMA shadow param for {name} has shape {list(s.shape)}, the "
                        f"state_dict's {list(state[name].shape)}; pass ema=False to read the "
                        "raw state_dict")
-    out[name] = s.named(name)
+    out[name] = s
   return out
