@@ -12,8 +12,9 @@ The policy, by the global's name:
 - tensors: torch's rebuild functions, the storage types, `torch.Size`, dtypes and devices ->
   stand-ins that build a lazy `StoredTensor` (a memory map of its storage file, read when
   asked for);
-- plain containers and values: `collections.OrderedDict` / `defaultdict`, builtins set,
-  frozenset, complex, slice, and `_codecs.encode` (protocol 2's bytes; latin-1 only);
+- plain containers and values: `collections.OrderedDict` / `defaultdict`, the builtin value
+  types (dict, list, tuple, set, frozenset, int, float, complex, str, bytes, bool, slice,
+  object) and `_codecs.encode` (protocol 2's bytes; latin-1 only);
 - metadata that Lightning stores beside the weights (`hyper_parameters`, callbacks): classes of
   omegaconf, transformers, tokenizers, lightning / pytorch_lightning / lightning_fabric,
   torchmetrics, typing, pathlib and numpy -> inert `Opaque` placeholders that only record their
@@ -215,10 +216,8 @@ _TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch", "device"): _device,
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("collections", "defaultdict"): collections.defaultdict,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
-    ("builtins", "complex"): complex,
-    ("builtins", "slice"): slice,
+    **{("builtins", t.__name__): t for t in (dict, list, tuple, set, frozenset, int, float,
+                                             complex, str, bytes, bool, slice, object)},
     ("_codecs", "encode"): _codecs_encode,
 }
 _DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8",

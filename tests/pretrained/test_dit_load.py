@@ -7,8 +7,10 @@ import dataclasses
 import io
 import json
 import os
+import pathlib
 import pickle
 import tempfile
+import typing
 import warnings
 import zipfile
 
@@ -397,6 +399,15 @@ def test_real_torch_save(tmp_path):
   tensors.write_json(str(cfg), layouts.LAYOUTS["bd3lm"].config_to_hf(config))
   convert_ckpt.main([str(tmp_path / "t.ckpt"), str(tmp_path / "hf"), f"--config={cfg}"])
   assert_same(pretrained.load(tmp_path / "hf").params, params)
+  # Metadata torch's weights_only loader refuses: mdjax's reader skips it, never running it.
+  torch.save({"state_dict": state, "hyper_parameters": {
+      "any": typing.Any, "type": dict, "dtype": torch.bfloat16, "device": torch.device("cuda", 0),
+      "path": pathlib.PurePosixPath("/data")}}, tmp_path / "meta.ckpt")
+  hp = pretrained.read_ckpt(tmp_path / "meta.ckpt")["hyper_parameters"]
+  assert (hp["type"], hp["dtype"], hp["device"]) == (dict, "torch.bfloat16", "cuda:0")
+  assert isinstance(hp["path"], lightning.Opaque)
+  convert_ckpt.main([str(tmp_path / "meta.ckpt"), str(tmp_path / "hf2"), f"--config={cfg}"])
+  assert_same(pretrained.load(tmp_path / "hf2").params, params)
 
 
 def test_convert_without_torch_reader(tmp_path):
