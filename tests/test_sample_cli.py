@@ -76,6 +76,7 @@ def test_exactly_num_samples_are_drawn(sample_cli, tmp_path, monkeypatch):
 
 FAMILY_FLAGS = {
     "ancestral": ["--steps=10", "--block_length=5"],
+    "bd3lm": ["--steps=25", "--temperature=0.5"],
     "confidence": ["--steps=5", "--threshold=0.9"],
     "defer": ["--steps=5"],
     "dream": ["--steps=10", "--temperature=0"],
@@ -83,6 +84,7 @@ FAMILY_FLAGS = {
                         "--refresh_every=2"],
     "field_order": ["--order=[VOA][v×9]o×10[ht1]"],
     "local_remask": ["--steps=5", "--refill_steps=3", "--rounds=1", "--window=1"],
+    "mdlm": ["--steps=10", "--eps=0.01"],
     "ordered": ["--groups=0-4;5-14;15-24"],
     "random_order": [],
     "remask": ["--steps=6", "--eta=0.02"],

@@ -8,8 +8,9 @@ orders), FieldOrderSpec (write orders over fields, confidence within a field;
 `parse_write_order` reads them from notation), RandomOrderSpec (exact chain rule in
 a random order), SpeculativeSpec (exact parallel sampling by speculative
 verification), DeferSpec (PUNT-style test-and-defer), RevisionSpec (D3IM-style
-direct revision) and LocalRemaskSpec (PURE-style localized remasking). Semi-autoregressive
-blocks inside one canvas (`sampling.semi_autoregressive`) are the `block_length` knob of
+direct revision), LocalRemaskSpec (PURE-style localized remasking), MDLMSpec (MDLM's
+ddpm_cache sampler) and BD3LMSpec (BD3-LM's first-hitting and nucleus update inside a block).
+Semi-autoregressive blocks inside one canvas (`sampling.semi_autoregressive`) are the `block_length` knob of
 ancestral, confidence and entropy-bounded decoding; with `kv_cache="dual"` they decode each
 block against a KV cache (`sampling.kv_cache`). Block-by-block generation
 (`sampling.block_generation.sample_blocks`, block diffusion) runs any family one block at a
@@ -31,12 +32,14 @@ from mdjax.sampling.reveal import time_grid
 from mdjax.sampling.scores import SCORES
 # Each family module registers its family on import.
 from mdjax.sampling.families.ancestral import AncestralSpec
+from mdjax.sampling.families.bd3lm import BD3LMSpec
 from mdjax.sampling.families.confidence import ConfidenceSpec
 from mdjax.sampling.families.defer import DeferSpec
 from mdjax.sampling.families.dream import DreamSpec
 from mdjax.sampling.families.entropy_bounded import EntropyBoundedSpec
 from mdjax.sampling.families.field_order import FieldOrderSpec, parse_write_order
 from mdjax.sampling.families.local_remask import LocalRemaskSpec
+from mdjax.sampling.families.mdlm import MDLMSpec
 from mdjax.sampling.families.ordered import OrderedSpec
 from mdjax.sampling.families.random_order import RandomOrderSpec
 from mdjax.sampling.families.remask import RemaskSpec
@@ -47,9 +50,10 @@ from mdjax.sampling.families.speculative import SpeculativeSpec
 from mdjax.sampling.base import families  # noqa: E402,F811
 
 __all__ = [
-    "AncestralSpec", "BlocksResult", "BoundDenoiser", "Canvas", "ConfidenceSpec", "Counters",
+    "AncestralSpec", "BD3LMSpec", "BlocksResult", "BoundDenoiser", "Canvas", "ConfidenceSpec",
+    "Counters",
     "DeferSpec", "Denoiser", "DreamSpec", "EndOfRow", "classifier_free",
-    "EntropyBoundedSpec", "Family", "FieldOrderSpec", "IDLE_FRACTION_TO_SKIP", "KV_CACHES", "LocalRemaskSpec", "OrderedSpec",
+    "EntropyBoundedSpec", "Family", "FieldOrderSpec", "IDLE_FRACTION_TO_SKIP", "KV_CACHES", "LocalRemaskSpec", "MDLMSpec", "OrderedSpec",
     "RandomOrderSpec", "RemaskSpec",
     "RevisionSpec", "SCORES", "SampleResult", "SamplerSpec", "SpeculativeSpec", "families",
     "family_of", "lower", "make_spec", "num_steps", "offers_cache", "parse_write_order",
