@@ -2,7 +2,9 @@
 
 `nelbo_estimate`: the MD4 NELBO of fixed sequences in bits per token, averaged over a
 configurable number of Monte Carlo draws of (time, mask), with the standard error of
-that Monte Carlo average. `causal_bits`: exact -log2 p(x) of sequences under a causal
+that Monte Carlo average. `windows_nelbo`: the NELBO of a token stream cut into windows,
+as MDLM and BD3-LM report it (nats and bits per token, the perplexity bound), with a
+standard error over independent batches. `causal_bits`: exact -log2 p(x) of sequences under a causal
 (left-to-right) reference model, the "generative bits per character" of samples.
 `causal_sample`: ancestral left-to-right samples of such a model.
 """
@@ -60,6 +62,69 @@ def nelbo_estimate(apply_fn, params: Any, x_NxL, *, schedule: diffusion.Schedule
   return {"bits_per_token": float(means.mean()),
           "se": float(means.std(ddof=1) / math.sqrt(time_samples)),
           "time_samples": time_samples, "sequences": int(len(x_NxL))}
+
+
+def windows_nelbo(apply_fn, params: Any, windows_NxL, *, batch_size: int,
+                  num_batches: int | None = None, key: Array, schedule: diffusion.Schedule,
+                  t_min: float = 1e-3, t_max: float = 1.0, block_size: int | None = None,
+                  first_maskable: bool = True) -> dict:
+  """The NELBO of `windows_NxL` (rows of token ids), per token, as the papers report it.
+
+  Batch b holds rows [b B, (b + 1) B) and draws its times and masks from fold_in(key, b):
+  block_size None: `diffusion.nelbo_loss` (MDLM: antithetic t over the batch in
+  [t_min, 1]); else `diffusion.block_nelbo_loss` (BD3-LM: antithetic t over the batch's
+  blocks in [t_min, t_max], one pass over [x_t; x_0]). `first_maskable=False` keeps each
+  row's first token visible and uncounted (BD3-LM's `ignore_bos`). The estimate is the
+  summed NELBO over the counted tokens; the mean of equal-sized batches' per-token values.
+
+  stderr: the batches are independent (disjoint rows, independent keys), so their per-token
+  values r_b are i.i.d. estimates of the same mean (rows drawn from the data, times and masks
+  from the schedule) and the standard error of their mean is std(r_b) / sqrt(n_batches) (it
+  holds both the Monte Carlo and the data's spread; the antithetic times couple the rows of a
+  batch, so rows are not independent and per-row errors would be wrong). NaN for 1 batch.
+
+  Returns {nelbo_nats_per_token, bits_per_token, perplexity_bound (exp of the nats),
+  num_tokens (counted), num_batches, stderr (nats per token), stderr_bits}.
+  """
+  x_NxL = np.asarray(windows_NxL)
+  if x_NxL.ndim != 2 or not np.issubdtype(x_NxL.dtype, np.integer):
+    raise ValueError(f"windows_NxL has shape {x_NxL.shape} and dtype {x_NxL.dtype}; it must be "
+                     "a 2-D integer array of token ids.")
+  if not (isinstance(batch_size, (int, np.integer)) and batch_size >= 1):
+    raise ValueError(f"batch_size={batch_size!r} must be an integer >= 1.")
+  available = len(x_NxL) // batch_size
+  if available < 1:
+    raise ValueError(f"batch_size={batch_size} is larger than the {len(x_NxL)} windows.")
+  if num_batches is None:
+    num_batches = available
+  if not (isinstance(num_batches, (int, np.integer)) and 1 <= num_batches <= available):
+    raise ValueError(f"num_batches={num_batches!r} must be an integer in [1, {available}] "
+                     f"({len(x_NxL)} windows of batch_size={batch_size}).")
+  maskable_BxL = np.ones((batch_size, x_NxL.shape[1]), bool)
+  if not first_maskable:
+    maskable_BxL[:, 0] = False
+  if block_size is None:
+    objective = functools.partial(diffusion.nelbo_loss, apply_fn, t_min=t_min)
+  else:
+    objective = functools.partial(diffusion.block_nelbo_loss, apply_fn, block_size=block_size,
+                                  t_min=t_min, t_max=t_max)
+  loss = jax.jit(lambda p, k, x: objective(p, k, x, schedule=schedule, mask_id=_mask_id(
+      apply_fn, p, x), maskable_BxL=maskable_BxL)[1]["nelbo_nats_B"].sum())
+  tokens = int(maskable_BxL.sum())
+  per_token = np.array([float(loss(params, jax.random.fold_in(key, b),
+                                   x_NxL[b * batch_size:(b + 1) * batch_size])) / tokens
+                        for b in range(num_batches)])
+  nats = float(per_token.mean())
+  stderr = float(per_token.std(ddof=1) / math.sqrt(num_batches)) if num_batches > 1 else math.nan
+  return {"nelbo_nats_per_token": nats, "bits_per_token": nats / math.log(2.0),
+          "perplexity_bound": math.exp(nats), "num_tokens": tokens * num_batches,
+          "num_batches": int(num_batches), "stderr": stderr,
+          "stderr_bits": stderr / math.log(2.0)}
+
+
+def _mask_id(apply_fn, params, x_BxL) -> int:
+  """The mask id V: the denoiser's logits per position (a static shape)."""
+  return int(jax.eval_shape(apply_fn, params, x_BxL, jnp.ones(x_BxL.shape[:1])).shape[-1])
 
 
 def causal_bits(apply_fn, params: Any, x_NxL, *, start_id: int, batch_size: int = 256

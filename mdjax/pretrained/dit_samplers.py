@@ -1,0 +1,131 @@
+"""MDLM's and BD3-LM's published samplers on a DiT checkpoint, and its likelihood.
+
+`mdlm_sample`: MDLM's `_sample` with its `ddpm_cache` predictor (`sampling.MDLMSpec`).
+`bd3lm_sample`: BD3-LM's `_semi_ar_sampler`: block by block (`sampling.sample_blocks`, the
+exact KV cache of the block-causal model, any length after a sliding window of the model's
+length), each block by BD3-LM's update (`sampling.BD3LMSpec`: first hitting, nucleus).
+`perplexity`: the NELBO and perplexity bound of a token file (`mdjax.pretrained.perplexity`).
+
+`model` is anything with `apply_fn` (None: `dit.denoiser(config)`), `params` and `config` (a
+`mdjax.models.dit.DiTConfig`): `mdjax.pretrained.load` of a MDLM or BD3-LM folder, or a
+tiny model from `dit.init_params`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from mdjax import sampling
+from mdjax.models import dit
+from mdjax.pretrained.perplexity import perplexity  # noqa: F401  (one home for the three)
+
+Array = jax.Array
+
+
+def _parts(model) -> tuple[Any, Any, dit.DiTConfig]:
+  config = getattr(model, "config", None)
+  if not isinstance(config, dit.DiTConfig):
+    raise ValueError(f"model.config={config!r} must be a mdjax.models.dit.DiTConfig (a MDLM "
+                     "or BD3-LM checkpoint).")
+  apply_fn = getattr(model, "apply_fn", None) or dit.denoiser(config)
+  return apply_fn, model.params, config
+
+
+def _check_count(name: str, value) -> None:
+  if not (isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1):
+    raise ValueError(f"{name}={value!r} must be an integer >= 1.")
+
+
+def mdlm_sample(model, *, num_samples: int, steps: int, key: Array, length: int | None = None,
+                eps: float = 1e-5, noise_removal: bool = True, cache: bool | None = None
+                ) -> sampling.SampleResult:
+  """MDLM's `_sample` (predictor `ddpm_cache`): `num_samples` rows of `length` tokens
+  (default the model's length) from all masks, `steps` steps on linspace(1, eps, steps + 1),
+  then noise removal (the argmax of whatever is still masked). `cache` (default: unless the
+  model is time-conditioned, as MDLM) reuses the last call while the canvas is unchanged;
+  `result.nfe` counts the calls made, `result.saved_calls` those reused or skipped.
+  One compiled program."""
+  apply_fn, params, config = _parts(model)
+  _check_count("num_samples", num_samples)
+  _check_count("steps", steps)
+  length = config.model_length if length is None else length
+  _check_count("length", length)
+  if length > config.model_length:
+    raise ValueError(f"length={length} is longer than the model's {config.model_length} "
+                     "positions: MDLM samples one window; for longer sequences use a BD3-LM "
+                     "checkpoint's blocks (bd3lm_sample), which slide past the training length.")
+  if config.block_size is not None:
+    raise ValueError(f"model.config.block_size={config.block_size}: a block-causal (BD3-LM) "
+                     "model samples block by block; use bd3lm_sample.")
+  if cache is None:
+    cache = not config.time_conditioning
+  if cache and config.time_conditioning:
+    raise ValueError("cache=True with a time-conditioned model: its logits depend on t, so a "
+                     "reused call would be wrong (MDLM turns the cache off there).")
+  spec = sampling.MDLMSpec(steps=steps, eps=eps, noise_removal=noise_removal, cache=cache)
+  tokens_BxL = np.full((num_samples, length), config.mask_id, np.int32)
+  return sampling.sample(apply_fn, params, key, tokens_BxL, spec)
+
+
+def bd3lm_sample(model, *, num_samples: int, length: int, key: Array,
+                 steps_per_block: int | None = None, nucleus_p: float = 0.9,
+                 first_hitting: bool = True, bos_id: int | None = None,
+                 cached: bool = True) -> sampling.BlocksResult:
+  """BD3-LM's `_semi_ar_sampler`: `num_samples` rows of `length` tokens (any multiple of the
+  block size, past the model's length too), block by block after a sliding window of the
+  model's length minus one block (the reference's context), each block by BD3-LM's update
+  (`sampling.BD3LMSpec`). steps_per_block: None with first hitting is one step per masked
+  position (the reference's T >> block_size ends each block after as many); without first
+  hitting, the DDPM grid's steps (default: the block size). `bos_id`: the first token is held
+  at it, as the reference's `x[:, 0] = BOS` (GPT-2's 50256 for the released checkpoints;
+  None: every position generated). cached: the exact KV cache of finished blocks.
+  Returns `sampling.BlocksResult` (tokens_BxT of `length` tokens, counters summed)."""
+  apply_fn, params, config = _parts(model)
+  _check_count("num_samples", num_samples)
+  _check_count("length", length)
+  block = config.block_size
+  if block is None:
+    raise ValueError("model.config.block_size is None: a bidirectional (MDLM) model; sample it "
+                     "with mdlm_sample, or load a BD3-LM checkpoint.")
+  if length % block:
+    raise ValueError(f"length={length} must be a multiple of the model's block_size={block} "
+                     "(BD3-LM generates whole blocks).")
+  if first_hitting and config.time_conditioning:
+    raise ValueError("first_hitting=True with a time-conditioned model: the reference tells "
+                     "such a model the random hitting time, which the family's plan cannot; "
+                     "use first_hitting=False.")
+  if not first_hitting and steps_per_block is None:
+    steps_per_block = block
+  spec = sampling.BD3LMSpec(steps=steps_per_block, first_hitting=first_hitting,
+                            nucleus_p=nucleus_p)
+  window = config.model_length - block
+  keys = sampling.row_keys(key, num_samples)
+  if bos_id is None:
+    return sampling.sample_blocks(apply_fn, params, keys, np.zeros((num_samples, 0), np.int32),
+                                  spec, length=length, blocks_of=block, window=window,
+                                  mask_id=config.mask_id, cached=cached)
+  if not (isinstance(bos_id, (int, np.integer)) and 0 <= bos_id < config.vocab_size):
+    raise ValueError(f"bos_id={bos_id!r} must be a token id in [0, {config.vocab_size}).")
+  # The first block on its own canvas, BOS fixed at position 0 (as the reference's first
+  # block); then the rest after it as a prompt of one whole block, so no block is spent on
+  # BOS's offset.
+  first_BxK = np.full((num_samples, block), config.mask_id, np.int32)
+  first_BxK[:, 0] = bos_id
+  first_keys, rest_keys = jax.vmap(jax.random.split, out_axes=1)(keys)
+  first = sampling.sample(apply_fn, params, first_keys, first_BxK, spec)
+  counters, tokens_BxT = first.counters, first.tokens_BxL
+  if length > block:
+    rest = sampling.sample_blocks(apply_fn, params, rest_keys, np.asarray(tokens_BxT), spec,
+                                  length=length - block, blocks_of=block, window=window,
+                                  mask_id=config.mask_id, cached=cached)
+    counters, tokens_BxT = counters + rest.counters, rest.tokens_BxT
+  return sampling.BlocksResult(tokens_BxT=tokens_BxT,
+                               generated_length_B=np.full(num_samples, length - 1),
+                               counters=counters,
+                               blocks_run=np.int32(length // block))
+
+
+__all__ = ["bd3lm_sample", "mdlm_sample", "perplexity"]
