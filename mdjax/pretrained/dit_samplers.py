@@ -34,7 +34,15 @@ def _parts(model) -> tuple[Any, Any, dit.DiTConfig]:
     raise ValueError(f"model.config={config!r} must be a mdjax.models.dit.DiTConfig (a MDLM "
                      "or BD3-LM checkpoint).")
   apply_fn = getattr(model, "apply_fn", None) or dit.denoiser(config)
-  return apply_fn, model.params, config
+  params = model.params
+  if not config.time_conditioning and apply_fn == dit.denoiser(config):
+    # Fold the adaLN terms once: the default denoiser folds them at every call, which a
+    # call skipped by a branch (the cache) keeps XLA from hoisting out of the loop.
+    apply_fn, params = dit.denoiser(config, folded=True), _fold(config, params)
+  return apply_fn, params, config
+
+
+_fold = jax.jit(dit.fold, static_argnums=0)
 
 
 def _swap_layers_rows(cache):
