@@ -39,7 +39,9 @@ def test_left_padded_batch_equals_rows_alone(tiny, spec):
   tokens, valid, start = generation.left_padded(prompts, 5 + gen, V, pad_id=0)
   keys_B = sampling.row_keys(jax.random.key(0), len(prompts))
   out = sampling.sample(apply_fn, params, keys_B, tokens, spec, mask_id=V, valid_BxL=valid)
-  for row, prompt in enumerate(prompts):
+  # The padded rows (the last, of the longest prompt, has no padding: that a batch equals
+  # its rows one by one is test_contract's, for every family).
+  for row, prompt in enumerate(prompts[:-1]):
     alone = np.concatenate([prompt, np.full(gen, V, np.int32)])[None]
     single = sampling.sample(apply_fn, params, keys_B[row:row + 1], alone, spec, mask_id=V)
     np.testing.assert_array_equal(np.asarray(out.tokens_BxL)[row, start:],

