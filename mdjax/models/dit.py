@@ -147,15 +147,26 @@ class DiTConfig:
 
 @struct.dataclass
 class DiTCache:
-  """Every block's keys (after rotary) and values, stacked over blocks, heads-major so a
-  window's queries read them with one batched matmul per head."""
+  """Every block's keys (after rotary) and values, rows first (samplers hand each row its
+  cache as a per-row input: `sampling.sample_blocks`), then stacked over blocks, heads-major
+  so a window's queries read them with one batched matmul per head."""
 
-  keys_NxBxHxLxK: Array
-  values_NxBxHxLxK: Array
+  keys_BxNxHxLxK: Array
+  values_BxNxHxLxK: Array
 
   @property
   def length(self) -> int:
-    return self.keys_NxBxHxLxK.shape[3]
+    return self.keys_BxNxHxLxK.shape[3]
+
+  @classmethod
+  def of_blocks(cls, keys_NxBxHxLxK: Array, values_NxBxHxLxK: Array) -> "DiTCache":
+    """From the scan over blocks' stacked outputs (blocks first)."""
+    return cls(keys_BxNxHxLxK=jnp.moveaxis(keys_NxBxHxLxK, 0, 1),
+               values_BxNxHxLxK=jnp.moveaxis(values_NxBxHxLxK, 0, 1))
+
+  def blocks_first(self) -> tuple[Array, Array]:
+    """(keys_NxBxHxLxK, values_NxBxHxLxK): the scan over blocks reads them so."""
+    return jnp.moveaxis(self.keys_BxNxHxLxK, 1, 0), jnp.moveaxis(self.values_BxNxHxLxK, 1, 0)
 
 
 # --- building blocks -------------------------------------------------------------------
@@ -353,8 +364,7 @@ def _canvas_pass(config: DiTConfig, params: dict, c_BxC: Array | None, tokens_Bx
   if valid_BxL is not None:  # padding is attended by nothing
     visible = _and(visible, valid_BxL.astype(bool)[:, None, :])
   h_BxLxD, keys, values = _full_pass(config, params, c_BxC, tokens_BxL, pos_BxL, visible)
-  return _final(config, params["final"], c_BxC, h_BxLxD), DiTCache(keys_NxBxHxLxK=keys,
-                                                                   values_NxBxHxLxK=values)
+  return _final(config, params["final"], c_BxC, h_BxLxD), DiTCache.of_blocks(keys, values)
 
 
 def _window_pass(config: DiTConfig, params: dict, c_BxC: Array | None, cache: DiTCache,
@@ -389,14 +399,13 @@ def _window_pass(config: DiTConfig, params: dict, c_BxC: Array | None, cache: Di
       return out, (k, v)
     return _block(config, layer, c_BxC, h_BxWxD, attention)
 
+  cached_keys, cached_values = cache.blocks_first()
   h_BxWxD, (keys, values) = jax.lax.scan(
-      body, _embed(params, tokens_BxW),
-      (params["blocks"], cache.keys_NxBxHxLxK, cache.values_NxBxHxLxK))
+      body, _embed(params, tokens_BxW), (params["blocks"], cached_keys, cached_values))
   put = lambda old, new: jax.lax.dynamic_update_slice_in_dim(old, new.astype(old.dtype), start,
                                                              axis=3)
-  return _final(config, params["final"], c_BxC, h_BxWxD), DiTCache(
-      keys_NxBxHxLxK=put(cache.keys_NxBxHxLxK, keys),
-      values_NxBxHxLxK=put(cache.values_NxBxHxLxK, values))
+  return _final(config, params["final"], c_BxC, h_BxWxD), DiTCache.of_blocks(
+      put(cached_keys, keys), put(cached_values, values))
 
 
 def _pair_pass(config: DiTConfig, params: dict, c_BxC: Array | None, noisy_BxL: Array,

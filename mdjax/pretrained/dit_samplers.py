@@ -13,15 +13,12 @@ tiny model from `dit.init_params`.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mdjax import sampling
-from mdjax.denoiser import Denoiser
 from mdjax.models import dit
 from mdjax.pretrained.perplexity import perplexity  # noqa: F401  (one home for the three)
 
@@ -43,37 +40,6 @@ def _parts(model) -> tuple[Any, Any, dit.DiTConfig]:
 
 
 _fold = jax.jit(dit.fold, static_argnums=0)
-
-
-def _swap_layers_rows(cache):
-  """A DiTCache between its stored N x B x ... layout and rows first (B x N x ...)."""
-  if not hasattr(cache, "keys_NxBxHxLxK"):
-    return cache
-  return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), cache)
-
-
-@dataclasses.dataclass(frozen=True)
-class _RowsFirst:
-  """A cached pass whose cache the caller sees rows first: `sample_blocks` hands each row its
-  cache as a per-row input (leading axis B), where the DiT stacks its layers first. Equal
-  for equal passes, so compiled programs are shared."""
-
-  inner: Callable
-  decode: bool
-
-  def __call__(self, params, *args, **kwargs):
-    if self.decode:
-      args = (_swap_layers_rows(args[0]),) + args[1:]
-    logits, cache = self.inner(params, *args, **kwargs)
-    return logits, _swap_layers_rows(cache)
-
-
-def _rows_first(apply_fn) -> Denoiser:
-  denoiser = Denoiser.of(apply_fn)
-  if not denoiser.offers_cache:
-    return denoiser
-  return dataclasses.replace(denoiser, prefill=_RowsFirst(denoiser.prefill, False),
-                             decode=_RowsFirst(denoiser.decode, True))
 
 
 def _check_count(name: str, value) -> None:
@@ -145,7 +111,6 @@ def bd3lm_sample(model, *, num_samples: int, length: int, key: Array,
                             nucleus_p=nucleus_p)
   window = config.model_length - block
   keys = sampling.row_keys(key, num_samples)
-  apply_fn = _rows_first(apply_fn)
   if bos_id is None:
     return sampling.sample_blocks(apply_fn, params, keys, np.zeros((num_samples, 0), np.int32),
                                   spec, length=length, blocks_of=block, window=window,

@@ -215,7 +215,7 @@ def _raw_config(config, folder: str, where: str) -> dict:
     path = os.path.join(folder, CONFIG_FILE)
     if not os.path.isfile(path):
       raise ValueError(f"{where}: no {CONFIG_FILE}" + (
-          "" if where == folder else f" beside it: pass config= (a DiTConfig, a config.json "
+          "" if where == folder else " beside it: pass config= (a DiTConfig, a config.json "
           "dict or path)"))
     return _read_json(path)
   if isinstance(config, dict):

@@ -269,10 +269,10 @@ def test_block_causal_denoiser_and_exact_cache():
     np.testing.assert_allclose(got, full[:, start:start + 2 * BLOCK], rtol=1e-5, atol=1e-5)
   _, fresh = prefill(folded, canvas, T_B, valid)
   # (Padding's own keys may differ: nothing attends to them.)
-  for got, want in ((cache.keys_NxBxHxLxK, fresh.keys_NxBxHxLxK),
-                    (cache.values_NxBxHxLxK, fresh.values_NxBxHxLxK)):
-    np.testing.assert_allclose(np.asarray(got).transpose(1, 3, 0, 2, 4)[valid],
-                               np.asarray(want).transpose(1, 3, 0, 2, 4)[valid],
+  for got, want in ((cache.keys_BxNxHxLxK, fresh.keys_BxNxHxLxK),
+                    (cache.values_BxNxHxLxK, fresh.values_BxNxHxLxK)):
+    np.testing.assert_allclose(np.asarray(got).transpose(0, 3, 1, 2, 4)[valid],
+                               np.asarray(want).transpose(0, 3, 1, 2, 4)[valid],
                                rtol=1e-5, atol=1e-5)
   # Later blocks are invisible: changing them leaves the earlier blocks' logits alone.
   changed = canvas.copy()
