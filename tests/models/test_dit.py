@@ -307,6 +307,11 @@ def test_time_conditioned_block_model_offers_no_cache():
   assert not timed.offers_cache and timed.block_size == BLOCK and timed.block_pair is not None
 
 
+def test_canvas_longer_than_model_length_is_refused():
+  with pytest.raises(ValueError, match="16 positions is longer than model_length=12.*block by"):
+    _forward(BASE, PARAMS, np.zeros((1, L + BLOCK), np.int32), np.zeros(1, np.float32))
+
+
 def test_params_layout():
   c = dataclasses.replace(CONFIGS["bd3lm"], dtype="bfloat16")
   params = jax.eval_shape(functools.partial(dit.init_params, c), jax.random.key(0))

@@ -9,7 +9,10 @@ cross_attn False; BD3-LM: its block-causal sampling pass, and its training pass 
 [x_t ; x_0]); the SUBS log-probabilities of the repos' `Diffusion.forward`; and the
 distributions their samplers hand to `_sample_categorical` for fixed canvases (MDLM's
 ddpm_cache q_xs; BD3-LM's first-hitting p_x0, plain and nucleus-filtered, and its q_xs).
-The samplers are compared on their law, not on torch's random numbers. Nothing here needs torch.
+The samplers are compared on their law, not on torch's random numbers. bd3lm_trained/ is a
+BD3-LM of bd3lm/'s shapes trained by mdjax (block NELBO, 200 adam steps on Shakespeare's
+characters) and written by `mdjax.pretrained.save`; the reference read that folder and recorded
+its outputs on masked held-out text. Nothing here needs torch.
 """
 
 import functools
@@ -45,10 +48,10 @@ def reference():
 
 
 @functools.cache
-def _program(name):
-  """One compiled program per model (compiling dominates this file): the raw forward on
-  sigma, the default denoiser on t and, for BD3-LM, its training pass on the fixture's pair."""
-  config = model(name).config
+def _program(config):
+  """One compiled program per config (compiling dominates this file; bd3lm_trained shares
+  bd3lm's): the raw forward on sigma, the default denoiser on t and, for BD3-LM, its
+  training pass on a pair."""
   den = dit.denoiser(config)
 
   def run(params, tokens_BxL, sigma_B, t_B, pair_xt_BxL, pair_x0_BxL):
@@ -61,15 +64,16 @@ def _program(name):
   return jax.jit(run)
 
 
-def outputs(name, tokens_BxL, t_B, sigma_B=None):
+def outputs(name, tokens_BxL, t_B, sigma_B=None, pair="bd3lm_pair"):
   """mdjax's outputs on a 2 x 16 canvas (numpy): forward (sigma_B, zeros if None), subs
-  (the denoiser at t_B) and, for BD3-LM, pair (`block_pair` on the fixture's x_t, x_0)."""
+  (the denoiser at t_B) and, for BD3-LM, pair (`block_pair` on the fixture's `{pair}_xt`,
+  `{pair}_x0`)."""
   z, m = reference(), model(name)
   t_B = np.broadcast_to(np.asarray(t_B, np.float32), (2,))
   sigma_B = np.zeros(2, np.float32) if sigma_B is None else sigma_B
-  out = _program(name)(m.params, jnp.asarray(tokens_BxL, jnp.int32), jnp.asarray(sigma_B),
-                       jnp.asarray(t_B), jnp.asarray(z["bd3lm_pair_xt"]),
-                       jnp.asarray(z["bd3lm_pair_x0"]))
+  out = _program(m.config)(m.params, jnp.asarray(tokens_BxL, jnp.int32), jnp.asarray(sigma_B),
+                           jnp.asarray(t_B), jnp.asarray(z[f"{pair}_xt"]),
+                           jnp.asarray(z[f"{pair}_x0"]))
   return {k: np.asarray(v) for k, v in out.items()}
 
 
@@ -137,6 +141,19 @@ def test_bd3lm_block_pair_matches_training_pass():
   np.testing.assert_array_equal(block_pair_mask(16, 4), z["bd3lm_pair_mask"])
   got = outputs("bd3lm", z["bd3lm_tokens"], z["bd3lm_pair_t"])["pair"]
   assert_subs(got, z["bd3lm_pair_subs"], z["bd3lm_pair_xt"])
+
+
+def test_trained_bd3lm_matches_reference():
+  """A BD3-LM trained and saved by mdjax, read by the published code: `pretrained.load` of
+  the folder gives the reference's raw logits of its sampling pass (block-causal) within
+  1e-4, its SUBS output, and its training pass over [x_t ; x_0] under SUBS."""
+  z, name = reference(), "bd3lm_trained"
+  assert model(name).config == model("bd3lm").config  # one program serves both
+  tokens = z[f"{name}_tokens"]
+  got = outputs(name, tokens, z[f"{name}_t"], z[f"{name}_sigma"], pair=f"{name}_pair")
+  np.testing.assert_allclose(got["forward"], z[f"{name}_logits"], rtol=0, atol=1e-4)
+  assert_subs(got["subs"], z[f"{name}_subs"], tokens)
+  assert_subs(got["pair"], z[f"{name}_pair_subs"], z[f"{name}_pair_xt"])
 
 
 def reveal_probability(t, dt):
