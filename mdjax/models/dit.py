@@ -53,6 +53,7 @@ import numpy as np
 from flax import struct
 
 from mdjax.denoiser import Denoiser
+from mdjax.models import checks
 from mdjax.models.transformer import block_pair_mask
 
 Array = jax.Array
@@ -63,14 +64,6 @@ FREQUENCY_FEATURES = 256
 # A masked attention score: finite, so a query whose every key is masked gets a uniform
 # (finite) average instead of NaN.
 _MASKED = -1e30
-
-
-def _is_int(value) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-  return isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -103,15 +96,10 @@ class DiTConfig:
   dtype: str = "float32"
 
   def __post_init__(self):
-    if self.family not in FAMILIES:
-      raise ValueError(f"family={self.family!r} must be one of {FAMILIES}.")
-    if self.dtype not in DTYPES:
-      raise ValueError(f"dtype={self.dtype!r} must be one of {DTYPES}.")
-    for name in ("vocab_size", "hidden_dim", "cond_dim", "n_blocks", "n_heads",
-                 "model_length", "mlp_ratio"):
-      value = getattr(self, name)
-      if not (_is_int(value) and value >= 1):
-        raise ValueError(f"{name}={value!r} must be an integer >= 1.")
+    checks.check_common(self, FAMILIES, DTYPES,
+                        counts=("vocab_size", "hidden_dim", "cond_dim", "n_blocks", "n_heads",
+                                "model_length", "mlp_ratio"),
+                        positive=("rope_base", "norm_eps"))
     if self.hidden_dim % self.n_heads:
       raise ValueError(f"hidden_dim={self.hidden_dim} is not divisible by n_heads="
                        f"{self.n_heads}.")
@@ -120,18 +108,14 @@ class DiTConfig:
                        "rotary embedding rotates pairs of halves).")
     if self.block_size is not None:
       size = self.block_size
-      if not (_is_int(size) and size >= 1):
+      if not (checks.is_int(size) and size >= 1):
         raise ValueError(f"block_size={size!r} must be None or an integer >= 1.")
       if self.model_length % size:
         raise ValueError(f"block_size={size} must divide model_length={self.model_length}.")
     if not isinstance(self.time_conditioning, (bool, np.bool_)):
       raise ValueError(f"time_conditioning={self.time_conditioning!r} must be True or False.")
-    if not (_is_number(self.noise_eps) and 0 <= self.noise_eps < 1):
+    if not (checks.is_number(self.noise_eps) and 0 <= self.noise_eps < 1):
       raise ValueError(f"noise_eps={self.noise_eps!r} must be a number in [0, 1).")
-    for name in ("rope_base", "norm_eps"):
-      value = getattr(self, name)
-      if not (_is_number(value) and value > 0):
-        raise ValueError(f"{name}={value!r} must be a number > 0.")
 
   @property
   def mask_id(self) -> int:

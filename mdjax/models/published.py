@@ -43,6 +43,7 @@ import numpy as np
 from flax import struct
 
 from mdjax.denoiser import Denoiser
+from mdjax.models import checks
 
 Array = jax.Array
 
@@ -83,33 +84,21 @@ class PublishedConfig:
   dtype: str = "float32"
 
   def __post_init__(self):
-    if self.family not in FAMILIES:
-      raise ValueError(f"family={self.family!r} must be one of {FAMILIES}.")
-    if self.dtype not in DTYPES:
-      raise ValueError(f"dtype={self.dtype!r} must be one of {DTYPES}.")
-    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
-                 "head_dim", "mlp_hidden", "max_len"):
-      value = getattr(self, name)
-      if not (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-              and value >= 1):
-        raise ValueError(f"{name}={value!r} must be an integer >= 1.")
+    checks.check_common(self, FAMILIES, DTYPES,
+                        counts=("vocab_size", "d_model", "num_layers", "num_heads",
+                                "num_kv_heads", "head_dim", "mlp_hidden", "max_len"),
+                        positive=("rope_theta", "norm_eps"))
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads="
                        f"{self.num_kv_heads} (each key/value head serves a group of query "
                        "heads).")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs of halves).")
-    for name in ("rope_theta", "norm_eps"):
-      value = getattr(self, name)
-      if not (isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
-              and value > 0):
-        raise ValueError(f"{name}={value!r} must be a number > 0.")
     for name in ("mask_id", "eos_id", "eot_id"):
       value = getattr(self, name)
       if value is None and name != "mask_id":
         continue
-      if not (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-              and 0 <= value < self.vocab_size):
+      if not (checks.is_int(value) and 0 <= value < self.vocab_size):
         raise ValueError(f"{name}={value!r} must be an id in [0, vocab_size={self.vocab_size}).")
 
   @property
