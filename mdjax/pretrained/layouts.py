@@ -110,6 +110,15 @@ def _refuse(raw: dict, family: str, key: str, allowed: tuple, why: str):
                      f"supported: {', '.join(repr(a) for a in allowed)})")
 
 
+def _with_ids(raw: dict, config: PublishedConfig) -> dict:
+  """config.json's special ids (the pad id is EOS, as the published configs have it)."""
+  if config.eos_id is not None:
+    raw["eos_token_id"] = raw["pad_token_id"] = config.eos_id
+  if config.eot_id is not None:
+    raw["eot_token_id"] = config.eot_id
+  return raw
+
+
 class Layout:
   """A family's checkpoint layout (see the module docstring)."""
 
@@ -248,11 +257,7 @@ class LLaDALayout(Layout):
         "scale_logits": False, "torch_dtype": TORCH_DTYPES[config.dtype], "use_cache": False,
         "vocab_size": config.vocab_size, "weight_tying": False,
     }
-    if config.eos_id is not None:
-      raw["eos_token_id"] = raw["pad_token_id"] = config.eos_id
-    if config.eot_id is not None:
-      raw["eot_token_id"] = config.eot_id
-    return raw
+    return _with_ids(raw, config)
 
   def leaves(self, config: PublishedConfig, tied: bool = False) -> list[Leaf]:
     t, b = "model.transformer", "model.transformer.blocks.{i}"
@@ -321,11 +326,7 @@ class DreamLayout(Layout):
         "tie_word_embeddings": False, "torch_dtype": TORCH_DTYPES[config.dtype],
         "use_cache": False, "use_sliding_window": False, "vocab_size": config.vocab_size,
     }
-    if config.eos_id is not None:
-      raw["eos_token_id"] = raw["pad_token_id"] = config.eos_id
-    if config.eot_id is not None:
-      raw["eot_token_id"] = config.eot_id
-    return raw
+    return _with_ids(raw, config)
 
   def leaves(self, config: PublishedConfig, tied: bool = False) -> list[Leaf]:
     b = "model.layers.{i}"
