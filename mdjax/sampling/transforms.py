@@ -91,14 +91,14 @@ def eos_logits(logits_BxLxV: Array, eos_id: int | None, eos_penalty: float = 0.0
 def draw_values(keys_B: Array, logits_BxLxV: Array, *, temperature: float,
                 top_k: int | None, top_p: float, min_p: float = 0.0, eos_id: int | None = None,
                 eos_penalty: float = 0.0, eos_never: bool = False,
-                shift_B: Array | None = None) -> Array:
-  """One categorical draw per position (Gumbel-max); T = 0 is argmax. The EOS knobs apply
-  first (`eos_logits`)."""
+                shift_B: Array | None = None, draw=None) -> Array:
+  """One categorical draw per position (`draw`: `gumbel_max` unless given, or
+  `inverse_cdf`); T = 0 is argmax. The EOS knobs apply first (`eos_logits`)."""
   logits_BxLxV = eos_logits(logits_BxLxV, eos_id, eos_penalty, eos_never)
   if temperature == 0.0:
     return argmax_last(logits_BxLxV)
   x = transform_logits(logits_BxLxV, temperature, top_k, top_p, min_p)
-  return gumbel_max(keys_B, StepStream.VALUES, x, shift_B)
+  return (draw or gumbel_max)(keys_B, StepStream.VALUES, x, shift_B)
 
 
 def gumbel_max(keys_B: Array, tag: StepStream, log_weights_BxNxV: Array,
@@ -106,6 +106,51 @@ def gumbel_max(keys_B: Array, tag: StepStream, log_weights_BxNxV: Array,
   """One categorical draw per slot from unnormalised log-weights (-inf: never drawn)."""
   gumbel_BxNxV = row_gumbel(keys_B, tag, log_weights_BxNxV.shape[1:], shift_B)
   return argmax_last(log_weights_BxNxV + gumbel_BxNxV)
+
+
+# Values per block of `inverse_cdf`: one cumulative sum over all V values costs, on CPU, several
+# times the rest of the draw (3x the whole draw at V = 2048); over V / 64 block sums and then
+# 64 values it does not.
+_CDF_BLOCK = 64
+
+
+def _first_above(cum_xN: Array, w_xN: Array, target_x: Array) -> Array:
+  """Per slot, the first index whose cumulative weight exceeds the target, among the
+  positive weights; the last positive one when rounding leaves none above (the target can
+  reach the rounded total). A zero weight is never the answer."""
+  n = cum_xN.shape[-1]
+  hit_xN = (cum_xN > target_x[..., None]) & (w_xN > 0)
+  last_x = n - 1 - jnp.argmax(w_xN[..., ::-1] > 0, axis=-1)
+  return jnp.where(hit_xN.any(-1), jnp.argmax(hit_xN, axis=-1), last_x).astype(jnp.int32)
+
+
+def inverse_cdf(keys_B: Array, tag: StepStream, log_weights_BxNxV: Array,
+                shift_B: Array | None = None) -> Array:
+  """One categorical draw per slot from unnormalised log-weights (-inf: never drawn), by
+  inverting the cumulative weights at one uniform per slot: the law of `gumbel_max` from N
+  uniforms instead of N x V Gumbel variates (`shift_B`: as `row_uniform`).
+
+  The search runs in two levels: the block of `_CDF_BLOCK` values whose cumulative block sum
+  passes u * total, then the value inside it. In exact arithmetic a value is drawn with
+  probability w_v / total; in floating point each value's probability is off by about one
+  rounding of the cumulative sums (~1e-7 of the total in float32), and a zero weight is never
+  drawn.
+  """
+  x = log_weights_BxNxV.astype(noise_dtype())
+  *lead, num_values = x.shape
+  w = jnp.exp(x - x.max(-1, keepdims=True))
+  width = min(_CDF_BLOCK, num_values)
+  num_blocks = -(-num_values // width)
+  pad = [(0, 0)] * len(lead) + [(0, num_blocks * width - num_values)]
+  w_xCxK = jnp.pad(w, pad).reshape(*lead, num_blocks, width)
+  block_w = w_xCxK.sum(-1)
+  block_cum = jnp.cumsum(block_w, -1)
+  target = row_uniform(keys_B, tag, tuple(lead[1:]), shift_B) * block_cum[..., -1]
+  block = _first_above(block_cum, block_w, target)
+  inner_w = jnp.take_along_axis(w_xCxK, block[..., None, None], -2)[..., 0, :]
+  before = jnp.take_along_axis(block_cum - block_w, block[..., None], -1)[..., 0]
+  inner = _first_above(jnp.cumsum(inner_w, -1), inner_w, target - before)
+  return block * width + inner
 
 
 # Below this many values an unrolled argmax beats XLA's variadic reduce on CPU (4x at V = 15).

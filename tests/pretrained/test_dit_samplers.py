@@ -12,7 +12,9 @@ import pytest
 from mdjax import diffusion, likelihood, sampling
 from mdjax.models import dit
 from mdjax.pretrained import dit_samplers, perplexity as perplexity_lib
+from mdjax.sampling import transforms
 from mdjax.sampling.families import bd3lm, mdlm
+from mdjax.streams import StepStream
 from mdjax.tasks import two_color
 from tests import stubs
 from tests.sampling.common import LENGTH, PROMPT, VOCAB, binomial_tol, prompted_canvas
@@ -142,6 +144,33 @@ def test_bd3lm_ddpm_grid_is_the_reference_and_caches():
   assert not (np.asarray(out.tokens_BxL) == VOCAB).any()
   # 8 positions over 24 steps: steps that reveal nothing reuse the last call.
   assert int(out.nfe) + int(out.saved_calls) == 24 and int(out.nfe) <= 9
+
+
+def test_inverse_cdf_draw_law_and_zero_weights():
+  # 150 values: three blocks of the two-level search (64, 64, 22), the middle one all zero;
+  # zeros also inside the first block (id 1) and at the end (148, 149).
+  p = np.zeros(150)
+  p[[0, 2, 130, 140, 147]] = [0.15, 0.1, 0.3, 0.25, 0.15]
+  p[10:20] = 0.005
+  log_w = np.where(p > 0, np.log(np.maximum(p, 1e-300)), -np.inf).astype(np.float32)
+  rows, slots = 2000, 8
+  keys = jax.random.split(jax.random.key(0), rows)
+  drawn = np.asarray(transforms.inverse_cdf(keys, StepStream.VALUES,
+                                            np.broadcast_to(log_w, (rows, slots, 150))))
+  assert (p[drawn] > 0).all()  # a zero weight is never drawn
+  # Value v is drawn iff cum_(v-1) <= u total < cum_v, u ~ U[0, 1): probability p_v. The
+  # slots hold independent uniforms, so each count is Binomial(rows * slots, p_v); 4 standard
+  # errors fail with probability ~6e-5 per value (15 values checked).
+  n = rows * slots
+  for v in np.flatnonzero(p):
+    assert abs((drawn == v).mean() - p[v]) <= binomial_tol(p[v], n), (v, (drawn == v).mean())
+  # Rounding: a target at (or past) the rounded total gives the last positive weight, and a
+  # zero weight is skipped even where a rounded cumulative sum rises over it.
+  cum = np.array([[0.5, 0.5000001, 1.0, 1.0]], np.float32)
+  w = np.array([[0.5, 0.0, 0.5, 0.0]], np.float32)
+  for target, want in ((1.0, 2), (1.5, 2), (0.5, 2), (0.49, 0), (0.0, 0)):
+    got = int(transforms._first_above(cum, w, np.array([target], np.float32))[0])
+    assert got == want, (target, got)
 
 
 def test_bad_specs():

@@ -154,8 +154,9 @@ class BD3LM(Family):
       values_BxL = transforms.argmax_last(transforms.eos_logits(
           logits_BxLxV, spec.eos_id, spec.eos_penalty, spec.eos_never))
     else:
-      values_BxL = transforms.gumbel_max(keys_B, StepStream.VALUES,
-                                         value_logits(logits_BxLxV, spec), step.shift_B)
+      # Inverse CDF, as MDLM's: one uniform per position instead of one Gumbel per value.
+      values_BxL = transforms.inverse_cdf(keys_B, StepStream.VALUES,
+                                          value_logits(logits_BxLxV, spec), step.shift_B)
     _, conf_BxL = transforms.value_probs(logits_BxLxV, values_BxL)
     u_BxL = transforms.row_uniform(keys_B, StepStream.REVEAL, (length,), step.shift_B)
     if spec.first_hitting:

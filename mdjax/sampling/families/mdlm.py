@@ -99,8 +99,10 @@ class MDLM(Family):
   def update(self, spec: MDLMSpec, core, aux, ctx, step, logits_BxLxV, denoise):
     length = core.tokens_BxL.shape[1]
     masked_BxL = ctx.masked(core.tokens_BxL)
+    # Inverse CDF: one uniform per position; Gumbel-max's B x L x V variates cost more than
+    # the forward pass of a small DiT.
     values_BxL = transforms.draw_values(step.keys_B, logits_BxLxV, shift_B=step.shift_B,
-                                        **spec.transform)
+                                        draw=transforms.inverse_cdf, **spec.transform)
     if spec.noise_removal:
       best_BxL = transforms.argmax_last(transforms.eos_logits(
           logits_BxLxV, spec.eos_id, spec.eos_penalty, spec.eos_never))
