@@ -25,7 +25,7 @@ class StepStream(enum.IntEnum):
   """Draws within one sampler step (folded into the step key)."""
 
   REVEAL = 0  # which masked positions a step reveals (ancestral, remasking)
-  VALUES = 1  # Gumbel-max draws of the values
+  VALUES = 1  # the values' draws (Gumbel-max, or one uniform each for inverse-CDF draws)
   REMASK = 2  # which committed positions return to the mask
   SELECT = 3  # Gumbel noise of MaskGIT's choice temperature
   SCORE = 4  # the `random` confidence score
