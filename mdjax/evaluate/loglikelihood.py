@@ -159,6 +159,7 @@ def loglikelihood(apply_fn, params: Any, context_BxC, continuation_BxT, *,
       jnp.asarray(continuation_BxT, jnp.int32), estimator=estimator,
       num_samples=int(num_samples), batch_size=int(batch_size), mask_id=int(mask_id),
       cfg_scale=float(cfg_scale), eps=float(eps)), np.float64)
-  stderr_B = (values_SxB.std(0, ddof=1) / math.sqrt(num_samples) if num_samples > 1
-              else np.full(values_SxB.shape[1], np.nan))
+  with np.errstate(invalid="ignore"):  # an impossible continuation: -inf, stderr NaN
+    stderr_B = (values_SxB.std(0, ddof=1) / math.sqrt(num_samples) if num_samples > 1
+                else np.full(values_SxB.shape[1], np.nan))
   return LogLikelihood(values_SxB.mean(0), stderr_B)
