@@ -22,6 +22,7 @@ import pytest
 from mdjax import pretrained
 from mdjax.models import dit
 from mdjax.pretrained import layouts, lightning, tensors
+from tests.pretrained.test_load import assert_same, tensor_bytes
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "dit")
 
@@ -38,20 +39,6 @@ def random_params(config, seed=0):
   rng = np.random.default_rng(seed)
   return jax.tree.map(lambda shape: rng.normal(size=shape).astype(config.jnp_dtype),
                       dit.param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
-
-
-def assert_same(a, b):
-  fa, fb = jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_flatten_with_path(b)[0]
-  assert [p for p, _ in fa] == [p for p, _ in fb]
-  for (path, x), (_, y) in zip(fa, fb):
-    x, y = np.asarray(x), np.asarray(y)
-    assert x.dtype == y.dtype and x.shape == y.shape, path
-    assert x.tobytes() == y.tobytes(), path
-
-
-def tensor_bytes(folder):
-  return {n: np.asarray(tensors.read_tensor(i)).tobytes()
-          for n, i in tensors.read_checkpoint(folder).items()}
 
 
 def write_folder(folder, raw, named):

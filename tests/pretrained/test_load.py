@@ -36,7 +36,10 @@ def random_params(config, seed=0):
 
 
 def assert_same(a, b):
-  for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
+  """The same tree, leaf for leaf the same dtype, shape and bytes."""
+  fa, fb = jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_flatten_with_path(b)[0]
+  assert [p for p, _ in fa] == [p for p, _ in fb]
+  for (path, x), (_, y) in zip(fa, fb):
     x, y = np.asarray(x), np.asarray(y)
     assert x.dtype == y.dtype and x.shape == y.shape, path
     assert x.tobytes() == y.tobytes(), path
