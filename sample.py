@@ -1,12 +1,17 @@
-"""Samples from a trained workdir or a task's exact oracle; prints the task's metrics.
+"""Samples from a trained workdir, a task's exact oracle or a published checkpoint; prints metrics.
 
   python sample.py --workdir=/tmp/quickstart --sampler=confidence --steps=25
   python sample.py --task=two_color --oracle --sampler=ancestral --steps=8
   python sample.py --workdir=/tmp/shakespeare --prefix="ROMEO." --suffix="love." --steps=32
+  python sample.py --pretrained=/data/LLaDA-8B-Instruct --prompts=prompts.jsonl --chat \
+      --max_new_tokens=128 --steps=128 --block_length=32 --dtype=bfloat16
 
 Text tasks take --prefix / --suffix (fixed left and right context: prefix-conditioned
 generation or infilling) and --reference=CAUSAL_WORKDIR (generative bits per character of
 the samples under a causal reference model).
+
+A published checkpoint (--pretrained: LLaDA, Dream) completes --prompts with its reference
+sampler and that sampler's knobs, or with any --sampler family.
 
 Every registered sampler family is a --sampler choice; a flag that does not apply to the
 chosen family is an error. Write orders: --sampler=field_order --order="[VOA][v×9]o×10[ht1]"
