@@ -1,4 +1,4 @@
-"""Samples from a trained workdir, a task's exact oracle or a published checkpoint; prints metrics.
+"""Samples a trained workdir, a task's exact oracle or a published checkpoint; prints metrics.
 
   python sample.py --workdir=/tmp/quickstart --sampler=confidence --steps=25
   python sample.py --task=two_color --oracle --sampler=ancestral --steps=8
