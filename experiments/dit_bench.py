@@ -274,11 +274,13 @@ def main(argv=None):
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--mdlm_steps", type=int, default=128)
   parser.add_argument("--bd3lm_length", type=int, default=2 * LENGTH)
+  # As many torch threads as XLA's pool uses (every core) on a quiet machine; on a shared
+  # one, torch's threads suffer far more from contention (single passes up to 40x slower):
+  # pass --torch_threads=1 there and say so.
+  parser.add_argument("--torch_threads", type=int, default=os.cpu_count() or 1)
   args = parser.parse_args(argv)
   torch.manual_seed(0)
-  # One torch thread: on a small shared CPU more threads made single passes 40x slower at
-  # random (contention); XLA runs its own thread pool.
-  torch.set_num_threads(1)
+  torch.set_num_threads(args.torch_threads)
   bd3 = dit_reference.Bd3lms(args.bd3lms)
   parity = parity_rows(bd3)
   rows = []
