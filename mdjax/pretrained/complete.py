@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from mdjax import sampling
+from mdjax import generation, sampling
 from mdjax.pretrained import samplers as reference
 
 # The keyword arguments each reference sampler takes besides its lengths (the defaults
@@ -114,12 +114,9 @@ def encode_prompts(model, prompts: Sequence[Any], *, chat: bool = False
     rows.append(ids.astype(np.int32))
   width = max(len(r) for r in rows)
   pad = model.eos_id if model.eos_id is not None else 0
-  prompt_BxP = np.full((len(rows), width), pad, np.int32)
-  mask_BxP = np.zeros((len(rows), width), np.int32)
-  for i, ids in enumerate(rows):
-    prompt_BxP[i, width - len(ids):] = ids
-    mask_BxP[i, width - len(ids):] = 1
-  return prompt_BxP, mask_BxP
+  # A canvas of the prompts alone (no positions to generate): left_padded's layout.
+  prompt_BxP, valid_BxP, _ = generation.left_padded(rows, width, model.mask_id, pad_id=pad)
+  return prompt_BxP, valid_BxP.astype(np.int32)
 
 
 def sample_family(model, prompt_BxP, spec: sampling.SamplerSpec, *, max_new_tokens: int,
