@@ -2,7 +2,9 @@
 
 Bidirectional attention (no causal mask), RMSNorm (weight only), SwiGLU, half-split RoPE,
 grouped KV heads, optional q/k/v biases, untied output head, and Dream's one-position logit
-shift. Pure functions over a params pytree whose layers are stacked (one `lax.scan` over
+shift. With `causal=True` the same network is Hugging Face's LlamaForCausalLM /
+Qwen2ForCausalLM (families "llama", "qwen2": the judges of generative perplexity): each query
+attends to the keys at its own position and before, no mask id, no shift. Pure functions over a params pytree whose layers are stacked (one `lax.scan` over
 layers keeps compile time flat in depth):
 
   params = {
@@ -26,8 +28,9 @@ window of W positions against them), `denoiser(config)` (the `Denoiser` value th
 take; these models are time-free, so t_B is ignored), `init_params` and `num_params`.
 
 Padding (`valid_BxL`, False on padding): padded keys are attended by nothing; padded queries
-still attend to the real keys (finite, unused outputs). Positions for RoPE: LLaDA's are
-always 0..L-1 (its modeling code ignores padding there); Dream's are counted from each row's
+still attend to the real keys (finite, unused outputs). Positions for RoPE: LLaDA's (and the
+causal families') are always 0..L-1 (their modeling code ignores padding there, so a causal
+model's padding goes on the right); Dream's are counted from each row's
 first real token, cumsum(valid) - 1, with padded positions set to 1 as Dream's generation
 code does.
 """
@@ -47,7 +50,8 @@ from mdjax.models import checks
 
 Array = jax.Array
 
-FAMILIES = ("llada", "dream")
+FAMILIES = ("llada", "dream", "llama", "qwen2")
+CAUSAL_FAMILIES = ("llama", "qwen2")
 DTYPES = ("float32", "bfloat16")
 
 # A masked score: finite, so a query whose every key is masked gets a uniform (finite)
@@ -62,6 +66,8 @@ class PublishedConfig:
   vocab_size: rows of the embedding and columns of the head (the checkpoint's own ids;
     LLaDA's `embedding_size`). mask_id lies inside it; its logit is -inf.
   logit_shift: Dream's prediction for position i is the network's output at i - 1.
+  causal: attention to the query's own position and before only (the causal families;
+    mask_id None: a causal LM has none, and its logits at i predict the token at i + 1).
   dtype: the weights' and activations' dtype; norms, softmax and logits are float32.
   """
 
@@ -77,11 +83,12 @@ class PublishedConfig:
   norm_eps: float
   qkv_bias: bool
   logit_shift: bool
-  mask_id: int
+  mask_id: int | None
   eos_id: int | None = None
   eot_id: int | None = None  # LLaDA's end-of-turn id (None: none)
   max_len: int = 4096
   dtype: str = "float32"
+  causal: bool = False
 
   def __post_init__(self):
     checks.check_common(self, FAMILIES, DTYPES,
@@ -94,9 +101,15 @@ class PublishedConfig:
                        "heads).")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs of halves).")
+    if not isinstance(self.causal, bool) or self.causal != (self.family in CAUSAL_FAMILIES):
+      raise ValueError(f"causal={self.causal!r} must be {self.family in CAUSAL_FAMILIES} for "
+                       f"family={self.family!r} (causal families: {CAUSAL_FAMILIES}).")
+    if self.causal and (self.mask_id is not None or self.logit_shift):
+      raise ValueError(f"mask_id={self.mask_id!r}, logit_shift={self.logit_shift!r}: a causal "
+                       "model has no mask id and no shift (None and False).")
     for name in ("mask_id", "eos_id", "eot_id"):
       value = getattr(self, name)
-      if value is None and name != "mask_id":
+      if value is None and (name != "mask_id" or self.causal):
         continue
       if not (checks.is_int(value) and 0 <= value < self.vocab_size):
         raise ValueError(f"{name}={value!r} must be an id in [0, vocab_size={self.vocab_size}).")
@@ -139,8 +152,8 @@ def _matmul(x: Array, w: Array) -> Array:
 
 def positions(config: PublishedConfig, valid_BxL: Array | None, length: int) -> Array:
   """Each position's RoPE position, B x L (1 x L without padding). Dream counts from each
-  row's first real token and puts padding at 1; LLaDA always counts 0..L-1."""
-  if valid_BxL is None or config.family == "llada":
+  row's first real token and puts padding at 1; the others always count 0..L-1."""
+  if valid_BxL is None or config.family != "dream":
     return jnp.arange(length, dtype=jnp.int32)[None]
   valid_BxL = valid_BxL.astype(bool)
   counted_BxL = jnp.cumsum(valid_BxL, axis=-1, dtype=jnp.int32) - 1
@@ -220,6 +233,8 @@ def _logits(config: PublishedConfig, params: dict, h_BxQxD: Array) -> Array:
   x = _rms_norm(h_BxQxD, params["final_norm"], config.norm_eps)
   logits_BxQxV = jnp.einsum("bqd,dv->bqv", x, params["head"].astype(x.dtype),
                             preferred_element_type=jnp.float32)
+  if config.mask_id is None:  # a causal model
+    return logits_BxQxV
   return logits_BxQxV.at[..., config.mask_id].set(-jnp.inf)
 
 
@@ -243,6 +258,8 @@ def _full_pass(config: PublishedConfig, params: dict, tokens_BxL: Array,
   cos_BxLxK, sin_BxLxK = _rope_cos_sin(config, positions(config, valid_BxL, length))
   visible_Bx1xL = (jnp.ones((1, 1, length), bool) if valid_BxL is None
                    else valid_BxL.astype(bool)[:, None, :])
+  if config.causal:  # B x L x L: each query sees its own position and before
+    visible_Bx1xL = visible_Bx1xL & jnp.tril(jnp.ones((length, length), bool))[None]
 
   def layer_fn(h_BxLxD, layer):
     x = _rms_norm(h_BxLxD, layer["attn_norm"], config.norm_eps)
@@ -307,6 +324,9 @@ def decode(config: PublishedConfig, params: dict, cache: PublishedCache, tokens_
     valid_BxL = valid_BxL.astype(bool)
     outside_1x1xL = outside_1x1xL & valid_BxL[:, None, :]
     own_Bx1xW = jax.lax.dynamic_slice_in_dim(valid_BxL, start, width, axis=1)[:, None]
+  if config.causal:  # keys after the window are the future; inside it, the query's past
+    outside_1x1xL = outside_1x1xL & (key_L < start)[None, None]
+    own_Bx1xW = own_Bx1xW & jnp.tril(jnp.ones((width, width), bool))[None]
   tokens_BxQ, pos_BxQ, extra = tokens_BxW, pos_BxW, 0
   if config.logit_shift:
     before = jnp.maximum(start - 1, 0)

@@ -1,14 +1,16 @@
 """The published checkpoint layouts: config.json <-> a model config, HF tensors <-> params.
 
 LLaDA (model_type "llada", LLaDAModelLM; an OLMo-derived "llama" block) and Dream
-(model_type "Dream", DreamModel; Qwen2 names) map onto `PublishedConfig`; MDLM (model_type
+(model_type "Dream", DreamModel; Qwen2 names) map onto `PublishedConfig`, and so do the causal
+judges of generative perplexity, Llama (model_type "llama", LlamaForCausalLM) and Qwen2
+("qwen2", Qwen2ForCausalLM), with `causal=True` (Dream's tensor names, which are theirs); MDLM (model_type
 "mdlm", MDLM: kuleshov-group/mdlm-owt) and BD3-LM (model_type "bd3lm", BD3LM:
 kuleshov-group/bd3lm-owt-block_size{4,8,16}) onto `mdjax.models.dit.DiTConfig`. A torch
 Linear weight is [out, in] and is transposed to the params' [in, out]; a stacked leaf
 ("layers" or "blocks") [N, ...] is built from the N per-layer tensors `...{i}...`. A config
 key that changes the architecture to one the params cannot express (fused q/k/v, LayerNorm,
-ALiBi, biases outside q/k/v, RoPE scaling, causal attention) is a ValueError naming the key,
-never a silently wrong model.
+ALiBi, biases outside q/k/v, RoPE scaling, sliding windows; causal attention in a
+diffusion layout) is a ValueError naming the key, never a silently wrong model.
 """
 
 from __future__ import annotations
@@ -288,7 +290,7 @@ class DreamLayout(Layout):
   def tied(self, raw: dict) -> bool:
     value = raw.get("tie_word_embeddings", False)
     if not isinstance(value, bool):
-      raise ValueError(f"dream config.json: tie_word_embeddings={value!r} is not a bool")
+      raise ValueError(f"{self.family} config.json: tie_word_embeddings={value!r} is not a bool")
     return value
 
   def config_from_hf(self, raw: dict, dtype: str) -> PublishedConfig:
@@ -343,6 +345,92 @@ class DreamLayout(Layout):
             Leaf(("final_norm",), "model.norm.weight"),
             Leaf(("head",), "model.embed_tokens.weight" if tied else "lm_head.weight", True)]
     return out
+
+
+def _rope_theta(raw: dict, family: str) -> float:
+  """rope_theta, at the top level (transformers 4) or in rope_parameters (transformers 5,
+  where a rope_type other than "default" is a scaling the params cannot express)."""
+  params = raw.get("rope_parameters")
+  if isinstance(params, dict):
+    _refuse(params, family, "rope_type", ("default",), "RoPE is unscaled (rope_parameters)")
+    if "rope_theta" in params and "rope_theta" not in raw:
+      raw = {**raw, "rope_theta": params["rope_theta"]}
+  return _get(raw, "rope_theta", float, family, 10000.0)
+
+
+class LlamaLayout(DreamLayout):
+  """Hugging Face's LlamaForCausalLM (Llama 1-2, TinyLlama, ...): a causal judge. The
+  tensor names are Dream's (both are transformers' Llama names); no biases unless
+  attention_bias, which also puts one on o_proj and is refused; `head_dim` may differ from
+  hidden_size / heads."""
+
+  family = "llama"
+  model_types = ("llama",)
+  architectures = ("LlamaForCausalLM",)
+  qkv_bias = False
+  default_eps, default_max_len = 1e-6, 2048
+
+  def config_from_hf(self, raw: dict, dtype: str) -> PublishedConfig:
+    f = self.family
+    _refuse(raw, f, "hidden_act", ("silu",), "the MLP is silu(gate) * up")
+    _refuse(raw, f, "rope_scaling", (None,), "RoPE is unscaled")
+    _refuse(raw, f, "use_sliding_window", (False,), "attention is over the whole sequence")
+    _refuse(raw, f, "attention_bias", (False,), "only q/k/v biases, never o_proj's")
+    _refuse(raw, f, "mlp_bias", (False,), "the MLP has no biases")
+    d = _get(raw, "hidden_size", int, f)
+    heads = _get(raw, "num_attention_heads", int, f)
+    head_dim = raw.get("head_dim")
+    head_dim = (_head_dim(d, heads, f, "num_attention_heads") if head_dim is None
+                else _get(raw, "head_dim", int, f))
+    return PublishedConfig(
+        family=f, vocab_size=_get(raw, "vocab_size", int, f), d_model=d,
+        num_layers=_get(raw, "num_hidden_layers", int, f), num_heads=heads,
+        num_kv_heads=_get(raw, "num_key_value_heads", int, f, heads), head_dim=head_dim,
+        mlp_hidden=_get(raw, "intermediate_size", int, f), rope_theta=_rope_theta(raw, f),
+        norm_eps=_get(raw, "rms_norm_eps", float, f, self.default_eps),
+        qkv_bias=self.qkv_bias, logit_shift=False, mask_id=None, causal=True,
+        eos_id=_first_id(raw, "eos_token_id", f),
+        max_len=_get(raw, "max_position_embeddings", int, f, self.default_max_len), dtype=dtype)
+
+  def config_to_hf(self, config: PublishedConfig) -> dict:
+    if config.family != self.family:
+      raise ValueError(f"config.family={config.family!r} cannot be written as {self.family}")
+    raw = {
+        "architectures": list(self.architectures), "model_type": self.model_types[0],
+        "attention_dropout": 0.0, "head_dim": config.head_dim, "hidden_act": "silu",
+        "hidden_size": config.d_model, "initializer_range": 0.02,
+        "intermediate_size": config.mlp_hidden,
+        "max_position_embeddings": config.max_len, "num_attention_heads": config.num_heads,
+        "num_hidden_layers": config.num_layers, "num_key_value_heads": config.num_kv_heads,
+        "rms_norm_eps": config.norm_eps, "rope_scaling": None, "rope_theta": config.rope_theta,
+        "tie_word_embeddings": False, "torch_dtype": TORCH_DTYPES[config.dtype],
+        "use_cache": True, "vocab_size": config.vocab_size,
+    }
+    if self.family == "llama":
+      raw.update(attention_bias=False, mlp_bias=False)
+    else:
+      raw.update(use_sliding_window=False, sliding_window=None,
+                 max_window_layers=config.num_layers)
+    if config.eos_id is not None:
+      raw["eos_token_id"] = config.eos_id
+    return raw
+
+
+class Qwen2Layout(LlamaLayout):
+  """Hugging Face's Qwen2ForCausalLM (Qwen1.5, Qwen2, Qwen2.5): a causal judge with q/k/v
+  biases; the small ones tie the head to the embedding (tie_word_embeddings)."""
+
+  family = "qwen2"
+  model_types = ("qwen2",)
+  architectures = ("Qwen2ForCausalLM",)
+  qkv_bias = True
+  default_eps, default_max_len = 1e-6, 32768
+
+  def config_from_hf(self, raw: dict, dtype: str) -> PublishedConfig:
+    _refuse(raw, self.family, "attention_bias", (True, None),
+            "Qwen2's q/k/v projections always have biases")
+    raw = {k: v for k, v in raw.items() if k not in ("attention_bias", "mlp_bias")}
+    return super().config_from_hf(raw, dtype)
 
 
 # The reference DiT's fixed choices, which config.json has no key for.
@@ -549,7 +637,8 @@ class BD3LMLayout(DiTLayout):
 
 
 LAYOUTS: dict[str, Layout] = {"llada": LLaDALayout(), "dream": DreamLayout(),
-                              "mdlm": MDLMLayout(), "bd3lm": BD3LMLayout()}
+                              "mdlm": MDLMLayout(), "bd3lm": BD3LMLayout(),
+                              "llama": LlamaLayout(), "qwen2": Qwen2Layout()}
 
 
 def optional_buffers(layout: Layout) -> tuple[str, ...]:

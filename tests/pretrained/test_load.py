@@ -372,8 +372,8 @@ def test_bad_folders(tmp_path, saved):
 
 def test_unknown_family(saved):
   folder, _, _ = saved("llada")
-  edit_config(folder, model_type="llama", architectures=["LlamaForCausalLM"])
-  with pytest.raises(ValueError, match="unsupported model_type='llama'.*supported.*'llada'.*"
+  edit_config(folder, model_type="gpt2", architectures=["GPT2LMHeadModel"])
+  with pytest.raises(ValueError, match="unsupported model_type='gpt2'.*supported.*'llada'.*"
                                        "'LLaDAModelLM'.*'Dream'.*'DreamModel'"):
     pretrained.load(folder)
 
