@@ -9,10 +9,11 @@ and, where the task has them, `checks`, `exact_denoiser` (the synthetic tasks), 
 
 import inspect
 
-from mdjax.tasks import scan_and_add, text, two_color
+from mdjax.tasks import corpus, scan_and_add, sft, text, two_color
 from mdjax.tasks.base import Task
 
-TASKS = {"two_color": two_color, "scan_and_add": scan_and_add, "text": text}
+TASKS = {"two_color": two_color, "scan_and_add": scan_and_add, "text": text, "corpus": corpus,
+         "sft": sft}
 
 
 def get(name: str, task_kwargs: dict | None = None) -> Task:
@@ -54,5 +55,5 @@ def from_config(config, metadata: dict | None = None) -> Task:
   return get(config.task, {**kwargs_of(config), **(metadata or {})})
 
 
-__all__ = ["TASKS", "Task", "check", "from_config", "get", "kwargs_of", "scan_and_add", "text",
-           "two_color"]
+__all__ = ["TASKS", "Task", "check", "corpus", "from_config", "get", "kwargs_of", "scan_and_add",
+           "text", "two_color"]
