@@ -54,11 +54,13 @@ class CorpusFiles:
 
 
 def _signature(data_dir: str):
-  path = os.path.join(data_dir, "manifest.json")
-  if not os.path.isfile(path):
-    return None
-  stat = os.stat(path)
-  return stat.st_mtime_ns, stat.st_size
+  """(mtime, size) of the manifest and the tokenizer: a rewritten one is read again."""
+  stats = []
+  for name in ("manifest.json", "tokenizer.json"):
+    path = os.path.join(data_dir, name)
+    stats.append((os.stat(path).st_mtime_ns, os.stat(path).st_size)
+                 if os.path.isfile(path) else None)
+  return tuple(stats)
 
 
 @functools.lru_cache(maxsize=4)
@@ -68,7 +70,7 @@ def _files(data_dir: str, signature) -> CorpusFiles:
 
 
 def open_corpus(data_dir: str) -> CorpusFiles:
-  """The corpus folder (cached while its manifest is unchanged)."""
+  """The corpus folder (cached while its manifest and tokenizer are unchanged)."""
   return _files(os.path.abspath(data_dir), _signature(os.path.abspath(data_dir)))
 
 
