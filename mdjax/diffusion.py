@@ -228,6 +228,7 @@ def nelbo_loss(
     maskable_BxL: Array | None = None,
     num_steps: int = 0,
     t_min: float = 1e-5,
+    per_token: bool = False,
 ) -> tuple[Array, dict[str, Array]]:
   """MD4 negative ELBO of a batch, in nats per sequence.
 
@@ -241,6 +242,10 @@ def nelbo_loss(
   process may mask; the others (a prompt, padding) stay visible at every t, so
   the loss is the NELBO of the maskable tokens given them.
 
+  `per_token=True` divides each row's NELBO by its number of maskable positions before the
+  batch mean (LLaDA's SFT loss, normalized by the response length): the loss is then in nats
+  per maskable token, rows of every length weighing the same; aux is unchanged.
+
   Returns (loss, aux): loss is the batch-mean NELBO in nats per sequence; aux
   holds `nelbo_nats` (same), `nelbo_nats_B` (per sequence, for error bars),
   `bits_per_token` and `masked_fraction` (both per maskable position).
@@ -250,6 +255,8 @@ def nelbo_loss(
     raise ValueError(f"mask_id={mask_id!r} must be an integer >= 1 (the vocabulary size V).")
   if not isinstance(num_steps, (int, np.integer)) or num_steps < 0:
     raise ValueError(f"num_steps={num_steps!r} must be 0 (continuous time) or an integer >= 1.")
+  if not isinstance(per_token, bool):
+    raise ValueError(f"per_token={per_token!r} must be True or False.")
   batch, _ = x_BxL.shape
   if maskable_BxL is None:
     maskable_BxL = jnp.ones(x_BxL.shape, bool)
@@ -267,7 +274,11 @@ def nelbo_loss(
   z_BxL = forward_mask(mask_key, x_BxL, schedule.alpha(t_B), mask_id, maskable_BxL)
   logits_BxLxV = apply_fn(params, z_BxL, t_B)
   masked_BxL, nll_BxL = _masked_nll(logits_BxLxV, x_BxL, z_BxL, mask_id)
-  return _nelbo_result(weight_B * nll_BxL.sum(axis=-1), masked_BxL, maskable_BxL)
+  nelbo_B = weight_B * nll_BxL.sum(axis=-1)
+  loss, aux = _nelbo_result(nelbo_B, masked_BxL, maskable_BxL)
+  if per_token:
+    loss = (nelbo_B / jnp.maximum(maskable_BxL.sum(axis=-1), 1)).mean()
+  return loss, aux
 
 
 def _masked_nll(logits_BxLxV, x_BxL, z_BxL, mask_id: int):

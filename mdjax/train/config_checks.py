@@ -44,7 +44,7 @@ CONFIG_RANGES = (
     ("block_nelbo.t_min", _number(lambda v: 0 <= v < 1, "in [0, 1)")),
     ("block_nelbo.t_max", _number(lambda v: 0 < v <= 1, "in (0, 1]")),
 )
-OBJECTIVES = ("nelbo", "mlm", "causal")
+OBJECTIVES = ("nelbo", "mlm", "causal", "sft")
 
 
 _ABSENT = object()

@@ -130,6 +130,8 @@ def train(config, workdir: str, log=print) -> TrainState:
   SIGTERM or Ctrl-C saves a checkpoint at the current step and returns (see `Interrupts`).
   A read-only workdir holding the finished run is only read.
   """
+  from mdjax.train import sft
+  config = sft.resolve_config(config)  # fine-tuning: model fields left to the start point
   check_config(config)
   if os.path.isdir(workdir) and not writable(workdir):
     return _finished_read_only(config, workdir, log)
@@ -183,7 +185,7 @@ def make_eval_loss(config, apply_fn, task: tasks.Task, loss_fn):
   """(params, key, x) -> held-out bits per token: the NELBO (block NELBO for block-causal
   models) over the full time range, or the causal NLL."""
   eval_schedule = masking_schedule(config)
-  if config.objective == "causal":
+  if config.objective in ("causal", "sft"):  # sft: the response-only NELBO per response token
     return jax.jit(lambda p, k, x: loss_fn(p, k, x)[1]["bits_per_token"])
   if config.model.get("block_size") is not None:
     # The block NELBO over the full time range: a bound, whatever range training clips to.
@@ -294,6 +296,9 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
       curves.draw(last=True)
       log(("\n" if tty else "") + f"{interrupts.signal_name}: checkpoint saved at step {step} "
           f"of {num_steps} in {workdir}/checkpoints; the same command resumes.")
+    if step == num_steps and config.train.get("init_from") and jax.process_index() == 0:
+      from mdjax.train import sft
+      sft.export(config, state, workdir, log)  # a published start: its layout, fine-tuned
   finally:
     metrics.close()
   return state

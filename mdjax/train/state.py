@@ -76,6 +76,9 @@ def masking_schedule(config) -> diffusion.Schedule:
 
 def make_loss_fn(config, apply_fn, task: tasks.Task) -> Callable:
   """loss_fn(params, key, x_BxL) -> (loss, aux) for the configured objective."""
+  if config.objective == "sft":  # the response-only NELBO of the sft task's packed rows
+    from mdjax.train import sft
+    return sft.loss_fn(config, apply_fn, task)
   if config.objective == "nelbo" and config.model.get("block_size") is not None:
     return functools.partial(diffusion.block_nelbo_loss, apply_fn, schedule=masking_schedule(config),
                              mask_id=task.mask_id, block_size=config.model.block_size,
@@ -147,9 +150,14 @@ def train_step(state: TrainState, x_BxL: Array, *, loss_fn, optimizer, ema_decay
 
 
 def init_state(config, mesh: Mesh, task: tasks.Task):
-  """Fresh state, sharded on the mesh; returns (state, graphdef, apply_fn, shardings)."""
-  graphdef, params, apply_fn = models.init(model_config(config, task), seed=config.seed)
-  params = nnx.to_pure_dict(params)
+  """Fresh state, sharded on the mesh; returns (state, graphdef, apply_fn, shardings). With
+  `train.init_from` the model and parameters are the start point's (`sft.start_model`)."""
+  if config.train.get("init_from"):
+    from mdjax.train import sft
+    graphdef, params, apply_fn = sft.start_model(config, task)
+  else:
+    graphdef, params, apply_fn = models.init(model_config(config, task), seed=config.seed)
+    params = nnx.to_pure_dict(params)
   optimizer = make_optimizer(config.train)
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
                      opt_state=optimizer.init(params),
