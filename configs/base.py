@@ -22,6 +22,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict(dict(
       d_model=64, num_layers=2, num_heads=4, d_ff=256, positions="rope", norm="rms",
       mlp="swiglu", time_conditioning=False, causal=False, dtype="float32",
+      # remat: recompute each block's activations in the backward pass (less memory).
+      remat=False,
       # block_size: block diffusion (BD3-LM), block-causal attention; a divisor of the length.
       block_size=config_dict.placeholder(int)))
   # The block NELBO's times (models with block_size): BD3-LM's clipped noise range
@@ -30,7 +32,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.block_nelbo = ml_collections.ConfigDict(dict(t_min=1e-5, t_max=1.0, antithetic=True))
   c.train = ml_collections.ConfigDict(dict(
       num_steps=1000, lr=1e-3, lr_floor=0.1, warmup_steps=100, b1=0.9, b2=0.99,
-      weight_decay=0.0, grad_clip=1.0, ema_decay=0.0, fsdp=False))
+      weight_decay=0.0, grad_clip=1.0, ema_decay=0.0, fsdp=False,
+      # The batch in grad_accum_steps micro-batches, one optimizer update per step.
+      grad_accum_steps=1,
+      # MFU's peak FLOP/s per device: None takes the device's known bf16 figure, or a
+      # measured matmul when measure_peak_flops (else no MFU is logged).
+      peak_flops=config_dict.placeholder(float), measure_peak_flops=False))
   c.checkpoint = ml_collections.ConfigDict(dict(every=500, keep=3))
   c.sampler = ml_collections.ConfigDict(dict(family="ancestral", steps=32))
   return c

@@ -47,22 +47,26 @@ def rows(seed: int = DATA_SEED, count: int = NUM_DOCS) -> list[dict]:
   """The documents: ScanAndAdd draws whose last TAIL commands the law determines, with at
   least two candidates of the right add count."""
   out, draw = [], 0
+  candidates_Kx3 = np.array([c.split() for c in CHOICES], int)
+  commands_before = scan_and_add.DEFAULT.num_commands - TAIL
   while len(out) < count:
     x_NxL = np.asarray(scan_and_add.sample_data(jax.random.key(seed + draw), 256))
     draw += 1
-    for x in x_NxL:
+    # Every candidate tail on every draw, scored by the law at once: [N, K].
+    full_NxKxL = np.concatenate([np.repeat(x_NxL[:, None, :-TAIL], len(CHOICES), 1),
+                                 np.broadcast_to(candidates_Kx3, (len(x_NxL),) +
+                                                 candidates_Kx3.shape)], -1)
+    allowed_NxK = np.isfinite(scan_and_add.log_prob(
+        full_NxKxL.reshape(-1, x_NxL.shape[1]))).reshape(len(x_NxL), len(CHOICES))
+    for x, allowed in zip(x_NxL, allowed_NxK):
       head = x[:-TAIL]
-      full_CxL = np.array([np.concatenate([head, np.array(c.split(), int)]) for c in CHOICES])
-      allowed = np.isfinite(scan_and_add.log_prob(full_CxL))
-      adds_left = scan_and_add.DEFAULT.num_adds - int((head[-(scan_and_add.DEFAULT.num_commands
-                                                              - TAIL):] % 2 == 0).sum())
-      right_count = sum(1 for c in CHOICES if c.split().count("0") == adds_left)
+      adds_left = scan_and_add.DEFAULT.num_adds - int((head[-commands_before:] % 2 == 0).sum())
+      right_count = int(((candidates_Kx3 == 0).sum(1) == adds_left).sum())
       if allowed.sum() != 1 or right_count < 2:
         continue
-      context = scan_and_add.decode(head)
       answer = CHOICES[int(np.flatnonzero(allowed)[0])]
-      out.append({"context": context, "choices": CHOICES, "gold": CHOICES.index(answer),
-                  "answer": answer})
+      out.append({"context": scan_and_add.decode(head), "choices": CHOICES,
+                  "gold": CHOICES.index(answer), "answer": answer})
       if len(out) == count:
         break
   return out
@@ -85,7 +89,7 @@ def evaluate(model_args: str, limit: int | None = None) -> dict:
   import mdjax.evaluate.harness  # noqa: F401  registers "mdjax"
   return lm_eval.simple_evaluate(
       model="mdjax", model_args=model_args, tasks=TASKS, batch_size=8, limit=limit,
-      task_manager=TaskManager(include_path=TASK_DIR), random_seed=0, numpy_random_seed=0,
+      task_manager=TaskManager(include_path=TASK_DIR, include_defaults=False), random_seed=0, numpy_random_seed=0,
       torch_random_seed=0, fewshot_random_seed=0, log_samples=False)
 
 

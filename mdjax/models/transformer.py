@@ -67,6 +67,9 @@ class TransformerConfig:
   # Block-causal attention (block diffusion): None is full bidirectional attention.
   block_size: int | None = None
   dtype: str = "float32"  # compute dtype; parameters stay float32
+  # Rematerialization: each block's activations are recomputed in the backward pass of a
+  # full pass instead of kept (the same values and gradients, less memory, more compute).
+  remat: bool = False
 
   def __post_init__(self):
     for name in ("vocab_size", "max_len", "d_model", "num_layers", "num_heads", "d_ff"):
@@ -81,6 +84,8 @@ class TransformerConfig:
     for name, allowed in (("positions", POSITIONS), ("norm", NORMS), ("mlp", MLPS)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}.")
+    if not isinstance(self.remat, bool):
+      raise ValueError(f"remat={self.remat!r} must be True or False.")
     if self.block_size is not None:
       size = self.block_size
       if not (isinstance(size, int) and not isinstance(size, bool) and 1 <= size <= self.max_len):
@@ -415,12 +420,26 @@ class Transformer(nnx.Module):
       temb_BxD = jax.nn.silu(self.time_mlp(_time_features(t_B, cfg.d_model)))
     layers = []
     for n, block in enumerate(self.blocks):
-      h_BxWxD, layer = block(h_BxWxD, temb_BxD, start, None if cache is None else cache.layer(n),
-                             positions_BxW, valid_BxL, visible_WxW)
+      if cfg.remat and cache is None:
+        h_BxWxD, layer = _remat_block(block, h_BxWxD, temb_BxD, positions_BxW, valid_BxL,
+                                      visible_WxW)
+      else:
+        h_BxWxD, layer = block(h_BxWxD, temb_BxD, start,
+                               None if cache is None else cache.layer(n), positions_BxW,
+                               valid_BxL, visible_WxW)
       layers.append(layer)
     if logits_for is not None:
       h_BxWxD = h_BxWxD[:, :logits_for]
     return self.head(self.final_norm(h_BxWxD)).astype(jnp.float32), layers
+
+
+@nnx.remat
+def _remat_block(block: Block, h_BxWxD: Array, temb_BxD: Array | None,
+                 positions_BxW: Array | None, valid_BxL: Array | None,
+                 visible_WxW: Array | None) -> tuple[Array, LayerKV]:
+  """A full (uncached) pass of `block` under jax.checkpoint: only its input is kept for
+  the backward pass, which recomputes the rest."""
+  return block(h_BxWxD, temb_BxD, 0, None, positions_BxW, valid_BxL, visible_WxW)
 
 
 def _time_features(t_B: Array, dim: int) -> Array:

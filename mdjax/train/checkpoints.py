@@ -80,7 +80,10 @@ def save(manager: ocp.CheckpointManager, state: TrainState, config, task: tasks.
 
 def _check_model_matches(saved: dict, config, step: int) -> None:
   saved_model, model = saved.get("model", {}), config.model.to_dict()
-  diffs = {k: (saved_model.get(k), v) for k, v in model.items() if saved_model.get(k) != v}
+  # remat changes how gradients are computed, not the parameters: a run may resume with
+  # it switched (checkpoints written before the field existed do not hold it).
+  diffs = {k: (saved_model.get(k), v) for k, v in model.items()
+           if saved_model.get(k) != v and k != "remat"}
   saved_kwargs = {k: v for k, v in (saved.get("task_kwargs") or {}).items() if v is not None}
   for name, saved_value, value in (("task", saved.get("task"), config.task),
                                    ("task_kwargs", saved_kwargs, tasks.kwargs_of(config))):

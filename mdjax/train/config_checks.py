@@ -40,6 +40,7 @@ CONFIG_RANGES = (
     ("train.weight_decay", _number(lambda v: v >= 0, ">= 0")),
     ("train.grad_clip", _number(lambda v: v > 0, "> 0")),
     ("train.ema_decay", _number(lambda v: 0 <= v < 1, "in [0, 1)")),
+    ("train.grad_accum_steps", _integer(1)),
     ("checkpoint.every", _integer(1)), ("checkpoint.keep", _integer(1)),
     ("block_nelbo.t_min", _number(lambda v: 0 <= v < 1, "in [0, 1)")),
     ("block_nelbo.t_max", _number(lambda v: 0 < v <= 1, "in (0, 1]")),
@@ -120,6 +121,18 @@ def check_config(config) -> None:
   antithetic = _field(config, "block_nelbo.antithetic")
   if antithetic is not _ABSENT and not isinstance(antithetic, bool):
     refuse("block_nelbo.antithetic", antithetic, "must be True or False")
+  accum = _field(config, "train.grad_accum_steps")
+  if accum is not _ABSENT and config.batch_size % accum:
+    refuse("train.grad_accum_steps", accum, f"must divide batch_size={config.batch_size} (the "
+           "batch is split into that many equal micro-batches)")
+  for path in ("model.remat", "train.measure_peak_flops"):
+    value = _field(config, path)
+    if value is not _ABSENT and not isinstance(value, bool):
+      refuse(path, value, "must be True or False")
+  peak = _field(config, "train.peak_flops")
+  if peak is not _ABSENT and peak is not None and not _number(lambda v: v > 0, "> 0")[0](peak):
+    refuse("train.peak_flops", peak, "must be None (the device's known peak) or a finite "
+           "number > 0 (FLOP/s per device)")
   tensorboard = _field(config, "log_tensorboard")
   if tensorboard is not _ABSENT and not isinstance(tensorboard, bool):
     refuse("log_tensorboard", tensorboard, "must be True or False")

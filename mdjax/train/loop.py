@@ -17,6 +17,7 @@ from mdjax import diffusion, models, plot, sampling, streams, tasks
 from mdjax.train.checkpoints import (checkpoint_manager, load_for_sampling, newest_readable,
                                      restore_latest, save, step_dirs)
 from mdjax.train.config_checks import ConfigError, check_config
+from mdjax.train.flops import model_flops_per_token, mfu, peak_flops_per_device
 from mdjax.train.state import (TrainState, batch_for_step, init_state, learning_rate_schedule,
                                make_loss_fn, make_mesh, make_optimizer, masking_schedule,
                                train_step)
@@ -80,13 +81,22 @@ def eval_batch(config, i: int, task: tasks.Task) -> np.ndarray:
 
 
 def evaluate(config, task: tasks.Task, params, loss_fn_eval) -> dict:
-  """Held-out loss in bits per token (the NELBO, or the causal NLL) over `eval_batches` batches."""
+  """Held-out loss in bits per token (the NELBO, or the causal NLL) over `eval_batches` batches:
+  `val_bits_per_token`, also logged under its first name `eval_bits_per_token`. With
+  `train.grad_accum_steps` = k > 1 each batch is scored in k micro-batches (rows i, i + k,
+  ..., noise from fold_in(key, i)), which hold no more in memory than a training pass."""
   values = []
+  accum = config.train.get("grad_accum_steps", 1)
   for i in range(config.eval_batches):
     x = eval_batch(config, i, task)
     key = jax.random.fold_in(jax.random.key(config.seed + 1), i)
-    values.append(float(loss_fn_eval(params, key, x)))
-  return {"eval_bits_per_token": float(np.mean(values))}
+    if accum == 1:
+      values.append(float(loss_fn_eval(params, key, x)))
+    else:
+      values.append(np.mean([float(loss_fn_eval(params, jax.random.fold_in(key, j), x[j::accum]))
+                             for j in range(accum)]))
+  value = float(np.mean(values))
+  return {"eval_bits_per_token": value, "val_bits_per_token": value}
 
 
 def sample_and_score(config, task: tasks.Task, apply_fn, params) -> dict:
@@ -176,7 +186,8 @@ def compile_train_step(config, mesh, shardings, loss_fn):
   return jax.jit(
       functools.partial(train_step, loss_fn=loss_fn, optimizer=make_optimizer(config.train),
                         ema_decay=config.train.ema_decay, seed=config.seed,
-                        learning_rate=learning_rate_schedule(config.train)),
+                        learning_rate=learning_rate_schedule(config.train),
+                        grad_accum_steps=config.train.get("grad_accum_steps", 1)),
       in_shardings=(shardings, NamedSharding(mesh, PartitionSpec("data"))),
       out_shardings=(shardings, None), donate_argnums=0)
 
@@ -243,6 +254,9 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
   pending = None  # metrics of the previous step: fetched one step late (async dispatch)
   tty = sys.stdout.isatty()
   throughput = _Throughput(config.batch_size * task.length)
+  peak_flops = peak_flops_per_device(config)  # None: no known peak, MFU logged as null
+  log(f"model FLOPs per token: {model_flops_per_token(config, task):.4g}; peak FLOP/s per "
+      f"device: {'unknown' if peak_flops is None else f'{peak_flops:.4g}'}")
   curves = plot.Curves(workdir, log, draws=jax.process_index() == 0)  # one host draws
 
   def report(step_metrics, step):
@@ -253,6 +267,7 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
       tokens_per_s = throughput.take()
       if tokens_per_s is not None:
         row["tokens_per_s"] = tokens_per_s
+        row["mfu"] = mfu(config, task, tokens_per_s, mesh.size, peak_flops)
       metrics.write(row)
       line = progress.line(step, host["loss"])
       print("\r" + line if tty else line, end="" if tty else "\n", flush=True)

@@ -128,14 +128,46 @@ def param_sharding(mesh: Mesh, params, fsdp: bool):
 # ----------------------------------------------------------------------------
 
 
+def accumulated_value_and_grad(loss_fn, params, key: Array, x_BxL: Array, steps: int):
+  """((loss, aux), grads) of the mean of `loss_fn` over `steps` micro-batches, one at a time
+  (lax.scan): micro-batch i holds rows i, i + steps, i + 2 steps, ... (so each device's
+  shard of a batch split on its rows splits evenly) and draws its noise from
+  fold_in(key, i). With a mean loss and equal micro-batches, the mean of their gradients
+  is the gradient of the whole batch's loss; the noise differs from a single pass's (other
+  keys, times stratified per micro-batch), not its law. aux keeps its scalars, averaged."""
+  batch, length = x_BxL.shape
+  if batch % steps:
+    raise ValueError(f"grad_accum_steps={steps} must divide the batch of {batch} rows.")
+  x_KxMxL = x_BxL.reshape(batch // steps, steps, length).swapaxes(0, 1)
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def micro(total, i_and_x):
+    i, x_MxL = i_and_x
+    (loss, aux), grads = grad_fn(params, jax.random.fold_in(key, i), x_MxL)
+    scalars = {k: v for k, v in aux.items() if jnp.ndim(v) == 0}
+    return jax.tree.map(jnp.add, total, (loss, scalars, grads)), None
+
+  (loss, aux), _ = jax.eval_shape(grad_fn, params, key, x_KxMxL[0])
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                       (loss, {k: v for k, v in aux.items() if not v.shape}, params))
+  total, _ = jax.lax.scan(micro, zeros, (jnp.arange(steps), x_KxMxL))
+  loss, aux, grads = jax.tree.map(lambda v: v / steps, total)
+  return (loss, aux), grads
+
+
 def train_step(state: TrainState, x_BxL: Array, *, loss_fn, optimizer, ema_decay: float,
-               seed: int, learning_rate: optax.Schedule | None = None
-               ) -> tuple[TrainState, dict]:
-  """value_and_grad of the loss -> optax -> metrics (with `learning_rate`, its value as
+               seed: int, learning_rate: optax.Schedule | None = None,
+               grad_accum_steps: int = 1) -> tuple[TrainState, dict]:
+  """value_and_grad of the loss (over `grad_accum_steps` micro-batches: see
+  `accumulated_value_and_grad`) -> optax -> metrics (with `learning_rate`, its value as
   `lr`). Pure."""
   noise_key = jax.random.fold_in(jax.random.key(seed), streams.RowStream.TRAIN_NOISE)
   key = jax.random.fold_in(noise_key, state.step)
-  (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, key, x_BxL)
+  if grad_accum_steps == 1:
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, key, x_BxL)
+  else:
+    (loss, aux), grads = accumulated_value_and_grad(loss_fn, state.params, key, x_BxL,
+                                                    grad_accum_steps)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   ema = state.ema_params
