@@ -2,7 +2,8 @@
 
 `nelbo_estimate`: the MD4 NELBO of fixed sequences in bits per token, averaged over a
 configurable number of Monte Carlo draws of (time, mask), with the standard error of
-that Monte Carlo average. `windows_nelbo`: the NELBO of a token stream cut into windows,
+that Monte Carlo average. `discrete_nelbo`: MD4's T-step discrete-time NELBO, every one of
+the T steps evaluated (no Monte Carlo over time; one mask draw per step). `windows_nelbo`: the NELBO of a token stream cut into windows,
 as MDLM and BD3-LM report it (nats and bits per token, the perplexity bound), with a
 standard error over independent batches. `causal_bits`: exact -log2 p(x) of sequences under a causal
 (left-to-right) reference model, the "generative bits per character" of samples.
@@ -62,6 +63,96 @@ def nelbo_estimate(apply_fn, params: Any, x_NxL, *, schedule: diffusion.Schedule
   return {"bits_per_token": float(means.mean()),
           "se": float(means.std(ddof=1) / math.sqrt(time_samples)),
           "time_samples": time_samples, "sequences": int(len(x_NxL))}
+
+
+def discrete_nelbo(apply_fn, params: Any, x_NxL, *, schedule: diffusion.Schedule,
+                   mask_id: int, num_steps: int, samples: int = 4, batch_size: int = 64,
+                   steps_per_call: int = 64, seed: int = 0) -> dict:
+  """MD4's discrete-time NELBO of the rows of `x_NxL` with T = `num_steps` steps, in nats.
+
+  The T-step reverse process unmasks from t_i = i / T to s_i = (i - 1) / T; its NELBO is the
+  sum over all T steps of (alpha(s_i) - alpha(t_i)) / (1 - alpha(t_i)) times the masked
+  tokens' -log p(x_l | z_{t_i}), z_{t_i} ~ q(z_t | x) (the t = 0 reconstruction term is 0,
+  alpha(0) = 1; like `diffusion.nelbo_loss` the prior term at t = 1 is left out). Every step
+  is evaluated: time is summed exactly, and only the mask z_{t_i} of each step is drawn, one
+  independent draw per (row, step, sample). The bound is >= the continuous-time NELBO and
+  decreases to it as T grows (tokens unmasked in the same step are predicted independently);
+  for an exact denoiser the continuous bound is -log p(x).
+
+  Each of `samples` replicates sums the T steps of every row with its own masks; the row's
+  estimate is the replicates' mean and its standard error their standard deviation over
+  sqrt(samples). `steps_per_call` steps of `batch_size` rows go through one denoiser call
+  (steps_per_call x batch_size rows); the last call of a row batch may hold fewer steps.
+
+  Returns {nelbo_nats_N, se_N (per row), nelbo_nats (mean per sequence), se (of that mean:
+  the replicates' row means are independent), bits_per_token, se_bits_per_token, num_steps,
+  samples, sequences}. `se` is the estimator's noise for these rows, not their sampling error.
+  """
+  x_NxL = np.asarray(x_NxL)
+  if x_NxL.ndim != 2 or len(x_NxL) == 0 or not np.issubdtype(x_NxL.dtype, np.integer):
+    raise ValueError(f"x_NxL has shape {x_NxL.shape} and dtype {x_NxL.dtype}; expected a 2-D "
+                     "integer array [N >= 1, L] of token ids.")
+  for name, value, least in (("num_steps", num_steps, 1), ("samples", samples, 2),
+                             ("batch_size", batch_size, 1),
+                             ("steps_per_call", steps_per_call, 1)):
+    if not (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+            and value >= least):
+      raise ValueError(f"{name}={value!r} must be an integer >= {least}"
+                       + (" (two replicates give a standard error)." if name == "samples"
+                          else "."))
+  if not isinstance(mask_id, (int, np.integer)) or isinstance(mask_id, bool) or mask_id < 1:
+    raise ValueError(f"mask_id={mask_id!r} must be an integer >= 1 (the vocabulary size V).")
+  if ((x_NxL < 0) | (x_NxL >= mask_id)).any():
+    raise ValueError(f"x_NxL holds ids outside [0, {mask_id}) (mask_id={mask_id}); the rows "
+                     "must be clean token ids.")
+  schedule = diffusion.as_schedule(schedule)
+  # Host plan in float64: step i's weight (alpha(s) - alpha(t)) / (1 - alpha(t)).
+  t_T = np.arange(1, num_steps + 1) / num_steps
+  oma_t, oma_s = schedule.one_minus_alpha(t_T), schedule.one_minus_alpha(t_T - 1 / num_steps)
+  weight_T = ((oma_t - oma_s) / oma_t).astype(np.float32)
+  alpha_T = (1.0 - oma_t).astype(np.float32)
+  chunk = min(steps_per_call, num_steps)
+  pad = -num_steps % chunk  # steps of weight 0 fill the last call of each row batch
+  weight_T, alpha_T = np.pad(weight_T, (0, pad)), np.pad(alpha_T, (0, pad), constant_values=1)
+  t_T = np.pad(t_T, (0, pad), constant_values=1.0).astype(np.float32)
+  loss = _discrete_steps(apply_fn, mask_id)
+  per_row_RxN = np.zeros((samples, len(x_NxL)))
+  for r in range(samples):
+    for b, start in enumerate(range(0, len(x_NxL), batch_size)):
+      x_BxL = jnp.asarray(x_NxL[start:start + batch_size])
+      key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), r), b)
+      total_B = 0.0
+      for c in range(0, num_steps + pad, chunk):
+        total_B = total_B + np.asarray(loss(params, key, x_BxL, jnp.arange(c, c + chunk),
+                                            t_T[c:c + chunk], alpha_T[c:c + chunk],
+                                            weight_T[c:c + chunk]), np.float64)
+      per_row_RxN[r, start:start + len(x_BxL)] = total_B
+  row_se_N = per_row_RxN.std(0, ddof=1) / math.sqrt(samples)
+  means_R = per_row_RxN.mean(1)
+  nats, se = float(means_R.mean()), float(means_R.std(ddof=1) / math.sqrt(samples))
+  per_token = x_NxL.shape[1] * math.log(2.0)
+  return {"nelbo_nats_N": per_row_RxN.mean(0), "se_N": row_se_N, "nelbo_nats": nats,
+          "se": se, "bits_per_token": nats / per_token, "se_bits_per_token": se / per_token,
+          "num_steps": int(num_steps), "samples": int(samples), "sequences": int(len(x_NxL))}
+
+
+@functools.lru_cache(maxsize=None)
+def _discrete_steps(apply_fn, mask_id: int):
+  """One compiled call: the weighted masked NLL of S steps of a row batch, summed over them
+  ([B]); step i's masks come from fold_in(key, i), so they do not depend on the chunking."""
+
+  @jax.jit
+  def loss(params, key, x_BxL, i_S, t_S, alpha_S, weight_S):
+    steps, (batch, length) = i_S.shape[0], x_BxL.shape
+    keep_SxBxL = jax.vmap(lambda i, a: jax.random.uniform(
+        jax.random.fold_in(key, i), (batch, length)) < a)(i_S, alpha_S)
+    x_SxBxL = jnp.broadcast_to(x_BxL, (steps, batch, length))
+    z = jnp.where(keep_SxBxL, x_SxBxL, mask_id).reshape(steps * batch, length)
+    logits = apply_fn(params, z, jnp.repeat(t_S, batch))
+    _, nll = diffusion._masked_nll(logits, x_SxBxL.reshape(steps * batch, length), z, mask_id)
+    return (weight_S[:, None] * nll.sum(-1).reshape(steps, batch)).sum(0)
+
+  return loss
 
 
 def windows_nelbo(apply_fn, params: Any, windows_NxL, *, batch_size: int,
