@@ -15,6 +15,7 @@ import time
 import warnings
 from typing import Any, Callable
 
+import grain
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
@@ -51,8 +52,9 @@ def quiet_orbax():
 
 
 def _item_handlers():
+  # "data": the grain iterator's state of a corpus run, one file per process (grain's handler).
   return {"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
-          "task": ocp.JsonCheckpointHandler()}
+          "task": ocp.JsonCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler()}
 
 
 def checkpoint_manager(workdir: str, config=None, read_only: bool = False
@@ -68,13 +70,18 @@ def checkpoint_manager(workdir: str, config=None, read_only: bool = False
                                  options=options, item_handlers=_item_handlers())
 
 
-def save(manager: ocp.CheckpointManager, state: TrainState, config, task: tasks.Task) -> None:
-  """Saves state, config and task metadata; orbax writes to a temporary dir, then renames."""
+def save(manager: ocp.CheckpointManager, state: TrainState, config, task: tasks.Task,
+         source=None) -> None:
+  """Saves state, config and task metadata, and the input pipeline's iterator state when
+  `source` (a `mdjax.data` batch source) has one; orbax writes to a temporary dir, then
+  renames."""
   step = int(state.step)
+  items = dict(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict()),
+               task=ocp.args.JsonSave(task.checkpoint_metadata()))
+  if getattr(source, "iterator", None) is not None:
+    items["data"] = grain.checkpoint.CheckpointSave(source.iterator)
   with quiet_orbax():
-    manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict()),
-        task=ocp.args.JsonSave(task.checkpoint_metadata())), force=True)
+    manager.save(step, args=ocp.args.Composite(**items), force=True)
     manager.wait_until_finished()
 
 
@@ -292,6 +299,26 @@ def restore_latest(manager: ocp.CheckpointManager, abstract_state: TrainState, c
 
   found = newest_readable(manager, abstract_for, log, move_aside)
   return None if found is None else found[-1]
+
+
+def restore_data(manager: ocp.CheckpointManager, step: int, source, log=print) -> None:
+  """Puts `source`'s iterator where checkpoint `step` left this process's: grain's saved
+  state, or, where the checkpoint holds none for this process (another process count, a
+  checkpoint written without it), the iterator started at `step` (a function of the step)."""
+  if getattr(source, "iterator", None) is None:
+    return
+  folder = os.path.join(os.fspath(manager.directory), str(step), "data")
+  state = None
+  if os.path.isdir(folder):
+    try:
+      with quiet_orbax():
+        manager.restore(step, args=ocp.args.Composite(
+            data=grain.checkpoint.CheckpointRestore(source.iterator)))
+      state = source.state()
+    except ValueError as error:  # no file for this process index and count
+      log(f"checkpoint step {step}: no input state for this process ({_summary(error)}); "
+          "the input pipeline starts at the step.")
+  source.restore(step, state)
 
 
 @dataclasses.dataclass(frozen=True)

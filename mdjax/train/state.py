@@ -193,7 +193,9 @@ def init_state(config, mesh: Mesh, task: tasks.Task):
   optimizer = make_optimizer(config.train)
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
                      opt_state=optimizer.init(params),
-                     ema_params=params if config.train.ema_decay > 0 else None)
+                     # A copy: the train step donates the state, each buffer once.
+                     ema_params=(jax.tree.map(jnp.copy, params) if config.train.ema_decay > 0
+                                 else None))
   shardings = state_sharding(mesh, state, config.train.fsdp)
   return jax.device_put(state, shardings), graphdef, apply_fn, shardings
 
