@@ -256,3 +256,26 @@ def test_truncated_or_corrupt_shards_stop_or_are_skipped(corpus, tmp_path):
     sized.tokens(start, start + 20)
   with pytest.raises(ValueError, match=r"data.on_corrupt='ignore' must be one of"):
     data.Split(str(copy), "train", manifest, on_corrupt="ignore")
+
+
+def test_the_corpus_config_builds_and_traces_a_train_step(corpus):
+  # configs/corpus.py as it is, on the module's corpus: shapes only (jax.eval_shape).
+  from configs import corpus as corpus_config
+  from mdjax import train
+  _, out = corpus
+  config = corpus_config.get_config()
+  config.task_kwargs.data_dir = str(out)
+  train.check_config(config)
+  task = tasks.from_config(config)
+  built = {}
+
+  def init():
+    state, _, built["apply_fn"], _ = train.init_state(config, train.make_mesh(1), task)
+    return state
+
+  state = jax.eval_shape(init)
+  loss_fn = train.make_loss_fn(config, built["apply_fn"], task)
+  x = data.batch_source(config, task).batch_for(0)
+  assert x.shape == (config.batch_size, task.length) == (32, 128)
+  loss, _ = jax.eval_shape(loss_fn, state.params, jax.random.key(0), x)
+  assert loss.shape == ()
