@@ -10,12 +10,14 @@ with the right add count, so the sum must be read:
 
   mdjax_scan_and_add_mc   multiple choice over the 8 strings of three commands (acc: the
                           highest estimated log-likelihood is the answer);
-  mdjax_scan_and_add_gen  generate_until, three tokens, exact_match against the answer.
+  mdjax_scan_and_add_gen  generate_until, three tokens, exact_match against the answer;
+  mdjax_scan_and_add_greedy  loglikelihood of the answer (perplexity) and acc = is_greedy,
+                          LLaDA's greedy check (as lambada's acc).
 
 With the exact denoiser both should score 1: the answer is unique, so the denoiser's
 marginals over the three masked commands are point masses on it; a draw that masks all three
 tokens (the stratified counts cover 1..3 at 64 draws) scores every other candidate -inf and
-the answer 0, and greedy decoding writes it. Writes results/lm_eval_local.json (lm-eval's
+the answer 0, and greedy decoding writes it (perplexity 1, is_greedy true). Writes results/lm_eval_local.json (lm-eval's
 results dict, its is_greedy check on); fixed seeds. About 20 s on a 2-core CPU.
 `--write_data` rewrites the JSONL fixture from its seed instead.
 """
@@ -34,7 +36,7 @@ from mdjax.tasks import scan_and_add
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASK_DIR = os.path.join(ROOT, "tests", "fixtures", "lm_eval")
 DATA = os.path.join(TASK_DIR, "scan_and_add.jsonl")
-TASKS = ["mdjax_scan_and_add_mc", "mdjax_scan_and_add_gen"]
+TASKS = ["mdjax_scan_and_add_mc", "mdjax_scan_and_add_gen", "mdjax_scan_and_add_greedy"]
 DATA_SEED = 0
 NUM_DOCS = 16
 TAIL = 3  # commands asked for
@@ -78,7 +80,7 @@ def write_data(path: str = DATA) -> None:
       f.write(json.dumps(row) + "\n")
 
 
-def evaluate(model_args: str, limit: int | None = None) -> dict:
+def evaluate(model_args: str, limit: int | None = None, tasks=TASKS) -> dict:
   """lm-eval's output for the local tasks under `model_args` (the model registered by
   importing mdjax.evaluate.harness)."""
   os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -88,7 +90,7 @@ def evaluate(model_args: str, limit: int | None = None) -> dict:
 
   import mdjax.evaluate.harness  # noqa: F401  registers "mdjax"
   return lm_eval.simple_evaluate(
-      model="mdjax", model_args=model_args, tasks=TASKS, batch_size=8, limit=limit,
+      model="mdjax", model_args=model_args, tasks=list(tasks), batch_size=8, limit=limit,
       task_manager=TaskManager(include_path=TASK_DIR, include_defaults=False), random_seed=0, numpy_random_seed=0,
       torch_random_seed=0, fewshot_random_seed=0, log_samples=False)
 
@@ -106,9 +108,10 @@ def main():
   start = time.perf_counter()
   output = evaluate(MODEL_ARGS)
   report = {"tasks": TASKS, "num_docs": NUM_DOCS, "model_args": MODEL_ARGS,
-            "results": output["results"], "seconds": round(time.perf_counter() - start, 1)}
+            "lm_eval_version": output.get("lm_eval_version"), "results": output["results"]}
   for task in TASKS:
     print(task, {k: v for k, v in output["results"][task].items() if k != "alias"})
+  print(f"{time.perf_counter() - start:.1f} s")
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "lm_eval_local.json"), "w") as f:
     json.dump(report, f, indent=2)
