@@ -4,9 +4,16 @@
 
 Resumes from the newest readable checkpoint in --workdir (an unreadable one is moved to
 workdir/checkpoints_corrupt). SIGTERM or Ctrl-C saves a checkpoint at the current step and
-exits 0; the same command resumes. One run per workdir (workdir/train.lock). On several
-hosts, set the usual JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
-variables: jax.distributed.initialize() is then called before anything else.
+exits 0; the same command resumes. One run per workdir (workdir/train.lock).
+
+Several processes (hosts, or GPUs) run the same command, each with its id:
+
+  python train.py --config=... --workdir=SHARED_DIR --coordinator=HOST0:1234 \
+      --num_processes=2 --process_id=0   # and --process_id=1 elsewhere
+
+or with JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID set; under `srun` with
+several tasks SLURM's variables are read, and --distributed lets JAX find a TPU pod slice.
+See docs/training.md, "Many processes and hosts".
 """
 
 import ast
@@ -66,6 +73,22 @@ def _config_help() -> str:
 _CONFIG = config_flags.DEFINE_config_file("config", None, _config_help(), lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
 flags.mark_flags_as_required(["config", "workdir"])
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator", None, "HOST:PORT of process 0 when several processes train together "
+    "(else JAX_COORDINATOR_ADDRESS).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "How many processes train "
+                                      "together (else JAX_NUM_PROCESSES).", lower_bound=1)
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's id, 0 to "
+                                   "num_processes - 1 (else JAX_PROCESS_ID).", lower_bound=0)
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Let JAX find the processes (TPU pod slices, SLURM, Open MPI, "
+    "Kubernetes): jax.distributed.initialize() without arguments.")
+_INIT_TIMEOUT = flags.DEFINE_integer(
+    "init_timeout", 300, "Seconds to wait for the coordinator and the other processes.",
+    lower_bound=1)
+_HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
+    "heartbeat_timeout", 100, "Seconds after which the processes stop when one of them no "
+    "longer answers.", lower_bound=1)
 
 
 _HELP_FLAGS = ("help", "helpshort", "helpfull", "helpxml", "?", "h")
@@ -141,9 +164,14 @@ def _parse_flags(argv: list[str]) -> list[str]:
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it writes at INFO
-  import jax
-  if os.environ.get("JAX_COORDINATOR_ADDRESS"):
-    jax.distributed.initialize()
+  from mdjax.train import distributed  # imports jax, makes no array: initialize comes first
+  try:
+    cluster = distributed.cluster_from(_COORDINATOR.value, _NUM_PROCESSES.value,
+                                       _PROCESS_ID.value, auto=_DISTRIBUTED.value)
+    distributed.initialize(cluster, _INIT_TIMEOUT.value, _HEARTBEAT_TIMEOUT.value)
+  except (ValueError, RuntimeError) as error:
+    print(f"train.py: error: {error}", file=sys.stderr)
+    sys.exit(1)
   from mdjax import train
   try:
     train.train(_CONFIG.value, _WORKDIR.value)

@@ -14,6 +14,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mdjax import diffusion, models, plot, sampling, streams, tasks
+from mdjax.train import distributed
 from mdjax.train.checkpoints import (checkpoint_manager, load_for_sampling, newest_readable,
                                      restore_latest, save, step_dirs)
 from mdjax.train.config_checks import ConfigError, check_config
@@ -80,6 +81,12 @@ def eval_batch(config, i: int, task: tasks.Task) -> np.ndarray:
 
 
 
+def process_batch(config, step: int, task: tasks.Task, mesh) -> np.ndarray:
+  """This process's rows of the global batch of `step` (the whole batch with one process):
+  the rows its devices hold in `mesh`."""
+  return distributed.process_rows(batch_for_step(config, step, task), mesh)
+
+
 def evaluate(config, task: tasks.Task, params, loss_fn_eval) -> dict:
   """Held-out loss in bits per token (the NELBO, or the causal NLL) over `eval_batches` batches:
   `val_bits_per_token`, also logged under its first name `eval_bits_per_token`. With
@@ -106,6 +113,16 @@ def sample_and_score(config, task: tasks.Task, apply_fn, params) -> dict:
                         task.empty_canvas(config.num_eval_samples), spec, mask_id=task.mask_id)
   return {f"sample_{k}": v for k, v in task.sample_metrics(np.asarray(out.tokens_BxL)).items()}
 
+
+
+class _NoMetrics:
+  """The metrics log of processes other than 0: process 0 writes every row."""
+
+  def write(self, row: dict) -> None:
+    del row
+
+  def close(self) -> None:
+    pass
 
 
 def _finished_read_only(config, workdir: str, log) -> TrainState:
@@ -150,8 +167,9 @@ def train(config, workdir: str, log=print) -> TrainState:
     os.makedirs(workdir, exist_ok=True)
   except OSError as error:
     raise PermissionError(f"workdir={workdir!r} cannot be created: {error}") from error
-  if jax.process_index() != 0:
-    return _train(config, workdir, log, Interrupts())
+  if jax.process_index() != 0:  # process 0 locks, logs and writes; the others compute
+    with Interrupts() as interrupts:
+      return _train(config, workdir, lambda *args, **kwargs: None, interrupts)
   with WorkdirLock(workdir, log), Interrupts() as interrupts:
     try:
       return _train(config, workdir, log, interrupts)
@@ -220,6 +238,7 @@ def _finite_on_host(step_metrics, step: int, workdir: str) -> dict:
 def _evaluation(config, task: tasks.Task, apply_fn, state: TrainState, eval_loss) -> dict:
   """The held-out loss of the EMA parameters (if kept), and sample metrics when asked."""
   params = state.ema_params if state.ema_params is not None else state.params
+  params = distributed.host_copy(params)  # several processes: each evaluates a whole copy
   record = evaluate(config, task, params, eval_loss)
   if config.objective != "causal" and config.num_eval_samples:
     record.update(sample_and_score(config, task, apply_fn, params))
@@ -227,16 +246,23 @@ def _evaluation(config, task: tasks.Task, apply_fn, state: TrainState, eval_loss
 
 
 def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
-  mesh = make_mesh(config.get("num_devices") or None)
-  if config.batch_size % mesh.shape["data"]:
-    raise ConfigError(f"config field batch_size={config.batch_size}: must be divisible by the "
-                     f"{mesh.shape['data']} devices of the mesh.")
+  num_devices = config.get("num_devices") or None
+  if num_devices and distributed.is_multiprocess() and num_devices != jax.device_count():
+    raise ConfigError(f"config field num_devices={num_devices}: with {jax.process_count()} "
+                      f"processes must be 0 (all {jax.device_count()} devices).")
+  mesh = make_mesh(num_devices)
+  split_error = distributed.check_batch_split(config.batch_size, mesh)
+  if split_error:
+    raise ConfigError(split_error)
+  distributed.check_process_slice(config.batch_size, mesh)
+  primary = jax.process_index() == 0
   task = tasks.from_config(config)
   state, graphdef, apply_fn, shardings = init_state(config, mesh, task)
   log(f"model: {models.count_params(state.params):,} parameters; devices: {mesh.shape['data']}")
   manager = checkpoint_manager(workdir, config)
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-  restored = restore_latest(manager, abstract, config, task, log)
+  distributed.barrier("mdjax:restore")  # every process lists the same steps
+  restored = restore_latest(manager, abstract, config, task, log, move_aside=primary)
   if restored is not None:
     state = jax.device_put(restored, shardings)
     log(f"resumed from step {int(state.step)}")
@@ -250,7 +276,8 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   # Rows past the restored step were written after its checkpoint: the resumed run
   # writes them again, so every step is logged exactly once.
-  keep_metrics_through(metrics_path, int(state.step))
+  if primary:
+    keep_metrics_through(metrics_path, int(state.step))
   pending = None  # metrics of the previous step: fetched one step late (async dispatch)
   tty = sys.stdout.isatty()
   throughput = _Throughput(config.batch_size * task.length)
@@ -269,15 +296,21 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
         row["tokens_per_s"] = tokens_per_s
         row["mfu"] = mfu(config, task, tokens_per_s, mesh.size, peak_flops)
       metrics.write(row)
-      line = progress.line(step, host["loss"])
-      print("\r" + line if tty else line, end="" if tty else "\n", flush=True)
+      if primary:
+        line = progress.line(step, host["loss"])
+        print("\r" + line if tty else line, end="" if tty else "\n", flush=True)
 
-  metrics = MetricsLog(workdir, bool(config.get("log_tensorboard", False)))
+  metrics = (MetricsLog(workdir, bool(config.get("log_tensorboard", False))) if primary
+             else _NoMetrics())
+
+  def stopping() -> bool:  # all processes stop at the same step, whichever got the signal
+    return distributed.any_process(interrupts.signal_name is not None)
+
   try:
     step = int(state.step)
-    while step < num_steps and interrupts.signal_name is None:
-      x = jax.device_put(batch_for_step(config, step, task),
-                         NamedSharding(mesh, PartitionSpec("data")))
+    while step < num_steps and not stopping():
+      x = distributed.global_batch(process_batch(config, step, task, mesh), config.batch_size,
+                                   mesh)
       state, step_metrics = step_fn(state, x)
       if pending is not None:
         report(*pending)
@@ -290,8 +323,9 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
         report(*pending)
         pending = None
       if save_now:
-        save(manager, state, config, task)
-        clock.save(step)
+        save(manager, state, config, task)  # every process: orbax writes each array once
+        if primary:
+          clock.save(step)
         saved_step = step
       if eval_now:
         record = {"step": step, **_evaluation(config, task, apply_fn, state, eval_loss)}
@@ -304,12 +338,14 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
         throughput.restart()
     if pending is not None:
       report(*pending)
-    if interrupts.signal_name is not None:
+    if step < num_steps:  # stopped by a signal (on any process)
       if saved_step != step:
         save(manager, state, config, task)
-        clock.save(step)
+        if primary:
+          clock.save(step)
       curves.draw(last=True)
-      log(("\n" if tty else "") + f"{interrupts.signal_name}: checkpoint saved at step {step} "
+      name = interrupts.signal_name or "a signal to another process"
+      log(("\n" if tty else "") + f"{name}: checkpoint saved at step {step} "
           f"of {num_steps} in {workdir}/checkpoints; the same command resumes.")
     if step == num_steps and config.train.get("init_from") and jax.process_index() == 0:
       from mdjax.train import sft

@@ -14,6 +14,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mdjax import diffusion, models, streams, tasks
+from mdjax.train import distributed
 from mdjax.train.config_checks import ConfigError
 
 Array = jax.Array
@@ -104,9 +105,9 @@ def batch_for_step(config, step: int, task: tasks.Task) -> np.ndarray:
 
 
 def make_mesh(num_devices: int | None = None) -> Mesh:
-  """A 1-D mesh over the local devices with the batch axis 'data'."""
-  devices = np.array(jax.devices()[:num_devices] if num_devices else jax.devices())
-  return Mesh(devices, ("data",))
+  """A 1-D mesh with the batch axis 'data' over every process's devices, process by process
+  (`distributed.ordered_devices`: one process's devices hold one slice of the batch)."""
+  return Mesh(np.array(distributed.ordered_devices(num_devices)), ("data",))
 
 
 def param_sharding(mesh: Mesh, params, fsdp: bool):
