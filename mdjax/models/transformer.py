@@ -337,7 +337,10 @@ class Transformer(nnx.Module):
     self.embed = nnx.Embed(cfg.vocab_size + 1, cfg.d_model, dtype=dtype, rngs=rngs)
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.final_norm = _norm(cfg, rngs)
-    self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype, rngs=rngs)
+    # Logits come out of the matmul in float32 (accumulated there, never rounded to a
+    # bfloat16 compute dtype): the softmax and the loss read them at full precision.
+    self.head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype,
+                           preferred_element_type=jnp.float32, rngs=rngs)
     if cfg.time_conditioning:
       self.time_mlp = nnx.Linear(cfg.d_model, cfg.d_model, dtype=dtype, rngs=rngs)
 

@@ -3,6 +3,7 @@ weights, the periodic validation NELBO."""
 
 import functools
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -173,3 +174,47 @@ def test_peaks_and_mfu():
   # A measured peak: 2 n^3 FLOPs over the best time, so positive and finite.
   measured = flops.measure_peak_flops(size=128, repeats=2)
   assert 0 < measured < float("inf")
+
+
+# ----------------------------------------------------------------------------
+# bf16 compute, float32 master weights, at seq_len 1024 through the loop.
+# ----------------------------------------------------------------------------
+
+
+def test_bf16_remat_accumulation_at_1024_keeps_float32_weights_and_logs_mfu(tmp_path):
+  config = shakespeare_char.get_config()
+  config.task_kwargs.length = 1024
+  config.batch_size = 4
+  config.model.update(d_model=32, num_layers=2, num_heads=2, d_ff=64, dtype="bfloat16",
+                      remat=True)
+  config.train.update(num_steps=2, warmup_steps=1, grad_accum_steps=2, ema_decay=0.9,
+                      peak_flops=1e12)
+  config.update(log_every=1, eval_every=1, eval_batches=1, num_eval_samples=0)
+  config.checkpoint.every = 2
+  state = train.train(config, str(tmp_path), log=lambda *_: None)
+  # Master weights, Adam's moments and the EMA stay float32.
+  floats = [x for x in jax.tree.leaves((state.params, state.opt_state, state.ema_params))
+            if jnp.issubdtype(x.dtype, jnp.floating)]
+  assert floats and {x.dtype for x in floats} == {jnp.dtype("float32")}
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  steps = [r for r in rows if "loss" in r]
+  evals = [r for r in rows if "val_bits_per_token" in r]
+  assert [r["step"] for r in steps] == [1, 2] and [r["step"] for r in evals] == [1, 2]
+  assert all(np.isfinite(r["loss"]) for r in steps)
+  task = tasks.from_config(config)
+  last = steps[-1]  # the first step compiles: its row has no rate
+  assert last["mfu"] == pytest.approx(
+      last["tokens_per_s"] * flops.model_flops_per_token(config, task) / 1e12, rel=1e-9)
+  for r in evals:  # both names of the held-out NELBO, 1024 characters per row
+    assert r["val_bits_per_token"] == r["eval_bits_per_token"] and 0 < r["val_bits_per_token"]
+  # The matmuls run in bfloat16; the attention softmax, the logits and the loss in float32.
+  _, _, apply_fn, _ = train_state.init_state(config, train_state.make_mesh(1), task)
+  loss_fn = train_state.make_loss_fn(config, apply_fn, task)
+  x_BxL = train_state.batch_for_step(config, 0, task)[:2]
+  t_B = jnp.full((2,), 0.5)
+  assert jax.eval_shape(apply_fn, state.params, x_BxL, t_B).dtype == jnp.float32
+  assert jax.eval_shape(loss_fn, state.params, jax.random.key(0), x_BxL)[0].dtype == jnp.float32
+  text = jax.jit(loss_fn).lower(state.params, jax.random.key(0), x_BxL).as_text()
+  assert "tensor<2x1024x32xbf16>, tensor<32x96xbf16>" in text  # the qkv projection
+  assert re.search(r"exponential %\w+ : tensor<2x2x1024x1024xf32>", text)  # the softmax
+  assert "tensor<32x84xbf16>) -> tensor<2x1024x84xf32>" in text  # the head, into float32
