@@ -172,3 +172,26 @@ def test_lm_eval_end_to_end_on_local_tasks(monkeypatch):
   assert lm_eval_local.rows(count=4) == [
       __import__("json").loads(line) for line in
       open(lm_eval_local.DATA).read().splitlines()[:4]]
+
+
+def test_trained_workdir(trained):
+  """A train.py workdir (the suite's tiny character model): requests scored as the direct
+  call scores the same ids (one shape, so one batch), ragged prompts completed."""
+  harness = pytest.importorskip("mdjax.evaluate.harness")
+  root, _ = trained
+  model = harness.MdjaxLM(checkpoint=str(root / "char"), num_samples=4, mc_batch_size=4,
+                          batch_size=2, steps=4)
+  pairs = [("Thou art", " the"), ("The king", " and")]
+  got = model.loglikelihood([_instance("loglikelihood", p, i) for i, p in enumerate(pairs)],
+                            disable_tqdm=True)
+  ids = [model.encode_pair(*p) for p in pairs]
+  assert [len(c) for c, _ in ids] == [8, 8] and [len(t) for _, t in ids] == [4, 4]
+  direct = evaluate.loglikelihood(model.backend.apply_fn, model.backend.params,
+                                  [c for c, _ in ids], [t for _, t in ids], num_samples=4,
+                                  batch_size=4, key=jax.random.key(0),
+                                  mask_id=model.backend.mask_id, max_len=16)
+  np.testing.assert_allclose([e for e, _ in got], direct.estimate_B, rtol=1e-6)
+  texts = model.generate_until(
+      [_instance("generate_until", (p, {"until": ["."], "max_gen_toks": 4}), i)
+       for i, p in enumerate(["Thou", "The king "])], disable_tqdm=True)
+  assert all(len(t) <= 4 and "." not in t for t in texts)

@@ -41,6 +41,8 @@ MODEL_ARGS = {
     "checkpoint": "a train.py workdir or a mdjax.pretrained folder (config.json: LLaDA, Dream)",
     "step": "the workdir's checkpoint step (default: the newest readable)",
     "dtype": "pretrained folders: float32 or bfloat16 (default: the checkpoint's)",
+    "add_special_tokens": "pretrained folders: the tokenizer's BOS before each context and "
+                          "prompt, as LLaDA's eval (default true)",
     "task": "a task name whose exact denoiser is the model (with oracle=true)",
     "oracle": "true: the task's exact denoiser (task=NAME)",
     "estimator": "loglikelihood's estimator: stratified (default), antithetic or iid",
@@ -97,8 +99,9 @@ class Backend:
   mask_id: int
   max_len: int
   eos_id: int | None
-  encode: Callable[[str], list[int]]
+  encode: Callable[[str], list[int]]  # a text that starts a sequence (BOS, if any, added)
   decode: Callable[[Sequence[int]], str]
+  encode_plain: Callable[[str], list[int]] | None = None  # a piece inside one (default encode)
   task: Any = None  # a mdjax Task (workdirs, oracles): generation.generate's
   pretrained: Any = None  # a PretrainedModel: pretrained.sample_family's
   pad_id: int = 0
@@ -130,20 +133,22 @@ def task_backend(task, apply_fn, params) -> Backend:
                  task=task)
 
 
-def pretrained_backend(model) -> Backend:
+def pretrained_backend(model, add_special_tokens: bool = True) -> Backend:
   if model.tokenizer is None:
     raise ValueError(f"checkpoint {model.source!r} has no tokenizer.json: lm-eval's requests "
                      "are texts.")
   config = model.config
   max_len = getattr(config, "max_len", None) or getattr(config, "model_length")
+  encode = lambda text, special=add_special_tokens: model.tokenizer.encode(
+      text, add_special_tokens=special).ids
   return Backend(model.apply_fn, model.params, model.mask_id, int(max_len), model.eos_id,
-                 lambda text: model.tokenizer.encode(text, add_special_tokens=False).ids,
-                 lambda ids: model.tokenizer.decode([int(i) for i in ids]),
-                 pretrained=model, pad_id=model.eos_id or 0)
+                 encode, lambda ids: model.tokenizer.decode([int(i) for i in ids]),
+                 encode_plain=lambda text: encode(text, False), pretrained=model,
+                 pad_id=model.eos_id or 0)
 
 
 def load_backend(checkpoint=None, step=None, dtype=None, task=None, oracle=False,
-                 model=None) -> Backend:
+                 model=None, add_special_tokens: bool = True) -> Backend:
   """The model of the arguments: an object, a folder, or a task's exact denoiser."""
   given = [name for name, value in (("checkpoint", checkpoint), ("task", task),
                                     ("model", model)) if value is not None]
@@ -152,7 +157,7 @@ def load_backend(checkpoint=None, step=None, dtype=None, task=None, oracle=False
                      f"model=; got {given or 'none'}.")
   if model is not None:
     if hasattr(model, "mask_id") and hasattr(model, "family"):
-      return pretrained_backend(model)
+      return pretrained_backend(model, add_special_tokens)
     if hasattr(model, "task") and hasattr(model, "apply_fn"):
       return task_backend(model.task, model.apply_fn, model.params)
     raise ValueError(f"model={type(model).__name__} must be a mdjax.pretrained.PretrainedModel "
@@ -170,7 +175,7 @@ def load_backend(checkpoint=None, step=None, dtype=None, task=None, oracle=False
     raise ValueError(f"checkpoint={checkpoint!r} is not a folder.")
   if os.path.isfile(os.path.join(checkpoint, "config.json")):
     from mdjax import pretrained
-    return pretrained_backend(pretrained.load(checkpoint, dtype=dtype))
+    return pretrained_backend(pretrained.load(checkpoint, dtype=dtype), add_special_tokens)
   import mdjax
   loaded = mdjax.load(checkpoint, step)
   return task_backend(loaded.task, loaded.apply_fn, loaded.params)
@@ -196,6 +201,7 @@ class MdjaxLM(LM):
 
   def __init__(self, checkpoint: str | None = None, step: int | None = None,
                dtype: str | None = None, task: str | None = None, oracle: bool = False,
+               add_special_tokens: bool = True,
                estimator: str = "stratified", num_samples: int = 64, mc_batch_size: int = 8,
                cfg_scale: float = 0.0, likelihood_eps: float = 1e-3, check_greedy: bool = False,
                seed: int = 0, context_bucket: int = 1, max_length: int | None = None,
@@ -222,7 +228,8 @@ class MdjaxLM(LM):
     if spec is None and sampler not in sampling.families() and sampler != "left_to_right":
       raise ValueError(f"sampler={sampler!r} is unknown; known: "
                        f"{sorted(sampling.families()) + ['left_to_right']}.")
-    self.backend = load_backend(checkpoint, step, dtype, task, oracle, model)
+    self.backend = load_backend(checkpoint, step, dtype, task, oracle, model,
+                                bool(add_special_tokens))
     self.max_len = self.backend.max_len if max_length is None else _positive_int(
         "max_length", max_length)
     self.rolling_window = rolling_window
@@ -247,9 +254,9 @@ class MdjaxLM(LM):
     if spaces:
       context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole = list(self.backend.encode(context + continuation))
-    context_ids = list(self.backend.encode(context)) if context else []
+    context_ids = list(self.backend.encode(context))
     if whole[:len(context_ids)] != context_ids:  # the tokenizer merged across the boundary
-      return context_ids, list(self.backend.encode(continuation))
+      return context_ids, list((self.backend.encode_plain or self.backend.encode)(continuation))
     return context_ids, whole[len(context_ids):]
 
   def _fit(self, context_ids, continuation_ids, where: str) -> list[int]:
