@@ -196,6 +196,11 @@ def test_bf16_remat_accumulation_at_1024_keeps_float32_weights_and_logs_mfu(tmp_
   floats = [x for x in jax.tree.leaves((state.params, state.opt_state, state.ema_params))
             if jnp.issubdtype(x.dtype, jnp.floating)]
   assert floats and {x.dtype for x in floats} == {jnp.dtype("float32")}
+  # What sample.py and mdjax.load read from the workdir: the EMA parameters.
+  loaded = train.load(str(tmp_path), log=lambda *_: None).params
+  jax.tree.map(np.testing.assert_array_equal, loaded, jax.device_get(state.ema_params))
+  assert jax.tree.leaves(jax.tree.map(lambda a, b: bool((a != b).any()), loaded,
+                                      jax.device_get(state.params))).count(True) > 0
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   steps = [r for r in rows if "loss" in r]
   evals = [r for r in rows if "val_bits_per_token" in r]
