@@ -103,6 +103,9 @@ def resolve_config(config):
       raise ConfigError(f"config field model.{name}={value!r} differs from the start point's "
                         f"{fields[name]!r} ({where}); leave it unset to take the start "
                         "point's architecture.")
+  if model.get("causal"):
+    raise ConfigError(f"config field model.causal=True ({where}): a left-to-right model; "
+                      "fine-tuning with the response-only NELBO needs a diffusion model.")
   if published and model.get("remat"):
     raise ConfigError("config field model.remat=True: the published models run without "
                       "rematerialization; leave it False.")
@@ -193,6 +196,16 @@ def _native_dtype(folder: str) -> str:
   return "bfloat16" if codes == {"BF16"} else "float32"
 
 
+def _on_host(x) -> np.ndarray:
+  """A parameter on this host: whole, or one replica of a replicated multi-host array."""
+  if not isinstance(x, jax.Array) or x.is_fully_addressable:
+    return np.asarray(jax.device_get(x))
+  if x.sharding.is_fully_replicated:
+    return np.asarray(x.addressable_data(0))
+  raise ValueError("export: a parameter is split across hosts (FSDP over several processes); "
+                   "the export needs every parameter whole on process 0.")
+
+
 def export(config, state, workdir: str, log=print) -> str | None:
   """A published start's fine-tuned parameters (the EMA ones when kept) written in its layout
   to WORKDIR/pretrained, in the start checkpoint's dtype, its tokenizer files copied; the
@@ -210,7 +223,7 @@ def export(config, state, workdir: str, log=print) -> str | None:
   published = layouts.detect(raw, folder).config_from_hf(raw, dtype)
   params = state.ema_params if state.ema_params is not None else state.params
   model = pretrained.PretrainedModel(
-      apply_fn=None, params=jax.tree.map(np.asarray, jax.device_get(params)), config=published,
+      apply_fn=None, params=jax.tree.map(_on_host, params), config=published,
       family=published.family, source=os.path.abspath(folder), hf_config=raw)
   out = os.path.join(workdir, EXPORT_DIR)
   partial = out + ".partial"
