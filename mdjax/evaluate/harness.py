@@ -244,6 +244,29 @@ class MdjaxLM(LM):
       self.spec_for(self.max_new_tokens or 8)
 
   # --------------------------------------------------------------------------
+  # Chat (lm-eval's --apply_chat_template): the checkpoint's own template.
+  # --------------------------------------------------------------------------
+
+  @property
+  def tokenizer_name(self) -> str:
+    model = self.backend.pretrained
+    return (model.source or "pretrained") if model is not None else "mdjax"
+
+  def chat_template(self, chat_template: bool | str = False) -> str | None:
+    model = self.backend.pretrained
+    return getattr(model, "chat_template", None) or ""
+
+  def apply_chat_template(self, chat_history: list[dict[str, str]],
+                          add_generation_prompt: bool = True) -> str:
+    """The messages through the checkpoint's chat template, the assistant's turn opened
+    (`pretrained.render_chat`); a ValueError for a model without one."""
+    model = self.backend.pretrained
+    if model is None or not model.chat_template:
+      raise ValueError("--apply_chat_template needs a pretrained folder with a chat template.")
+    from mdjax import pretrained
+    return pretrained.render_chat(model, chat_history)
+
+  # --------------------------------------------------------------------------
   # loglikelihood
   # --------------------------------------------------------------------------
 
