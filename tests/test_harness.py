@@ -116,6 +116,10 @@ def test_bad_model_args():
     harness.MdjaxLM(task="scan_and_add")
   with pytest.raises(ValueError, match="gamma"):  # a knob of another family
     harness.MdjaxLM(task="scan_and_add", oracle=True, sampler="confidence", gamma=0.3)
+  with pytest.raises(ValueError, match="max_length=26 exceeds the model's 25 positions"):
+    harness.MdjaxLM(task="scan_and_add", oracle=True, max_length=26)
+  with pytest.raises(ValueError, match="batch_size='auto' must be an integer"):
+    harness.MdjaxLM(task="scan_and_add", oracle=True, batch_size="auto")
   from mdjax.evaluate import lm_eval as entry
   assert "unknown to the mdjax model" in entry.check(
       ["--model_args", "task=two_color,oracle=true,bogus=1", "--tasks", "x"])

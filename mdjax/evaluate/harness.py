@@ -228,20 +228,24 @@ class MdjaxLM(LM):
     if spec is None and sampler not in sampling.families() and sampler != "left_to_right":
       raise ValueError(f"sampler={sampler!r} is unknown; known: "
                        f"{sorted(sampling.families()) + ['left_to_right']}.")
-    self.backend = load_backend(checkpoint, step, dtype, task, oracle, model,
-                                bool(add_special_tokens))
-    self.max_len = self.backend.max_len if max_length is None else _positive_int(
-        "max_length", max_length)
-    self.rolling_window = rolling_window
-    self.estimator, self.cfg_scale = estimator, float(cfg_scale)
-    self.likelihood_eps, self.check_greedy = float(likelihood_eps), bool(check_greedy)
-    self.key = jax.random.key(int(seed))
     self.sampler, self.spec, self.eos = sampler, spec, bool(eos)
     self.knobs = {**DEFAULT_KNOBS, **knobs} if spec is None else {}
     self.max_new_tokens = None if max_new_tokens is None else _positive_int(
         "max_new_tokens", max_new_tokens)
-    if spec is None:  # a bad knob fails now, not after the tasks are built
-      self.spec_for(self.max_new_tokens or 8)
+    if spec is None:  # a bad knob fails now, before the checkpoint loads
+      self._base_spec(self.max_new_tokens or 8)
+    self.backend = load_backend(checkpoint, step, dtype, task, oracle, model,
+                                bool(add_special_tokens))
+    self.max_len = self.backend.max_len
+    if max_length is not None:
+      if _positive_int("max_length", max_length) > self.backend.max_len:
+        raise ValueError(f"max_length={max_length} exceeds the model's "
+                         f"{self.backend.max_len} positions.")
+      self.max_len = int(max_length)
+    self.rolling_window = rolling_window
+    self.estimator, self.cfg_scale = estimator, float(cfg_scale)
+    self.likelihood_eps, self.check_greedy = float(likelihood_eps), bool(check_greedy)
+    self.key = jax.random.key(int(seed))
 
   # --------------------------------------------------------------------------
   # Chat (lm-eval's --apply_chat_template): the checkpoint's own template.
@@ -367,23 +371,25 @@ class MdjaxLM(LM):
   # generate_until
   # --------------------------------------------------------------------------
 
-  def spec_for(self, max_new_tokens: int) -> sampling.SamplerSpec:
-    """The sampler spec for `max_new_tokens` new tokens: `spec=`, or `sampler=` with its
-    knobs (steps defaults to one token a step), EOS added unless eos=false."""
+  def _base_spec(self, max_new_tokens: int) -> sampling.SamplerSpec:
+    """`spec=`, or `sampler=` with its knobs (steps defaults to one token a step)."""
     if self.spec is not None:
-      spec = self.spec
-    else:
-      fields = {f.name for f in dataclasses.fields(
-          sampling.families()["ordered" if self.sampler == "left_to_right"
-                              else self.sampler].spec_type)}
-      knobs = {k: v for k, v in self.knobs.items() if k in fields or k not in DEFAULT_KNOBS}
-      if "steps" in fields and "steps" not in knobs:
-        knobs["steps"] = max_new_tokens
-      try:
-        spec = sampling.make_spec(self.sampler, length=max_new_tokens, **knobs)
-      except TypeError as error:  # a required field that is no scalar (groups, fields)
-        raise ValueError(f"sampler={self.sampler!r} cannot be built from model_args: "
-                         f"{error}; pass spec= from Python.") from None
+      return self.spec
+    fields = {f.name for f in dataclasses.fields(
+        sampling.families()["ordered" if self.sampler == "left_to_right"
+                            else self.sampler].spec_type)}
+    knobs = {k: v for k, v in self.knobs.items() if k in fields or k not in DEFAULT_KNOBS}
+    if "steps" in fields and "steps" not in knobs:
+      knobs["steps"] = max_new_tokens
+    try:
+      return sampling.make_spec(self.sampler, length=max_new_tokens, **knobs)
+    except TypeError as error:  # a required field that is no scalar (groups, fields)
+      raise ValueError(f"sampler={self.sampler!r} cannot be built from model_args: "
+                       f"{error}; pass spec= from Python.") from None
+
+  def spec_for(self, max_new_tokens: int) -> sampling.SamplerSpec:
+    """The sampler spec for `max_new_tokens` new tokens, EOS added unless eos=false."""
+    spec = self._base_spec(max_new_tokens)
     if self.eos and self.backend.eos_id is not None and spec.eos_id is None:
       spec = generation.with_eos(spec, self.backend.eos_id)
     return spec
