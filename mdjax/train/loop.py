@@ -13,7 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mdjax import diffusion, models, plot, sampling, streams, tasks
+from mdjax import data, diffusion, models, plot, sampling, streams, tasks
 from mdjax.train import distributed
 from mdjax.train.checkpoints import (checkpoint_manager, load_for_sampling, newest_readable,
                                      restore_latest, save, step_dirs)
@@ -88,14 +88,14 @@ def process_batch(config, step: int, task: tasks.Task, mesh) -> np.ndarray:
 
 
 def evaluate(config, task: tasks.Task, params, loss_fn_eval) -> dict:
-  """Held-out loss in bits per token (the NELBO, or the causal NLL) over `eval_batches` batches:
+  """Held-out loss in bits per token (the NELBO, or the causal NLL) over `eval_batches` batches
+  (`data.validation_batches`: a corpus's validation split, else `eval_batch`'s draws):
   `val_bits_per_token`, also logged under its first name `eval_bits_per_token`. With
   `train.grad_accum_steps` = k > 1 each batch is scored in k micro-batches (rows i, i + k,
   ..., noise from fold_in(key, i)), which hold no more in memory than a training pass."""
   values = []
   accum = config.train.get("grad_accum_steps", 1)
-  for i in range(config.eval_batches):
-    x = eval_batch(config, i, task)
+  for i, x in enumerate(data.validation_batches(config, task)):
     key = jax.random.fold_in(jax.random.key(config.seed + 1), i)
     if accum == 1:
       values.append(float(loss_fn_eval(params, key, x)))
