@@ -27,8 +27,10 @@ _FLAGS = ("--config=configs/two_color.py", "--config.train.num_steps=4",
 
 def _train_py(workdir, devices: int, *flags, env=None) -> subprocess.Popen:
   # jax_num_cpu_devices rather than an XLA flag: the XLA flags are part of the compilation
-  # cache's keys (see test_four_simulated_devices_match_one).
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_NUM_CPU_DEVICES=str(devices), **(env or {}))
+  # cache's keys (see test_four_simulated_devices_match_one). Every program goes to the
+  # run's cache, so the 1-process resume compiles nothing the 1-process run compiled.
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_NUM_CPU_DEVICES=str(devices),
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", **(env or {}))
   return subprocess.Popen([sys.executable, "train.py", *_FLAGS, f"--workdir={workdir}",
                            *flags], cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
@@ -61,11 +63,15 @@ def runs(tmp_path_factory):
   root = tmp_path_factory.mktemp("multiprocess")
   single, pair, resumed = root / "single", root / "pair", root / "resumed"
   address = f"127.0.0.1:{portpicker.pick_unused_port()}"
+  # The two processes compile the same programs at once: one could read the cache entry the
+  # other is writing, so they keep out of the cache.
+  no_cache = dict(JAX_ENABLE_COMPILATION_CACHE="false")
   procs = (
       _train_py(single, 4),
-      _train_py(pair, 2, f"--coordinator={address}", "--num_processes=2", "--process_id=0"),
-      _train_py(pair, 2, env=dict(JAX_COORDINATOR_ADDRESS=address, JAX_NUM_PROCESSES="2",
-                                  JAX_PROCESS_ID="1")))
+      _train_py(pair, 2, f"--coordinator={address}", "--num_processes=2", "--process_id=0",
+                env=no_cache),
+      _train_py(pair, 2, env=dict(no_cache, JAX_COORDINATOR_ADDRESS=address,
+                                  JAX_NUM_PROCESSES="2", JAX_PROCESS_ID="1")))
   outputs = _finish(*procs)
   shutil.copytree(pair, resumed)
   shutil.rmtree(resumed / "checkpoints" / "4")
