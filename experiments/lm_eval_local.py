@@ -18,7 +18,7 @@ With the exact denoiser both should score 1: the answer is unique, so the denois
 marginals over the three masked commands are point masses on it; a draw that masks all three
 tokens (the stratified counts cover 1..3 at 64 draws) scores every other candidate -inf and
 the answer 0, and greedy decoding writes it (perplexity 1, is_greedy true). Writes results/lm_eval_local.json (lm-eval's
-results dict, its is_greedy check on); fixed seeds. About 20 s on a 2-core CPU.
+results dict, its is_greedy check on); fixed seeds. About 30 s on a 2-core CPU.
 `--write_data` rewrites the JSONL fixture from its seed instead.
 """
 
