@@ -15,6 +15,7 @@ from mdjax import diffusion, pretrained, train
 from mdjax.models import published
 from mdjax.tasks import sft as sft_data
 from mdjax.train import sft
+from mdjax.train.loop import make_eval_loss
 from tests.paths import REPO
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
@@ -105,7 +106,9 @@ def test_prompt_never_masked_response_and_eos_padding_masked_loss_ignores_prompt
   np.testing.assert_array_equal(z[:, prompt_BxL], np.broadcast_to(tokens[prompt_BxL], (64,) +
                                                                    tokens[prompt_BxL].shape))
   masked = z == vocab
-  assert masked[:, ~prompt_BxL].any(axis=0).all()  # every response position, EOS included
+  # Every response position, EOS included, is masked in some draw (a position escapes one
+  # draw with probability E[1 - t] = 1/2, all 64 with 2^-64).
+  assert masked[:, ~prompt_BxL].any(axis=0).all()
   # The prompt's predictions do not enter the loss: change them, the loss stays.
   garbled = {"table": params["table"],
              "position": params["position"].at[:3, 0].add(5.0)}  # every row's prompt...
@@ -158,36 +161,33 @@ def test_loss_equals_hand_computation():
 # ----------------------------------------------------------------------------
 
 
-def _mean_loss(loss_fn, params, rows, keys=8):
-  return float(np.mean([loss_fn(params, jax.random.key(1000 + i), rows)[0]
-                        for i in range(keys)]))
-
-
 def test_sft_from_llada_fixture_lowers_response_loss_and_round_trips(tmp_path):
   config = _sft_config("pretrained:" + LLADA)
   workdir = str(tmp_path / "sft")
   state = train.train(config, workdir, log=lambda *a: None)
   assert int(state.step) == 8
-  task = sft_data.bind(path=CHAT, start="pretrained:" + LLADA, length=80)
-  rows = jnp.asarray(np.asarray(task.sample_data(jax.random.key(0), 8)))
+  # The held-out loss (here on the training rows) of the start, by the loop's own evaluation.
+  rows_written = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  assert rows_written[-1]["step"] == 8
+  after = rows_written[-1]["eval_bits_per_token"]
+  resolved = sft.resolve_config(config)
+  task = train.tasks.from_config(resolved)
   start = pretrained.load(LLADA)
   view = sft.PublishedView(start.config)
-  loss_fn = jax.jit(sft.loss_fn(config, view, task))
-  before = _mean_loss(loss_fn, start.params, rows)
-  after = _mean_loss(loss_fn, state.params, rows)
-  assert after < 0.8 * before, (before, after)
+  eval_loss = make_eval_loss(resolved, view, task, sft.loss_fn(resolved, view, task))
+  before = train.evaluate(resolved, task, start.params, eval_loss)["eval_bits_per_token"]
+  assert after < 0.5 * before, (before, after)
+  assert train.evaluate(resolved, task, state.params, eval_loss)["eval_bits_per_token"] == after
 
   out = os.path.join(workdir, sft.EXPORT_DIR)
   loaded = pretrained.load(out)
   assert loaded.config == start.config and loaded.family == "llada"
   assert os.path.isfile(os.path.join(out, "tokenizer.json"))
-  tokens = np.asarray(sft_data.unpack_rows(rows)[0])
+  tokens = np.asarray(sft_data.unpack_rows(task.sample_data(jax.random.key(0), 4))[0])
   forward = jax.jit(lambda params: published.forward(start.config, params, tokens))
   np.testing.assert_array_equal(np.asarray(forward(loaded.params)),
                                 np.asarray(forward(state.params)))
   assert not np.array_equal(np.asarray(loaded.params["head"]), np.asarray(start.params["head"]))
-  rows_written = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
-  assert rows_written[-1]["step"] == 8 and "eval_bits_per_token" in rows_written[-1]
 
 
 # ----------------------------------------------------------------------------
