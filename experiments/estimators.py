@@ -6,8 +6,11 @@ For two-color (log p in closed form) and ScanAndAdd (log p of sampled sequences 
 denoiser's chain rule, checked against the law's closed form), each estimator of
 `mdjax.evaluate.loglikelihood` at 1, 8 and 64 draws estimates log p(continuation | context)
 of a fixed set of sequences, `repeats` times with independent keys; the continuation is the
-whole sequence or its second half (the first half as context). Writes results/estimators.json;
-fixed seed. About 2 minutes on a 2-core CPU.
+whole sequence or its second half (the first half as context). A 32-token continuation, at
+64 draws only (the sample count for 0.1 nat): two independent ScanAndAdd sequences side by
+side (50 tokens; the exact denoiser of each half is the pair's, log p the sum), its last 32
+tokens given the first 18. Writes results/estimators.json; fixed seed. About 2 minutes on a
+2-core CPU.
 """
 
 import argparse
@@ -40,13 +43,23 @@ def chain_rule_logp(tokens_NxL, first: int, params=scan_and_add.DEFAULT) -> np.n
   return logp_N
 
 
-def measure(task, x_NxL, first, exact_N, repeats, name, continuation):
+def pair_denoiser(unused_params, tokens_BxL, t_B):
+  """The exact denoiser of two independent ScanAndAdd sequences side by side: each half's
+  own (the halves share nothing, so a position's conditional reads only its half)."""
+  batch, length = tokens_BxL.shape
+  halves = tokens_BxL.reshape(batch * 2, length // 2)
+  logits = scan_and_add.exact_denoiser(unused_params, halves, jnp.repeat(t_B, 2))
+  return logits.reshape(batch, length, -1)
+
+
+def measure(task, x_NxL, first, exact_N, repeats, name, continuation,
+            sample_counts=SAMPLE_COUNTS, denoiser=None):
   """One row per (estimator, num_samples): mean estimate, exact, bias / stderr, variance."""
   rows = []
   for estimator in evaluate.ESTIMATORS:
-    for num_samples in SAMPLE_COUNTS:
+    for num_samples in sample_counts:
       est_RxN = np.stack([evaluate.loglikelihood(
-          task.exact_denoiser, None, x_NxL[:, :first], x_NxL[:, first:], estimator=estimator,
+          denoiser or task.exact_denoiser, None, x_NxL[:, :first], x_NxL[:, first:], estimator=estimator,
           num_samples=num_samples, batch_size=min(num_samples, 8),
           key=jax.random.fold_in(jax.random.key(SEED), r), mask_id=task.mask_id).estimate_B
           for r in range(repeats)])
@@ -84,6 +97,14 @@ def run(repeats: int) -> dict:
   np.testing.assert_allclose(whole_N, scan_and_add.log_prob(x_NxL), rtol=1e-4)
   rows += measure(sa, x_NxL, 0, whole_N, repeats, "scan_and_add", "whole")
   rows += measure(sa, x_NxL, half, second_N, repeats, "scan_and_add", "second_half")
+  # Pairs: the rows above with the next row after them; the last 32 tokens are the first
+  # sequence's last 7 and the whole second one.
+  length = sa.length
+  pairs_Nx2L = np.concatenate([x_NxL, np.roll(x_NxL, -1, 0)], 1)
+  first = 2 * length - 32
+  pair_N = chain_rule_logp(x_NxL, first) + scan_and_add.log_prob(np.roll(x_NxL, -1, 0))
+  rows += measure(sa, pairs_Nx2L, first, pair_N, repeats, "scan_and_add_pair", "last_32",
+                  sample_counts=(64,), denoiser=pair_denoiser)
   return {"seed": SEED, "seconds": round(time.time() - start, 1), "rows": rows}
 
 
