@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mdjax import data, diffusion, models, plot, sampling, streams, tasks
 from mdjax.train import distributed
 from mdjax.train.checkpoints import (checkpoint_manager, load_for_sampling, newest_readable,
-                                     restore_latest, save, step_dirs)
+                                     restore_data, restore_latest, save, step_dirs)
 from mdjax.train.config_checks import ConfigError, check_config
 from mdjax.train.flops import model_flops_per_token, mfu, peak_flops_per_device
 from mdjax.train.state import (TrainState, batch_for_step, init_state, learning_rate_schedule,
@@ -79,12 +79,6 @@ def eval_batch(config, i: int, task: tasks.Task) -> np.ndarray:
   key = jax.random.fold_in(jax.random.key(config.seed), streams.RowStream.EVAL_DATA + i)
   return task.validation_data(key, config.batch_size)
 
-
-
-def process_batch(config, step: int, task: tasks.Task, mesh) -> np.ndarray:
-  """This process's rows of the global batch of `step` (the whole batch with one process):
-  the rows its devices hold in `mesh`."""
-  return distributed.process_rows(batch_for_step(config, step, task), mesh)
 
 
 def evaluate(config, task: tasks.Task, params, loss_fn_eval) -> dict:
@@ -257,6 +251,9 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
   distributed.check_process_slice(config.batch_size, mesh)
   primary = jax.process_index() == 0
   task = tasks.from_config(config)
+  # This process's rows of each step's batch (a corpus: grain over its shards).
+  source = data.batch_source(config, task, process_index=jax.process_index(),
+                             process_count=jax.process_count(), batch_fn=batch_for_step)
   state, graphdef, apply_fn, shardings = init_state(config, mesh, task)
   log(f"model: {models.count_params(state.params):,} parameters; devices: {mesh.shape['data']}")
   manager = checkpoint_manager(workdir, config)
@@ -266,6 +263,7 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
   if restored is not None:
     state = jax.device_put(restored, shardings)
     log(f"resumed from step {int(state.step)}")
+    restore_data(manager, int(state.step), source, log)
   saved_step = int(state.step) if restored is not None else None
   clock = TrainClock(workdir, int(state.step))
   loss_fn = make_loss_fn(config, apply_fn, task)
@@ -281,6 +279,7 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
   pending = None  # metrics of the previous step: fetched one step late (async dispatch)
   tty = sys.stdout.isatty()
   throughput = _Throughput(config.batch_size * task.length)
+  input_wait = data.InputWait()  # the time the loop blocks on source.batch_for
   peak_flops = peak_flops_per_device(config)  # None: no known peak, MFU logged as null
   log(f"model FLOPs per token: {model_flops_per_token(config, task):.4g}; peak FLOP/s per "
       f"device: {'unknown' if peak_flops is None else f'{peak_flops:.4g}'}")
@@ -288,12 +287,15 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
 
   def report(step_metrics, step):
     host = _finite_on_host(step_metrics, step, workdir)
+    if throughput.last is None:  # the first (compiling) step: both windows start here
+      input_wait.restart()
     throughput.step_done()
     if step % config.log_every == 0 or step == num_steps:
       row = {"step": step, **host}
       tokens_per_s = throughput.take()
       if tokens_per_s is not None:
         row["tokens_per_s"] = tokens_per_s
+        row["input_wait_fraction"] = input_wait.fraction()
         row["mfu"] = mfu(config, task, tokens_per_s, mesh.size, peak_flops)
       metrics.write(row)
       if primary:
@@ -309,8 +311,9 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
   try:
     step = int(state.step)
     while step < num_steps and not stopping():
-      x = distributed.global_batch(process_batch(config, step, task, mesh), config.batch_size,
-                                   mesh)
+      with input_wait:
+        rows = source.batch_for(step)
+      x = distributed.global_batch(rows, config.batch_size, mesh)
       state, step_metrics = step_fn(state, x)
       if pending is not None:
         report(*pending)
@@ -323,7 +326,8 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
         report(*pending)
         pending = None
       if save_now:
-        save(manager, state, config, task)  # every process: orbax writes each array once
+        # Every process: orbax writes each array once, grain each process's input state.
+        save(manager, state, config, task, source)
         if primary:
           clock.save(step)
         saved_step = step
@@ -336,11 +340,12 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
         curves.draw(last=step == num_steps)
       if save_now or eval_now:
         throughput.restart()
+        input_wait.restart()
     if pending is not None:
       report(*pending)
     if step < num_steps:  # stopped by a signal (on any process)
       if saved_step != step:
-        save(manager, state, config, task)
+        save(manager, state, config, task, source)
         if primary:
           clock.save(step)
       curves.draw(last=True)
