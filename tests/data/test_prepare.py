@@ -1,4 +1,5 @@
-"""prepare_data: shards and manifest, streaming, tokenizers, the pipeline's layouts and rows, bad input."""
+"""prepare_data: shards and manifest, streaming, tokenizers; the pipeline's windows and rows;
+bad input."""
 
 import hashlib
 import json
@@ -119,6 +120,22 @@ def test_bpe_jsonl_and_a_tokenizer_file(tmp_path, corpus):
                    text_field="content")
   assert second["tokenizer"]["kind"] == "file"
   assert second["splits"] == manifest["splits"]
+
+
+def test_ids_past_uint16_are_written_and_read_as_uint32(tmp_path):
+  assert shards.dtype_for(1 << 16) == np.dtype("<u2") and shards.dtype_for(70_000) == "<u4"
+  writer = shards.SplitWriter(str(tmp_path), "train", shards.dtype_for(70_000), 69_999, 4)
+  for doc in ([65_536, 3], [69_998], [1, 2, 66_000]):
+    writer.write(np.array(doc))
+    writer.end_document()
+  entry = writer.close()
+  # A shard closes at the first document end at or past 4 tokens.
+  assert [s["tokens"] for s in entry["shards"]] == [5, 4] and entry["documents"] == 3
+  manifest = {"vocab_size": 70_000, "dtype": "uint32", "splits": {"train": entry}}
+  split = data.Split(str(tmp_path), "train", manifest)
+  np.testing.assert_array_equal(split.tokens(0, 9), [65_536, 3, 69_999, 69_998, 69_999, 1, 2,
+                                                     66_000, 69_999])
+  np.testing.assert_array_equal(split.document(2), [1, 2, 66_000])
 
 
 def _source(out, batch_size=8, seed=0, documents="packed", process_index=0, process_count=1):
