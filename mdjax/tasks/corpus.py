@@ -86,8 +86,20 @@ def _check_shape(data_dir, length, documents, vocab_size) -> None:
     raise ValueError(f"vocab_size={vocab_size!r} must be None or a positive integer.")
 
 
-def _check_files(files: CorpusFiles, vocab_size, tokenizer_sha256) -> None:
+def _windows_in(split: dict, length: int, documents: str) -> int:
+  return split["tokens"] // length if documents == "packed" else split["documents"]
+
+
+def _check_files(files: CorpusFiles, vocab_size, tokenizer_sha256, length: int,
+                 documents: str) -> None:
   manifest = files.manifest
+  for name in ("train", "validation"):  # training and its evaluations need a window of each
+    split = manifest["splits"][name]
+    if _windows_in(split, length, documents) < 1:
+      raise ValueError(f"length={length}: the {name} split of {files.data_dir} holds "
+                       f"{split['tokens']} tokens in {split['documents']} documents, not one "
+                       f"{documents} window; use a shorter length or prepare the corpus with "
+                       "more text (or a larger --validation_fraction).")
   if vocab_size is not None and vocab_size != manifest["vocab_size"]:
     raise ValueError(f"vocab_size={vocab_size}: the corpus {files.data_dir} has "
                      f"{manifest['vocab_size']} ids (its manifest); set vocab_size="
@@ -103,7 +115,7 @@ def check(data_dir: str | None = None, length: int = 128, documents: str = "pack
   """`bind`'s errors, found by reading the manifest and tokenizer only (no shard)."""
   _check_shape(data_dir, length, documents, vocab_size)
   if tokenizer_json is None:
-    _check_files(open_corpus(data_dir), vocab_size, tokenizer_sha256)
+    _check_files(open_corpus(data_dir), vocab_size, tokenizer_sha256, length, documents)
 
 
 def _draw(split, length, layout, eos_id, indices) -> np.ndarray:
@@ -126,7 +138,7 @@ def bind(data_dir: str | None = None, length: int = 128, documents: str = "packe
       raise
     return _without_corpus(data_dir, length, documents, tokenizer_json, eos_token,
                            str(error).split("\n")[0])
-  _check_files(files, vocab_size, tokenizer_sha256)
+  _check_files(files, vocab_size, tokenizer_sha256, length, documents)
   tok, manifest = files.tokenizer, files.manifest
   eos_id = int(manifest["eos_id"])
 

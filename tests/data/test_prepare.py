@@ -120,6 +120,22 @@ def test_bpe_jsonl_and_a_tokenizer_file(tmp_path, corpus):
                    text_field="content")
   assert second["tokenizer"]["kind"] == "file"
   assert second["splits"] == manifest["splits"]
+  # Another tokenizers file whose end-of-document token is '</s>': found, and its id is EOS.
+  from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+  hf = Tokenizer(models.BPE())
+  hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  hf.train_from_iterator(docs, trainers.BpeTrainer(
+      vocab_size=280, special_tokens=["<pad>", "</s>"], show_progress=False,
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  hf.save(str(tmp_path / "hf.json"))
+  third = prepare([str(jsonl)], str(tmp_path / "hf.json"), str(tmp_path / "hf"), 0.1,
+                  text_field="content")
+  hf_tokenizer = data.load_tokenizer(str(tmp_path / "hf"))
+  assert isinstance(hf_tokenizer, data.HfTokenizer) and third["tokenizer"]["eos_token"] == "</s>"
+  assert third["eos_id"] == hf.token_to_id("</s>") == 1
+  split = data.Split(str(tmp_path / "hf"), "train", third)
+  np.testing.assert_array_equal(split.tokens(0, split.num_tokens),
+                                _expected_stream(hf_tokenizer, docs, "train", 0.1))
 
 
 def test_ids_past_uint16_are_written_and_read_as_uint32(tmp_path):
@@ -243,6 +259,8 @@ def test_manifest_tokenizer_and_vocabulary_mismatches(corpus, tmp_path):
     tasks.get("corpus", dict(data_dir=str(copy), length=LENGTH, vocab_size=99))
   with pytest.raises(ValueError, match="was tokenized with another tokenizer"):
     tasks.get("corpus", dict(data_dir=str(copy), length=LENGTH, tokenizer_sha256="0" * 64))
+  with pytest.raises(ValueError, match=r"length=5000: the validation split of .* not one packed"):
+    tasks.check("corpus", dict(data_dir=str(copy), length=5000))
   (copy / "tokenizer.json").write_text(json.dumps({"char_vocab": "abc"}))
   with pytest.raises(ValueError, match=r"tokenizer.json does not match .*manifest.json"):
     tasks.get("corpus", dict(data_dir=str(copy), length=LENGTH))
