@@ -60,6 +60,8 @@ def test_stopped_mid_epoch_and_resumed_matches_the_uninterrupted_run(data_dir, t
     rows = read(self, step)
     seen.append((step, rows.copy()))
     if step == stop["at"]:
+      # The loop's handler is in place (else the signal would end the test process).
+      assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
       os.kill(os.getpid(), signal.SIGTERM)  # what `kill` does; the loop ends the step, saves
     return rows
   monkeypatch.setattr(data.CorpusBatches, "batch_for", recorded)
