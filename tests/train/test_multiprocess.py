@@ -1,6 +1,7 @@
 """Training as several processes: 2 processes x 2 devices against 1 process x 4 devices,
 the 2-process workdir resumed by 1 process, the coordinator that cannot be reached."""
 
+import functools
 import json
 import os
 import shutil
@@ -51,6 +52,7 @@ def _losses(workdir) -> dict[int, float]:
   return {r["step"]: r["loss"] for r in _rows(workdir) if "loss" in r}
 
 
+@functools.cache
 def _params(workdir, step):
   return jax.tree.leaves(train.load(str(workdir), step=step, log=lambda *a: None).params)
 
