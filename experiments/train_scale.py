@@ -24,7 +24,8 @@ differs: see tests/train/test_multiprocess.py). resume_exact: the corpus pipelin
 check (tests/data/test_resume.py: a run stopped mid-epoch and resumed reads the same
 batches and ends with the same parameters, bit for bit) passes.
 
-Writes results/train_scale.json; fixed seeds.
+Writes results/train_scale.json (with the machine's load average at the start and the end:
+other jobs on the 2 cores distort the timings); fixed seeds.
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ def main():
   parser.add_argument("--steps", type=int, default=40)
   args = parser.parse_args()
   rows, equal = [], []
+  load_start = os.getloadavg()[0]
   with tempfile.TemporaryDirectory(prefix="train-scale-") as root:
     data_dir = write_corpus(root)
     peak = measured_peak()
@@ -174,7 +176,9 @@ def main():
                 multiprocess_equals_single=all(equal) and bool(equal),
                 two_process_over_one={f"seq_len_{r['seq_len']}": r["tokens_per_s"]
                                       / base[r["seq_len"]] for r in rows if r["processes"] > 1},
-                peak_flops_per_device=peak, steps=args.steps, repeats=args.repeats)
+                peak_flops_per_device=peak, steps=args.steps, repeats=args.repeats,
+                # 1-minute load averages: other jobs on the 2 cores distort the timings.
+                load_average=dict(start=load_start, end=os.getloadavg()[0]))
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "train_scale.json"), "w") as f:
     json.dump(result, f, indent=1)
