@@ -314,3 +314,27 @@ def test_the_corpus_config_builds_and_traces_a_train_step(corpus):
   assert x.shape == (config.batch_size, task.length) == (32, 128)
   loss, _ = jax.eval_shape(loss_fn, state.params, jax.random.key(0), x)
   assert loss.shape == ()
+
+
+def test_config_data_options_reach_the_pipeline(corpus, tmp_path, capsys):
+  _, out = corpus
+  copy = shutil.copytree(out, tmp_path / "copy")
+  (copy / "train-00001.bin").write_bytes((out / "train-00001.bin").read_bytes()[:-2])
+  task = tasks.get("corpus", dict(data_dir=str(copy), length=LENGTH))
+  config = ml_collections.ConfigDict(dict(batch_size=8, seed=0, data=dict(on_corrupt="stop")))
+  with pytest.raises(data.CorruptShard, match="train-00001.bin holds"):
+    data.batch_source(config, task)
+  config.data.on_corrupt = "skip"
+  source = data.batch_source(config, task)
+  assert source.windows.split.skipped == ["train-00001.bin"]
+  assert "train-00001.bin holds" in capsys.readouterr().err
+  assert source.batch_for(0).shape == (8, LENGTH)
+  for field, value, allowed in (("on_corrupt", "ignore", "must be one of"),
+                                ("threads", -1, "must be an integer >= 0"),
+                                ("verify", "none", "must be one of")):
+    bad = ml_collections.ConfigDict(dict(batch_size=8, seed=0, data={field: value}))
+    with pytest.raises(ValueError, match=rf"config field data.{field}={value!r}: {allowed}"):
+      data.batch_source(bad, task)
+  typo = ml_collections.ConfigDict(dict(batch_size=8, seed=0, data=dict(thread=2)))
+  with pytest.raises(ValueError, match=r"config field data.thread: unknown"):
+    data.batch_source(typo, task)
