@@ -168,7 +168,9 @@ def test_packed_and_padded_windows(corpus):
   stream = _expected_stream(tokenizer, _documents(folder), "train", 0.05)
   windows = packed.windows
   assert len(windows) == len(stream) // LENGTH
-  for i in (0, 1, 250, len(windows) - 1):  # window i is the stream's i-th slice (shards crossed)
+  boundaries = [int(o) // LENGTH for o in windows.split.token_offsets[1:-1]]  # shards crossed
+  assert boundaries and any(int(o) % LENGTH for o in windows.split.token_offsets[1:-1])
+  for i in (0, 1, *boundaries, len(windows) - 1):  # window i is the stream's i-th slice
     np.testing.assert_array_equal(windows[i], stream[i * LENGTH:(i + 1) * LENGTH])
   _, padded = _source(out, documents="padded")
   docs = [d for i, d in enumerate(_documents(folder)) if not in_validation(i, 0.05)]
