@@ -185,7 +185,7 @@ def test_bf16_remat_accumulation_at_1024_keeps_float32_weights_and_logs_mfu(tmp_
   config = shakespeare_char.get_config()
   config.task_kwargs.length = 1024
   config.batch_size = 4
-  config.model.update(d_model=32, num_layers=2, num_heads=2, d_ff=64, dtype="bfloat16",
+  config.model.update(d_model=32, num_layers=1, num_heads=2, d_ff=64, dtype="bfloat16",
                       remat=True)
   config.train.update(num_steps=2, warmup_steps=1, grad_accum_steps=2, ema_decay=0.9,
                       peak_flops=1e12)
