@@ -6,8 +6,8 @@
 Trains (or reuses, from `--workdir`) a small BPE denoiser on Shakespeare speeches, one speech
 a 256-token window with EOS after it (`documents="padded"`, LLaDA's SFT layout; a speech is
 55 tokens on average, 3% are cut at 256), then generates 8 rows from an empty 256-position
-canvas with each sampler family that ends rows at EOS, with and without the EOS early stop
-(`spec.eos_id` set or None; the same row keys):
+canvas with each sampler family that ends rows at EOS, 128 steps (two positions a step), with
+and without the EOS early stop (`spec.eos_id` set or None; the same row keys):
 
 - mean generated length: tokens before the row's first EOS (the canvas without one), in
   both modes;
@@ -15,7 +15,7 @@ canvas with each sampler family that ends rows at EOS, with and without the EOS 
   the samplers' own counters), and of each row sampled alone (`nfe_alone`: the same tokens,
   its own row key);
 - output tokens per second: generated tokens (before EOS) of the 8 rows over the median
-  wall time of `--repeats` timed runs after compilation (both modes interleaved);
+  wall time of `--repeats` timed runs after the compiling one (both modes interleaved);
 - per row alone, the calls early stop saved (1 - calls with / calls without) against the
   fraction of the canvas after its EOS (`saved_fraction`, `tail_fraction`).
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import statistics
 import sys
 import time
 
@@ -45,6 +46,7 @@ STEPS = 1000  # training steps
 BATCH = 8
 SEED = 0
 BLOCK = 32  # semi-autoregressive blocks and block-by-block generation
+STEPS_PER_CANVAS = 128  # two positions a step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,18 +59,20 @@ class Sampler:
   blocks_of: int | None = None
 
 
-def samplers(canvas: int = CANVAS, block: int = BLOCK) -> tuple[Sampler, ...]:
-  """One sampler per family that ends rows at EOS, each making `canvas` steps in all."""
+def samplers(canvas: int = CANVAS, block: int = BLOCK, steps: int = STEPS_PER_CANVAS
+             ) -> tuple[Sampler, ...]:
+  """One sampler per family that ends rows at EOS, each making `steps` steps over the canvas
+  (block generation: steps * block / canvas a block)."""
   return (
-      Sampler("ancestral", sampling.AncestralSpec(steps=canvas)),
-      Sampler("confidence top-k", sampling.ConfidenceSpec(steps=canvas)),
-      Sampler("confidence top-k, EOS ranked last", sampling.ConfidenceSpec(steps=canvas),
+      Sampler("ancestral", sampling.AncestralSpec(steps=steps)),
+      Sampler("confidence top-k", sampling.ConfidenceSpec(steps=steps)),
+      Sampler("confidence top-k, EOS ranked last", sampling.ConfidenceSpec(steps=steps),
               eos_knobs=(("eos_rank_last", True),)),
       Sampler(f"semi-autoregressive blocks of {block}",
-              sampling.ConfidenceSpec(steps=canvas, block_length=block)),
+              sampling.ConfidenceSpec(steps=steps, block_length=block)),
       Sampler(f"block generation, blocks of {block}",
-              sampling.ConfidenceSpec(steps=block), blocks_of=block),
-      Sampler("remdm", sampling.RemaskSpec(steps=canvas, eta=0.05)),
+              sampling.ConfidenceSpec(steps=steps * block // canvas), blocks_of=block),
+      Sampler("remdm", sampling.RemaskSpec(steps=steps, eta=0.05)),
   )
 
 
@@ -128,16 +132,25 @@ def runner(apply_fn, params, sampler: Sampler, keys_B, *, eos_id: int | None, ma
 
 
 def measure(apply_fn, params, sampler: Sampler, *, eos_id: int, mask_id: int,
-            canvas: int = CANVAS, batch: int = BATCH, repeats: int = 5,
+            canvas: int = CANVAS, batch: int = BATCH, repeats: int = 3,
             seed: int = SEED) -> list[dict]:
   """The two rows (without, with EOS early stop) of one sampler."""
   keys_B = sampling.row_keys(jax.random.key(seed), batch)
   modes = {stop: runner(apply_fn, params, sampler, keys_B, eos_id=eos_id if stop else None,
                         mask_id=mask_id, canvas=canvas) for stop in (False, True)}
-  seconds = timing.interleaved_medians(modes, repeats) if repeats else {}
+  # The first (compiling) run of each mode gives the tokens; then `repeats` timed rounds,
+  # the two modes interleaved so that the machine's load falls on both alike.
+  first = {stop: jax.block_until_ready(call()) for stop, call in modes.items()}
+  times = {stop: [] for stop in modes}
+  for _ in range(repeats):
+    for stop, call in modes.items():
+      begin = time.perf_counter()
+      jax.block_until_ready(call())
+      times[stop].append(time.perf_counter() - begin)
+  seconds = {stop: statistics.median(t) for stop, t in times.items() if t}
   out = {}
-  for stop, call in modes.items():
-    tokens, nfe = call()
+  for stop in modes:
+    tokens, nfe = first[stop]
     alone = [(tokens, nfe)] if batch == 1 else [
         runner(apply_fn, params, sampler, keys_B[r:r + 1], eos_id=eos_id if stop else None,
                mask_id=mask_id, canvas=canvas)() for r in range(batch)]
@@ -175,7 +188,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--workdir", default="/tmp/models/eos_long", help="model workdir (reused)")
   parser.add_argument("--out", default=os.path.join(ROOT, "results"), help="output directory")
-  parser.add_argument("--repeats", type=int, default=5, help="timed runs per mode")
+  parser.add_argument("--repeats", type=int, default=3, help="timed runs per mode")
   args = parser.parse_args()
   import mdjax
   from mdjax import train

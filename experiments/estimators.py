@@ -59,7 +59,8 @@ def measure(task, x_NxL, first, exact_N, repeats, name, continuation,
   for estimator in evaluate.ESTIMATORS:
     for num_samples in sample_counts:
       est_RxN = np.stack([evaluate.loglikelihood(
-          denoiser or task.exact_denoiser, None, x_NxL[:, :first], x_NxL[:, first:], estimator=estimator,
+          denoiser or task.exact_denoiser, None, x_NxL[:, :first], x_NxL[:, first:],
+          estimator=estimator,
           num_samples=num_samples, batch_size=min(num_samples, 8),
           key=jax.random.fold_in(jax.random.key(SEED), r), mask_id=task.mask_id).estimate_B
           for r in range(repeats)])

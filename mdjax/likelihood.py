@@ -3,7 +3,8 @@
 `nelbo_estimate`: the MD4 NELBO of fixed sequences in bits per token, averaged over a
 configurable number of Monte Carlo draws of (time, mask), with the standard error of
 that Monte Carlo average. `discrete_nelbo`: MD4's T-step discrete-time NELBO, every one of
-the T steps evaluated (no Monte Carlo over time; one mask draw per step). `windows_nelbo`: the NELBO of a token stream cut into windows,
+the T steps evaluated (no Monte Carlo over time; one mask draw per step).
+`windows_nelbo`: the NELBO of a token stream cut into windows,
 as MDLM and BD3-LM report it (nats and bits per token, the perplexity bound), with a
 standard error over independent batches. `causal_bits`: exact -log2 p(x) of sequences under a causal
 (left-to-right) reference model, the "generative bits per character" of samples.
