@@ -74,6 +74,10 @@ class PretrainedModel:
 
   @property
   def mask_id(self) -> int:
+    if getattr(self.config, "causal", False):  # every diffusion entry point reads it first
+      raise ValueError(f"this {self.family!r} checkpoint is a causal LM: it has no mask id and "
+                       "is not sampled by the diffusion samplers; it scores samples "
+                       "(mdjax.evaluate.generative_perplexity).")
     return self.config.mask_id
 
   @property

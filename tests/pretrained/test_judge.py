@@ -55,7 +55,9 @@ def scored(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_causal_logits_match_transformers(family):
   m = model(family)
-  assert m.family == family and m.config.causal and m.mask_id is None
+  assert m.family == family and m.config.causal and m.config.mask_id is None
+  with pytest.raises(ValueError, match=f"this '{family}' checkpoint is a causal LM"):
+    pretrained.generate(m, np.array([[5, 6]]), steps=2, gen_length=2, block_length=2)
   assert not m.config.logit_shift and m.config.qkv_bias == (family == "qwen2")
   stored = tensors.read_checkpoint(os.path.join(FIXTURES, family))
   if family == "qwen2":  # tied: no lm_head tensor; the head is the embedding
