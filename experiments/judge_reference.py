@@ -6,7 +6,9 @@
 Every file is rebuilt from fixed seeds; nothing is downloaded. What it writes:
 
   llama/   a tiny random LlamaForCausalLM folder (config.json as transformers writes it,
-           model.safetensors, untied head, 4 heads over 2 key/value heads) with the char-level
+           model.safetensors, untied head, 4 heads over 2 key/value heads, Llama 3.1's
+           "llama3" RoPE scaling: with 8 frequencies against an original length of 32, one
+           is kept, one interpolated and six slowed down) with the char-level
            tokenizer of tests/fixtures/pretrained/ (ids 0..95 printable ASCII and newline)
            whose post-processor puts <|startoftext|> (the config's bos_token_id) first, as
            Llama's tokenizers put <s>.
@@ -68,7 +70,9 @@ BPE_EOS = "<|endoftext|>"
 LLAMA_CONFIG = dict(
     vocab_size=ref.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0,
+                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 32},
     max_position_embeddings=64, tie_word_embeddings=False, attention_bias=False,
     mlp_bias=False, bos_token_id=ref.BOS_ID, eos_token_id=ref.EOS_ID, pad_token_id=ref.EOS_ID)
 QWEN2_CONFIG = dict(

@@ -4,8 +4,9 @@ Bidirectional attention (no causal mask), RMSNorm (weight only), SwiGLU, half-sp
 grouped KV heads, optional q/k/v biases, untied output head, and Dream's one-position logit
 shift. With `causal=True` the same network is Hugging Face's LlamaForCausalLM /
 Qwen2ForCausalLM (families "llama", "qwen2": the judges of generative perplexity): each query
-attends to the keys at its own position and before, no mask id, no shift. Pure functions over a params pytree whose layers are stacked (one `lax.scan` over
-layers keeps compile time flat in depth):
+attends to the keys at its own position and before, no mask id, no shift (and Llama 3.1's
+RoPE frequencies where the checkpoint has them). Pure functions over a params pytree whose
+layers are stacked (one `lax.scan` over layers keeps compile time flat in depth):
 
   params = {
     "embed": [V_embed, D],
@@ -68,6 +69,8 @@ class PublishedConfig:
   logit_shift: Dream's prediction for position i is the network's output at i - 1.
   causal: attention to the query's own position and before only (the causal families;
     mask_id None: a causal LM has none, and its logits at i predict the token at i + 1).
+  rope_scaling: Llama 3.1's RoPE frequencies, (factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings); None: unscaled.
   dtype: the weights' and activations' dtype; norms, softmax and logits are float32.
   """
 
@@ -89,6 +92,7 @@ class PublishedConfig:
   max_len: int = 4096
   dtype: str = "float32"
   causal: bool = False
+  rope_scaling: tuple[float, float, float, int] | None = None
 
   def __post_init__(self):
     checks.check_common(self, FAMILIES, DTYPES,
@@ -104,6 +108,13 @@ class PublishedConfig:
     if not isinstance(self.causal, bool) or self.causal != (self.family in CAUSAL_FAMILIES):
       raise ValueError(f"causal={self.causal!r} must be {self.family in CAUSAL_FAMILIES} for "
                        f"family={self.family!r} (causal families: {CAUSAL_FAMILIES}).")
+    if self.rope_scaling is not None and not (
+        isinstance(self.rope_scaling, tuple) and len(self.rope_scaling) == 4
+        and all(checks.is_number(v) and v > 0 for v in self.rope_scaling)
+        and self.rope_scaling[2] > self.rope_scaling[1]):
+      raise ValueError(f"rope_scaling={self.rope_scaling!r} must be None or (factor, "
+                       "low_freq_factor, high_freq_factor, original_max_position_embeddings), "
+                       "all > 0, high_freq_factor > low_freq_factor.")
     if self.causal and (self.mask_id is not None or self.logit_shift):
       raise ValueError(f"mask_id={self.mask_id!r}, logit_shift={self.logit_shift!r}: a causal "
                        "model has no mask id and no shift (None and False).")
@@ -164,10 +175,28 @@ def _rope_cos_sin(config: PublishedConfig, positions_BxQ: Array) -> tuple[Array,
   """cos and sin of Llama's rotary angles, B x Q x K, in float32."""
   k = config.head_dim
   inv_freq_K2 = 1.0 / (config.rope_theta ** (np.arange(0, k, 2, dtype=np.float64) / k))
+  if config.rope_scaling is not None:
+    inv_freq_K2 = _llama3_inv_freq(inv_freq_K2, *config.rope_scaling)
   angle_BxQxK2 = positions_BxQ.astype(jnp.float32)[..., None] * jnp.asarray(
       inv_freq_K2, jnp.float32)
   angle_BxQxK = jnp.concatenate([angle_BxQxK2, angle_BxQxK2], axis=-1)
   return jnp.cos(angle_BxQxK), jnp.sin(angle_BxQxK)
+
+
+def _llama3_inv_freq(inv_freq_K2: np.ndarray, factor: float, low_freq_factor: float,
+                     high_freq_factor: float, original_length: int) -> np.ndarray:
+  """Llama 3.1's frequencies (transformers' `_compute_llama3_parameters`): wavelengths above
+  original_length / low_freq_factor slowed by `factor`, those below original_length /
+  high_freq_factor kept, the ones between interpolated."""
+  wavelen_K2 = 2 * np.pi / inv_freq_K2
+  scaled_K2 = np.where(wavelen_K2 > original_length / low_freq_factor, inv_freq_K2 / factor,
+                       inv_freq_K2)
+  smooth_K2 = (original_length / wavelen_K2 - low_freq_factor) / (high_freq_factor -
+                                                                   low_freq_factor)
+  smoothed_K2 = (1 - smooth_K2) * scaled_K2 / factor + smooth_K2 * scaled_K2
+  medium_K2 = ((wavelen_K2 >= original_length / high_freq_factor)
+               & (wavelen_K2 <= original_length / low_freq_factor))
+  return np.where(medium_K2, smoothed_K2, scaled_K2)
 
 
 def _rope(x_BxQxHxK: Array, cos_BxQxK: Array, sin_BxQxK: Array) -> Array:

@@ -3,14 +3,15 @@
 LLaDA (model_type "llada", LLaDAModelLM; an OLMo-derived "llama" block) and Dream
 (model_type "Dream", DreamModel; Qwen2 names) map onto `PublishedConfig`, and so do the causal
 judges of generative perplexity, Llama (model_type "llama", LlamaForCausalLM) and Qwen2
-("qwen2", Qwen2ForCausalLM), with `causal=True` (Dream's tensor names, which are theirs); MDLM (model_type
-"mdlm", MDLM: kuleshov-group/mdlm-owt) and BD3-LM (model_type "bd3lm", BD3LM:
+("qwen2", Qwen2ForCausalLM), with `causal=True` (Dream's tensor names, which are theirs);
+MDLM (model_type "mdlm", MDLM: kuleshov-group/mdlm-owt) and BD3-LM (model_type "bd3lm", BD3LM:
 kuleshov-group/bd3lm-owt-block_size{4,8,16}) onto `mdjax.models.dit.DiTConfig`. A torch
 Linear weight is [out, in] and is transposed to the params' [in, out]; a stacked leaf
 ("layers" or "blocks") [N, ...] is built from the N per-layer tensors `...{i}...`. A config
 key that changes the architecture to one the params cannot express (fused q/k/v, LayerNorm,
-ALiBi, biases outside q/k/v, RoPE scaling, sliding windows; causal attention in a
-diffusion layout) is a ValueError naming the key, never a silently wrong model.
+ALiBi, biases outside q/k/v, RoPE scaling other than Llama 3.1's, sliding windows;
+causal attention in a diffusion layout) is a ValueError naming the key, never a silently
+wrong model.
 """
 
 from __future__ import annotations
@@ -347,15 +348,30 @@ class DreamLayout(Layout):
     return out
 
 
-def _rope_theta(raw: dict, family: str) -> float:
-  """rope_theta, at the top level (transformers 4) or in rope_parameters (transformers 5,
-  where a rope_type other than "default" is a scaling the params cannot express)."""
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings")
+
+
+def _rope(raw: dict, family: str) -> tuple[float, tuple | None]:
+  """(rope_theta, rope_scaling) of a transformers config: rope_theta at the top level and a
+  rope_scaling dict (transformers 4), or both in rope_parameters (transformers 5). The only
+  scaling expressed is Llama 3.1's "llama3" (PublishedConfig.rope_scaling); others are refused."""
   params = raw.get("rope_parameters")
+  scaling = raw.get("rope_scaling")
   if isinstance(params, dict):
-    _refuse(params, family, "rope_type", ("default",), "RoPE is unscaled (rope_parameters)")
     if "rope_theta" in params and "rope_theta" not in raw:
       raw = {**raw, "rope_theta": params["rope_theta"]}
-  return _get(raw, "rope_theta", float, family, 10000.0)
+    if params.get("rope_type", "default") != "default":
+      scaling = params
+  theta = _get(raw, "rope_theta", float, family, 10000.0)
+  if scaling is None:
+    return theta, None
+  kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+  if kind != "llama3":
+    raise ValueError(f"{family} config.json: RoPE scaling {scaling!r} is not supported (only "
+                     "rope_type 'llama3', Llama 3.1's)")
+  return theta, tuple(_get(scaling, k, int if k.startswith("original") else float, family)
+                      for k in LLAMA3_KEYS)
 
 
 class LlamaLayout(DreamLayout):
@@ -373,9 +389,9 @@ class LlamaLayout(DreamLayout):
   def config_from_hf(self, raw: dict, dtype: str) -> PublishedConfig:
     f = self.family
     _refuse(raw, f, "hidden_act", ("silu",), "the MLP is silu(gate) * up")
-    _refuse(raw, f, "rope_scaling", (None,), "RoPE is unscaled")
     _refuse(raw, f, "use_sliding_window", (False,), "attention is over the whole sequence")
     _refuse(raw, f, "attention_bias", (False,), "only q/k/v biases, never o_proj's")
+    theta, scaling = _rope(raw, f)
     _refuse(raw, f, "mlp_bias", (False,), "the MLP has no biases")
     d = _get(raw, "hidden_size", int, f)
     heads = _get(raw, "num_attention_heads", int, f)
@@ -386,7 +402,8 @@ class LlamaLayout(DreamLayout):
         family=f, vocab_size=_get(raw, "vocab_size", int, f), d_model=d,
         num_layers=_get(raw, "num_hidden_layers", int, f), num_heads=heads,
         num_kv_heads=_get(raw, "num_key_value_heads", int, f, heads), head_dim=head_dim,
-        mlp_hidden=_get(raw, "intermediate_size", int, f), rope_theta=_rope_theta(raw, f),
+        mlp_hidden=_get(raw, "intermediate_size", int, f), rope_theta=theta,
+        rope_scaling=scaling,
         norm_eps=_get(raw, "rms_norm_eps", float, f, self.default_eps),
         qkv_bias=self.qkv_bias, logit_shift=False, mask_id=None, causal=True,
         eos_id=_first_id(raw, "eos_token_id", f),
@@ -395,6 +412,8 @@ class LlamaLayout(DreamLayout):
   def config_to_hf(self, config: PublishedConfig) -> dict:
     if config.family != self.family:
       raise ValueError(f"config.family={config.family!r} cannot be written as {self.family}")
+    scaling = None if config.rope_scaling is None else {
+        "rope_type": "llama3", **dict(zip(LLAMA3_KEYS, config.rope_scaling))}
     raw = {
         "architectures": list(self.architectures), "model_type": self.model_types[0],
         "attention_dropout": 0.0, "head_dim": config.head_dim, "hidden_act": "silu",
@@ -402,7 +421,10 @@ class LlamaLayout(DreamLayout):
         "intermediate_size": config.mlp_hidden,
         "max_position_embeddings": config.max_len, "num_attention_heads": config.num_heads,
         "num_hidden_layers": config.num_layers, "num_key_value_heads": config.num_kv_heads,
-        "rms_norm_eps": config.norm_eps, "rope_scaling": None, "rope_theta": config.rope_theta,
+        "rms_norm_eps": config.norm_eps, "rope_theta": config.rope_theta,
+        "rope_scaling": None if config.rope_scaling is None else scaling,
+        "rope_parameters": {**(scaling or {"rope_type": "default"}),
+                            "rope_theta": config.rope_theta},  # transformers 5 reads these
         "tie_word_embeddings": False, "torch_dtype": TORCH_DTYPES[config.dtype],
         "use_cache": True, "vocab_size": config.vocab_size,
     }

@@ -56,6 +56,8 @@ def scored(family):
 def test_causal_logits_match_transformers(family):
   m = model(family)
   assert m.family == family and m.config.causal and m.config.mask_id is None
+  # the Llama fixture has Llama 3.1's RoPE scaling (unscaled, its logits are off by ~10)
+  assert m.config.rope_scaling == ((4.0, 1.0, 4.0, 32) if family == "llama" else None)
   with pytest.raises(ValueError, match=f"this '{family}' checkpoint is a causal LM"):
     pretrained.generate(m, np.array([[5, 6]]), steps=2, gen_length=2, block_length=2)
   assert not m.config.logit_shift and m.config.qkv_bias == (family == "qwen2")
@@ -190,6 +192,8 @@ def test_bad_input(tmp_path):
     published.PublishedConfig(**{**vars(m.config), "causal": False})
   with pytest.raises(ValueError, match="mask_id=5, logit_shift=False: a causal model has no"):
     published.PublishedConfig(**{**vars(m.config), "mask_id": 5})
+  with pytest.raises(ValueError, match=r"rope_scaling=\(4.0, 4.0, 1.0, 32\) must be None or"):
+    published.PublishedConfig(**{**vars(m.config), "rope_scaling": (4.0, 4.0, 1.0, 32)})
   bad = tmp_path / "bad.jsonl"
   for content, match in (('{"text": "ab"}\nnot json\n', "line 2: not JSON"),
                          ('{"prompt": "ab"}\n', "line 1: no string field"), ("", "no sample")):
@@ -207,11 +211,17 @@ def test_layout_refuses_what_it_cannot_express(tmp_path):
   pretrained.save(model("llama"), str(folder))
   raw = json.loads((folder / "config.json").read_text())
   for key, value, match in (("attention_bias", True, "attention_bias=True is not supported"),
-                            ("rope_scaling", {"rope_type": "llama3"}, "rope_scaling="),
+                            ("rope_parameters", {"rope_type": "yarn", "factor": 4.0},
+                             "RoPE scaling .*'yarn'.* is not supported"),
+                            ("rope_parameters", {"rope_type": "llama3"}, "missing 'factor'"),
                             ("hidden_act", "gelu", "hidden_act='gelu'")):
     (folder / "config.json").write_text(json.dumps({**raw, key: value}))
     with pytest.raises(ValueError, match=match):
       pretrained.load(str(folder))
+  scaling = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+             "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+  assert raw["rope_scaling"] == scaling  # transformers 4's keys and 5's, the same
+  assert raw["rope_parameters"] == {**scaling, "rope_theta": 10000.0}
   (folder / "config.json").write_text(json.dumps(raw))
   again = pretrained.load(str(folder))  # save -> load is the same model
   assert again.config == model("llama").config
