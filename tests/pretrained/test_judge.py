@@ -8,7 +8,7 @@ transformers' logits, and per-sample NLLs under the scoring rule of
 Tolerances. The logits are float32 from two implementations whose reductions run in
 different orders: each of the ~10 sums on the path to a logit (width 64 to 128) rounds to
 float32 (relative 6e-8 per addition, at most ~1e-5 relative over 128 terms), and the logits
-reach |12|, so 1e-4 bounds their difference with room (the fixtures differ by 3e-5). A
+reach |12|, so 1e-4 bounds their difference with room (the fixtures differ by 2e-5). A
 per-token NLL is a logsumexp minus the target's logit, each off by at most the logits' bound,
 so a mean of them lies within 2e-4.
 """
