@@ -11,8 +11,8 @@ N unconditional 64-character samples from each sampler at each step count are de
 text and scored by `mdjax.evaluate.generative_perplexity` with the causal model as judge
 (its characters, its start token first, one 64-input window per sample), beside the mean
 unigram entropy (nats) of each sample's characters. The held-out text itself (N windows of
-the plays kept out of training) is the reference row. Writes results/gen_ppl.json; fixed
-seeds.
+the plays kept out of training) is the reference row. Writes results/gen_ppl.json (the rows,
+and each row's sampling standard errors under "standard_errors"); fixed seeds.
 """
 
 from __future__ import annotations
@@ -80,6 +80,16 @@ def row(sampler: str, steps, result, n: int) -> dict:
           "entropy": result.mean_entropy, "num_samples": n}
 
 
+def standard_errors(sampler: str, steps, result) -> dict:
+  """Sampling standard errors over the N independent samples: of log gen_ppl (every sample
+  has the same 64 judge tokens, so it is the mean of the per-sample NLLs; gen_ppl's relative
+  error is this), and of the mean entropy."""
+  n = len(result.nll_per_token_N)
+  se = lambda x: float(np.std(x, ddof=1) / np.sqrt(n))
+  return {"sampler": sampler, "steps": steps, "log_gen_ppl_se": se(result.nll_per_token_N),
+          "entropy_se": se(result.entropy_N)}
+
+
 def run(n: int, workdir: str, seed: int = 0, char_steps=None, causal_steps=None) -> dict:
   task, models, causal_dir = trained_models(workdir, char_steps, causal_steps)
   judge = evaluate.load_judge(checkpoints.load(causal_dir))
@@ -89,17 +99,21 @@ def run(n: int, workdir: str, seed: int = 0, char_steps=None, causal_steps=None)
       sampler_tokens=list(tokens_NxL))
 
   held_out = task.validation_windows(n)
-  rows = [row("held-out text", None, score(held_out), n)]
-  print(rows[-1], flush=True)
+  result = score(held_out)
+  rows, errors = [row("held-out text", None, result, n)], [
+      standard_errors("held-out text", None, result)]
+  print(rows[-1], errors[-1], flush=True)
   for sampler, make in SAMPLERS.items():
     for k in STEPS:
       start = time.perf_counter()
       out = sampling.sample(apply_fn, params, jax.random.key(seed), task.empty_canvas(n),
                             make(k), mask_id=task.mask_id)
       tokens = np.asarray(out.tokens_BxL)
-      rows.append(row(sampler, k, score(tokens), n))
-      print(rows[-1], f"({time.perf_counter() - start:.1f} s)", flush=True)
-  return {"rows": rows, "seed": seed, "task": repr(task), "judge_workdir": causal_dir,
+      result = score(tokens)
+      rows.append(row(sampler, k, result, n))
+      errors.append(standard_errors(sampler, k, result))
+      print(rows[-1], errors[-1], f"({time.perf_counter() - start:.1f} s)", flush=True)
+  return {"rows": rows, "standard_errors": errors, "seed": seed, "task": repr(task), "judge_workdir": causal_dir,
           "train_steps": {"char": char_steps or shakespeare_char.get_config().train.num_steps,
                           "causal": causal_steps
                           or shakespeare_causal.get_config().train.num_steps},
