@@ -207,6 +207,27 @@ def host_copy(tree):
   return multihost_utils.process_allgather(tree, tiled=True)
 
 
+class AnyProcess:
+  """Whether a flag was set on any process, agreed one call late without waiting: each call
+  starts a gather of this call's flags over the mesh and returns the previous call's outcome
+  (all processes call it at the same points, so all get the same answers). With one process
+  the flag itself."""
+
+  def __init__(self, mesh: Mesh):
+    self.mesh, self.pending = mesh, None
+    self.sharding = NamedSharding(mesh, PartitionSpec("data"))
+    self.any = jax.jit(lambda flags: flags.any(), out_shardings=NamedSharding(mesh,
+                                                                              PartitionSpec()))
+
+  def __call__(self, flag: bool) -> bool:
+    if not is_multiprocess():
+      return flag
+    local = np.full((len(self.sharding.addressable_devices),), bool(flag))
+    previous, self.pending = self.pending, self.any(jax.make_array_from_process_local_data(
+        self.sharding, local, (self.mesh.size,)))
+    return previous is not None and bool(previous)
+
+
 def any_process(flag: bool) -> bool:
   """Whether `flag` is set on any process (all processes call it at the same point)."""
   if not is_multiprocess():

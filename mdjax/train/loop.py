@@ -305,8 +305,12 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
   metrics = (MetricsLog(workdir, bool(config.get("log_tensorboard", False))) if primary
              else _NoMetrics())
 
-  def stopping() -> bool:  # all processes stop at the same step, whichever got the signal
-    return distributed.any_process(interrupts.signal_name is not None)
+  # All processes stop at the same step, whichever got the signal (one step later with
+  # several processes: the flags are gathered while the next step runs).
+  signalled = distributed.AnyProcess(mesh)
+
+  def stopping() -> bool:
+    return signalled(interrupts.signal_name is not None)
 
   try:
     step = int(state.step)
