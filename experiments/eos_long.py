@@ -47,9 +47,7 @@ CANVAS = 256
 STEPS = 1000  # training steps
 BATCH = 8
 SEED = 0
-# Semi-autoregressive blocks and block-by-block generation: LLaDA's 32, and 8 (a speech is
-# 25 tokens at the median, so a first block of 32 often holds its end).
-BLOCKS = (32, 8)
+BLOCK = 32  # semi-autoregressive blocks and block-by-block generation (LLaDA's length)
 STEPS_PER_CANVAS = 128  # two positions a step
 
 
@@ -63,22 +61,25 @@ class Sampler:
   blocks_of: int | None = None
 
 
-def samplers(canvas: int = CANVAS, blocks: tuple[int, ...] = BLOCKS,
-             steps: int = STEPS_PER_CANVAS) -> tuple[Sampler, ...]:
-  """One sampler per family that ends rows at EOS, each making `steps` steps over the canvas
-  (block generation: steps * block / canvas a block); the block families at each size."""
-  out = [Sampler("ancestral", sampling.AncestralSpec(steps=steps)),
-         Sampler("confidence top-k", sampling.ConfidenceSpec(steps=steps)),
-         Sampler("confidence top-k, EOS ranked last", sampling.ConfidenceSpec(steps=steps),
-                 eos_knobs=(("eos_rank_last", True),))]
-  for block in blocks:
-    out.append(Sampler(f"semi-autoregressive blocks of {block}",
-                       sampling.ConfidenceSpec(steps=steps, block_length=block)))
-  for block in blocks:
-    out.append(Sampler(f"block generation, blocks of {block}",
-                       sampling.ConfidenceSpec(steps=steps * block // canvas), blocks_of=block))
-  out.append(Sampler("remdm", sampling.RemaskSpec(steps=steps, eta=0.05)))
-  return tuple(out)
+def samplers(canvas: int = CANVAS, block: int = BLOCK, steps: int = STEPS_PER_CANVAS
+             ) -> tuple[Sampler, ...]:
+  """The samplers, each making `steps` steps over the canvas (block generation: steps * block
+  / canvas a block): every family that ends rows at EOS, the block families with LLaDA's
+  confidence and with the ancestral kernel inside a block."""
+  per_block = steps * block // canvas
+  return (
+      Sampler("ancestral", sampling.AncestralSpec(steps=steps)),
+      Sampler("confidence top-k", sampling.ConfidenceSpec(steps=steps)),
+      Sampler("confidence top-k, EOS ranked last", sampling.ConfidenceSpec(steps=steps),
+              eos_knobs=(("eos_rank_last", True),)),
+      Sampler(f"semi-autoregressive blocks of {block}, confidence",
+              sampling.ConfidenceSpec(steps=steps, block_length=block)),
+      Sampler(f"semi-autoregressive blocks of {block}, ancestral",
+              sampling.AncestralSpec(steps=steps, block_length=block)),
+      Sampler(f"block generation, blocks of {block}, ancestral",
+              sampling.AncestralSpec(steps=per_block), blocks_of=block),
+      Sampler("remdm", sampling.RemaskSpec(steps=steps, eta=0.05)),
+  )
 
 
 def config():

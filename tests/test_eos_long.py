@@ -28,7 +28,7 @@ def oracle(params, tokens_BxL, t_B, valid_BxL=None):
 
 # One row a batch (its rows alone are the batch: one program per mode) and one family, whose
 # calls are bounded exactly: two programs compile (each takes seconds).
-SAMPLERS = (f"semi-autoregressive blocks of {BLOCK}",)
+SAMPLERS = (f"semi-autoregressive blocks of {BLOCK}, confidence",)
 
 
 SEEDS = range(4)  # rows ending at different positions, one program
@@ -37,7 +37,7 @@ SEEDS = range(4)  # rows ending at different positions, one program
 @functools.cache
 def rows():
   """{(sampler, seed): (row without, row with early stop)}."""
-  chosen = [s for s in eos_long.samplers(CANVAS, (BLOCK,), steps=CANVAS) if s.name in SAMPLERS]
+  chosen = [s for s in eos_long.samplers(CANVAS, BLOCK, steps=CANVAS) if s.name in SAMPLERS]
   return {(s.name, seed): eos_long.measure(oracle, None, s, eos_id=EOS, mask_id=VOCAB,
                                            canvas=CANVAS, batch=1, repeats=1, seed=seed)
           for s in chosen for seed in SEEDS}
@@ -63,7 +63,7 @@ def test_lengths_agree_where_stopping_leaves_the_trajectory_unchanged():
   # up to its first EOS, so the run without the stop keeps that prefix (same keys and draws).
   for name, (_, with_) in rows().items():
     assert with_["same_trajectory"] and with_["lengths_agree"], name
-  remdm, ranked_last = (s for s in eos_long.samplers(CANVAS, (BLOCK,), steps=CANVAS)
+  remdm, ranked_last = (s for s in eos_long.samplers(CANVAS, BLOCK, steps=CANVAS)
                         if s.name in ("remdm", "confidence top-k, EOS ranked last"))
   assert not eos_long.same_trajectory(remdm) and not eos_long.same_trajectory(ranked_last)
 
