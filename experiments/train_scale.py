@@ -1,6 +1,6 @@
 """Training as several processes against one: throughput, MFU, input wait, equal curves.
 
-  python experiments/train_scale.py [--out=results] [--repeats=3] [--steps=40]
+  python experiments/train_scale.py [--out=results] [--repeats=5] [--steps=40]
 
 A corpus of random words (fixed seed, character tokens, `mdjax.prepare_data`) is trained
 with configs/corpus.py's pipeline (grain over the token shards, each process reading its
@@ -134,7 +134,7 @@ def resume_check() -> bool:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default="results")
-  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--steps", type=int, default=40)
   args = parser.parse_args()
   rows, equal = [], []
