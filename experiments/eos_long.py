@@ -181,7 +181,8 @@ def measure(apply_fn, params, sampler: Sampler, *, eos_id: int, mask_id: int,
            "generated_lengths": lengths[stop].tolist(),
            "nfe_alone": o["nfe_alone_R"].tolist(),
            "nfe_alone_mean": float(o["nfe_alone_R"].mean()),
-           # Rows sampled alone give the batch's tokens (each row's own key).
+           # Whether each row sampled alone (its own key) gave its batch tokens; programs of
+           # other batch sizes round differently, which can flip near-ties.
            "batch_equals_rows": bool((o["alone_tokens"] == o["tokens"]).all())}
     if stop:
       row.update({
