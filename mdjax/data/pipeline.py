@@ -22,7 +22,7 @@ so row r of step s is window k = s * batch_size + r of the shuffled stream, and 
 reads only its rows. The grain iterator's state (`source.state()`, {'next_index': step})
 is saved in every checkpoint (`mdjax.train.checkpoints`), one file per process; a resumed
 run restores it, or, when the process count changed, starts the iterator at the step.
-Other tasks draw their batch from (seed, step) (`mdjax.train.state.batch_for_step`); their
+Other tasks draw their batch from (seed, step) (`batch_for_step`); their
 source slices the process's rows of it and has no state.
 """
 
@@ -147,6 +147,23 @@ class CorpusBatches:
     self._next = int(state["next_index"])
 
 
+def batch_for_step(config, step: int, task: tasks.Task) -> np.ndarray:
+  """The training batch of a generated task's step: a pure function of (seed, step)."""
+  import jax
+
+  key = jax.random.fold_in(jax.random.key(config.seed), step)
+  return task.sample_data(key, config.batch_size)
+
+
+def eval_batch(config, i: int, task: tasks.Task, batch_size: int | None = None) -> np.ndarray:
+  """Held-out batch i of a generated task: its validation text, or fresh draws of a
+  synthetic law (a stream apart from training's)."""
+  import jax
+
+  key = jax.random.fold_in(jax.random.key(config.seed), streams.RowStream.EVAL_DATA + i)
+  return task.validation_data(key, config.batch_size if batch_size is None else batch_size)
+
+
 class GeneratedBatches:
   """The batch source of a generated task: `batch_fn(config, step, task)` (the whole batch,
   from (seed, step)), this process's rows of it. No state: the step is all there is."""
@@ -155,8 +172,7 @@ class GeneratedBatches:
 
   def __init__(self, config, task: tasks.Task, process_index: int = 0, process_count: int = 1,
                batch_fn: Callable | None = None):
-    if batch_fn is None:
-      from mdjax.train.state import batch_for_step as batch_fn
+    batch_fn = batch_for_step if batch_fn is None else batch_fn
     self.rows = check_processes(config.batch_size, process_index, process_count)
     self.config, self.task, self.batch_fn = config, task, batch_fn
     self.process_index, self.process_count = process_index, process_count
@@ -193,10 +209,8 @@ def validation_batches(config, task: tasks.Task, num_batches: int | None = None,
                        process_count: int = 1) -> list[np.ndarray]:
   """Held-out batches ([batch_size / process_count, L] each, this process's rows), the same
   every call: a corpus's validation split (windows evenly spaced over it), or the task's
-  held-out draws of `mdjax.train.loop.eval_batch` for other tasks. Defaults:
+  held-out draws of `eval_batch` for other tasks. Defaults:
   `config.eval_batches` batches of `config.batch_size`."""
-  import jax
-
   num_batches = config.eval_batches if num_batches is None else num_batches
   batch_size = config.batch_size if batch_size is None else batch_size
   rows = check_processes(batch_size, process_index, process_count)
@@ -205,10 +219,7 @@ def validation_batches(config, task: tasks.Task, num_batches: int | None = None,
     windows = task.validation_windows(total)
     batches = [windows[i * batch_size:(i + 1) * batch_size] for i in range(num_batches)]
   else:
-    batches = []
-    for i in range(num_batches):
-      key = jax.random.fold_in(jax.random.key(config.seed), streams.RowStream.EVAL_DATA + i)
-      batches.append(np.asarray(task.validation_data(key, batch_size)))
+    batches = [np.asarray(eval_batch(config, i, task, batch_size)) for i in range(num_batches)]
   return [b[process_index * rows:(process_index + 1) * rows] for b in batches]
 
 

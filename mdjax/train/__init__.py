@@ -14,8 +14,9 @@ from mdjax import tasks
 from mdjax.train.checkpoints import (CORRUPT_DIR, CheckpointMismatch, Model, checkpoint_manager,
                                      load, load_for_sampling, quiet_orbax, restore_latest, save)
 from mdjax.train.config_checks import CONFIG_RANGES, OBJECTIVES, ConfigError, check_config
-from mdjax.train.loop import (ensure_trained, eval_batch, evaluate, sample_and_score, train)
-from mdjax.train.state import (TrainState, batch_for_step, block_nelbo_options, init_state,
+from mdjax.data.pipeline import batch_for_step, eval_batch
+from mdjax.train.loop import ensure_trained, evaluate, sample_and_score, train
+from mdjax.train.state import (TrainState, block_nelbo_options, init_state,
                                learning_rate_schedule, make_loss_fn, make_mesh, make_optimizer,
                                masking_schedule, model_config, param_sharding, state_sharding,
                                train_step)

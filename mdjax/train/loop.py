@@ -13,13 +13,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mdjax import data, diffusion, models, plot, sampling, streams, tasks
+from mdjax import data, diffusion, models, plot, sampling, tasks
+from mdjax.data.pipeline import batch_for_step
 from mdjax.train import distributed
 from mdjax.train.checkpoints import (checkpoint_manager, load_for_sampling, newest_readable,
                                      restore_data, restore_latest, save, step_dirs)
 from mdjax.train.config_checks import ConfigError, check_config
 from mdjax.train.flops import model_flops_per_token, mfu, peak_flops_per_device
-from mdjax.train.state import (TrainState, batch_for_step, init_state, learning_rate_schedule,
+from mdjax.train.state import (TrainState, init_state, learning_rate_schedule,
                                make_loss_fn, make_mesh, make_optimizer, masking_schedule,
                                train_step)
 from mdjax.train.workdir import (Interrupts, MetricsLog, TrainClock, WorkdirLock,
@@ -72,12 +73,6 @@ class _Throughput:
     self.steps, self.seconds = 0, 0.0
     return rate
 
-
-
-def eval_batch(config, i: int, task: tasks.Task) -> np.ndarray:
-  """Held-out batch i: the task's validation text, or fresh draws of a synthetic law."""
-  key = jax.random.fold_in(jax.random.key(config.seed), streams.RowStream.EVAL_DATA + i)
-  return task.validation_data(key, config.batch_size)
 
 
 

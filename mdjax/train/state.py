@@ -98,12 +98,6 @@ def make_loss_fn(config, apply_fn, task: tasks.Task) -> Callable:
   raise ValueError(f"objective={config.objective!r} must be 'nelbo', 'mlm' or 'causal'.")
 
 
-def batch_for_step(config, step: int, task: tasks.Task) -> np.ndarray:
-  """The training batch of a step: a pure function of (seed, step)."""
-  key = jax.random.fold_in(jax.random.key(config.seed), step)
-  return task.sample_data(key, config.batch_size)
-
-
 def make_mesh(num_devices: int | None = None) -> Mesh:
   """A 1-D mesh with the batch axis 'data' over every process's devices, process by process
   (`distributed.ordered_devices`: one process's devices hold one slice of the batch)."""
