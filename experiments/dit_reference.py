@@ -75,7 +75,6 @@ import json
 import math
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -99,6 +98,10 @@ try:
   import torch.nn.functional as F
 except ImportError as e:  # the optional extra
   raise SystemExit(f"{e}: install the reference extra: pip install -e '.[reference]'")
+
+if __package__ in (None, ""):  # run as a script: experiments/ lives in the repo root
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from experiments import pretrained_reference  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "tests" / "fixtures" / "dit"
@@ -564,12 +567,7 @@ def main(argv=None):
                       help="a checkout or git directory of kuleshov-group/mdlm")
   parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
   args = parser.parse_args(argv)
-  torch.manual_seed(0)
-  torch.set_num_threads(1)  # one reduction order
-  out = args.out
-  if out.exists():
-    shutil.rmtree(out)
-  out.mkdir(parents=True)
+  out = pretrained_reference.fresh_output(args.out)
 
   bd3 = Bd3lms(args.bd3lms)
   mdlm = Mdlm(args.mdlm)

@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
-import shutil
 import sys
 
 import numpy as np
@@ -189,12 +187,7 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
   args = parser.parse_args(argv)
-  torch.manual_seed(0)
-  torch.set_num_threads(1)  # one reduction order
-  out = args.out
-  if out.exists():
-    shutil.rmtree(out)
-  out.mkdir(parents=True)
+  out = ref.fresh_output(args.out)
   qwen_tok = qwen2_tokenizer()
   eos = qwen_tok.token_to_id(BPE_EOS)
   qwen_config = dict(QWEN2_CONFIG, bos_token_id=eos, eos_token_id=eos)

@@ -1279,6 +1279,16 @@ def cross_check_llada_generate(source: pathlib.Path, models: dict, cases: list) 
 # --- main -----------------------------------------------------------------------------------
 
 
+def fresh_output(out: pathlib.Path) -> pathlib.Path:
+  """Seeds torch, runs it on one thread (one reduction order) and empties `out`."""
+  torch.manual_seed(0)
+  torch.set_num_threads(1)
+  if out.exists():
+    shutil.rmtree(out)
+  out.mkdir(parents=True)
+  return out
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)
@@ -1289,12 +1299,7 @@ def main(argv=None):
                       help="a checkout or git directory of ML-GSAI/LLaDA: also run its "
                            "generate.py on the cases it can run")
   args = parser.parse_args(argv)
-  torch.manual_seed(0)
-  torch.set_num_threads(1)  # one reduction order
-  out = args.out
-  if out.exists():
-    shutil.rmtree(out)
-  out.mkdir(parents=True)
+  out = fresh_output(args.out)
 
   weights = {"llada": llada_weights(0), "dream": dream_weights(1)}
   write_checkpoint(out / "llada", LLADA_CONFIG, weights["llada"], LLADA_TEMPLATE)
