@@ -27,7 +27,7 @@ import functools
 import jax
 
 from configs import shakespeare_char
-from mdjax import tasks
+from mdjax import data, tasks
 from mdjax.train import state as train_state
 
 
@@ -44,7 +44,7 @@ def temp_mib(remat: bool, grad_accum_steps: int, d_model: int, num_layers: int,
       train_state.train_step, loss_fn=train_state.make_loss_fn(config, apply_fn, task),
       optimizer=train_state.make_optimizer(config.train), ema_decay=0.0, seed=0,
       grad_accum_steps=grad_accum_steps))
-  compiled = step.lower(state, train_state.batch_for_step(config, 0, task)).compile()
+  compiled = step.lower(state, data.batch_for_step(config, 0, task)).compile()
   return compiled.memory_analysis().temp_size_in_bytes / 2**20
 
 

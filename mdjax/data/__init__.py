@@ -7,10 +7,12 @@ in checkpoints, held-out batches and the time the loop waits on input.
 """
 
 from mdjax.data.pipeline import (CorpusBatches, GeneratedBatches, InputWait, Windows,
-                                 batch_source, data_options, shuffle_seed, validation_batches)
+                                 batch_for_step, batch_source, data_options, eval_batch,
+                                 shuffle_seed, validation_batches)
 from mdjax.data.shards import (CorruptShard, HfTokenizer, Split, load_tokenizer, read_manifest,
                                tokenizer_from_json)
 
 __all__ = ["CorpusBatches", "CorruptShard", "GeneratedBatches", "HfTokenizer", "InputWait",
-           "Split", "Windows", "batch_source", "data_options", "load_tokenizer", "read_manifest",
+           "Split", "Windows", "batch_for_step", "batch_source", "data_options", "eval_batch",
+           "load_tokenizer", "read_manifest",
            "shuffle_seed", "tokenizer_from_json", "validation_batches"]

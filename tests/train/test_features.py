@@ -65,7 +65,7 @@ def test_accumulation_of_a_mean_loss_equals_the_one_batch_step(tiny_model):
   # model will do for this identity: the bidirectional one is shared with other tests.)
   config, task, state, apply_fn, _ = tiny_model
   loss_fn = functools.partial(diffusion.causal_lm_loss, apply_fn, start_id=task.mask_id)
-  x_BxL = train_state.batch_for_step(config, 0, task)
+  x_BxL = train.batch_for_step(config, 0, task)
   sgd = optax.sgd(0.5)
   one, one_metrics = _step(loss_fn, sgd, 1)(state, x_BxL)
   four, four_metrics = _step(loss_fn, sgd, 4)(state, x_BxL)
@@ -81,7 +81,7 @@ def test_accumulated_nelbo_is_the_mean_over_micro_batches_with_folded_keys(tiny_
   # The NELBO draws noise: micro-batch i (rows i, i+k, ...) uses fold_in(step key, i), so
   # the step equals this explicit reference, and is deterministic.
   config, task, state, _, loss_fn = tiny_model
-  x_BxL = train_state.batch_for_step(config, 3, task)
+  x_BxL = train.batch_for_step(config, 3, task)
   key = jax.random.key(7)
   (loss, aux), grads = jax.jit(functools.partial(
       train_state.accumulated_value_and_grad, loss_fn, steps=2))(state.params, key, x_BxL)
@@ -123,7 +123,7 @@ def test_remat_gives_the_same_loss_and_gradients(changes):
   for remat in (False, True):
     config = _tiny(**{f"model.{k}": v for k, v in changes.items()}, **{"model.remat": remat})
     task, state, _, loss_fn = _setup(config)
-    x_BxL = train_state.batch_for_step(config, 0, task)
+    x_BxL = train.batch_for_step(config, 0, task)
     (loss, _), g = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
         state.params, jax.random.key(1), x_BxL)
     losses.append(loss)
@@ -215,7 +215,7 @@ def test_bf16_remat_accumulation_at_1024_keeps_float32_weights_and_logs_mfu(tmp_
     assert r["val_bits_per_token"] == r["eval_bits_per_token"] and 0 < r["val_bits_per_token"]
   # The matmuls run in bfloat16; the attention softmax, the logits and the loss in float32.
   loss_fn = train_state.make_loss_fn(config, apply_fn, task)
-  x_BxL = train_state.batch_for_step(config, 0, task)[:2]
+  x_BxL = train.batch_for_step(config, 0, task)[:2]
   t_B = jnp.full((2,), 0.5)
   assert jax.eval_shape(apply_fn, state.params, x_BxL, t_B).dtype == jnp.float32
   assert jax.eval_shape(loss_fn, state.params, jax.random.key(0), x_BxL)[0].dtype == jnp.float32
