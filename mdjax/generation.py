@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mdjax import sampling
+from mdjax import jsonl, sampling
 from mdjax.denoiser import Denoiser
 
 
@@ -33,21 +33,14 @@ def read_prompts(path: str, messages: bool = False) -> list:
   shape = "{\"prompt\": TEXT}" + (" or {\"messages\": [{\"role\": ..., \"content\": ...}]}"
                                   if messages else "")
   prompts = []
-  with open(path, encoding="utf-8") as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as error:
-        raise ValueError(f"prompts={path!r} line {number} is not JSON ({error.msg}).") from None
-      prompt = row.get("prompt") if isinstance(row, dict) else None
-      if messages and prompt is None and isinstance(row, dict):
-        prompt = row.get("messages") if _is_chat(row.get("messages")) else None
-      if prompt is None or not isinstance(prompt, (str, list)):
-        raise ValueError(f"prompts={path!r} line {number} has no \"prompt\" string: "
-                         f"{line.strip()[:80]!r}; each line must be {shape}.")
-      prompts.append(prompt)
+  for number, row in jsonl.read_rows(path, "prompts"):
+    prompt = row.get("prompt") if isinstance(row, dict) else None
+    if messages and prompt is None and isinstance(row, dict):
+      prompt = row.get("messages") if _is_chat(row.get("messages")) else None
+    if prompt is None or not isinstance(prompt, (str, list)):
+      raise ValueError(f"prompts={path!r} line {number} has no \"prompt\" string: "
+                       f"{json.dumps(row)[:80]!r}; each line must be {shape}.")
+    prompts.append(prompt)
   if not prompts:
     raise ValueError(f"prompts={path!r} holds no prompt; give one {shape} a line.")
   return prompts

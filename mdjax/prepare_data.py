@@ -23,13 +23,13 @@ corpus size. The layout is described in `mdjax.data.shards`.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 from typing import Iterator
 
 
+from mdjax import jsonl
 from mdjax.data import shards
 from mdjax.tasks.text import BpeTokenizer, CharTokenizer
 
@@ -84,20 +84,13 @@ def _txt_pieces(path: str, documents: str, chunk_chars: int) -> Iterator[tuple[s
 
 
 def _jsonl_pieces(path: str, text_field: str) -> Iterator[tuple[str, bool]]:
-  with open(path, encoding="utf-8") as f:
-    for line_number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as error:
-        raise ValueError(f"{path}:{line_number}: not a JSON line ({error.msg}).") from None
-      text = record.get(text_field) if isinstance(record, dict) else None
-      if not isinstance(text, str):
-        fields = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise ValueError(f"{path}:{line_number}: no text field {text_field!r} (a string); the "
-                         f"record holds {fields}. Name the field with --text_field.")
-      yield text, True
+  for line_number, record in jsonl.read_rows(path, "input"):
+    text = record.get(text_field) if isinstance(record, dict) else None
+    if not isinstance(text, str):
+      fields = sorted(record) if isinstance(record, dict) else type(record).__name__
+      raise ValueError(f"{path}:{line_number}: no text field {text_field!r} (a string); the "
+                       f"record holds {fields}. Name the field with --text_field.")
+    yield text, True
 
 
 def pieces(files: list[str], documents: str, text_field: str, chunk_chars: int

@@ -45,6 +45,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mdjax import jsonl
+
 Array = jax.Array
 
 
@@ -358,20 +360,12 @@ def read_samples(path: str) -> tuple[list[str], list[list[int]] | None]:
   if not path.endswith(".jsonl") or not os.path.isfile(path):
     raise ValueError(f"samples={path!r} must be a .jsonl file or sample.py's --out folder.")
   texts, tokens = [], []
-  with open(path) as f:
-    for n, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as error:
-        raise ValueError(f"samples={path!r} line {n}: not JSON ({error}).") from None
-      key = next((k for k in TEXT_KEYS if isinstance(row, dict) and k in row), None)
-      if key is None or not isinstance(row[key], str):
-        raise ValueError(f"samples={path!r} line {n}: no string field among {TEXT_KEYS}.")
-      texts.append(row[key])
-      ids = next((row[k] for k in TOKEN_KEYS if k in row), None)
-      tokens.append(ids)
+  for n, row in jsonl.read_rows(path, "samples"):
+    key = next((k for k in TEXT_KEYS if isinstance(row, dict) and k in row), None)
+    if key is None or not isinstance(row[key], str):
+      raise ValueError(f"samples={path!r} line {n}: no string field among {TEXT_KEYS}.")
+    texts.append(row[key])
+    tokens.append(next((row[k] for k in TOKEN_KEYS if k in row), None))
   if not texts:
     raise ValueError(f"samples={path!r} holds no sample.")
   return texts, (tokens if all(t is not None for t in tokens) else None)

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mdjax import jsonl
 from mdjax.tasks.base import Task
 
 PRETRAINED_PREFIX = "pretrained:"
@@ -99,16 +100,8 @@ def read_jsonl(path: str) -> list[Example]:
   if not os.path.isfile(path):
     raise ValueError(f"path={path!r} is not a file (a JSONL of prompts and responses).")
   examples = []
-  with open(path, encoding="utf-8") as f:
-    for number, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      where = f"{path}:{number}"
-      try:
-        obj = json.loads(line)
-      except json.JSONDecodeError as error:
-        raise ValueError(f"{where}: not JSON ({error}).") from None
-      examples.append(parse_example(obj, where))
+  for number, obj in jsonl.read_rows(path, "path"):
+    examples.append(parse_example(obj, f"{path}:{number}"))
   if not examples:
     raise ValueError(f"path={path!r} holds no example.")
   return examples
