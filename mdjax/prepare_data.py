@@ -179,8 +179,8 @@ def prepare(inputs: list[str], tokenizer: str, out: str, validation_fraction: fl
                                         bpe_training_chars, eos_token, total_bytes)
   os.makedirs(out, exist_ok=True)
   tokenizer_path = os.path.join(out, shards.TOKENIZER_FILE)
-  with open(tokenizer_path, "w", encoding="utf-8") as f:
-    f.write(shards.tokenizer_json(tok))
+  with shards.create_file(tokenizer_path) as f:
+    f.write(shards.tokenizer_json(tok).encode("utf-8"))
   dtype = shards.dtype_for(tok.size)
   writers = {s: shards.SplitWriter(out, s, dtype, tok.eos_id, shard_tokens)
              for s in shards.SPLITS}

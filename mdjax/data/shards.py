@@ -32,6 +32,7 @@ import functools
 import hashlib
 import json
 import os
+import secrets
 import stat
 import sys
 from typing import Sequence
@@ -172,11 +173,28 @@ def encode_many(tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
 # ----------------------------------------------------------------------------
 
 
+def create_file(path: str, exclusive: bool = False):
+  """`open(path, "wb")`, but a link, FIFO or device already at `path` (planted in an output
+  folder) is a ValueError rather than written through; `exclusive`: a new file only."""
+  flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+  try:
+    fd = os.open(path, flags | (os.O_EXCL if exclusive else 0), 0o666)
+  except OSError as error:  # ELOOP: a link; ENXIO: a FIFO without a reader
+    raise ValueError(f"{path}: cannot write it ({error.strerror}); the output folder holds "
+                     "something other than a regular file there.") from None
+  if not stat.S_ISREG(os.fstat(fd).st_mode):
+    os.close(fd)
+    raise ValueError(f"{path}: cannot write it; the output folder holds something other than a "
+                     "regular file there.")
+  os.ftruncate(fd, 0)
+  return os.fdopen(fd, "wb")
+
+
 class _HashedFile:
   """A binary file written in order, its SHA-256 kept as it goes."""
 
   def __init__(self, path: str):
-    self.path, self.file, self.digest, self.bytes = path, open(path, "wb"), hashlib.sha256(), 0
+    self.path, self.file, self.digest, self.bytes = path, create_file(path), hashlib.sha256(), 0
 
   def write(self, array: np.ndarray) -> None:
     data = array.tobytes()
@@ -246,12 +264,17 @@ class SplitWriter:
 
 
 def write_manifest(out_dir: str, manifest: dict) -> None:
-  """Writes manifest.json atomically (a temporary file, then a rename)."""
+  """Writes manifest.json atomically (a new temporary file, then a rename)."""
   path = os.path.join(out_dir, MANIFEST)
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    json.dump(manifest, f, indent=1, ensure_ascii=False)
-    f.write("\n")
-  os.replace(path + ".tmp", path)
+  temporary = f"{path}.{secrets.token_hex(8)}.tmp"  # not a fixed name someone could plant
+  try:
+    with create_file(temporary, exclusive=True) as f:
+      f.write((json.dumps(manifest, indent=1, ensure_ascii=False) + "\n").encode("utf-8"))
+    os.replace(temporary, path)
+  except BaseException:
+    if os.path.lexists(temporary):
+      os.remove(temporary)
+    raise
 
 
 # ----------------------------------------------------------------------------

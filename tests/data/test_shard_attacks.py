@@ -323,3 +323,43 @@ def test_every_shard_skipped_is_a_value_error_naming_the_split(corpus):
   with pytest.raises(ValueError) as error:
     data.Split(str(corpus), "train", manifest, on_corrupt="skip", log=lambda _: None)
   _one_line_naming(error, str(corpus), "train split", "skipped")
+
+
+# ----------------------------------------------------------------------------
+# An output folder someone else prepared.
+# ----------------------------------------------------------------------------
+
+
+def _prepare_into(prepared, out):
+  prepare([str(prepared.parent / "words.txt")], "char", str(out), validation_fraction=0.1,
+          documents="paragraph", shard_tokens=200)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "train-00000.bin", "validation-00000.idx"])
+def test_prepare_writes_through_no_link_or_fifo_in_its_output_folder(prepared, tmp_path, name):
+  victim = tmp_path / "victim.txt"
+  victim.write_text("keep me")
+  for planted in ("link", "fifo"):
+    out = tmp_path / planted
+    out.mkdir()
+    if planted == "link":
+      (out / name).symlink_to(victim)
+    else:
+      os.mkfifo(out / name)
+    with _deadline(), pytest.raises(ValueError) as error:  # opened to write, a FIFO waits
+      _prepare_into(prepared, out)
+    _one_line_naming(error, out / name, "cannot write it")
+    assert victim.read_text() == "keep me"
+
+
+def test_the_manifest_is_written_through_no_fixed_temporary_name(prepared, tmp_path):
+  victim = tmp_path / "victim.txt"
+  victim.write_text("keep me")
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "manifest.json.tmp").symlink_to(victim)
+  _prepare_into(prepared, out)
+  assert victim.read_text() == "keep me"
+  assert data.read_manifest(str(out)) == _manifest(prepared)
+  assert sorted(p.name for p in out.iterdir() if "manifest" in p.name) == [
+      "manifest.json", "manifest.json.tmp"]
