@@ -17,6 +17,7 @@ wrong model.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from typing import Any
 
@@ -91,6 +92,8 @@ def _get(raw: dict, key: str, kind, family: str, default: Any = ...):
   if not ok:
     raise ValueError(f"{family} config.json: {key}={value!r} is not a{'n' if kind is int else ''} "
                      f"{kind.__name__}")
+  if kind is float and not abs(value) < 1e308:  # inf, nan, or an int past float's range
+    raise ValueError(f"{family} config.json: {key}={value!r} is not a finite number")
   return kind(value)
 
 
@@ -128,11 +131,13 @@ class Layout:
   family: str
   model_types: tuple[str, ...]
   architectures: tuple[str, ...]
+  depth_key = "num_hidden_layers"  # config.json's count of stacked layers
 
   def matches(self, raw: dict) -> bool:
     if raw.get("model_type") is not None:
       return raw["model_type"] in self.model_types
-    return any(a in self.architectures for a in raw.get("architectures") or ())
+    architectures = raw.get("architectures")
+    return isinstance(architectures, list) and any(a in self.architectures for a in architectures)
 
   def tied(self, raw: dict) -> bool:
     """Whether the checkpoint's head is its embedding (no head tensor is stored)."""
@@ -176,7 +181,17 @@ class Layout:
                        "(its code takes d_model / num_heads)")
 
 
+def _published(family: str, **fields) -> PublishedConfig:
+  """PublishedConfig(**fields); what it refuses is named as config.json's."""
+  try:
+    return PublishedConfig(family=family, **fields)
+  except ValueError as e:
+    raise ValueError(f"{family} config.json: {e}") from None
+
+
 def _head_dim(d_model: int, heads: int, family: str, key: str) -> int:
+  if heads < 1:
+    raise ValueError(f"{family} config.json: {key}={heads} must be >= 1")
   if d_model % heads:
     raise ValueError(f"{family} config.json: the hidden size {d_model} is not a multiple of "
                      f"{key}={heads}")
@@ -189,6 +204,7 @@ class LLaDALayout(Layout):
   family = "llada"
   model_types = ("llada",)
   architectures = ("LLaDAModelLM",)
+  depth_key = "n_layers"
 
   def tied(self, raw: dict) -> bool:
     value = raw.get("weight_tying", False)  # ModelConfig's default is True; configs set it
@@ -226,8 +242,8 @@ class LLaDALayout(Layout):
     eot = _first_id(raw, "eot_token_id", f)
     if eot is None and vocab == LLADA_VOCAB:
       eot = LLADA_EOT_ID
-    return PublishedConfig(
-        family=f, vocab_size=vocab, d_model=d, num_layers=_get(raw, "n_layers", int, f),
+    return _published(
+        f, vocab_size=vocab, d_model=d, num_layers=_get(raw, "n_layers", int, f),
         num_heads=heads, num_kv_heads=kv, head_dim=_head_dim(d, heads, f, "n_heads"),
         mlp_hidden=mlp, rope_theta=_get(raw, "rope_theta", float, f, 10000.0),
         norm_eps=_get(raw, "rms_norm_eps", float, f, 1e-5),
@@ -301,8 +317,8 @@ class DreamLayout(Layout):
     _refuse(raw, f, "use_sliding_window", (False,), "attention is over the whole sequence")
     d = _get(raw, "hidden_size", int, f)
     heads = _get(raw, "num_attention_heads", int, f)
-    return PublishedConfig(
-        family=f, vocab_size=_get(raw, "vocab_size", int, f), d_model=d,
+    return _published(
+        f, vocab_size=_get(raw, "vocab_size", int, f), d_model=d,
         num_layers=_get(raw, "num_hidden_layers", int, f), num_heads=heads,
         num_kv_heads=_get(raw, "num_key_value_heads", int, f, heads),
         head_dim=_head_dim(d, heads, f, "num_attention_heads"),
@@ -398,8 +414,8 @@ class LlamaLayout(DreamLayout):
     head_dim = raw.get("head_dim")
     head_dim = (_head_dim(d, heads, f, "num_attention_heads") if head_dim is None
                 else _get(raw, "head_dim", int, f))
-    return PublishedConfig(
-        family=f, vocab_size=_get(raw, "vocab_size", int, f), d_model=d,
+    return _published(
+        f, vocab_size=_get(raw, "vocab_size", int, f), d_model=d,
         num_layers=_get(raw, "num_hidden_layers", int, f), num_heads=heads,
         num_kv_heads=_get(raw, "num_key_value_heads", int, f, heads), head_dim=head_dim,
         mlp_hidden=_get(raw, "intermediate_size", int, f), rope_theta=theta,
@@ -485,6 +501,7 @@ class DiTLayout(Layout):
   model_length, vocab_size (V + 1: the mask id V included), time_conditioning."""
 
   config_type = DiTConfig
+  depth_key = "n_blocks"
   soft_keys = ("dropout", "return_dict", "attn_backend", "var_min", "sampling_eps_min",
                "sampling_eps_max")
 
@@ -582,6 +599,14 @@ class DiTLayout(Layout):
       return {}
     dtype = np.dtype(config.jnp_dtype)
     shapes = dit.param_shapes(config)
+    # Only cond_dim sizes them and no tensor bounds it: no more values than the stored weights.
+    built = sum(math.prod(s) for s in (*shapes["sigma_map"].values(), shapes["blocks"]["ada"],
+                                     shapes["final"]["ada"]))
+    stored = sum(math.prod(leaf_shape(config, leaf)) for leaf in self.leaves(config, adaln=False))
+    if built > max(stored, 2**24):
+      raise ValueError(f"{self.family} config.json: cond_dim={config.cond_dim} with adaln false "
+                       f"builds {built:,} zero adaLN values, more than the checkpoint's "
+                       f"{stored:,} weights")
     zeros = lambda shape: np.zeros(shape, dtype)
     d = config.hidden_dim
     gates = np.zeros((6, d), dtype)

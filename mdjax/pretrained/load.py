@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
+import re
 import shutil
 from typing import Any
 
@@ -135,14 +135,16 @@ def _check_dtype(dtype):
 
 
 def _read_json(path: str) -> dict:
+  return tensors_lib.read_json(path, "JSON")
+
+
+def _read_text(path: str) -> str:
+  with tensors_lib.open_regular(path) as f:
+    data = f.read()
   try:
-    with open(path) as f:
-      raw = json.load(f)
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ValueError(f"{path}: unreadable JSON ({e})") from e
-  if not isinstance(raw, dict):
-    raise ValueError(f"{path}: not a JSON object")
-  return raw
+    return data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{path}: not UTF-8 text ({e})") from e
 
 
 def _checkpoint_dtype(infos, needed: list[str], embed: str, folder: str) -> str:
@@ -165,30 +167,44 @@ def _host(info: tensors_lib.TensorInfo, transpose: bool, dtype: np.dtype) -> np.
   return out
 
 
+def tokenizer_failure(e: BaseException) -> bool:
+  """Whether `e` is the tokenizers library refusing its input: an Exception, or the Rust
+  panic pyo3 raises as PanicException, which derives from BaseException only."""
+  return isinstance(e, Exception) or type(e).__name__ == "PanicException"
+
+
 def _load_tokenizer(folder: str):
   path = os.path.join(folder, TOKENIZER_FILE)
-  if not os.path.isfile(path):
+  if not tensors_lib.regular_file(path):
     return None
   import tokenizers  # a dependency of mdjax; imported only when a folder has a tokenizer
+  text = _read_text(path)  # read here: the library would open a FIFO swapped in and block
   try:
-    return tokenizers.Tokenizer.from_file(path)
-  except Exception as e:  # tokenizers raises its own exception type for a bad file
-    raise ValueError(f"{path}: unreadable tokenizer ({e})") from e
+    return tokenizers.Tokenizer.from_str(text)
+  except BaseException as e:  # its own exception type, or a panic on a malformed section
+    if not tokenizer_failure(e):
+      raise
+    raise ValueError(f"{path}: unreadable tokenizer ({type(e).__name__}: "
+                     f"{str(e).splitlines()[0] if str(e) else ''})") from None
 
 
 def _chat_template(folder: str) -> str | None:
   path = os.path.join(folder, CHAT_TEMPLATE_FILE)
-  if os.path.isfile(path):
-    with open(path) as f:
-      return f.read()
+  if tensors_lib.regular_file(path):
+    return _read_text(path)
   path = os.path.join(folder, TOKENIZER_CONFIG_FILE)
-  if not os.path.isfile(path):
+  if not tensors_lib.regular_file(path):
     return None
   template = _read_json(path).get("chat_template")
-  if isinstance(template, list):  # named templates: the default one
-    template = next((t.get("template") for t in template
-                     if isinstance(t, dict) and t.get("name") == "default"), None)
-  return template if isinstance(template, str) else None
+  if isinstance(template, list):  # named templates ([{"name", "template"}]): the default one
+    if not all(isinstance(t, dict) for t in template):
+      raise ValueError(f"{path}: chat_template is a list whose items are not all "
+                       "{\"name\", \"template\"} objects")
+    template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+  if template is not None and not isinstance(template, str):
+    raise ValueError(f"{path}: chat_template is a {type(template).__name__}, not a string (or "
+                     "a list of named templates)")
+  return template
 
 
 CKPT_SUFFIXES = (".ckpt", ".pt", ".pth")
@@ -197,18 +213,21 @@ CKPT_SUFFIXES = (".ckpt", ".pt", ".pth")
 def _ckpt_file(src: str) -> str | None:
   """The torch checkpoint `load` reads: `src` itself, or the one .ckpt of a folder without
   safetensors weights; None for a Hugging Face folder."""
-  if os.path.isfile(src):
+  if not os.path.isdir(src):
+    if not os.path.exists(src):
+      raise ValueError(f"{src}: not a folder")
+    tensors_lib.regular_file(src)  # a FIFO or device is refused, never opened
     if src.endswith(CKPT_SUFFIXES):
       return src
     raise ValueError(f"{src}: not a folder, nor a torch checkpoint ({', '.join(CKPT_SUFFIXES)})")
-  if not os.path.isdir(src):
-    raise ValueError(f"{src}: not a folder")
-  if any(os.path.isfile(os.path.join(src, n))
+  if any(tensors_lib.regular_file(os.path.join(src, n))
          for n in (tensors_lib.SINGLE_FILE, tensors_lib.INDEX_FILE)):
     return None
   found = sorted(n for n in os.listdir(src) if n.endswith(".ckpt"))
   if len(found) > 1:
     raise ValueError(f"{src}: several checkpoints ({', '.join(found)}): pass the file")
+  if found and not tensors_lib.regular_file(os.path.join(src, found[0])):
+    raise ValueError(f"{os.path.join(src, found[0])}: missing (a dangling link)")
   return os.path.join(src, found[0]) if found else None
 
 
@@ -217,7 +236,7 @@ def _raw_config(config, folder: str, where: str) -> dict:
   to a JSON file) or else the folder's config.json."""
   if config is None:
     path = os.path.join(folder, CONFIG_FILE)
-    if not os.path.isfile(path):
+    if not tensors_lib.regular_file(path):
       raise ValueError(f"{where}: no {CONFIG_FILE}" + (
           "" if where == folder else " beside it: pass config= (a DiTConfig, a config.json "
           "dict or path)"))
@@ -235,6 +254,13 @@ def _raw_config(config, folder: str, where: str) -> dict:
 def _read(info) -> np.ndarray:
   # A .ckpt's StoredTensor reads itself; a safetensors TensorInfo is memory-mapped here.
   return info.read() if hasattr(info, "read") else tensors_lib.read_tensor(info)
+
+
+def _layers_held(leaves, names) -> int:
+  """How many distinct layer indices the stacked leaves' tensor names carry."""
+  patterns = [re.compile(re.escape(leaf.hf).replace(re.escape("{i}"), r"(\d+)"))
+              for leaf in leaves if leaf.stacked]
+  return len({m.group(1) for name in names for p in patterns if (m := p.fullmatch(name))})
 
 
 def _put(tree: dict, path: tuple[str, ...], value):
@@ -260,17 +286,13 @@ def load(path: str, *, dtype: str | None = None, mesh: Mesh | None = None, confi
   _check_dtype(dtype)
   src = os.fspath(path)
   ckpt = _ckpt_file(src)
+  folder = src if ckpt is None else os.path.dirname(os.path.abspath(ckpt))
+  raw = _raw_config(config, folder, ckpt or folder)
+  where = os.path.join(folder, CONFIG_FILE) if config is None else ckpt or folder
+  layout = layouts_lib.detect(raw, where)
   if ckpt is None:
-    folder = src
-    raw = _raw_config(config, folder, folder)
-    where = os.path.join(folder, CONFIG_FILE) if config is None else folder
-    layout = layouts_lib.detect(raw, where)
     infos = tensors_lib.read_checkpoint(folder)
   else:
-    folder = os.path.dirname(os.path.abspath(ckpt))
-    raw = _raw_config(config, folder, ckpt)
-    layout = layouts_lib.detect(raw, ckpt if config is not None else
-                                os.path.join(folder, CONFIG_FILE))
     infos = lightning.state_tensors(lightning.read_ckpt(ckpt), ckpt, ema=ema)
   tied = layout.tied(raw)
 
@@ -278,6 +300,11 @@ def load(path: str, *, dtype: str | None = None, mesh: Mesh | None = None, confi
   probe = layout.config_from_hf(raw, dtype or "float32")
   leaves = layout.leaves(probe, tied, **layout.leaf_options(raw))
   n_layers = layouts_lib.depth(probe)
+  # The depth is bounded by the tensors present before any per-layer name is built.
+  held = _layers_held(leaves, infos)
+  if n_layers > held:
+    raise ValueError(f"{where}: {layout.depth_key}={n_layers} but the checkpoint holds tensors "
+                     f"for {held} layers (missing tensor(s) of the others)")
   needed = list(dict.fromkeys(n for leaf in leaves for n in leaf.hf_names(n_layers)))
   buffers = [n for n in layouts_lib.optional_buffers(layout) if n in infos]
   missing = [n for n in needed if n not in infos]
@@ -380,20 +407,50 @@ def _to_host(x, index: int | None, transpose: bool, dtype: np.dtype) -> np.ndarr
   return np.ascontiguousarray((x.T if transpose else x).astype(dtype, copy=False))
 
 
-def _auto_map_files(raw: dict) -> list[str]:
-  """The modeling files config.json's auto_map names ("module.Class" -> module.py)."""
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _auto_map_files(raw: dict, where: str) -> list[str]:
+  """The modeling files config.json's auto_map names ("module.Class" -> module.py); a module
+  that is not a plain name (a path, "..") is a ValueError naming `where` and the entry."""
   auto_map = raw.get("auto_map")
   if not isinstance(auto_map, dict):
     return []
   refs = [r for v in auto_map.values() for r in (v if isinstance(v, list) else [v])]
-  return sorted({r.rsplit(".", 1)[0] + ".py" for r in refs
-                 if isinstance(r, str) and "--" not in r and "." in r})
+  files = set()
+  for ref in refs:
+    if not isinstance(ref, str) or "--" in ref or "." not in ref:
+      continue  # "repo--module.Class" names another repository's file: nothing to copy
+    module = ref.rsplit(".", 1)[0]
+    if not _MODULE_NAME.fullmatch(module):
+      raise ValueError(f"{where}: auto_map entry {ref!r} does not name a module file of the "
+                       "folder (module.Class, the module letters, digits and _)")
+    files.add(module + ".py")
+  return sorted(files)
+
+
+def _side_files(source: str, names) -> list[str]:
+  """The names among `names` that are files of the source folder, checked to be regular
+  files and not symbolic links (a link could carry any file of the machine into the copy)."""
+  present = []
+  for name in names:
+    path = os.path.join(source, name)
+    if os.path.islink(path):
+      raise ValueError(f"{path}: a symbolic link; save copies only regular files of the source "
+                       "folder (put the file itself there)")
+    if tensors_lib.regular_file(path):
+      present.append(name)
+  return present
 
 
 def _copy(src: str, dst: str):
-  if os.path.exists(dst) and os.path.samefile(src, dst):
+  """Copies a regular file, following no symbolic link at either end (one planted at dst is
+  replaced)."""
+  if os.path.isfile(dst) and not os.path.islink(dst) and os.path.samefile(src, dst):
     return
-  shutil.copyfile(src, dst)
+  with tensors_lib.open_regular(src, follow_links=False) as f, \
+       tensors_lib.atomic_write(dst) as out:
+    shutil.copyfileobj(f, out)
 
 
 def save(model_or_params, path: str, *, family: str | None = None,
@@ -407,7 +464,10 @@ def save(model_or_params, path: str, *, family: str | None = None,
   their config.json and `backbone.*` tensors, the rotary buffer included). dtype: None keeps each leaf's dtype, else casts. With
   max_shard_bytes the weights are sharded (model-0000i-of-0000n.safetensors and
   model.safetensors.index.json). The head is always written as its own tensor (weight_tying /
-  tie_word_embeddings false).
+  tie_word_embeddings false). Side files are copied only as regular files of the source
+  folder (a symbolic link there, or an auto_map module that is not a plain name, is a
+  ValueError raised before anything is written), and every file is written under a new
+  temporary name and renamed, so a link planted in `path` is replaced, never written through.
   """
   _check_dtype(dtype)
   model = model_or_params if isinstance(model_or_params, PretrainedModel) else None
@@ -425,6 +485,12 @@ def save(model_or_params, path: str, *, family: str | None = None,
   if not isinstance(config, layout.config_type):
     raise ValueError(f"save: family {family!r} needs a {layout.config_type.__name__}, got a "
                      f"{type(config).__name__}")
+
+  # The source's side files, checked before anything is written.
+  source = model.source if model and model.source and os.path.isdir(model.source) else None
+  source_config = os.path.join(model.source if model and model.source else "", CONFIG_FILE)
+  modeling = _auto_map_files(model.hf_config or {}, source_config) if model else []
+  side = _side_files(source, SIDE_FILES + tuple(modeling)) if source else []
 
   flat = _flat(params)
   leaves = layout.leaves(config)
@@ -462,27 +528,24 @@ def save(model_or_params, path: str, *, family: str | None = None,
   written = tensors_lib.write_checkpoint(folder, tensors, max_shard_bytes=max_shard_bytes,
                                          metadata={"format": "pt"})
 
-  source = model.source if model and model.source and os.path.isdir(model.source) else None
   copied = []
-  if source:
-    for name in SIDE_FILES + tuple(_auto_map_files(model.hf_config or {})):
-      if os.path.isfile(os.path.join(source, name)):
-        _copy(os.path.join(source, name), os.path.join(folder, name))
-        copied.append(name)
+  for name in side:
+    _copy(os.path.join(source, name), os.path.join(folder, name))
+    copied.append(name)
   if model and model.tokenizer is not None and TOKENIZER_FILE not in copied:
-    with open(os.path.join(folder, TOKENIZER_FILE), "w") as f:
+    with tensors_lib.atomic_write(os.path.join(folder, TOKENIZER_FILE), "w") as f:
       f.write(model.tokenizer.to_str())
     copied.append(TOKENIZER_FILE)
   if (model and model.chat_template is not None and CHAT_TEMPLATE_FILE not in copied
       and TOKENIZER_CONFIG_FILE not in copied):
-    with open(os.path.join(folder, CHAT_TEMPLATE_FILE), "w") as f:
+    with tensors_lib.atomic_write(os.path.join(folder, CHAT_TEMPLATE_FILE), "w") as f:
       f.write(model.chat_template)
     copied.append(CHAT_TEMPLATE_FILE)
 
   # The source's own config.json keys (auto_map, ids the params do not carry) are kept where
   # they do not describe the architecture; the architecture keys are always ours.
   base = dict(model.hf_config) if model and model.hf_config else {}
-  if "auto_map" in base and not all(f in copied for f in _auto_map_files(base)):
+  if "auto_map" in base and not all(f in copied for f in modeling):
     del base["auto_map"]
   if family == "llada" and isinstance(base.get("vocab_size"), int) and (
       base["vocab_size"] <= config.vocab_size):

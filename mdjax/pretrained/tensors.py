@@ -6,17 +6,23 @@ data (offsets count from the end of the header). Tensors are read one at a time 
 `np.memmap`, so a reader holds one tensor in host memory, never the file. A sharded
 checkpoint lists its tensors' files in `model.safetensors.index.json` (`weight_map`).
 
-Every defect a file can have (truncation, a header length past the end, bad JSON, offsets out
-of range or overlapping, a byte count that is not prod(shape) * itemsize, an unknown dtype) is
-a ValueError naming the file and, where there is one, the tensor.
+Every defect a file can have (truncation, a header length past the end, bad JSON, a key listed
+twice, offsets out of range or overlapping, a byte count that is not prod(shape) * itemsize, an
+unknown dtype; in a sharded checkpoint a tensor stored in two shards) is a ValueError naming the
+file and, where there is one, the tensor. Only regular files are opened (a FIFO or a device
+named like a checkpoint file would block or never end), and every file is written by a rename
+of a new temporary file, so a symbolic link planted at its name is replaced, never written
+through.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import stat
 import tempfile
 from typing import Any, Callable, Iterable, Mapping
 
@@ -70,11 +76,111 @@ class TensorInfo:
     return DTYPES[self.dtype]
 
 
+# ----------------------------------------------------------------------------
+# Files.
+# ----------------------------------------------------------------------------
+
+
+def regular_file(path: str) -> bool:
+  """Whether `path` names a regular file (through symbolic links): False when nothing is
+  there, a ValueError when something else is (a FIFO, socket, device or folder)."""
+  try:
+    mode = os.stat(path).st_mode
+  except FileNotFoundError:
+    return False
+  except OSError as e:
+    raise ValueError(f"{path}: cannot read ({e.strerror})") from e
+  if not stat.S_ISREG(mode):
+    raise ValueError(f"{path}: not a regular file (a FIFO, socket, device or folder is never "
+                     "read)")
+  return True
+
+
+def open_regular(path: str, *, follow_links: bool = True):
+  """`path` opened for reading in binary, once it is checked to be a regular file (the open
+  does not block on a FIFO swapped in after a check); follow_links=False refuses a symbolic
+  link. A ValueError naming the file otherwise."""
+  flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+  if not follow_links:
+    flags |= os.O_NOFOLLOW
+  try:
+    fd = os.open(path, flags)
+  except OSError as e:
+    link = not follow_links and os.path.islink(path)
+    raise ValueError(f"{path}: " + ("a symbolic link, which is never followed here" if link
+                                    else f"cannot read ({e.strerror})")) from e
+  if not stat.S_ISREG(os.fstat(fd).st_mode):
+    os.close(fd)
+    raise ValueError(f"{path}: not a regular file (a FIFO, socket, device or folder is never "
+                     "read)")
+  os.set_blocking(fd, True)
+  return os.fdopen(fd, "rb")
+
+
+class _DuplicateKey(ValueError):
+  """A JSON object lists this key twice."""
+
+
+def _unique_keys(pairs: list) -> dict:
+  """A JSON object's dict; a key listed twice is an error (json keeps the last silently)."""
+  out = dict(pairs)
+  if len(out) < len(pairs):
+    seen = set()
+    for key, _ in pairs:
+      if key in seen:
+        raise _DuplicateKey(key)
+      seen.add(key)
+  return out
+
+
+def read_json(path: str, what: str = "JSON file", *, unique_keys: bool = False) -> dict:
+  """A JSON file's top-level object; a ValueError naming the file when it is not a regular
+  file, not UTF-8 JSON, nested too deep, not an object or (unique_keys) lists a key twice."""
+  with open_regular(path) as f:
+    data = f.read()
+  try:
+    raw = json.loads(data.decode("utf-8"), object_pairs_hook=_unique_keys if unique_keys else None)
+  except _DuplicateKey as e:
+    raise ValueError(f"{path}: key {e.args[0]!r} appears twice in one object") from None
+  except RecursionError:
+    raise ValueError(f"{path}: unreadable {what} (nested too deeply)") from None
+  except ValueError as e:  # bad UTF-8, bad JSON, a number past the int digit limit
+    raise ValueError(f"{path}: unreadable {what} ({e})") from e
+  if not isinstance(raw, dict):
+    raise ValueError(f"{path}: not a JSON object (a JSON {type(raw).__name__})")
+  return raw
+
+
+@contextlib.contextmanager
+def atomic_write(path: str, mode: str = "wb", *, sync: bool = False):
+  """A new file that replaces `path` once the block ends without error: written under a
+  temporary name in the same folder and renamed over `path`, so a reader never sees half a
+  file and a symbolic link at `path` is replaced, not written through."""
+  folder = os.path.dirname(os.path.abspath(path))
+  fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(path)[1], dir=folder)
+  try:
+    with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
+      yield f
+      if sync:
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
+# ----------------------------------------------------------------------------
+# Reading.
+# ----------------------------------------------------------------------------
+
+
 def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
   """Validates one file's header against its size: ({name: TensorInfo}, metadata)."""
-  try:
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+  with open_regular(path) as f:
+    try:
+      size = os.fstat(f.fileno()).st_size
       first = f.read(8)
       if len(first) < 8:
         raise ValueError(f"{path}: truncated safetensors file ({size} bytes, under the "
@@ -84,11 +190,17 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         raise ValueError(f"{path}: corrupt safetensors file: header length {n} exceeds the "
                          f"file's {size - 8} bytes after the length word")
       raw = f.read(n)
-  except OSError as e:
-    raise ValueError(f"{path}: cannot read safetensors file ({e})") from e
+    except OSError as e:
+      raise ValueError(f"{path}: cannot read safetensors file ({e})") from e
   try:
-    header = json.loads(raw.decode("utf-8"))
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    # The format refuses a key listed twice (the Rust reader does); json would keep the last.
+    header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+  except _DuplicateKey as e:
+    raise ValueError(f"{path}: corrupt safetensors header: key {e.args[0]!r} is listed "
+                     "twice") from None
+  except RecursionError:
+    raise ValueError(f"{path}: corrupt safetensors header (nested too deeply)") from None
+  except ValueError as e:  # bad UTF-8 or bad JSON
     raise ValueError(f"{path}: corrupt safetensors header (not JSON: {e})") from e
   if not isinstance(header, dict):
     raise ValueError(f"{path}: corrupt safetensors header (a JSON {type(header).__name__}, "
@@ -139,30 +251,28 @@ def read_tensor(info: TensorInfo) -> np.ndarray:
   """The tensor as a read-only memory map (nothing is read until it is touched)."""
   if info.nbytes == 0:  # an empty range cannot be mapped
     return np.zeros(info.shape, info.np_dtype)
-  return np.memmap(info.path, dtype=info.np_dtype, mode="r", offset=info.begin,
-                   shape=info.shape)
+  with open_regular(info.path) as f:  # the map outlives the file object
+    return np.memmap(f, dtype=info.np_dtype, mode="r", offset=info.begin, shape=info.shape)
 
 
 def read_index(folder: str) -> dict[str, str]:
   """{tensor: shard path} of a sharded checkpoint's index; every shard named must exist."""
   path = os.path.join(folder, INDEX_FILE)
-  try:
-    with open(path) as f:
-      index = json.load(f)
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ValueError(f"{path}: unreadable safetensors index ({e})") from e
-  weight_map = index.get("weight_map") if isinstance(index, dict) else None
-  if not isinstance(weight_map, dict) or not all(
-      isinstance(v, str) for v in weight_map.values()):
+  index = read_json(path, "safetensors index", unique_keys=True)
+  weight_map = index.get("weight_map")
+  if not isinstance(weight_map, dict):
     raise ValueError(f"{path}: the index has no weight_map object of {{tensor: file}}")
   files = {}
   for tensor, name in weight_map.items():
+    if not isinstance(name, str):
+      raise ValueError(f"{path}: weight_map[{tensor!r}] is a {type(name).__name__}, not a "
+                       "file name")
     # A shard name is a plain file in the folder: never a path out of it.
     if os.path.basename(name) != name:
       raise ValueError(f"{path}: tensor {tensor!r} maps to {name!r}, not a file name")
     files[tensor] = os.path.join(folder, name)
   for shard in sorted(set(files.values())):
-    if not os.path.isfile(shard):
+    if not regular_file(shard):
       raise ValueError(f"{path}: shard file {os.path.basename(shard)!r} is missing "
                        f"(named for tensors of the index)")
   return files
@@ -174,9 +284,17 @@ def read_checkpoint(folder: str) -> dict[str, TensorInfo]:
   The index wins when both are present. Raises ValueError when there are no weights, when a
   shard is missing, or when a file is corrupt.
   """
-  if os.path.isfile(os.path.join(folder, INDEX_FILE)):
+  if regular_file(os.path.join(folder, INDEX_FILE)):
     files = read_index(folder)
     headers = {shard: read_header(shard)[0] for shard in sorted(set(files.values()))}
+    stored_in: dict[str, str] = {}
+    for shard, header in headers.items():
+      for tensor in header:
+        if tensor in stored_in:
+          raise ValueError(f"{os.path.join(folder, INDEX_FILE)}: tensor {tensor!r} is stored "
+                           f"in two shards, {os.path.basename(stored_in[tensor])!r} and "
+                           f"{os.path.basename(shard)!r}")
+        stored_in[tensor] = shard
     infos = {}
     for tensor, shard in files.items():
       if tensor not in headers[shard]:
@@ -185,7 +303,7 @@ def read_checkpoint(folder: str) -> dict[str, TensorInfo]:
       infos[tensor] = headers[shard][tensor]
     return infos
   single = os.path.join(folder, SINGLE_FILE)
-  if os.path.isfile(single):
+  if regular_file(single):
     return read_header(single)[0]
   raise ValueError(f"{folder}: no weights: neither {SINGLE_FILE} nor {INDEX_FILE}")
 
@@ -239,44 +357,26 @@ def write_file(path: str, tensors: Mapping[str, Any], metadata: Mapping[str, str
     offset += n
   raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
   raw += b" " * (-len(raw) % 8)  # pads the header so the data start 8-byte aligned
-  folder = os.path.dirname(os.path.abspath(path))
-  fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=folder)
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(len(raw).to_bytes(8, "little"))
-      f.write(raw)
-      for name in names:
-        x = tensors[name]
-        want = np.dtype(x.dtype)
-        host = np.asarray(np.asarray(x), order="C")  # (ascontiguousarray would make a scalar 1-d)
-        if host.dtype != want or host.shape != tuple(x.shape):
-          raise ValueError(f"{path}: tensor {name!r} gave {host.shape} {host.dtype}, "
-                           f"not {tuple(x.shape)} {want}")
-        f.write(host.astype(host.dtype.newbyteorder("<"), copy=False).tobytes())
-        del host  # one tensor on the host at a time
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
+  with atomic_write(path, sync=True) as f:
+    f.write(len(raw).to_bytes(8, "little"))
+    f.write(raw)
+    for name in names:
+      x = tensors[name]
+      want = np.dtype(x.dtype)
+      host = np.asarray(np.asarray(x), order="C")  # (ascontiguousarray would make a scalar 1-d)
+      if host.dtype != want or host.shape != tuple(x.shape):
+        raise ValueError(f"{path}: tensor {name!r} gave {host.shape} {host.dtype}, "
+                         f"not {tuple(x.shape)} {want}")
+      f.write(host.astype(host.dtype.newbyteorder("<"), copy=False).tobytes())
+      del host  # one tensor on the host at a time
   return 8 + len(raw) + offset
 
 
 def write_json(path: str, obj) -> None:
-  """Writes JSON atomically (temporary file, then a rename)."""
-  folder = os.path.dirname(os.path.abspath(path))
-  fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
-  try:
-    with os.fdopen(fd, "w") as f:
-      json.dump(obj, f, indent=2, sort_keys=True)
-      f.write("\n")
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
+  """Writes JSON atomically (`atomic_write`)."""
+  with atomic_write(path, "w") as f:
+    json.dump(obj, f, indent=2, sort_keys=True)
+    f.write("\n")
 
 
 def plan_shards(sizes: Iterable[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
