@@ -4,26 +4,35 @@ torch.save writes a zip archive: `<root>/data.pkl` (a pickle whose tensors are c
 `torch._utils._rebuild_tensor_v2(storage, offset, size, stride, ...)` and whose storages are
 persistent ids `("storage", torch.FloatStorage, key, location, numel)`) and one file
 `<root>/data/<key>` of raw little-endian bytes per storage, stored uncompressed. A pickle can
-name any callable, so this reader never unpickles freely: `find_class` resolves a global only
-to one of this module's own stand-ins, and nothing from the file's modules is imported or run.
+name any callable, so `find_class` resolves a global only to one of this module's stand-ins
+(nothing from the file's modules is imported or run):
 
-The policy, by the global's name:
+- tensors: torch's rebuild functions, storage types, `torch.Size`, dtypes and devices ->
+  stand-ins that build a lazy `StoredTensor` (a memory map of its storage, read when asked for);
+- plain values: `collections.OrderedDict` / `defaultdict`, the builtin types (dict, list,
+  tuple, set, frozenset, int, float, complex, str, bytes, bool, slice, object) and
+  `_codecs.encode` (protocol 2's bytes; latin-1 only);
+- metadata Lightning keeps beside the weights: classes of omegaconf, transformers, tokenizers,
+  lightning / pytorch_lightning / lightning_fabric, torchmetrics, typing, pathlib and numpy ->
+  inert `Opaque` placeholders that record their name and arguments (never constructed);
+- anything else (`os.system`, `builtins.eval`, any other class) is refused, naming it.
 
-- tensors: torch's rebuild functions, the storage types, `torch.Size`, dtypes and devices ->
-  stand-ins that build a lazy `StoredTensor` (a memory map of its storage file, read when
-  asked for);
-- plain containers and values: `collections.OrderedDict` / `defaultdict`, the builtin value
-  types (dict, list, tuple, set, frozenset, int, float, complex, str, bytes, bool, slice,
-  object) and `_codecs.encode` (protocol 2's bytes; latin-1 only);
-- metadata that Lightning stores beside the weights (`hyper_parameters`, callbacks): classes of
-  omegaconf, transformers, tokenizers, lightning / pytorch_lightning / lightning_fabric,
-  torchmetrics, typing, pathlib and numpy -> inert `Opaque` placeholders that only record their
-  name and arguments (never constructed, their module never imported);
-- anything else (`os.system`, `builtins.eval`, `subprocess.Popen`, any other class) is a
-  ValueError naming it: the file is refused before any of it is built.
-
-So a checkpoint of the MDLM / BD3-LM reference code reads whole, weights as tensors and its
-configs as placeholders, and a file that names code to run is refused.
+Pickle's other opcodes act on whatever they are given, so the unpickler is pickle's pure-Python
+one with its own dispatch table (the C one's is fixed; a data.pkl is small: milliseconds).
+BUILD is allowed only on `Opaque` placeholders (and an OrderedDict's `_metadata`, where
+torch's state_dict keeps module versions), never on a storage, tensor, stand-in or value. A
+storage's offset and size come from the member table of the archive (a regular file), never
+from the pickle; a tensor must lie inside its storage and hold no more elements than it (a
+stride-0 view of 4 bytes is not a 4 GB tensor). Calls are of stand-ins, placeholders and
+builtin types only, with arguments that cannot amplify (`bytes` of bytes or text, never of a
+count; containers of containers, their items counted); items go only into dicts, lists, sets
+and placeholders, keyed by what hashes in bounded time (values, frozensets, placeholders,
+small tuples), at most MAX_SAME_HASH keys of one dict sharing a hash (colliding keys make
+insertion quadratic). data.pkl is at most MAX_PICKLE_BYTES, deflated at most MAX_RATIO times
+(refused by its declared sizes, then read in chunks), unpickled in at most MAX_STEPS opcodes
+and copied items, naming at most MAX_CLASSES metadata classes: a few seconds and a few hundred
+MB whatever the file (a Lightning checkpoint's data.pkl is KBs to MBs, thousands of steps).
+Every malformed input is a one-line ValueError naming the file.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import io
 import math
 import os
 import pickle
+import stat
 import zipfile
 from typing import Any
 
@@ -57,34 +67,73 @@ OPAQUE_MODULES = ("omegaconf", "transformers", "tokenizers", "lightning", "pytor
 CONVERT_HINT = ("convert it with torch's own restricted loader instead: pip install "
                 "'mdjax[reference]' and run python -m mdjax.pretrained.convert_ckpt IN.ckpt OUT_DIR "
                 "--config=CONFIG.json")
+# Caps (module docstring): far above what checkpoints need, far below what hurts.
+MAX_PICKLE_BYTES = 64 << 20
+MAX_RATIO = 100  # inflated / compressed, for a deflated member over 1 MiB
+MAX_STEPS = 2_000_000  # opcodes run plus items copied into new containers
+MAX_CLASSES = 1000  # distinct metadata classes (a checkpoint names tens)
+MAX_SAME_HASH = 8  # keys of one dict or set sharing a hash
+MAX_KEY_ITEMS = 64  # values in a tuple used as a dict key or set item
+MAX_DIMS, MAX_DIM = 64, 1 << 48  # a tensor's dimensions, and their product (zeros aside)
 
 
-@dataclasses.dataclass(frozen=True)
-class _StorageType:
-  name: str
+class _Refused(ValueError):  # a refusal whose message lacks the file's name (read_ckpt adds it)
+  pass
 
-  @property
-  def dtype(self) -> np.dtype:
-    return STORAGE_DTYPES[self.name]
+
+def _show(value) -> str:
+  """A short description of an unpickled value for a message, never its whole repr."""
+  if type(value) in (str, bytes):
+    return repr(value[:60])
+  if type(value) in (type(None), bool, float) or (type(value) is int and abs(value) < 1 << 64):
+    return repr(value)
+  return f"a {type(value).__name__}"
+
+
+def _one_line(e: BaseException) -> str:
+  return " ".join(f"{type(e).__name__}: {e}".split())[:300]
+
+
+_StorageType = collections.namedtuple("_StorageType", "name")  # torch.FloatStorage, ...
 
 
 @dataclasses.dataclass(frozen=True)
 class _Storage:
-  """One storage file of the archive: where its bytes lie and their dtype."""
+  """Where a storage's bytes lie in the archive (its member table), their dtype, the file's id."""
 
   path: str
+  key: str
   begin: int  # absolute offset of the bytes in the .ckpt file
   nbytes: int
   dtype: np.dtype
+  file_id: tuple[int, int]
+
+
+def _open_nonblocking(path, flags):
+  # A FIFO opened for reading blocks until a writer comes; non-blocking, fstat refuses it.
+  return os.open(path, flags | os.O_NONBLOCK)
+
+
+def _layout_error(storage: _Storage, offset, shape, stride) -> str | None:
+  """Why a tensor's offset, shape and strides (in elements) do not fit its storage, or None."""
+  count = storage.nbytes // storage.dtype.itemsize
+  where = f"(offset {offset}, shape {list(shape)}, stride {list(stride)})"
+  if len(shape) != len(stride) or len(shape) > MAX_DIMS or any(d < 0 for d in shape) or any(
+      st < 0 for st in stride) or math.prod(d for d in shape if d) >= MAX_DIM:
+    return f"{where} is not a tensor layout"
+  numel = math.prod(shape)
+  last = offset + sum((d - 1) * st for d, st in zip(shape, stride))
+  if numel and (offset < 0 or last >= count):
+    return f"{where} lies outside its storage of {count} elements"
+  if numel > count - offset:  # only an overlapping (e.g. stride-0) view holds more
+    return f"{where} holds {numel} elements over the {count - offset} of its storage"
+  return None
 
 
 @dataclasses.dataclass(frozen=True)
 class StoredTensor:
-  """A tensor of a .ckpt: its storage, offset, shape and strides (in elements).
-
-  The same fields as a safetensors `TensorInfo` where the loader reads them (name, path,
-  dtype code, shape, nbytes), plus `read()`: a read-only array over a memory map of the file.
-  """
+  """A tensor of a .ckpt: its storage, offset, shape and strides (in elements). The fields of
+  a safetensors `TensorInfo` the loader reads, and `read()`: a read-only view of the file."""
 
   storage: _Storage
   offset: int
@@ -109,78 +158,62 @@ class StoredTensor:
     return math.prod(self.shape) * self.storage.dtype.itemsize
 
   def read(self) -> np.ndarray:
+    """A view of the storage, checked to lie inside it before anything is mapped or copied."""
     s, item = self.storage, self.storage.dtype.itemsize
+    error = _layout_error(s, self.offset, self.shape, self.stride)
+    if error:
+      raise ValueError(f"{s.path}: tensor {self.name or '?'} {error}")
     count = s.nbytes // item
-    last = self.offset + sum((d - 1) * st for d, st in zip(self.shape, self.stride))
-    if math.prod(self.shape) and (self.offset < 0 or last >= count
-                                  or any(st < 0 for st in self.stride)):
-      raise ValueError(f"{s.path}: tensor {self.name or '?'} (offset {self.offset}, shape "
-                       f"{list(self.shape)}, stride {list(self.stride)}) lies outside its "
-                       f"storage of {count} elements")
     if not math.prod(self.shape) or not count:
       return np.zeros(self.shape, s.dtype)
-    flat = np.memmap(s.path, dtype=s.dtype, mode="r", offset=s.begin, shape=(count,))
-    return np.lib.stride_tricks.as_strided(
-        flat[self.offset:], shape=self.shape, strides=tuple(st * item for st in self.stride),
-        writeable=False)
+    with open(s.path, "rb", opener=_open_nonblocking) as f:
+      st = os.fstat(f.fileno())
+      if (not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != s.file_id
+          or st.st_size < s.begin + s.nbytes):
+        raise ValueError(f"{s.path}: changed since it was read (storage data/{s.key})")
+      flat = np.memmap(f, dtype=s.dtype, mode="r", offset=s.begin, shape=(count,))
+    # torch gives a dimension of size 1 any stride: 0 keeps numpy's arithmetic small.
+    strides = tuple(st * item if d > 1 else 0 for d, st in zip(self.shape, self.stride))
+    return np.lib.stride_tricks.as_strided(flat[self.offset:], shape=self.shape,
+                                           strides=strides, writeable=False)
 
   def named(self, name: str) -> "StoredTensor":
     return dataclasses.replace(self, name=name)
 
 
 class Opaque:
-  """An object the reader does not build: its class name and what it was given."""
+  """An object the reader does not build: its class name, arguments, state and items. A class
+  the pickle names is one too; calling it makes another."""
+
+  __slots__ = ("qualname", "args", "state", "items", "list")
 
   def __init__(self, qualname: str, args=(), state=None):
     self.qualname, self.args, self.state = qualname, args, state
     self.items: dict = {}
     self.list: list = []
 
-  def __setstate__(self, state):
-    self.state = state
-
-  def __setitem__(self, key, value):
-    self.items[key] = value
-
-  def append(self, value):
-    self.list.append(value)
-
-  def extend(self, values):
-    self.list.extend(values)
-
   def __repr__(self):
     return f"<Opaque {self.qualname}>"
 
 
-def _opaque_class(qualname: str):
-  """A class standing in for a metadata class: building it (REDUCE, NEWOBJ) records the
-  arguments; pickle's BUILD calls Opaque.__setstate__."""
-
-  class _Placeholder(Opaque):
-    # NEWOBJ calls only __new__, REDUCE calls both: __new__ records, __init__ does nothing.
-    def __new__(cls, *args, **kwargs):
-      obj = Opaque.__new__(cls)
-      Opaque.__init__(obj, qualname, args)
-      return obj
-
-    def __init__(self, *args, **kwargs):
-      pass
-
-  _Placeholder.__qualname__ = _Placeholder.__name__ = f"Opaque[{qualname}]"
-  return _Placeholder
+def _ints(value, what: str) -> tuple[int, ...]:
+  if type(value) not in (tuple, list) or len(value) > MAX_DIMS or any(
+      type(v) is not int for v in value):
+    raise _Refused(f"a tensor's {what} is {_show(value)}, not a tuple of at most {MAX_DIMS} ints")
+  return tuple(value)
 
 
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False,
                        backward_hooks=None, metadata=None):
   if not isinstance(storage, _Storage):
-    raise ValueError(f"a tensor's storage is a {type(storage).__name__}, not a storage of "
-                     "the archive")
-  return StoredTensor(storage, int(storage_offset), tuple(int(d) for d in size),
-                      tuple(int(s) for s in stride))
-
-
-def _rebuild_tensor(storage, storage_offset, size, stride):
-  return _rebuild_tensor_v2(storage, storage_offset, size, stride)
+    raise _Refused(f"a tensor's storage is {_show(storage)}, not a storage of the archive")
+  if type(storage_offset) is not int:
+    raise _Refused(f"a tensor's storage offset is {_show(storage_offset)}, not an int")
+  shape, strides = _ints(size, "size"), _ints(stride, "stride")
+  error = _layout_error(storage, storage_offset, shape, strides)
+  if error:
+    raise _Refused(f"a tensor of storage data/{storage.key} {error}")
+  return StoredTensor(storage, storage_offset, shape, strides)
 
 
 def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, state=None):
@@ -188,25 +221,27 @@ def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, state=Non
 
 
 def _rebuild_from_type_v2(func, new_type, args, state):
-  if func not in (_rebuild_tensor_v2, _rebuild_tensor, _rebuild_parameter):
-    raise ValueError(f"refused to rebuild a tensor subclass with {func!r}")
+  if func is not _rebuild_tensor_v2 and func is not _rebuild_parameter:
+    raise _Refused(f"refused to rebuild a tensor subclass with {_show(func)}")
   return func(*args)
 
 
 def _codecs_encode(value, encoding="utf-8"):
   # Protocol 2 pickles bytes as _codecs.encode(text, "latin1"): only that form is read.
-  if not isinstance(value, str) or encoding not in ("latin1", "latin-1"):
-    raise ValueError(f"refused to unpickle _codecs.encode with encoding {encoding!r}")
+  if type(value) is not str or encoding not in ("latin1", "latin-1"):
+    raise _Refused(f"refused to unpickle _codecs.encode with encoding {_show(encoding)}")
   return value.encode("latin1")
 
 
 def _device(*args):
+  if len(args) > 2 or any(type(a) not in (str, int) for a in args):
+    raise _Refused("a torch.device of other than a type and an index")
   return ":".join(str(a) for a in args)
 
 
 _TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
-    ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
+    ("torch._utils", "_rebuild_tensor"): _rebuild_tensor_v2,  # its first four arguments
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
     ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
@@ -223,100 +258,291 @@ _TENSOR_GLOBALS: dict[tuple[str, str], Any] = {
 _DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8",
                 "uint8", "bool", "float", "double", "half", "long", "int")
 
+_ATOMS = (type(None), bool, int, float, complex, str, bytes)
+_DICTS = (dict, collections.OrderedDict, collections.defaultdict)
+_ENCODINGS = ("latin1", "latin-1", "utf-8", "utf8", "ascii")
+# What REDUCE / NEWOBJ / INST / OBJ may call, by kind (the stand-ins check their arguments).
+_CALLABLES = {id(f): (f, kind) for kind, group in (
+    ("stand-in", (_rebuild_tensor_v2, _rebuild_parameter, _rebuild_from_type_v2,
+                  _codecs_encode, _device)),
+    ("value", (bool, int, float, complex, str, slice, object)), ("bytes", (bytes,)),
+    ("container", (tuple, list, set, frozenset, dict, collections.OrderedDict)),
+    ("defaultdict", (collections.defaultdict,))) for f in group}
 
-class RestrictedUnpickler(pickle.Unpickler):
-  """Unpickles a torch archive's data.pkl with this module's stand-ins (module docstring)."""
 
-  def __init__(self, file, storages: dict[str, _Storage], where: str):
+def _kind(func) -> str | None:
+  known, kind = _CALLABLES.get(id(func), (None, None))
+  return kind if known is func else None
+
+
+def _check_key(key):
+  """A dict key or set item must hash in bounded time: a value, a frozenset (its items checked
+  when built), a placeholder or a small tuple of these (a deep tuple's hash crashes Python)."""
+  todo, seen = [key], 0
+  while todo:
+    k = todo.pop()
+    seen += 1
+    if seen > MAX_KEY_ITEMS:
+      raise _Refused(f"a dict key or set item holds over {MAX_KEY_ITEMS} values")
+    if type(k) is tuple:
+      todo.extend(k)
+    elif type(k) not in _ATOMS + (frozenset, Opaque):
+      raise _Refused(f"a dict key or set item is {_show(k)}, not a value or small tuple")
+
+
+class RestrictedUnpickler(pickle._Unpickler):
+  """Unpickles a torch archive's data.pkl with this module's stand-ins and its own handlers of
+  the opcodes that build, call or mutate (module docstring). Raises _Refused."""
+
+  def __init__(self, file, storages: dict[str, _Storage]):
     super().__init__(file)
-    self._storages = storages
-    self._where = where
+    self._storages, self._steps = storages, MAX_STEPS
+    self._classes: dict[str, Opaque] = {}
+    self._hash_counts: dict[int, tuple[Any, dict[int, int]]] = {}
 
   def find_class(self, module: str, name: str):
     # Protocol 2 names Python 2's modules (__builtin__, copy_reg): map them as pickle does.
     if (module, name) in _compat_pickle.NAME_MAPPING:
       module, name = _compat_pickle.NAME_MAPPING[(module, name)]
     module = _compat_pickle.IMPORT_MAPPING.get(module, module)
-    key = (module, name)
-    if key in _TENSOR_GLOBALS:
-      return _TENSOR_GLOBALS[key]
+    if (module, name) in _TENSOR_GLOBALS:
+      return _TENSOR_GLOBALS[(module, name)]
     if module == "torch" and name in STORAGE_DTYPES:
       return _StorageType(name)
     if module == "torch" and name in _DTYPE_NAMES:
       return f"torch.{name}"
     if module.split(".")[0] in OPAQUE_MODULES:
-      return _opaque_class(f"{module}.{name}")
-    raise ValueError(f"{self._where}: refused to unpickle {module}.{name}: a checkpoint may "
-                     "hold only tensors, plain containers and known metadata classes "
-                     f"(mdjax.pretrained.lightning); if you trust this file, {CONVERT_HINT}")
+      qualname = f"{module}.{name}"
+      if qualname not in self._classes and len(self._classes) >= MAX_CLASSES:
+        raise _Refused(f"data.pkl names over {MAX_CLASSES} metadata classes")
+      return self._classes.setdefault(qualname, Opaque(qualname))
+    raise _Refused(f"refused to unpickle {module}.{name}: a checkpoint may hold only tensors, "
+                   "plain containers and known metadata classes (mdjax.pretrained.lightning); "
+                   f"if you trust this file, {CONVERT_HINT}")
 
   def persistent_load(self, pid):
-    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-      raise ValueError(f"{self._where}: unknown persistent id {str(pid)[:80]!r} (not a torch "
-                       "storage)")
+    if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage"):
+      raise _Refused(f"unknown persistent id {_show(pid)} (not a torch storage)")
     _, storage_type, key, _location, numel = pid
     if not isinstance(storage_type, _StorageType):
-      raise ValueError(f"{self._where}: storage {key!r} has type {storage_type!r}, not one "
-                       f"of torch's typed storages ({', '.join(STORAGE_DTYPES)})")
-    storage = self._storages.get(str(key))
+      raise _Refused(f"storage {_show(key)} has type {_show(storage_type)}, not a typed storage")
+    storage = self._storages.get(key) if type(key) is str else None
     if storage is None:
-      raise ValueError(f"{self._where}: storage {key!r} has no data/{key} file in the archive")
-    storage = dataclasses.replace(storage, dtype=storage_type.dtype)
-    if storage.nbytes < int(numel) * storage.dtype.itemsize:
-      raise ValueError(f"{self._where}: storage data/{key} holds {storage.nbytes} bytes, "
-                       f"under the {numel} {storage_type.name} elements it declares")
+      raise _Refused(f"storage {_show(key)} has no data/<key> file in the archive")
+    storage = dataclasses.replace(storage, dtype=STORAGE_DTYPES[storage_type.name])
+    if type(numel) is not int or not 0 <= numel * storage.dtype.itemsize <= storage.nbytes:
+      raise _Refused(f"storage data/{key} holds {storage.nbytes} bytes, not the {_show(numel)} "
+                     f"{storage_type.name} elements it declares")
     return storage
+
+  def _charge(self, steps: int):
+    self._steps -= steps
+    if self._steps < 0:
+      raise _Refused(f"data.pkl takes over {MAX_STEPS} steps to unpickle")
+
+  def _admit(self, keys, into=None):
+    """Checks keys entering `into` (or a new dict or set): bounded hashing, few collisions."""
+    counts = {} if into is None else self._hash_counts.setdefault(id(into), (into, {}))[1]
+    for key in keys:
+      _check_key(key)
+      h = hash(key)
+      counts[h] = counts.get(h, 0) + 1
+      if counts[h] > MAX_SAME_HASH:
+        raise _Refused(f"over {MAX_SAME_HASH} keys of one dict or set share a hash")
+
+  def _call(self, func, args, new: bool = False):
+    """func(*args) (REDUCE, INST, OBJ) or func.__new__(func, *args) (NEWOBJ), if allowed."""
+    if type(args) is not tuple:
+      raise _Refused(f"a call's arguments are {_show(args)}, not a tuple")
+    if type(func) is Opaque:
+      return Opaque(func.qualname, args)
+    kind = _kind(func)
+    if kind is None or (new and kind == "stand-in"):
+      raise _Refused(f"refused to call {_show(func)}")
+    one = args[0] if len(args) == 1 else None
+    if kind == "value":
+      ok = len(args) <= 3 and all(type(a) in _ATOMS for a in args)
+    elif kind == "bytes":  # of bytes or text, never of a count (bytes(10**9))
+      ok = (not args or type(one) in (bytes, bytearray)
+            or (len(args) == 2 and type(args[0]) is str and args[1] in _ENCODINGS))
+    elif kind == "defaultdict":  # of a builtin factory
+      ok = not args or one is None or _kind(one) in ("value", "bytes", "container")
+    elif kind == "container":  # of a container, its items counted (and checked as keys)
+      ok = not args or type(one) in (tuple, list, set, frozenset) + _DICTS
+      if ok and args:
+        self._charge(len(one))
+        if func in (dict, collections.OrderedDict) and type(one) not in _DICTS:
+          if not all(type(p) in (tuple, list) and len(p) == 2 for p in one):
+            raise _Refused(f"{func.__name__} of other than (key, value) pairs")
+          one = [p[0] for p in one]
+        if func in (set, frozenset, dict, collections.OrderedDict):
+          self._admit(one)
+    else:
+      ok = True
+    if not ok:
+      raise _Refused(f"refused to call {func.__name__} with "
+                     f"({', '.join(_show(a) for a in args[:3])})")
+    return func.__new__(func, *args) if new else func(*args)
+
+  def _build(self):
+    state = self.stack.pop()
+    inst = self.stack[-1]
+    if type(inst) is Opaque:
+      inst.state = state
+    elif (type(inst) is collections.OrderedDict and type(state) is dict
+          and list(state) == ["_metadata"]):
+      inst._metadata = state["_metadata"]  # torch's state_dict: its modules' versions
+    else:
+      raise _Refused(f"refused to BUILD {_show(inst)}: only placeholders take a state")
+
+  def _setitems(self, items: list, new: bool = False):
+    if new:  # DICT (protocol 0): the items of a new dict
+      self.append({})
+    target = self.stack[-1]
+    if type(target) not in _DICTS + (Opaque,) or len(items) % 2:
+      raise _Refused(f"refused to set {len(items)} keys and values in {_show(target)}")
+    self._admit(items[0::2], into=target)
+    (target.items if type(target) is Opaque else target).update(zip(items[0::2], items[1::2]))
+
+  def _extend(self, items: list):
+    target = self.stack[-1]
+    if type(target) not in (list, Opaque):
+      raise _Refused(f"refused to append to {_show(target)}")
+    (target.list if type(target) is Opaque else target).extend(items)
+
+  def _additems(self):
+    items = self.pop_mark()
+    if type(self.stack[-1]) is not set:
+      raise _Refused(f"refused to add items to {_show(self.stack[-1])}")
+    self._admit(items, into=self.stack[-1])
+    self.stack[-1].update(items)
+
+  def _frozenset(self):
+    items = self.pop_mark()  # before self.append, which it rebinds
+    self.append(self._call(frozenset, (items,)))
+
+  def _put(self):
+    i = int(self.readline()[:-1])
+    if not 0 <= i < 1 << 32:
+      raise _Refused(f"memo index {_show(i)} out of range")
+    self.memo[i] = self.stack[-1]
+
+  def _instantiate(self, klass, args):  # INST and OBJ
+    self.append(self._call(klass, tuple(args)))
+
+  def _reduce(self):
+    args = self.stack.pop()
+    self.stack[-1] = self._call(self.stack[-1], args)
+
+  def _newobj(self, kwargs=None):
+    args, cls = self.stack.pop(), self.stack.pop()
+    if kwargs is not None and (type(kwargs) is not dict or kwargs):
+      raise _Refused("refused NEWOBJ_EX with keyword arguments")
+    self.append(self._call(cls, args, new=True))
+
+  def _refuse_extension(self):
+    raise _Refused("refused the extension registry's opcodes (EXT1, EXT2, EXT4)")
+
+
+def _counted(handler):
+  def step(self):
+    self._charge(1)
+    handler(self)
+  return step
+
+
+_U = RestrictedUnpickler
+_OPCODES = {
+    pickle.BUILD: _U._build, pickle.REDUCE: _U._reduce, pickle.NEWOBJ: _U._newobj,
+    pickle.NEWOBJ_EX: lambda self: self._newobj(kwargs=self.stack.pop()),
+    # SETITEM: [key, value] off the stack (the key is under the value).
+    pickle.SETITEM: lambda self: self._setitems([self.stack.pop(-2), self.stack.pop()]),
+    pickle.SETITEMS: lambda self: self._setitems(self.pop_mark()),
+    pickle.APPEND: lambda self: self._extend([self.stack.pop()]),
+    pickle.APPENDS: lambda self: self._extend(self.pop_mark()),
+    pickle.DICT: lambda self: self._setitems(self.pop_mark(), new=True),
+    pickle.ADDITEMS: _U._additems, pickle.PUT: _U._put,
+    pickle.FROZENSET: _U._frozenset,
+    **dict.fromkeys((pickle.EXT1, pickle.EXT2, pickle.EXT4), _U._refuse_extension),
+}
+RestrictedUnpickler.dispatch = {op: _counted(_OPCODES.get(bytes([op]), handler))
+                                for op, handler in pickle._Unpickler.dispatch.items()}
 
 
 def _data_offset(f, info: zipfile.ZipInfo) -> int:
-  """Where an uncompressed member's bytes begin: after its local header (30 bytes, the name,
-  the extra field)."""
+  # A stored member's bytes begin after its local header: 30 bytes, the name, the extra field.
   f.seek(info.header_offset)
   local = f.read(30)
   if len(local) < 30 or local[:4] != b"PK\x03\x04":
-    raise ValueError("corrupt zip local header")
+    raise _Refused(f"corrupt zip local header of {info.filename}")
   name_len = int.from_bytes(local[26:28], "little")
   extra_len = int.from_bytes(local[28:30], "little")
   return info.header_offset + 30 + name_len + extra_len
+
+
+def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int) -> io.BytesIO:
+  """A member's bytes, refused by its declared sizes before any inflating (over `limit`, or over
+  MAX_RATIO times deflated), read in chunks (zipfile stops at the declared size)."""
+  if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+    raise _Refused(f"{info.filename} is compressed with method {info.compress_type}")
+  if info.file_size > limit or (info.compress_type == zipfile.ZIP_DEFLATED and info.file_size
+                                > max(1 << 20, MAX_RATIO * info.compress_size)):
+    raise _Refused(f"{info.filename} inflates to {info.file_size} bytes from "
+                   f"{info.compress_size}: over the {limit} bytes (or {MAX_RATIO}x) allowed")
+  out = io.BytesIO()
+  with zf.open(info) as member:
+    while chunk := member.read(1 << 20):
+      if out.tell() + len(chunk) > limit:
+        raise _Refused(f"{info.filename} inflates past the {limit} bytes allowed")
+      out.write(chunk)
+  out.seek(0)
+  return out
 
 
 def read_ckpt(path: str) -> Any:
   """The object a torch .ckpt / .pt file holds, with every tensor a lazy `StoredTensor`,
   metadata objects `Opaque`, and anything else refused (module docstring)."""
   path = os.fspath(path)
-  if not zipfile.is_zipfile(path):
-    raise ValueError(f"{path}: not a zip archive (a torch file saved before torch 1.6 or with "
-                     f"_use_new_zipfile_serialization=False); {CONVERT_HINT}")
   try:
-    with zipfile.ZipFile(path) as zf, open(path, "rb") as f:
-      infos = zf.infolist()
-      pkls = [i for i in infos if i.filename.endswith("data.pkl")
-              and i.filename.count("/") == 1]
-      if len(pkls) != 1:
-        raise ValueError(f"{path}: not a torch archive (no <root>/data.pkl)")
-      root = pkls[0].filename.split("/")[0]
-      names = {i.filename: i for i in infos}
-      order = names.get(f"{root}/byteorder")
-      if order is not None and zf.read(order).strip() != b"little":
-        raise ValueError(f"{path}: big-endian tensors are not supported")
-      storages = {}
-      prefix = f"{root}/data/"
-      for info in infos:
-        if info.filename.startswith(prefix) and "/" not in info.filename[len(prefix):]:
-          if info.compress_type != zipfile.ZIP_STORED:
-            raise ValueError(f"{path}: storage {info.filename} is compressed (torch stores "
-                             "them uncompressed)")
-          storages[info.filename[len(prefix):]] = _Storage(
-              path, _data_offset(f, info), info.file_size, np.dtype("u1"))
-      data = zf.read(pkls[0])
-  except (OSError, zipfile.BadZipFile) as e:
-    raise ValueError(f"{path}: unreadable torch archive ({e})") from e
-  try:
-    return RestrictedUnpickler(io.BytesIO(data), storages, path).load()
-  except ValueError:
-    raise
-  except Exception as e:  # a malformed pickle: any of pickle's own exception types
-    raise ValueError(f"{path}: corrupt data.pkl ({type(e).__name__}: {e})") from e
+    with open(path, "rb", opener=_open_nonblocking) as f:
+      data, storages = _read_archive(f, path)
+    return RestrictedUnpickler(data, storages).load()
+  except _Refused as e:
+    raise ValueError(f"{path}: {e}") from None
+  except Exception as e:  # the OS's, zipfile's, zlib's and pickle's own exception types
+    raise ValueError(f"{path}: unreadable torch archive ({_one_line(e)})") from e
+
+
+def _read_archive(f, path: str) -> tuple[io.BytesIO, dict[str, _Storage]]:
+  """data.pkl's bytes and the storages of an open archive, which must be a regular file."""
+  st = os.fstat(f.fileno())
+  if not stat.S_ISREG(st.st_mode):
+    raise _Refused("not a regular file (a torch checkpoint is a zip archive)")
+  if not zipfile.is_zipfile(f):
+    raise _Refused("not a zip archive (a torch file saved before torch 1.6 or with "
+                   f"_use_new_zipfile_serialization=False); {CONVERT_HINT}")
+  with zipfile.ZipFile(f) as zf:
+    infos = zf.infolist()
+    pkls = [i for i in infos if i.filename.endswith("data.pkl") and i.filename.count("/") == 1]
+    if len(pkls) != 1:
+      raise _Refused("not a torch archive (no <root>/data.pkl)")
+    root = pkls[0].filename.split("/")[0]
+    order = next((i for i in infos if i.filename == f"{root}/byteorder"), None)
+    if order is not None and _read_member(zf, order, 64).read().strip() != b"little":
+      raise _Refused("big-endian tensors are not supported")
+    storages = {}
+    prefix = f"{root}/data/"
+    for info in infos:
+      key = info.filename[len(prefix):]
+      if info.filename.startswith(prefix) and "/" not in key:
+        if info.compress_type != zipfile.ZIP_STORED:
+          raise _Refused(f"storage {info.filename} is compressed (torch stores it as is)")
+        begin = _data_offset(f, info)
+        if begin + info.file_size > st.st_size:
+          raise _Refused(f"storage {info.filename} runs past the end of the file")
+        storages[key] = _Storage(path, key, begin, info.file_size, np.dtype("u1"),
+                                 (st.st_dev, st.st_ino))
+    return _read_member(zf, pkls[0], MAX_PICKLE_BYTES), storages
 
 
 def _strip(name: str) -> str:
@@ -339,10 +565,10 @@ def select_weights(obj: Any, path: str, *, ema: bool = True, is_tensor=None) -> 
                      "'state_dict' or a bare {name: tensor} dict)")
   out = {}
   for name, value in state.items():
-    if not is_tensor(value):
-      raise ValueError(f"{path}: state_dict entry {name!r} is a {type(value).__name__}, not a "
-                       "tensor")
-    out[_strip(str(name))] = value
+    if type(name) is not str or not is_tensor(value):
+      raise ValueError(f"{path}: state_dict entry {_show(name)} is {_show(value)}: entries "
+                       "are tensors named by a str")
+    out[_strip(name)] = value
   shadow = obj.get("ema") if ema and isinstance(obj, dict) and "state_dict" in obj else None
   if isinstance(shadow, dict) and isinstance(shadow.get("shadow_params"), list):
     out = _with_ema(out, shadow["shadow_params"], path, is_tensor)
