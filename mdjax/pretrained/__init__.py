@@ -9,8 +9,9 @@ caches) and `diffusion_generate` (Dream's) sample it as the reference code does;
 `complete` goes from texts to texts; `save` writes such a folder back, bit for bit.
 """
 
+from mdjax.pretrained.chat_template import render_chat
 from mdjax.pretrained.complete import (REFERENCE_KNOBS, Completion, complete, encode_prompts,
-                                       render_chat, sample_family)
+                                       sample_family)
 from mdjax.pretrained.samplers import diffusion_generate, generate
 from mdjax.pretrained.layouts import LAYOUTS, detect
 from mdjax.pretrained.lightning import read_ckpt

@@ -165,7 +165,7 @@ def published_config(folder: str):
 
 
 def _published_vocabulary(folder: str) -> Vocabulary:
-  from mdjax.pretrained.complete import render_chat
+  from mdjax.pretrained.chat_template import render_chat
   from mdjax.pretrained.load import _chat_template, _load_tokenizer
   config, _ = published_config(folder)
   tokenizer = _load_tokenizer(folder)

@@ -28,7 +28,7 @@ from mdjax.pretrained import layouts, tensors
 from tests.paths import REPO
 
 # The module (the package's `complete` attribute is the function).
-complete_lib = importlib.import_module("mdjax.pretrained.complete")
+chat_template_lib = importlib.import_module("mdjax.pretrained.chat_template")
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "pretrained")
 HI = [{"role": "user", "content": "Hi"}]
 
@@ -241,8 +241,8 @@ def test_chat_template_loops_meet_a_deadline(tmp_path):
                    "{% set s = 'x' * 100000 %}{% for a in s %}{% for b in s %}{% endfor %}"
                    "{% endfor %}"):
     took = refused(_render(tmp_path, template), "chat_template.jinja: the chat template ran "
-                   f"past its {complete_lib.TEMPLATE_DEADLINE_S:g} s deadline")
-    assert took < complete_lib.TEMPLATE_DEADLINE_S + 3
+                   f"past its {chat_template_lib.TEMPLATE_DEADLINE_S:g} s deadline")
+    assert took < chat_template_lib.TEMPLATE_DEADLINE_S + 3
 
 
 def test_chat_template_renders_as_before(tmp_path):
