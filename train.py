@@ -173,9 +173,10 @@ def main(argv):
     print(f"train.py: error: {error}", file=sys.stderr)
     sys.exit(1)
   from mdjax import train
+  from mdjax.train.workdir import UnsafeWorkdir
   try:
     train.train(_CONFIG.value, _WORKDIR.value)
-  except (train.ConfigError, train.CheckpointMismatch, train.WorkdirBusy,
+  except (train.ConfigError, train.CheckpointMismatch, train.WorkdirBusy, UnsafeWorkdir,
           PermissionError) as error:
     print(f"train.py: error: {error}", file=sys.stderr)
     sys.exit(1)

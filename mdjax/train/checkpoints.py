@@ -24,6 +24,7 @@ from absl import logging
 from mdjax import tasks
 from mdjax.denoiser import Denoiser
 from mdjax.train.state import TrainState, init_state, make_mesh
+from mdjax.train.workdir import refuse_link
 
 
 # ----------------------------------------------------------------------------
@@ -245,12 +246,17 @@ _read_leftovers = _ReadLeftovers()
 
 
 def _set_aside(manager: ocp.CheckpointManager, step: int) -> str:
-  """Moves an unreadable step to workdir/checkpoints_corrupt/<step>-<time>; returns the path."""
+  """Moves an unreadable step to workdir/checkpoints_corrupt/<step>-<time>; returns the path.
+  Refuses (UnsafeWorkdir) where a folder involved is a symbolic link: the move would take a
+  folder from outside the workdir, or put one there."""
   checkpoints = os.fspath(manager.directory)
   aside = os.path.join(os.path.dirname(checkpoints), CORRUPT_DIR)
+  folder = os.path.join(checkpoints, str(step))
+  for path in (checkpoints, folder, aside):
+    refuse_link(path)
   os.makedirs(aside, exist_ok=True)
   target = os.path.join(aside, f"{step}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
-  os.rename(os.path.join(checkpoints, str(step)), target)
+  os.rename(folder, target)
   with quiet_orbax():
     manager.reload()
   return target

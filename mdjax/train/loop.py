@@ -16,14 +16,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mdjax import data, diffusion, models, plot, sampling, tasks
 from mdjax.data.pipeline import batch_for_step
 from mdjax.train import distributed
-from mdjax.train.checkpoints import (checkpoint_manager, load_for_sampling, newest_readable,
-                                     restore_data, restore_latest, save, step_dirs)
+from mdjax.train.checkpoints import (CORRUPT_DIR, checkpoint_manager, load_for_sampling,
+                                     newest_readable, restore_data, restore_latest, save,
+                                     step_dirs)
 from mdjax.train.config_checks import ConfigError, check_config
 from mdjax.train.flops import model_flops_per_token, mfu, peak_flops_per_device
 from mdjax.train.state import (TrainState, init_state, learning_rate_schedule,
                                make_loss_fn, make_mesh, make_optimizer, masking_schedule,
                                train_step)
-from mdjax.train.workdir import (Interrupts, MetricsLog, TrainClock, WorkdirLock,
+from mdjax.train.workdir import (LOCK, METRICS, TENSORBOARD, TRAIN_SECONDS, Interrupts,
+                                 MetricsLog, TrainClock, WorkdirLock, check_entries,
                                  keep_metrics_through, writable)
 
 
@@ -141,7 +143,8 @@ def _finished_read_only(config, workdir: str, log) -> TrainState:
 def train(config, workdir: str, log=print) -> TrainState:
   """Trains (or resumes) the configured job in `workdir`; returns the final state.
 
-  Checks the config first (`check_config`), then locks the workdir (`WorkdirLock`). A
+  Checks the config first (`check_config`), then the workdir's entries (`check_entries`: no
+  symbolic link, nothing but files and folders), then locks it (`WorkdirLock`). A
   workdir this call created is removed again when the run fails before writing anything.
   SIGTERM or Ctrl-C saves a checkpoint at the current step and returns (see `Interrupts`).
   A read-only workdir holding the finished run is only read.
@@ -151,6 +154,10 @@ def train(config, workdir: str, log=print) -> TrainState:
   check_config(config)
   if os.path.isdir(workdir) and not writable(workdir):
     return _finished_read_only(config, workdir, log)
+  if os.path.isdir(workdir):  # before anything is written: no entry may lead out of it
+    check_entries(workdir, files=(LOCK, METRICS, TRAIN_SECONDS, plot.CURVES),
+                  folders=(CORRUPT_DIR, sft.EXPORT_DIR, sft.EXPORT_DIR + ".partial"),
+                  walked=("checkpoints", TENSORBOARD))
   created = not os.path.exists(workdir)
   try:
     os.makedirs(workdir, exist_ok=True)

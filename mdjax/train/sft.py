@@ -206,6 +206,15 @@ def _on_host(x) -> np.ndarray:
                    "the export needs every parameter whole on process 0.")
 
 
+def _remove(path: str) -> None:
+  """Removes a previous export: a folder with what it holds; a symbolic link (or a file) is
+  unlinked itself, never followed (rmtree skips a link, and `save` would write through it)."""
+  if os.path.isdir(path) and not os.path.islink(path):
+    shutil.rmtree(path, ignore_errors=True)
+  elif os.path.lexists(path):
+    os.unlink(path)
+
+
 def export(config, state, workdir: str, log=print) -> str | None:
   """A published start's fine-tuned parameters (the EMA ones when kept) written in its layout
   to WORKDIR/pretrained, in the start checkpoint's dtype, its tokenizer files copied; the
@@ -227,9 +236,9 @@ def export(config, state, workdir: str, log=print) -> str | None:
       family=published.family, source=os.path.abspath(folder), hf_config=raw)
   out = os.path.join(workdir, EXPORT_DIR)
   partial = out + ".partial"
-  shutil.rmtree(partial, ignore_errors=True)
+  _remove(partial)
   pretrained.save(model, partial, dtype=dtype)
-  shutil.rmtree(out, ignore_errors=True)
+  _remove(out)
   os.rename(partial, out)  # a complete folder or none
   log(f"fine-tuned {published.family} folder: {out} (step {int(state.step)}; "
       f"pretrained.load or sample.py --pretrained={out})")

@@ -1,34 +1,139 @@
-"""The workdir: one run at a time (train.lock), signals, the metrics log, the train clock."""
+"""The workdir: one run at a time (train.lock), signals, the metrics log, the train clock.
+
+A run writes only to entries of its own workdir: a symbolic link planted there (train.lock
+pointing at a file elsewhere, a linked checkpoints/) is refused, never written through.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import signal
+import stat
 import tempfile
 import threading
 import time
 
-
+LOCK = "train.lock"
+METRICS = "metrics.jsonl"
+TRAIN_SECONDS = "train_seconds.json"
+TENSORBOARD = "tensorboard"
 
 
 class WorkdirBusy(RuntimeError):
   """Another process trains in this workdir."""
 
 
+class UnsafeWorkdir(ValueError):
+  """A workdir entry a run writes to is a symbolic link, or not a regular file or folder."""
+
+
+def _refusal(path: str, problem: str) -> UnsafeWorkdir:
+  return UnsafeWorkdir(
+      f"workdir entry {path!r} {problem}; a run writes only to the workdir's own files and "
+      "folders: remove it (or move what it points to into the workdir) and run again.")
+
+
+def _link_refusal(path: str) -> UnsafeWorkdir:
+  try:
+    return _refusal(path, f"is a symbolic link (to {os.readlink(path)!r})")
+  except OSError:  # ELOOP from a loop further up the path
+    return _refusal(path, "is a symbolic link")
+
+
+def refuse_link(path: str) -> None:
+  """Raises UnsafeWorkdir when `path` is a symbolic link (the workdir itself may be one)."""
+  if os.path.islink(path):
+    raise _link_refusal(path)
+
+
+def check_entries(workdir: str, files=(), folders=(), walked=()) -> None:
+  """Refuses a workdir whose named entries are symbolic links or of the wrong kind (`files`
+  regular files, `folders` and `walked` folders), or where anything inside a `walked` folder
+  is a link or neither file nor folder (orbax deletes old steps through a linked one)."""
+  for names, is_kind, kind in ((files, stat.S_ISREG, "a regular file"),
+                               ((*folders, *walked), stat.S_ISDIR, "a folder")):
+    for name in names:
+      path = os.path.join(workdir, name)
+      try:
+        mode = os.lstat(path).st_mode
+      except FileNotFoundError:
+        continue
+      if stat.S_ISLNK(mode):
+        raise _link_refusal(path)
+      if not is_kind(mode):
+        raise _refusal(path, f"is not {kind}")
+  pending = [os.path.join(workdir, name) for name in walked]
+  while pending:
+    folder = pending.pop()
+    if not os.path.isdir(folder):
+      continue
+    with os.scandir(folder) as entries:
+      for entry in entries:
+        if entry.is_symlink():
+          raise _link_refusal(entry.path)
+        if entry.is_dir(follow_symlinks=False):
+          pending.append(entry.path)
+        elif not entry.is_file(follow_symlinks=False):
+          raise _refusal(entry.path, "is neither a regular file nor a folder")
+
+
+def open_own_file(path: str, flags: int, mode: int = 0o644) -> int:
+  """A descriptor of the regular file `path`, opened without following a symbolic link and
+  without waiting on a FIFO; a link or another kind of file raises UnsafeWorkdir."""
+  try:
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
+  except OSError as error:
+    if error.errno == errno.ELOOP:
+      raise _link_refusal(path) from None
+    if error.errno == errno.ENXIO:  # a FIFO nobody reads
+      raise _refusal(path, "is not a regular file") from None
+    raise
+  if not stat.S_ISREG(os.fstat(fd).st_mode):
+    os.close(fd)
+    raise _refusal(path, "is not a regular file")
+  os.set_blocking(fd, True)
+  return fd
+
+
+def write_atomically(path: str, text: str) -> None:
+  """Writes `text` to `path` through a fresh temporary file beside it, then a rename: never a
+  half-written file, never a fixed temporary name (one could be a planted link). The file's
+  mode is kept (0o644 for a new one)."""
+  refuse_link(path)
+  try:
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+  except FileNotFoundError:
+    mode = 0o644
+  folder, name = os.path.split(path)
+  fd, tmp = tempfile.mkstemp(dir=folder or ".", prefix=f".{name}.", suffix=".tmp")
+  try:
+    os.fchmod(fd, mode)  # mkstemp makes it 0o600
+    with os.fdopen(fd, "w") as f:
+      f.write(text)
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(tmp)
+    raise
+
+
 class WorkdirLock:
   """An exclusive lock on a workdir (fcntl.flock on workdir/train.lock, holding the pid).
 
   The kernel drops the lock when its process dies, so a lock left by a dead process is
-  simply taken over; a live holder makes a second run stop at once.
+  simply taken over; a live holder makes a second run stop at once. A train.lock that is a
+  symbolic link or a FIFO is refused (UnsafeWorkdir), never opened through.
   """
 
   def __init__(self, workdir: str, log=print):
-    self.path, self.log, self.fd = os.path.join(workdir, "train.lock"), log, None
+    self.path, self.log, self.fd = os.path.join(workdir, LOCK), log, None
 
   def __enter__(self):
     import fcntl
-    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_own_file(self.path, os.O_RDWR | os.O_CREAT)
     previous = os.read(fd, 200).decode(errors="replace").split()
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -84,10 +189,12 @@ class Interrupts:
 
 def keep_metrics_through(path: str, step: int) -> None:
   """Drops metrics rows past `step` (written after the checkpoint a run resumes from)."""
-  if not os.path.exists(path):
+  try:
+    fd = open_own_file(path, os.O_RDONLY)
+  except FileNotFoundError:
     return
   kept = []
-  with open(path) as f:
+  with os.fdopen(fd) as f:
     for line in f:
       try:
         row = json.loads(line)
@@ -95,21 +202,22 @@ def keep_metrics_through(path: str, step: int) -> None:
         continue
       if row.get("step", 0) <= step:
         kept.append(line if line.endswith("\n") else line + "\n")
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    f.writelines(kept)
-  os.replace(tmp, path)
+  write_atomically(path, "".join(kept))
 
 
 class MetricsLog:
   """metrics.jsonl, one row per line, flushed as written; TensorBoard too when asked."""
 
   def __init__(self, workdir: str, tensorboard: bool):
-    self.file = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    fd = open_own_file(os.path.join(workdir, METRICS), os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                       0o666)
+    self.file = os.fdopen(fd, "a")
     self.writer = None
     if tensorboard:
       from tensorboardX import SummaryWriter
-      self.writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      folder = os.path.join(workdir, TENSORBOARD)
+      refuse_link(folder)
+      self.writer = SummaryWriter(folder)
 
   def write(self, row: dict) -> None:
     self.file.write(json.dumps(row) + "\n")
@@ -146,24 +254,21 @@ class TrainClock:
   """
 
   def __init__(self, workdir: str, step: int):
-    self.path = os.path.join(workdir, "train_seconds.json")
+    self.path = os.path.join(workdir, TRAIN_SECONDS)
     self.previous = 0.0
-    if step and os.path.exists(self.path):
-      with open(self.path) as f:
+    if step and os.path.lexists(self.path):
+      with os.fdopen(open_own_file(self.path, os.O_RDONLY)) as f:
         self.previous = float(json.load(f)["seconds"])
     self.start = time.perf_counter()
 
   def save(self, step: int) -> None:
     seconds = self.previous + time.perf_counter() - self.start
-    tmp = self.path + ".tmp"
-    with open(tmp, "w") as f:
-      json.dump({"seconds": round(seconds, 1), "step": step}, f)
-    os.replace(tmp, self.path)  # atomic: never a half-written file
+    write_atomically(self.path, json.dumps({"seconds": round(seconds, 1), "step": step}))
 
 
 def read_train_seconds(workdir: str) -> float | None:
   """The training wall time recorded in a workdir (None when it has no record)."""
-  path = os.path.join(workdir, "train_seconds.json")
+  path = os.path.join(workdir, TRAIN_SECONDS)
   if not os.path.exists(path):
     return None
   with open(path) as f:

@@ -1,0 +1,284 @@
+"""Prepared workdirs: a symbolic link (or a FIFO) planted in a workdir is refused, never written
+through, and files outside the workdir stay byte for byte as they were."""
+
+import contextlib
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import types
+
+import ml_collections
+import pytest
+
+from configs import two_color as two_color_config
+from mdjax import train
+from mdjax.train import checkpoints, sft
+from mdjax.train.workdir import (MetricsLog, TrainClock, UnsafeWorkdir, WorkdirLock,
+                                 check_entries, keep_metrics_through)
+from tests.paths import REPO
+
+LLADA = os.path.join(REPO, "tests", "fixtures", "pretrained", "llada")
+
+
+@pytest.fixture
+def outside(tmp_path):
+  """What a planted link points at: a file and a folder outside the workdir (the folder holds
+  digit-named folders, as checkpoints do, and a shard index, as an export does)."""
+  root = tmp_path / "outside"
+  for step in ("7", "12"):
+    (root / "folder" / step).mkdir(parents=True)
+    (root / "folder" / step / "data").write_bytes(b"not a checkpoint " + step.encode())
+  (root / "folder" / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+  (root / "victim.txt").write_bytes(b"precious bytes\n")
+  return root
+
+
+def _snapshot(root) -> dict:
+  """Every entry under `root`: a file's bytes, a link's target, 'folder' or 'fifo'."""
+  found = {}
+  for folder, dirs, files in os.walk(root):
+    for name in dirs + files:
+      path = os.path.join(folder, name)
+      key = os.path.relpath(path, root)
+      if os.path.islink(path):
+        found[key] = ("link", os.readlink(path))
+      elif os.path.isdir(path):
+        found[key] = "folder"
+      elif not os.path.isfile(path):
+        found[key] = "fifo"
+      else:
+        with open(path, "rb") as f:
+          found[key] = f.read()
+  return found
+
+
+def _plant(workdir, entry, target):
+  path = os.path.join(workdir, entry)
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  os.symlink(target, path)
+  return path
+
+
+@contextlib.contextmanager
+def _deadline(seconds=5.0):
+  """A TimeoutError instead of a hang (a FIFO opened or read waits for its other end)."""
+
+  def expire(signum, frame):
+    raise TimeoutError(f"still waiting after {seconds} s")
+
+  previous = signal.signal(signal.SIGALRM, expire)
+  signal.setitimer(signal.ITIMER_REAL, seconds)
+  try:
+    yield
+  finally:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def _refused(info, entry, problem="is a symbolic link"):
+  message = str(info.value)
+  assert f"{entry}' {problem}" in message and "\n" not in message, message
+
+
+# ----------------------------------------------------------------------------
+# The workdir's files: the lock, the metrics log, the train clock.
+# ----------------------------------------------------------------------------
+
+
+def test_lock_refuses_a_linked_train_lock(tmp_path, outside):
+  before = _snapshot(outside)
+  _plant(tmp_path / "run", "train.lock", outside / "victim.txt")
+  with pytest.raises(UnsafeWorkdir) as info:
+    with WorkdirLock(str(tmp_path / "run")):
+      pass
+  _refused(info, "train.lock")
+  assert _snapshot(outside) == before
+
+
+def test_metrics_rewrite_ignores_a_planted_temporary_name(tmp_path, outside):
+  before = _snapshot(outside)
+  run = tmp_path / "run"
+  planted = _plant(run, "metrics.jsonl.tmp", outside / "victim.txt")
+  (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (5, 10, 15)))
+  keep_metrics_through(str(run / "metrics.jsonl"), 10)
+  assert [json.loads(line)["step"] for line in open(run / "metrics.jsonl")] == [5, 10]
+  assert _snapshot(outside) == before
+  assert os.readlink(planted) == str(outside / "victim.txt")
+  assert sorted(os.listdir(run)) == ["metrics.jsonl", "metrics.jsonl.tmp"]  # nothing left
+
+
+def test_train_clock_ignores_a_planted_temporary_name(tmp_path, outside):
+  before = _snapshot(outside)
+  run = tmp_path / "run"
+  _plant(run, "train_seconds.json.tmp", outside / "victim.txt")
+  TrainClock(str(run), 0).save(5)
+  path = run / "train_seconds.json"
+  assert json.loads(path.read_text())["step"] == 5 and not path.is_symlink()
+  assert stat.S_IMODE(os.stat(path).st_mode) == 0o644  # readable as before, not mkstemp's 0o600
+  assert _snapshot(outside) == before
+  assert sorted(os.listdir(run)) == ["train_seconds.json", "train_seconds.json.tmp"]
+
+
+WRITERS = {
+    "metrics_log": ("metrics.jsonl", lambda run: MetricsLog(run, tensorboard=False)),
+    "metrics_rewrite": ("metrics.jsonl",
+                        lambda run: keep_metrics_through(os.path.join(run, "metrics.jsonl"), 5)),
+    "clock_read": ("train_seconds.json", lambda run: TrainClock(run, 5)),
+    "clock_save": ("train_seconds.json", lambda run: TrainClock(run, 0).save(5)),
+}
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_linked_workdir_files_are_refused(tmp_path, outside, writer):
+  entry, call = WRITERS[writer]
+  before = _snapshot(outside)
+  _plant(tmp_path / "run", entry, outside / "victim.txt")
+  with pytest.raises(UnsafeWorkdir) as info:
+    call(str(tmp_path / "run"))
+  _refused(info, entry)
+  assert _snapshot(outside) == before
+
+
+FIFO_READERS = {
+    "lock": ("train.lock", lambda run: WorkdirLock(run).__enter__()),
+    "metrics_log": WRITERS["metrics_log"],
+    "metrics_rewrite": WRITERS["metrics_rewrite"],
+    "clock_read": WRITERS["clock_read"],
+}
+
+
+@pytest.mark.parametrize("reader", FIFO_READERS)
+def test_a_fifo_in_the_workdir_is_refused_without_waiting(tmp_path, reader):
+  entry, call = FIFO_READERS[reader]
+  (tmp_path / "run").mkdir()
+  os.mkfifo(tmp_path / "run" / entry)
+  with _deadline(), pytest.raises(UnsafeWorkdir) as info:
+    call(str(tmp_path / "run"))
+  _refused(info, entry, "is not a regular file")
+
+
+# ----------------------------------------------------------------------------
+# Checkpoints set aside; the SFT export.
+# ----------------------------------------------------------------------------
+
+
+def _unreadable(step, saved_config, saved_task):
+  raise AssertionError("the planted folders hold no checkpoint")
+
+
+@pytest.mark.parametrize("entry", ["checkpoints", "checkpoints/7", "checkpoints_corrupt"])
+def test_unreadable_steps_are_not_moved_through_a_link(tmp_path, outside, entry):
+  run = tmp_path / "run"
+  if entry != "checkpoints":  # a real checkpoints/ holding an unreadable step 7
+    (run / "checkpoints").mkdir(parents=True)
+    if entry != "checkpoints/7":
+      (run / "checkpoints" / "7").mkdir()
+  _plant(run, entry, outside / "folder" / ("7" if entry == "checkpoints/7" else ""))
+  before = _snapshot(outside)
+  manager = checkpoints.checkpoint_manager(str(run), read_only=True)
+  with pytest.raises(UnsafeWorkdir) as info:
+    checkpoints.newest_readable(manager, _unreadable, log=lambda message: None,
+                                move_aside=True)
+  _refused(info, entry)
+  assert _snapshot(outside) == before
+
+
+def _published_state():
+  from mdjax import pretrained
+  return types.SimpleNamespace(params=pretrained.load(LLADA).params, ema_params=None, step=8)
+
+
+@pytest.mark.parametrize("entry", ["pretrained.partial", "pretrained"])
+def test_export_unlinks_a_linked_target_instead_of_writing_through_it(tmp_path, outside, entry):
+  run = tmp_path / "run"
+  planted = _plant(run, entry, outside / "folder")
+  before = _snapshot(outside)
+  config = ml_collections.ConfigDict({"train": {"init_from": "pretrained:" + LLADA}})
+  out = sft.export(config, _published_state(), str(run), log=lambda message: None)
+  assert out == os.path.join(run, sft.EXPORT_DIR)
+  assert os.path.isdir(out) and not os.path.islink(out)
+  assert os.path.isfile(os.path.join(out, "config.json"))
+  assert not os.path.lexists(planted) or planted == out
+  assert os.listdir(run) == [sft.EXPORT_DIR]
+  assert _snapshot(outside) == before
+
+
+# ----------------------------------------------------------------------------
+# The start of a run: train() refuses before anything is built or written.
+# ----------------------------------------------------------------------------
+
+
+def _config():
+  config = two_color_config.get_config()
+  config.train.update(num_steps=5, warmup_steps=1)
+  return config
+
+
+# entry planted -> what it points at (under `outside`); None: a FIFO.
+PLANTED = {
+    "train.lock": "victim.txt", "metrics.jsonl": "victim.txt",
+    "train_seconds.json": "victim.txt", "curves.png": "victim.txt",
+    "checkpoints": "folder", "checkpoints_corrupt": "folder", "tensorboard": "folder",
+    "pretrained": "folder", "pretrained.partial": "folder",
+    "checkpoints/20": "folder/7", "checkpoints/20/state": "folder/7",
+    "tensorboard/events.out.tfevents.1": "victim.txt",
+    "fifo:train.lock": None, "fifo:checkpoints/20": None,
+}
+
+
+@pytest.mark.parametrize("planted", PLANTED)
+def test_train_refuses_a_workdir_with_a_planted_entry(tmp_path, outside, monkeypatch, planted):
+  run = tmp_path / "run"
+  entry = planted.removeprefix("fifo:")
+  os.makedirs(os.path.dirname(run / entry), exist_ok=True)
+  if PLANTED[planted] is None:
+    os.mkfifo(run / entry)
+  else:
+    _plant(run, entry, outside / PLANTED[planted])
+  before, workdir_before = _snapshot(outside), _snapshot(run)
+
+  def never(*args, **kwargs):
+    raise AssertionError("built before the workdir was checked")
+
+  monkeypatch.setattr(train.tasks, "from_config", never)
+  monkeypatch.setattr(train.loop, "init_state", never)
+  with _deadline(), pytest.raises(UnsafeWorkdir) as info:
+    train.train(_config(), str(run), log=lambda message: None)
+  problem = "is a symbolic link" if PLANTED[planted] else "is "
+  _refused(info, entry, problem)
+  assert _snapshot(outside) == before
+  assert _snapshot(run) == workdir_before, "refused before anything was written"
+
+
+def test_train_cli_reports_a_planted_link_in_one_line(tmp_path, outside):
+  run = tmp_path / "run"
+  _plant(run, "train.lock", outside / "victim.txt")
+  before = _snapshot(outside)
+  proc = subprocess.run(
+      [sys.executable, os.path.join(REPO, "train.py"), "--config=configs/two_color.py",
+       f"--workdir={run}"], capture_output=True, text=True, cwd=REPO, timeout=120,
+      env=dict(os.environ, PYTHONPATH=REPO))
+  assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+  assert proc.stderr.startswith(f"train.py: error: workdir entry '{run}/train.lock' is a "
+                                "symbolic link"), proc.stderr
+  assert _snapshot(outside) == before
+
+
+def test_a_linked_workdir_with_its_own_entries_is_accepted(tmp_path):
+  # Users link a workdir to scratch space: the link is the workdir, its entries are its own.
+  real = tmp_path / "scratch" / "run"
+  (real / "checkpoints" / "20" / "state").mkdir(parents=True)
+  (real / "checkpoints" / "20" / "state" / "manifest.ocdbt").write_bytes(b"x")
+  (real / "metrics.jsonl").write_text(json.dumps({"step": 5}) + "\n")
+  os.symlink(real, tmp_path / "run")
+  run = str(tmp_path / "run")
+  check_entries(run, files=("train.lock", "metrics.jsonl"), folders=("pretrained",),
+                walked=("checkpoints",))
+  with WorkdirLock(run, log=lambda message: None):
+    keep_metrics_through(os.path.join(run, "metrics.jsonl"), 5)
+    TrainClock(run, 0).save(5)
+  assert sorted(os.listdir(real)) == ["checkpoints", "metrics.jsonl", "train.lock",
+                                      "train_seconds.json"]
