@@ -29,9 +29,10 @@ count; containers of containers, their items counted); items go only into dicts,
 and placeholders, keyed by what hashes in bounded time (values, frozensets, placeholders,
 small tuples), at most MAX_SAME_HASH keys of one dict sharing a hash (colliding keys make
 insertion quadratic). data.pkl is at most MAX_PICKLE_BYTES, deflated at most MAX_RATIO times
-(refused by its declared sizes, then read in chunks), unpickled in at most MAX_STEPS opcodes
-and copied items, naming at most MAX_CLASSES metadata classes: a few seconds and a few hundred
-MB whatever the file (a Lightning checkpoint's data.pkl is KBs to MBs, thousands of steps).
+(refused by its declared sizes, then read in chunks), unpickled in at most MAX_STEPS steps
+(opcodes, copied items, STEP_BYTES of copied or hashed bytes), naming at most MAX_CLASSES
+metadata classes: seconds and a few hundred MB whatever the file (a Lightning checkpoint's
+data.pkl is KBs to MBs, thousands of steps).
 Every malformed input is a one-line ValueError naming the file.
 """
 
@@ -70,7 +71,8 @@ CONVERT_HINT = ("convert it with torch's own restricted loader instead: pip inst
 # Caps (module docstring): far above what checkpoints need, far below what hurts.
 MAX_PICKLE_BYTES = 64 << 20
 MAX_RATIO = 100  # inflated / compressed, for a deflated member over 1 MiB
-MAX_STEPS = 2_000_000  # opcodes run plus items copied into new containers
+MAX_STEPS = 2_000_000  # opcodes run, items copied into new containers, and:
+STEP_BYTES = 16  # a step per this many bytes a call copies or converts, or a hash reads
 MAX_CLASSES = 1000  # distinct metadata classes (a checkpoint names tens)
 MAX_SAME_HASH = 8  # keys of one dict or set sharing a hash
 MAX_KEY_ITEMS = 64  # values in a tuple used as a dict key or set item
@@ -90,8 +92,11 @@ def _show(value) -> str:
   return f"a {type(value).__name__}"
 
 
-def _one_line(e: BaseException) -> str:
-  return " ".join(f"{type(e).__name__}: {e}".split())[:300]
+def _nbytes(value) -> int:
+  """What converting or hashing a value reads: a str's or bytes' length, an int's bytes."""
+  if type(value) in (str, bytes, bytearray):
+    return len(value)
+  return value.bit_length() // 8 if type(value) is int else 0
 
 
 _StorageType = collections.namedtuple("_StorageType", "name")  # torch.FloatStorage, ...
@@ -116,14 +121,13 @@ def _open_nonblocking(path, flags):
 
 def _layout_error(storage: _Storage, offset, shape, stride) -> str | None:
   """Why a tensor's offset, shape and strides (in elements) do not fit its storage, or None."""
-  count = storage.nbytes // storage.dtype.itemsize
+  if len(shape) != len(stride) or len(shape) > MAX_DIMS or not all(
+      type(v) is int and 0 <= v < MAX_DIM for v in (offset, *shape, *stride)) or math.prod(
+          d for d in shape if d) >= MAX_DIM:  # (bounded ints: the arithmetic below is cheap)
+    return f"has {len(shape)} dimensions or values outside [0, 2**48): not a tensor layout"
+  count, numel = storage.nbytes // storage.dtype.itemsize, math.prod(shape)
   where = f"(offset {offset}, shape {list(shape)}, stride {list(stride)})"
-  if len(shape) != len(stride) or len(shape) > MAX_DIMS or any(d < 0 for d in shape) or any(
-      st < 0 for st in stride) or math.prod(d for d in shape if d) >= MAX_DIM:
-    return f"{where} is not a tensor layout"
-  numel = math.prod(shape)
-  last = offset + sum((d - 1) * st for d, st in zip(shape, stride))
-  if numel and (offset < 0 or last >= count):
+  if numel and offset + sum((d - 1) * st for d, st in zip(shape, stride)) >= count:
     return f"{where} lies outside its storage of {count} elements"
   if numel > count - offset:  # only an overlapping (e.g. stride-0) view holds more
     return f"{where} holds {numel} elements over the {count - offset} of its storage"
@@ -196,20 +200,12 @@ class Opaque:
     return f"<Opaque {self.qualname}>"
 
 
-def _ints(value, what: str) -> tuple[int, ...]:
-  if type(value) not in (tuple, list) or len(value) > MAX_DIMS or any(
-      type(v) is not int for v in value):
-    raise _Refused(f"a tensor's {what} is {_show(value)}, not a tuple of at most {MAX_DIMS} ints")
-  return tuple(value)
-
-
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False,
                        backward_hooks=None, metadata=None):
   if not isinstance(storage, _Storage):
     raise _Refused(f"a tensor's storage is {_show(storage)}, not a storage of the archive")
-  if type(storage_offset) is not int:
-    raise _Refused(f"a tensor's storage offset is {_show(storage_offset)}, not an int")
-  shape, strides = _ints(size, "size"), _ints(stride, "stride")
+  shape, strides = (tuple(v) if type(v) in (tuple, list) and len(v) <= MAX_DIMS else (None,)
+                     for v in (size, stride))
   error = _layout_error(storage, storage_offset, shape, strides)
   if error:
     raise _Refused(f"a tensor of storage data/{storage.key} {error}")
@@ -234,7 +230,7 @@ def _codecs_encode(value, encoding="utf-8"):
 
 
 def _device(*args):
-  if len(args) > 2 or any(type(a) not in (str, int) for a in args):
+  if len(args) > 2 or any(type(a) not in (str, int) or _nbytes(a) > 64 for a in args):
     raise _Refused("a torch.device of other than a type and an index")
   return ":".join(str(a) for a in args)
 
@@ -277,22 +273,23 @@ def _kind(func) -> str | None:
 
 def _check_key(key):
   """A dict key or set item must hash in bounded time: a value, a frozenset (its items checked
-  when built), a placeholder or a small tuple of these (a deep tuple's hash crashes Python)."""
-  todo, seen = [key], 0
+  when built), a placeholder or a small tuple of these (a deep tuple's hash crashes Python).
+  Returns the bytes hashing reads (an int's hash is not cached)."""
+  todo, seen, size = [key], 0, 0
   while todo:
     k = todo.pop()
-    seen += 1
+    seen, size = seen + 1, size + _nbytes(k)
     if seen > MAX_KEY_ITEMS:
       raise _Refused(f"a dict key or set item holds over {MAX_KEY_ITEMS} values")
     if type(k) is tuple:
       todo.extend(k)
     elif type(k) not in _ATOMS + (frozenset, Opaque):
       raise _Refused(f"a dict key or set item is {_show(k)}, not a value or small tuple")
+  return size
 
 
 class RestrictedUnpickler(pickle._Unpickler):
-  """Unpickles a torch archive's data.pkl with this module's stand-ins and its own handlers of
-  the opcodes that build, call or mutate (module docstring). Raises _Refused."""
+  """Unpickles data.pkl with this module's stand-ins and opcode handlers (module docstring)."""
 
   def __init__(self, file, storages: dict[str, _Storage]):
     super().__init__(file)
@@ -301,6 +298,7 @@ class RestrictedUnpickler(pickle._Unpickler):
     self._hash_counts: dict[int, tuple[Any, dict[int, int]]] = {}
 
   def find_class(self, module: str, name: str):
+    self._charge((len(module) + len(name)) // STEP_BYTES)  # STACK_GLOBAL may repeat names
     # Protocol 2 names Python 2's modules (__builtin__, copy_reg): map them as pickle does.
     if (module, name) in _compat_pickle.NAME_MAPPING:
       module, name = _compat_pickle.NAME_MAPPING[(module, name)]
@@ -330,7 +328,7 @@ class RestrictedUnpickler(pickle._Unpickler):
     if storage is None:
       raise _Refused(f"storage {_show(key)} has no data/<key> file in the archive")
     storage = dataclasses.replace(storage, dtype=STORAGE_DTYPES[storage_type.name])
-    if type(numel) is not int or not 0 <= numel * storage.dtype.itemsize <= storage.nbytes:
+    if type(numel) is not int or not 0 <= numel <= storage.nbytes // storage.dtype.itemsize:
       raise _Refused(f"storage data/{key} holds {storage.nbytes} bytes, not the {_show(numel)} "
                      f"{storage_type.name} elements it declares")
     return storage
@@ -344,7 +342,7 @@ class RestrictedUnpickler(pickle._Unpickler):
     """Checks keys entering `into` (or a new dict or set): bounded hashing, few collisions."""
     counts = {} if into is None else self._hash_counts.setdefault(id(into), (into, {}))[1]
     for key in keys:
-      _check_key(key)
+      self._charge(_check_key(key) // STEP_BYTES)
       h = hash(key)
       counts[h] = counts.get(h, 0) + 1
       if counts[h] > MAX_SAME_HASH:
@@ -356,12 +354,13 @@ class RestrictedUnpickler(pickle._Unpickler):
       raise _Refused(f"a call's arguments are {_show(args)}, not a tuple")
     if type(func) is Opaque:
       return Opaque(func.qualname, args)
-    kind = _kind(func)
+    kind, size = _kind(func), sum(_nbytes(a) for a in args)
     if kind is None or (new and kind == "stand-in"):
       raise _Refused(f"refused to call {_show(func)}")
+    self._charge(size // STEP_BYTES)
     one = args[0] if len(args) == 1 else None
-    if kind == "value":
-      ok = len(args) <= 3 and all(type(a) in _ATOMS for a in args)
+    if kind == "value":  # small: int <-> str conversions are quadratic
+      ok = len(args) <= 3 and all(type(a) in _ATOMS for a in args) and size <= 256
     elif kind == "bytes":  # of bytes or text, never of a count (bytes(10**9))
       ok = (not args or type(one) in (bytes, bytearray)
             or (len(args) == 2 and type(args[0]) is str and args[1] in _ENCODINGS))
@@ -389,8 +388,8 @@ class RestrictedUnpickler(pickle._Unpickler):
     inst = self.stack[-1]
     if type(inst) is Opaque:
       inst.state = state
-    elif (type(inst) is collections.OrderedDict and type(state) is dict
-          and list(state) == ["_metadata"]):
+    elif (type(inst) is collections.OrderedDict and type(state) is dict and len(state) == 1
+          and "_metadata" in state):
       inst._metadata = state["_metadata"]  # torch's state_dict: its modules' versions
     else:
       raise _Refused(f"refused to BUILD {_show(inst)}: only placeholders take a state")
@@ -510,7 +509,8 @@ def read_ckpt(path: str) -> Any:
   except _Refused as e:
     raise ValueError(f"{path}: {e}") from None
   except Exception as e:  # the OS's, zipfile's, zlib's and pickle's own exception types
-    raise ValueError(f"{path}: unreadable torch archive ({_one_line(e)})") from e
+    cause = " ".join(f"{type(e).__name__}: {e}".split())[:300]  # one line
+    raise ValueError(f"{path}: unreadable torch archive ({cause})") from e
 
 
 def _read_archive(f, path: str) -> tuple[io.BytesIO, dict[str, _Storage]]:

@@ -42,7 +42,7 @@ def n(value):
   if -2**31 <= value < 2**31:
     return P.BININT + struct.pack("<i", value)
   data = P.encode_long(value)
-  return P.LONG1 + bytes([len(data)]) + data
+  return P.LONG4 + struct.pack("<i", len(data)) + data
 
 
 def g(module, name):
@@ -297,6 +297,40 @@ def test_colliding_hash_keys_refused_fast(tmp_path, body):
   start = time.perf_counter()
   refused(path, "over 8 keys of one dict or set share a hash")
   assert time.perf_counter() - start < 1.0
+
+
+def _repeat(setup, each, times):
+  """A list of `times` results of `each` after `setup` (which memoizes what `each` gets)."""
+  return setup + P.EMPTY_LIST + P.MARK + each * times + P.APPENDS
+
+
+def _memo(i):
+  return P.BINPUT + bytes([i]) + P.POP
+
+
+def _get(i):
+  return P.BINGET + bytes([i])
+
+
+@pytest.mark.parametrize("body,match", [
+    # str() of a 4,000-digit int, 3,000 times: int <-> str conversion is quadratic (~1 s).
+    (_repeat(g("builtins", "str") + _memo(0) + n(10**3999) + P.TUPLE1 + _memo(1),
+             _get(0) + _get(1) + P.REDUCE, 3000), "refused to call str"),
+    # One 1 MB int as the key of 3,000 dicts: an int's hash is not cached (~2.5 s).
+    (_repeat(P.LONG4 + struct.pack("<i", 1 << 20) + b"\1" * (1 << 20) + _memo(0),
+             P.EMPTY_DICT + _get(0) + P.NONE + P.SETITEM, 3000), "steps to unpickle"),
+    # 100 copies of a 1 MB string (_codecs.encode): 100 MB.
+    (_repeat(g("_codecs", "encode") + _memo(0) + u("x" * (1 << 20)) + u("latin1") + P.TUPLE2
+             + _memo(1), _get(0) + _get(1) + P.REDUCE, 100), "steps to unpickle"),
+], ids=["int-str", "int-key", "copies"])
+def test_repeated_work_on_memoized_values_is_charged(tmp_path, body, match):
+  path = archive(tmp_path / "x.ckpt", pkl(entry(body)))
+  start = time.perf_counter()
+  out, peak = peak_bytes(lambda: lightning.read_ckpt(path))
+  assert time.perf_counter() - start < 1.5
+  # What MAX_STEPS allows copied (2M steps of 16 bytes) and the pickle: under 48 MB.
+  assert peak < 48 << 20, f"{peak / 2**20:.0f} MiB"
+  assert isinstance(out, ValueError) and re.search(match, str(out)), out
 
 
 def test_steps_and_metadata_classes_capped(tmp_path, monkeypatch):
