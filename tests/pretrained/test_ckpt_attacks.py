@@ -17,7 +17,6 @@ import tracemalloc
 import types
 import zipfile
 
-import jax
 import numpy as np
 import pytest
 
@@ -47,6 +46,14 @@ def n(value):
 
 def g(module, name):
   return P.GLOBAL + f"{module}\n{name}\n".encode()
+
+
+def _memo(i):  # memo[i] = the value on top, which is dropped
+  return P.BINPUT + bytes([i]) + P.POP
+
+
+def _get(i):
+  return P.BINGET + bytes([i])
 
 
 def ints(values):
@@ -81,11 +88,11 @@ def pkl(body, proto=2):
   return P.PROTO + bytes([proto]) + body + P.STOP
 
 
-def archive(path, data_pkl, storages=None, compress=zipfile.ZIP_STORED, byteorder=b"little"):
+def archive(path, data_pkl, storages=None, compress=zipfile.ZIP_STORED):
   storages = {"0": np.arange(4, dtype=np.float32).tobytes()} if storages is None else storages
   with zipfile.ZipFile(path, "w", compresslevel=1) as zf:
     zf.writestr("archive/data.pkl", data_pkl, compress_type=compress)
-    zf.writestr("archive/byteorder", byteorder)
+    zf.writestr("archive/byteorder", "little")
     for key, data in storages.items():
       zf.writestr(f"archive/data/{key}", data)
   return str(path)
@@ -304,14 +311,6 @@ def _repeat(setup, each, times):
   return setup + P.EMPTY_LIST + P.MARK + each * times + P.APPENDS
 
 
-def _memo(i):
-  return P.BINPUT + bytes([i]) + P.POP
-
-
-def _get(i):
-  return P.BINGET + bytes([i])
-
-
 @pytest.mark.parametrize("body,match", [
     # str() of a 4,000-digit int, 3,000 times: int <-> str conversion is quadratic (~1 s).
     (_repeat(g("builtins", "str") + _memo(0) + n(10**3999) + P.TUPLE1 + _memo(1),
@@ -355,8 +354,7 @@ def test_deep_tuple_key_refused(tmp_path):
 
 def test_deep_frozenset_as_tensor_name_refused(tmp_path):
   # A name 5,000 frozensets deep: its repr (str(name)) raised RecursionError.
-  deep = P.MARK + P.FROZENSET + (P.BINPUT + b"\0" + P.POP + P.MARK + P.BINGET + b"\0"
-                                 + P.FROZENSET) * 5000
+  deep = P.MARK + P.FROZENSET + (_memo(0) + P.MARK + _get(0) + P.FROZENSET) * 5000
   path = archive(tmp_path / "x.ckpt",
                  pkl(state_dict(tensor(storage(numel=4), (4,), (1,)), key=deep), proto=4))
   refused(path, "state_dict entry a frozenset is a StoredTensor: entries are tensors named by a "
