@@ -5,56 +5,19 @@ ValueError naming the file (and the field), before anything outside the folder i
 The attacker writes the shards and the manifest both: every tampered file below has its
 size and SHA-256 rewritten to match, so the checksum proves nothing."""
 
-import contextlib
 import hashlib
 import json
 import os
 import shutil
-import signal
-import sys
 
 import numpy as np
 import pytest
 
 from mdjax import data
 from mdjax.prepare_data import prepare
+from tests import attacks
 
 WORDS = ("thou", "art", "the", "king", "and", "queen", "of", "night", "fair", "love")
-
-_opened = None  # while a test records: the paths the process opens
-
-
-def _audit(event, args):
-  if _opened is not None and event == "open" and isinstance(args[0], (str, bytes)):
-    _opened.append(os.path.abspath(os.fsdecode(args[0])))
-
-
-sys.addaudithook(_audit)  # sees builtins.open, os.open and np.memmap's open alike
-
-
-@contextlib.contextmanager
-def _recording():
-  global _opened
-  _opened = []
-  try:
-    yield _opened
-  finally:
-    _opened = None
-
-
-@contextlib.contextmanager
-def _deadline(seconds=5):
-  """A TimeoutError instead of a hang (a FIFO opened for reading waits for a writer)."""
-  def expire(*_):
-    raise TimeoutError(f"still blocked after {seconds} s")
-  previous = signal.signal(signal.SIGALRM, expire)
-  signal.alarm(seconds)
-  try:
-    yield
-  finally:
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
-
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
@@ -114,7 +77,7 @@ def test_a_manifest_naming_a_file_outside_the_folder_is_refused_unread(corpus):
   manifest = _manifest(corpus)
   _forge_shard(manifest, 0, secret, "../outside.bin")
   _write_manifest(corpus, manifest)
-  with _recording() as opened, pytest.raises(ValueError) as error:
+  with attacks.recording_opens() as opened, pytest.raises(ValueError) as error:
     data.Split(str(corpus), "train", manifest)
   _one_line_naming(error, "manifest.json", "splits.train.shards[0].file", "../outside.bin")
   assert str(outside) not in opened
@@ -129,14 +92,14 @@ def test_absolute_paths_in_a_manifest_are_refused_unread(corpus):
   planted.write_bytes(raw)
   manifest = _manifest(corpus)
   _forge_shard(manifest, 1, raw, str(planted))
-  with _recording() as opened, pytest.raises(ValueError) as error:
+  with attacks.recording_opens() as opened, pytest.raises(ValueError) as error:
     data.Split(str(corpus), "train", manifest)
   _one_line_naming(error, "manifest.json", "splits.train.shards[1].file", str(planted))
   assert str(planted) not in opened
   manifest = _manifest(corpus)
   manifest["tokenizer"]["file"] = "/etc/passwd"
   _write_manifest(corpus, manifest)
-  with _recording() as opened, pytest.raises(ValueError) as error:
+  with attacks.recording_opens() as opened, pytest.raises(ValueError) as error:
     data.load_tokenizer(str(corpus), manifest)
   _one_line_naming(error, "manifest.json", "tokenizer.file", "/etc/passwd")
   assert "/etc/passwd" not in opened
@@ -149,7 +112,7 @@ def test_a_shard_linked_to_a_file_outside_the_folder_is_refused_unread(corpus):
   (corpus / "train-00000.bin").unlink()
   (corpus / "train-00000.bin").symlink_to(outside)
   for verify in ("checksum", "size"):
-    with _recording() as opened, pytest.raises(ValueError) as error:
+    with attacks.recording_opens() as opened, pytest.raises(ValueError) as error:
       data.Split(str(corpus), "train", _manifest(corpus), verify=verify)
     _one_line_naming(error, "manifest.json", "splits.train.shards[0].file", "outside the corpus")
     assert str(outside) not in opened
@@ -164,7 +127,7 @@ def test_a_shard_linked_to_a_file_outside_the_folder_is_refused_unread(corpus):
 def test_a_fifo_in_place_of_a_file_is_refused_without_blocking(corpus, name, field):
   (corpus / name).unlink()
   os.mkfifo(corpus / name)
-  with _deadline(), pytest.raises(ValueError) as error:
+  with attacks.deadline(), pytest.raises(ValueError) as error:
     if name == "tokenizer.json":
       data.load_tokenizer(str(corpus))
     else:
@@ -346,7 +309,7 @@ def test_prepare_writes_through_no_link_or_fifo_in_its_output_folder(prepared, t
       (out / name).symlink_to(victim)
     else:
       os.mkfifo(out / name)
-    with _deadline(), pytest.raises(ValueError) as error:  # opened to write, a FIFO waits
+    with attacks.deadline(), pytest.raises(ValueError) as error:  # opened to write, a FIFO waits
       _prepare_into(prepared, out)
     _one_line_naming(error, out / name, "cannot write it")
     assert victim.read_text() == "keep me"

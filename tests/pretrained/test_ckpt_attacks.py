@@ -13,7 +13,6 @@ import re
 import struct
 import threading
 import time
-import tracemalloc
 import types
 import zipfile
 
@@ -22,6 +21,7 @@ import pytest
 
 from mdjax import pretrained
 from mdjax.pretrained import lightning, tensors
+from tests import attacks
 from tests.pretrained.test_dit_load import FIXTURES, Call, G, Storage, TorchLikePickler
 from tests.pretrained.test_load import assert_same
 
@@ -106,19 +106,6 @@ def refused(path, match=""):
   assert text.startswith(f"{path}: ") and "\n" not in text, text
   assert re.search(match, text), text
   return text
-
-
-def peak_bytes(fn):
-  """(what fn raised or returned, tracemalloc's peak of the allocations it made)."""
-  tracemalloc.start()
-  try:
-    try:
-      out = fn()
-    except ValueError as e:
-      out = e
-    return out, tracemalloc.get_traced_memory()[1]
-  finally:
-    tracemalloc.stop()
 
 
 def finishes(fn, fifo=None, timeout=10.0):
@@ -239,7 +226,7 @@ def test_storage_maps_only_the_file_it_was_read_from(tmp_path):
 ], ids=["tuple-bytes", "bytes", "newobj-bytes", "size-bytes", "memo-index"])
 def test_amplification_stays_under_memory_cap(tmp_path, body, is_refused):
   path = archive(tmp_path / "x.ckpt", pkl(entry(body)))
-  out, peak = peak_bytes(lambda: lightning.read_ckpt(path))
+  out, peak = attacks.peak_bytes(lambda: lightning.read_ckpt(path))
   assert peak < MEMORY_CAP, f"{peak / 2**20:.0f} MiB"
   assert isinstance(out, ValueError) == is_refused, out
   if is_refused:
@@ -255,7 +242,7 @@ def test_zip_bomb_refused_before_inflating(tmp_path, member):
     with zf.open(f"archive/{member}", "w", force_zip64=True) as bomb:
       for _ in range(128):  # 128 MiB of zeros in ~0.6 MB
         bomb.write(bytes(1 << 20))
-  out, peak = peak_bytes(lambda: lightning.read_ckpt(path))
+  out, peak = attacks.peak_bytes(lambda: lightning.read_ckpt(path))
   assert peak < MEMORY_CAP, f"{peak / 2**20:.0f} MiB"
   assert isinstance(out, ValueError), out
   assert str(out).startswith(f"{path}: archive/{member} inflates to 134217728 bytes"), out
@@ -325,7 +312,7 @@ def _repeat(setup, each, times):
 def test_repeated_work_on_memoized_values_is_charged(tmp_path, body, match):
   path = archive(tmp_path / "x.ckpt", pkl(entry(body)))
   start = time.perf_counter()
-  out, peak = peak_bytes(lambda: lightning.read_ckpt(path))
+  out, peak = attacks.peak_bytes(lambda: lightning.read_ckpt(path))
   assert time.perf_counter() - start < 1.5
   # What MAX_STEPS allows copied (2M steps of 16 bytes) and the pickle: under 48 MB.
   assert peak < 48 << 20, f"{peak / 2**20:.0f} MiB"

@@ -7,15 +7,12 @@ tensor), within a stated time and memory, before anything outside the folder is 
 
 Nothing here compiles: every refusal comes before the params are built."""
 
-import contextlib
 import importlib
 import json
 import os
+import re
 import shutil
-import signal
-import sys
 import time
-import tracemalloc
 import types
 
 import numpy as np
@@ -25,6 +22,7 @@ from mdjax import pretrained
 from mdjax.models import published
 from mdjax.models.dit import DiTConfig
 from mdjax.pretrained import layouts, tensors
+from tests import attacks
 from tests.paths import REPO
 
 # The module (the package's `complete` attribute is the function).
@@ -32,58 +30,15 @@ chat_template_lib = importlib.import_module("mdjax.pretrained.chat_template")
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "pretrained")
 HI = [{"role": "user", "content": "Hi"}]
 
-_opened = None  # while a test records: the paths the process opens
-
-
-def _audit(event, args):
-  if _opened is not None and event == "open" and isinstance(args[0], (str, bytes)):
-    _opened.append(os.path.abspath(os.fsdecode(args[0])))
-
-
-sys.addaudithook(_audit)  # sees builtins.open, os.open and np.memmap's open alike
-
-
-@contextlib.contextmanager
-def _recording():
-  global _opened
-  _opened = []
-  try:
-    yield _opened
-  finally:
-    _opened = None
-
-
-class Hung(BaseException):
-  """A call ran past its guard (a BaseException: no `except Exception` on the way swallows
-  it, so a test fails instead of hanging)."""
-
-
-@contextlib.contextmanager
-def _guard(seconds):
-  def expire(*_):
-    raise Hung(f"still running after {seconds} s")
-  previous = signal.signal(signal.SIGALRM, expire)
-  signal.setitimer(signal.ITIMER_REAL, seconds)
-  try:
-    yield
-  finally:
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    signal.signal(signal.SIGALRM, previous)
-
-
 def refused(fn, match, *, seconds=10.0, peak_mb=32):
   """fn() raises one one-line ValueError matching `match` within `seconds` and `peak_mb` MB of
   Python allocations (tracemalloc's peak: numpy arrays, bytes and str all report there).
   Returns the seconds it took."""
   start = time.monotonic()
-  tracemalloc.start()
-  try:
-    with _guard(seconds), pytest.raises(ValueError, match=match) as info:
-      fn()
-    peak = tracemalloc.get_traced_memory()[1]
-  finally:
-    tracemalloc.stop()
-  assert "\n" not in str(info.value)
+  with attacks.deadline(seconds):
+    error, peak = attacks.peak_bytes(fn)
+  assert isinstance(error, ValueError) and re.search(match, str(error)), error
+  assert "\n" not in str(error)
   assert peak < peak_mb * 2**20, f"peak {peak / 2**20:.0f} MB"
   return time.monotonic() - start
 
@@ -305,7 +260,7 @@ def test_auto_map_cannot_name_files_outside(tmp_path):
   (tmp_path / "o1" / "x.py").write_text("victim")
   raw = {**layouts.LAYOUTS["llada"].config_to_hf(tiny_model(source).config),
          "auto_map": {"AutoModel": "../../x.Evil"}}
-  with _recording() as opened:
+  with attacks.recording_opens() as opened:
     refused(lambda: pretrained.save(tiny_model(source, raw), out),
             "config.json: auto_map entry '../../x.Evil' does not name a module file")
   assert (tmp_path / "o1" / "x.py").read_text() == "victim"

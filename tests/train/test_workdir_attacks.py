@@ -1,10 +1,8 @@
 """Prepared workdirs: a symbolic link (or a FIFO) planted in a workdir is refused, never written
 through, and files outside the workdir stay byte for byte as they were."""
 
-import contextlib
 import json
 import os
-import signal
 import stat
 import subprocess
 import sys
@@ -18,6 +16,7 @@ from mdjax import train
 from mdjax.train import checkpoints, sft
 from mdjax.train.workdir import (MetricsLog, TrainClock, UnsafeWorkdir, WorkdirLock,
                                  check_entries, keep_metrics_through)
+from tests import attacks
 from tests.paths import REPO
 
 LLADA = os.path.join(REPO, "tests", "fixtures", "pretrained", "llada")
@@ -60,22 +59,6 @@ def _plant(workdir, entry, target):
   os.makedirs(os.path.dirname(path), exist_ok=True)
   os.symlink(target, path)
   return path
-
-
-@contextlib.contextmanager
-def _deadline(seconds=5.0):
-  """A TimeoutError instead of a hang (a FIFO opened or read waits for its other end)."""
-
-  def expire(signum, frame):
-    raise TimeoutError(f"still waiting after {seconds} s")
-
-  previous = signal.signal(signal.SIGALRM, expire)
-  signal.setitimer(signal.ITIMER_REAL, seconds)
-  try:
-    yield
-  finally:
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 def _refused(info, entry, problem="is a symbolic link"):
@@ -155,7 +138,7 @@ def test_a_fifo_in_the_workdir_is_refused_without_waiting(tmp_path, reader):
   entry, call = FIFO_READERS[reader]
   (tmp_path / "run").mkdir()
   os.mkfifo(tmp_path / "run" / entry)
-  with _deadline(), pytest.raises(UnsafeWorkdir) as info:
+  with attacks.deadline(), pytest.raises(UnsafeWorkdir) as info:
     call(str(tmp_path / "run"))
   _refused(info, entry, "is not a regular file")
 
@@ -245,7 +228,7 @@ def test_train_refuses_a_workdir_with_a_planted_entry(tmp_path, outside, monkeyp
 
   monkeypatch.setattr(train.tasks, "from_config", never)
   monkeypatch.setattr(train.loop, "init_state", never)
-  with _deadline(), pytest.raises(UnsafeWorkdir) as info:
+  with attacks.deadline(), pytest.raises(UnsafeWorkdir) as info:
     train.train(_config(), str(run), log=lambda message: None)
   problem = "is a symbolic link" if PLANTED[planted] else "is "
   _refused(info, entry, problem)
