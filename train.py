@@ -173,10 +173,9 @@ def main(argv):
     print(f"train.py: error: {error}", file=sys.stderr)
     sys.exit(1)
   from mdjax import train
-  from mdjax.train.workdir import UnsafeWorkdir
   try:
     train.train(_CONFIG.value, _WORKDIR.value)
-  except (train.ConfigError, train.CheckpointMismatch, train.WorkdirBusy, UnsafeWorkdir,
+  except (train.ConfigError, train.CheckpointMismatch, train.WorkdirBusy, train.UnsafeWorkdir,
           PermissionError) as error:
     print(f"train.py: error: {error}", file=sys.stderr)
     sys.exit(1)

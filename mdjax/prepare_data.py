@@ -29,6 +29,7 @@ import sys
 from typing import Iterator
 
 
+from mdjax import files as files_lib
 from mdjax import jsonl
 from mdjax.data import shards
 from mdjax.tasks.text import BpeTokenizer, CharTokenizer
@@ -179,7 +180,7 @@ def prepare(inputs: list[str], tokenizer: str, out: str, validation_fraction: fl
                                         bpe_training_chars, eos_token, total_bytes)
   os.makedirs(out, exist_ok=True)
   tokenizer_path = os.path.join(out, shards.TOKENIZER_FILE)
-  with shards.create_file(tokenizer_path) as f:
+  with files_lib.create_file(tokenizer_path) as f:
     f.write(shards.tokenizer_json(tok).encode("utf-8"))
   dtype = shards.dtype_for(tok.size)
   writers = {s: shards.SplitWriter(out, s, dtype, tok.eos_id, shard_tokens)

@@ -32,13 +32,12 @@ import functools
 import hashlib
 import json
 import os
-import secrets
-import stat
 import sys
 from typing import Sequence
 
 import numpy as np
 
+from mdjax import files as files_lib
 from mdjax.tasks.text import EOS_TEXT, BpeTokenizer, CharTokenizer
 
 MANIFEST = "manifest.json"
@@ -173,28 +172,11 @@ def encode_many(tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
 # ----------------------------------------------------------------------------
 
 
-def create_file(path: str, exclusive: bool = False):
-  """`open(path, "wb")`, but a link, FIFO or device already at `path` (planted in an output
-  folder) is a ValueError rather than written through; `exclusive`: a new file only."""
-  flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-  try:
-    fd = os.open(path, flags | (os.O_EXCL if exclusive else 0), 0o666)
-  except OSError as error:  # ELOOP: a link; ENXIO: a FIFO without a reader
-    raise ValueError(f"{path}: cannot write it ({error.strerror}); the output folder holds "
-                     "something other than a regular file there.") from None
-  if not stat.S_ISREG(os.fstat(fd).st_mode):
-    os.close(fd)
-    raise ValueError(f"{path}: cannot write it; the output folder holds something other than a "
-                     "regular file there.")
-  os.ftruncate(fd, 0)
-  return os.fdopen(fd, "wb")
-
-
 class _HashedFile:
   """A binary file written in order, its SHA-256 kept as it goes."""
 
   def __init__(self, path: str):
-    self.path, self.file, self.digest, self.bytes = path, create_file(path), hashlib.sha256(), 0
+    self.path, self.file, self.digest, self.bytes = path, files_lib.create_file(path), hashlib.sha256(), 0
 
   def write(self, array: np.ndarray) -> None:
     data = array.tobytes()
@@ -264,17 +246,9 @@ class SplitWriter:
 
 
 def write_manifest(out_dir: str, manifest: dict) -> None:
-  """Writes manifest.json atomically (a new temporary file, then a rename)."""
-  path = os.path.join(out_dir, MANIFEST)
-  temporary = f"{path}.{secrets.token_hex(8)}.tmp"  # not a fixed name someone could plant
-  try:
-    with create_file(temporary, exclusive=True) as f:
-      f.write((json.dumps(manifest, indent=1, ensure_ascii=False) + "\n").encode("utf-8"))
-    os.replace(temporary, path)
-  except BaseException:
-    if os.path.lexists(temporary):
-      os.remove(temporary)
-    raise
+  """Writes manifest.json atomically (a fresh temporary file, then a rename)."""
+  with files_lib.atomic_write(os.path.join(out_dir, MANIFEST)) as f:
+    f.write((json.dumps(manifest, indent=1, ensure_ascii=False) + "\n").encode("utf-8"))
 
 
 # ----------------------------------------------------------------------------
@@ -323,17 +297,12 @@ def _open_member(data_dir: str, name: str, where: str, field: str | None):
   if os.path.commonpath([root, real]) != root:
     raise ValueError(f"{where}: {what} leads to {real}, outside the corpus folder {root} (a "
                      "symbolic link); a corpus's files lie in its folder.")
-  try:  # O_NONBLOCK: a FIFO opens without waiting for a writer (and is refused below)
-    fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+  try:
+    return os.fdopen(files_lib.open_fd(real, follow_links=False), "rb")
   except FileNotFoundError:
     raise
-  except OSError as error:
-    raise ValueError(f"{where}: {what}: {real} cannot be opened ({error.strerror}).") from None
-  if not stat.S_ISREG(os.fstat(fd).st_mode):
-    os.close(fd)
-    raise ValueError(f"{where}: {what} is not a regular file (a FIFO, device or folder); a "
-                     "corpus's files are regular files.")
-  return os.fdopen(fd, "rb")
+  except ValueError as error:
+    raise ValueError(f"{where}: {what}: {error}; a corpus's files are regular files.") from None
 
 
 def _check_vocabulary(manifest: dict, where: str) -> None:

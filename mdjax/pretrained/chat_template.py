@@ -19,8 +19,8 @@ from jinja2 import sandbox
 from jinja2.compiler import CodeGenerator
 from jinja2.utils import Namespace
 
+from mdjax import files as files_lib
 from mdjax.pretrained import load as load_lib
-from mdjax.pretrained import tensors as tensors_lib
 
 def _special_token(special: dict, key: str, where: str) -> str:
   """A tokenizer_config.json special token: a string or {"content": ...}."""
@@ -268,7 +268,7 @@ def render_chat(model, messages: Sequence[dict[str, str]]) -> str:
                      "'chat_template' or chat_template.jinja); this folder has none.")
   special = {}
   config_path = os.path.join(model.source or "", load_lib.TOKENIZER_CONFIG_FILE)
-  if model.source and tensors_lib.regular_file(config_path):
+  if model.source and files_lib.regular_file(config_path):
     special = load_lib._read_json(config_path)
   bos_token, eos_token = (_special_token(special, key, config_path)
                           for key in ("bos_token", "eos_token"))

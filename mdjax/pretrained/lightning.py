@@ -45,13 +45,13 @@ import io
 import math
 import os
 import pickle
-import stat
 import zipfile
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
+from mdjax import files as files_lib
 from mdjax.pretrained import tensors as tensors_lib
 
 # torch's legacy typed storage classes (the second item of a storage's persistent id).
@@ -114,11 +114,6 @@ class _Storage:
   file_id: tuple[int, int]
 
 
-def _open_nonblocking(path, flags):
-  # A FIFO opened for reading blocks until a writer comes; non-blocking, fstat refuses it.
-  return os.open(path, flags | os.O_NONBLOCK)
-
-
 def _layout_error(storage: _Storage, offset, shape, stride) -> str | None:
   """Why a tensor's offset, shape and strides (in elements) do not fit its storage, or None."""
   if len(shape) != len(stride) or len(shape) > MAX_DIMS or not all(
@@ -170,11 +165,15 @@ class StoredTensor:
     count = s.nbytes // item
     if not math.prod(self.shape) or not count:
       return np.zeros(self.shape, s.dtype)
-    with open(s.path, "rb", opener=_open_nonblocking) as f:
+    changed = ValueError(f"{s.path}: changed since it was read (storage data/{s.key})")
+    try:
+      f = files_lib.open_regular(s.path)
+    except ValueError:  # gone, or swapped for a FIFO
+      raise changed from None
+    with f:
       st = os.fstat(f.fileno())
-      if (not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != s.file_id
-          or st.st_size < s.begin + s.nbytes):
-        raise ValueError(f"{s.path}: changed since it was read (storage data/{s.key})")
+      if (st.st_dev, st.st_ino) != s.file_id or st.st_size < s.begin + s.nbytes:
+        raise changed
       flat = np.memmap(f, dtype=s.dtype, mode="r", offset=s.begin, shape=(count,))
     # torch gives a dimension of size 1 any stride: 0 keeps numpy's arithmetic small.
     strides = tuple(st * item if d > 1 else 0 for d, st in zip(self.shape, self.stride))
@@ -502,8 +501,9 @@ def read_ckpt(path: str) -> Any:
   """The object a torch .ckpt / .pt file holds, with every tensor a lazy `StoredTensor`,
   metadata objects `Opaque`, and anything else refused (module docstring)."""
   path = os.fspath(path)
+  f = files_lib.open_regular(path)  # a ValueError naming it: missing, a link loop, a FIFO
   try:
-    with open(path, "rb", opener=_open_nonblocking) as f:
+    with f:
       data, storages = _read_archive(f, path)
     return RestrictedUnpickler(data, storages).load()
   except _Refused as e:
@@ -514,10 +514,8 @@ def read_ckpt(path: str) -> Any:
 
 
 def _read_archive(f, path: str) -> tuple[io.BytesIO, dict[str, _Storage]]:
-  """data.pkl's bytes and the storages of an open archive, which must be a regular file."""
+  """data.pkl's bytes and the storages of an open archive (a regular file)."""
   st = os.fstat(f.fileno())
-  if not stat.S_ISREG(st.st_mode):
-    raise _Refused("not a regular file (a torch checkpoint is a zip archive)")
   if not zipfile.is_zipfile(f):
     raise _Refused("not a zip archive (a torch file saved before torch 1.6 or with "
                    f"_use_new_zipfile_serialization=False); {CONVERT_HINT}")

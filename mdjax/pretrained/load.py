@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mdjax import files as files_lib
 from mdjax.models.dit import DiTConfig
 from mdjax.models.published import DTYPES, PublishedConfig
 from mdjax.pretrained import layouts as layouts_lib
@@ -135,11 +136,11 @@ def _check_dtype(dtype):
 
 
 def _read_json(path: str) -> dict:
-  return tensors_lib.read_json(path, "JSON")
+  return files_lib.read_json(path, "JSON")
 
 
 def _read_text(path: str) -> str:
-  with tensors_lib.open_regular(path) as f:
+  with files_lib.open_regular(path) as f:
     data = f.read()
   try:
     return data.decode("utf-8")
@@ -175,7 +176,7 @@ def tokenizer_failure(e: BaseException) -> bool:
 
 def _load_tokenizer(folder: str):
   path = os.path.join(folder, TOKENIZER_FILE)
-  if not tensors_lib.regular_file(path):
+  if not files_lib.regular_file(path):
     return None
   import tokenizers  # a dependency of mdjax; imported only when a folder has a tokenizer
   text = _read_text(path)  # read here: the library would open a FIFO swapped in and block
@@ -190,10 +191,10 @@ def _load_tokenizer(folder: str):
 
 def _chat_template(folder: str) -> str | None:
   path = os.path.join(folder, CHAT_TEMPLATE_FILE)
-  if tensors_lib.regular_file(path):
+  if files_lib.regular_file(path):
     return _read_text(path)
   path = os.path.join(folder, TOKENIZER_CONFIG_FILE)
-  if not tensors_lib.regular_file(path):
+  if not files_lib.regular_file(path):
     return None
   template = _read_json(path).get("chat_template")
   if isinstance(template, list):  # named templates ([{"name", "template"}]): the default one
@@ -216,17 +217,17 @@ def _ckpt_file(src: str) -> str | None:
   if not os.path.isdir(src):
     if not os.path.exists(src):
       raise ValueError(f"{src}: not a folder")
-    tensors_lib.regular_file(src)  # a FIFO or device is refused, never opened
+    files_lib.regular_file(src)  # a FIFO or device is refused, never opened
     if src.endswith(CKPT_SUFFIXES):
       return src
     raise ValueError(f"{src}: not a folder, nor a torch checkpoint ({', '.join(CKPT_SUFFIXES)})")
-  if any(tensors_lib.regular_file(os.path.join(src, n))
+  if any(files_lib.regular_file(os.path.join(src, n))
          for n in (tensors_lib.SINGLE_FILE, tensors_lib.INDEX_FILE)):
     return None
   found = sorted(n for n in os.listdir(src) if n.endswith(".ckpt"))
   if len(found) > 1:
     raise ValueError(f"{src}: several checkpoints ({', '.join(found)}): pass the file")
-  if found and not tensors_lib.regular_file(os.path.join(src, found[0])):
+  if found and not files_lib.regular_file(os.path.join(src, found[0])):
     raise ValueError(f"{os.path.join(src, found[0])}: missing (a dangling link)")
   return os.path.join(src, found[0]) if found else None
 
@@ -236,7 +237,7 @@ def _raw_config(config, folder: str, where: str) -> dict:
   to a JSON file) or else the folder's config.json."""
   if config is None:
     path = os.path.join(folder, CONFIG_FILE)
-    if not tensors_lib.regular_file(path):
+    if not files_lib.regular_file(path):
       raise ValueError(f"{where}: no {CONFIG_FILE}" + (
           "" if where == folder else " beside it: pass config= (a DiTConfig, a config.json "
           "dict or path)"))
@@ -438,7 +439,7 @@ def _side_files(source: str, names) -> list[str]:
     if os.path.islink(path):
       raise ValueError(f"{path}: a symbolic link; save copies only regular files of the source "
                        "folder (put the file itself there)")
-    if tensors_lib.regular_file(path):
+    if files_lib.regular_file(path):
       present.append(name)
   return present
 
@@ -448,8 +449,8 @@ def _copy(src: str, dst: str):
   replaced)."""
   if os.path.isfile(dst) and not os.path.islink(dst) and os.path.samefile(src, dst):
     return
-  with tensors_lib.open_regular(src, follow_links=False) as f, \
-       tensors_lib.atomic_write(dst) as out:
+  with files_lib.open_regular(src, follow_links=False) as f, \
+       files_lib.atomic_write(dst) as out:
     shutil.copyfileobj(f, out)
 
 
@@ -533,12 +534,12 @@ def save(model_or_params, path: str, *, family: str | None = None,
     _copy(os.path.join(source, name), os.path.join(folder, name))
     copied.append(name)
   if model and model.tokenizer is not None and TOKENIZER_FILE not in copied:
-    with tensors_lib.atomic_write(os.path.join(folder, TOKENIZER_FILE), "w") as f:
+    with files_lib.atomic_write(os.path.join(folder, TOKENIZER_FILE), "w") as f:
       f.write(model.tokenizer.to_str())
     copied.append(TOKENIZER_FILE)
   if (model and model.chat_template is not None and CHAT_TEMPLATE_FILE not in copied
       and TOKENIZER_CONFIG_FILE not in copied):
-    with tensors_lib.atomic_write(os.path.join(folder, CHAT_TEMPLATE_FILE), "w") as f:
+    with files_lib.atomic_write(os.path.join(folder, CHAT_TEMPLATE_FILE), "w") as f:
       f.write(model.chat_template)
     copied.append(CHAT_TEMPLATE_FILE)
 

@@ -17,17 +17,16 @@ through.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
 import os
-import stat
-import tempfile
 from typing import Any, Callable, Iterable, Mapping
 
 import ml_dtypes
 import numpy as np
+
+from mdjax import files as files_lib
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -81,96 +80,6 @@ class TensorInfo:
 # ----------------------------------------------------------------------------
 
 
-def regular_file(path: str) -> bool:
-  """Whether `path` names a regular file (through symbolic links): False when nothing is
-  there, a ValueError when something else is (a FIFO, socket, device or folder)."""
-  try:
-    mode = os.stat(path).st_mode
-  except FileNotFoundError:
-    return False
-  except OSError as e:
-    raise ValueError(f"{path}: cannot read ({e.strerror})") from e
-  if not stat.S_ISREG(mode):
-    raise ValueError(f"{path}: not a regular file (a FIFO, socket, device or folder is never "
-                     "read)")
-  return True
-
-
-def open_regular(path: str, *, follow_links: bool = True):
-  """`path` opened for reading in binary, once it is checked to be a regular file (the open
-  does not block on a FIFO swapped in after a check); follow_links=False refuses a symbolic
-  link. A ValueError naming the file otherwise."""
-  flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-  if not follow_links:
-    flags |= os.O_NOFOLLOW
-  try:
-    fd = os.open(path, flags)
-  except OSError as e:
-    link = not follow_links and os.path.islink(path)
-    raise ValueError(f"{path}: " + ("a symbolic link, which is never followed here" if link
-                                    else f"cannot read ({e.strerror})")) from e
-  if not stat.S_ISREG(os.fstat(fd).st_mode):
-    os.close(fd)
-    raise ValueError(f"{path}: not a regular file (a FIFO, socket, device or folder is never "
-                     "read)")
-  os.set_blocking(fd, True)
-  return os.fdopen(fd, "rb")
-
-
-class _DuplicateKey(ValueError):
-  """A JSON object lists this key twice."""
-
-
-def _unique_keys(pairs: list) -> dict:
-  """A JSON object's dict; a key listed twice is an error (json keeps the last silently)."""
-  out = dict(pairs)
-  if len(out) < len(pairs):
-    seen = set()
-    for key, _ in pairs:
-      if key in seen:
-        raise _DuplicateKey(key)
-      seen.add(key)
-  return out
-
-
-def read_json(path: str, what: str = "JSON file", *, unique_keys: bool = False) -> dict:
-  """A JSON file's top-level object; a ValueError naming the file when it is not a regular
-  file, not UTF-8 JSON, nested too deep, not an object or (unique_keys) lists a key twice."""
-  with open_regular(path) as f:
-    data = f.read()
-  try:
-    raw = json.loads(data.decode("utf-8"), object_pairs_hook=_unique_keys if unique_keys else None)
-  except _DuplicateKey as e:
-    raise ValueError(f"{path}: key {e.args[0]!r} appears twice in one object") from None
-  except RecursionError:
-    raise ValueError(f"{path}: unreadable {what} (nested too deeply)") from None
-  except ValueError as e:  # bad UTF-8, bad JSON, a number past the int digit limit
-    raise ValueError(f"{path}: unreadable {what} ({e})") from e
-  if not isinstance(raw, dict):
-    raise ValueError(f"{path}: not a JSON object (a JSON {type(raw).__name__})")
-  return raw
-
-
-@contextlib.contextmanager
-def atomic_write(path: str, mode: str = "wb", *, sync: bool = False):
-  """A new file that replaces `path` once the block ends without error: written under a
-  temporary name in the same folder and renamed over `path`, so a reader never sees half a
-  file and a symbolic link at `path` is replaced, not written through."""
-  folder = os.path.dirname(os.path.abspath(path))
-  fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.splitext(path)[1], dir=folder)
-  try:
-    with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
-      yield f
-      if sync:
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
-
-
 # ----------------------------------------------------------------------------
 # Reading.
 # ----------------------------------------------------------------------------
@@ -178,7 +87,7 @@ def atomic_write(path: str, mode: str = "wb", *, sync: bool = False):
 
 def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
   """Validates one file's header against its size: ({name: TensorInfo}, metadata)."""
-  with open_regular(path) as f:
+  with files_lib.open_regular(path) as f:
     try:
       size = os.fstat(f.fileno()).st_size
       first = f.read(8)
@@ -194,8 +103,8 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
       raise ValueError(f"{path}: cannot read safetensors file ({e})") from e
   try:
     # The format refuses a key listed twice (the Rust reader does); json would keep the last.
-    header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
-  except _DuplicateKey as e:
+    header = json.loads(raw.decode("utf-8"), object_pairs_hook=files_lib.unique_keys_hook)
+  except files_lib.DuplicateKey as e:
     raise ValueError(f"{path}: corrupt safetensors header: key {e.args[0]!r} is listed "
                      "twice") from None
   except RecursionError:
@@ -251,14 +160,14 @@ def read_tensor(info: TensorInfo) -> np.ndarray:
   """The tensor as a read-only memory map (nothing is read until it is touched)."""
   if info.nbytes == 0:  # an empty range cannot be mapped
     return np.zeros(info.shape, info.np_dtype)
-  with open_regular(info.path) as f:  # the map outlives the file object
+  with files_lib.open_regular(info.path) as f:  # the map outlives the file object
     return np.memmap(f, dtype=info.np_dtype, mode="r", offset=info.begin, shape=info.shape)
 
 
 def read_index(folder: str) -> dict[str, str]:
   """{tensor: shard path} of a sharded checkpoint's index; every shard named must exist."""
   path = os.path.join(folder, INDEX_FILE)
-  index = read_json(path, "safetensors index", unique_keys=True)
+  index = files_lib.read_json(path, "safetensors index", unique_keys=True)
   weight_map = index.get("weight_map")
   if not isinstance(weight_map, dict):
     raise ValueError(f"{path}: the index has no weight_map object of {{tensor: file}}")
@@ -272,7 +181,7 @@ def read_index(folder: str) -> dict[str, str]:
       raise ValueError(f"{path}: tensor {tensor!r} maps to {name!r}, not a file name")
     files[tensor] = os.path.join(folder, name)
   for shard in sorted(set(files.values())):
-    if not regular_file(shard):
+    if not files_lib.regular_file(shard):
       raise ValueError(f"{path}: shard file {os.path.basename(shard)!r} is missing "
                        f"(named for tensors of the index)")
   return files
@@ -284,7 +193,7 @@ def read_checkpoint(folder: str) -> dict[str, TensorInfo]:
   The index wins when both are present. Raises ValueError when there are no weights, when a
   shard is missing, or when a file is corrupt.
   """
-  if regular_file(os.path.join(folder, INDEX_FILE)):
+  if files_lib.regular_file(os.path.join(folder, INDEX_FILE)):
     files = read_index(folder)
     headers = {shard: read_header(shard)[0] for shard in sorted(set(files.values()))}
     stored_in: dict[str, str] = {}
@@ -303,7 +212,7 @@ def read_checkpoint(folder: str) -> dict[str, TensorInfo]:
       infos[tensor] = headers[shard][tensor]
     return infos
   single = os.path.join(folder, SINGLE_FILE)
-  if regular_file(single):
+  if files_lib.regular_file(single):
     return read_header(single)[0]
   raise ValueError(f"{folder}: no weights: neither {SINGLE_FILE} nor {INDEX_FILE}")
 
@@ -357,7 +266,7 @@ def write_file(path: str, tensors: Mapping[str, Any], metadata: Mapping[str, str
     offset += n
   raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
   raw += b" " * (-len(raw) % 8)  # pads the header so the data start 8-byte aligned
-  with atomic_write(path, sync=True) as f:
+  with files_lib.atomic_write(path, sync=True) as f:
     f.write(len(raw).to_bytes(8, "little"))
     f.write(raw)
     for name in names:
@@ -374,7 +283,7 @@ def write_file(path: str, tensors: Mapping[str, Any], metadata: Mapping[str, str
 
 def write_json(path: str, obj) -> None:
   """Writes JSON atomically (`atomic_write`)."""
-  with atomic_write(path, "w") as f:
+  with files_lib.atomic_write(path, "w") as f:
     json.dump(obj, f, indent=2, sort_keys=True)
     f.write("\n")
 

@@ -20,13 +20,13 @@ from mdjax.train.state import (TrainState, block_nelbo_options, init_state,
                                learning_rate_schedule, make_loss_fn, make_mesh, make_optimizer,
                                masking_schedule, model_config, param_sharding, state_sharding,
                                train_step)
-from mdjax.train.workdir import (Interrupts, MetricsLog, TrainClock, WorkdirBusy, WorkdirLock,
-                                 read_train_seconds)
+from mdjax.train.workdir import (Interrupts, MetricsLog, TrainClock, UnsafeWorkdir, WorkdirBusy,
+                                 WorkdirLock, read_train_seconds)
 
 __all__ = [
     "CONFIG_RANGES", "CORRUPT_DIR", "CheckpointMismatch", "ConfigError", "Interrupts",
-    "MetricsLog", "Model", "OBJECTIVES", "TrainClock", "TrainState", "WorkdirBusy",
-    "WorkdirLock", "batch_for_step", "block_nelbo_options", "check_config", "checkpoint_manager",
+    "MetricsLog", "Model", "OBJECTIVES", "TrainClock", "TrainState", "UnsafeWorkdir",
+    "WorkdirBusy", "WorkdirLock", "batch_for_step", "block_nelbo_options", "check_config", "checkpoint_manager",
     "ensure_trained", "eval_batch", "evaluate", "init_state", "learning_rate_schedule", "load",
     "load_for_sampling", "make_loss_fn", "make_mesh", "make_optimizer", "masking_schedule",
     "model_config", "param_sharding", "quiet_orbax", "read_train_seconds", "restore_latest",

@@ -6,8 +6,6 @@ pointing at a file elsewhere, a linked checkpoints/) is refused, never written t
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import os
 import signal
@@ -15,6 +13,8 @@ import stat
 import tempfile
 import threading
 import time
+
+from mdjax import files as files_lib
 
 LOCK = "train.lock"
 METRICS = "metrics.jsonl"
@@ -37,10 +37,7 @@ def _refusal(path: str, problem: str) -> UnsafeWorkdir:
 
 
 def _link_refusal(path: str) -> UnsafeWorkdir:
-  try:
-    return _refusal(path, f"is a symbolic link (to {os.readlink(path)!r})")
-  except OSError:  # ELOOP from a loop further up the path
-    return _refusal(path, "is a symbolic link")
+  return _refusal(path, f"is {files_lib.link_problem(path)}")
 
 
 def refuse_link(path: str) -> None:
@@ -80,44 +77,21 @@ def check_entries(workdir: str, files=(), folders=(), walked=()) -> None:
           raise _refusal(entry.path, "is neither a regular file nor a folder")
 
 
-def open_own_file(path: str, flags: int, mode: int = 0o644) -> int:
+def open_own_file(path: str, flags: int, mode: int = files_lib.NEW_FILE_MODE) -> int:
   """A descriptor of the regular file `path`, opened without following a symbolic link and
   without waiting on a FIFO; a link or another kind of file raises UnsafeWorkdir."""
   try:
-    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
-  except OSError as error:
-    if error.errno == errno.ELOOP:
-      raise _link_refusal(path) from None
-    if error.errno == errno.ENXIO:  # a FIFO nobody reads
-      raise _refusal(path, "is not a regular file") from None
-    raise
-  if not stat.S_ISREG(os.fstat(fd).st_mode):
-    os.close(fd)
-    raise _refusal(path, "is not a regular file")
-  os.set_blocking(fd, True)
-  return fd
+    return files_lib.open_fd(path, flags, follow_links=False, mode=mode)
+  except files_lib.UnsafeFile as error:
+    raise _refusal(path, f"is {error.problem}") from None
 
 
 def write_atomically(path: str, text: str) -> None:
   """Writes `text` to `path` through a fresh temporary file beside it, then a rename: never a
-  half-written file, never a fixed temporary name (one could be a planted link). The file's
-  mode is kept (0o644 for a new one)."""
+  half-written file, never a fixed temporary name (one could be a planted link)."""
   refuse_link(path)
-  try:
-    mode = stat.S_IMODE(os.stat(path).st_mode)
-  except FileNotFoundError:
-    mode = 0o644
-  folder, name = os.path.split(path)
-  fd, tmp = tempfile.mkstemp(dir=folder or ".", prefix=f".{name}.", suffix=".tmp")
-  try:
-    os.fchmod(fd, mode)  # mkstemp makes it 0o600
-    with os.fdopen(fd, "w") as f:
-      f.write(text)
-    os.replace(tmp, path)
-  except BaseException:
-    with contextlib.suppress(FileNotFoundError):
-      os.remove(tmp)
-    raise
+  with files_lib.atomic_write(path, "w") as f:
+    f.write(text)
 
 
 class WorkdirLock:
