@@ -257,9 +257,9 @@ def write_manifest(out_dir: str, manifest: dict) -> None:
 
 
 def _shown(value) -> str:
-  """`repr(value)`, cut short: a message stays one readable line."""
+  """`repr(value)`, cut short: a message stays one readable line (a whole path fits)."""
   text = repr(value)
-  return text if len(text) <= 80 else text[:77] + "..."
+  return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _is_count(value) -> bool:
