@@ -3,9 +3,21 @@ long sequences, and the generative perplexity of samples under a causal judge
 (`gen_ppl`). The lm-eval model lives in `mdjax.evaluate.harness` (imported on demand: it
 needs lm_eval)."""
 
-from mdjax.evaluate.gen_ppl import GenPPL, Judge, generative_perplexity, load_judge
+import importlib
+
 from mdjax.evaluate.loglikelihood import ESTIMATORS, LogLikelihood, loglikelihood
 from mdjax.evaluate.rolling import RollingLogLikelihood, loglikelihood_rolling
+
+# gen_ppl's names load on first use: imported here, `python -m mdjax.evaluate.gen_ppl` would
+# find the module already in sys.modules and warn on every run.
+_GEN_PPL = ("GenPPL", "Judge", "generative_perplexity", "load_judge")
+
+
+def __getattr__(name: str):
+  if name in _GEN_PPL:
+    return getattr(importlib.import_module("mdjax.evaluate.gen_ppl"), name)
+  raise AttributeError(f"module 'mdjax.evaluate' has no attribute {name!r}")
+
 
 __all__ = ["ESTIMATORS", "GenPPL", "Judge", "LogLikelihood", "generative_perplexity",
            "load_judge", "RollingLogLikelihood", "loglikelihood",

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mdjax import jsonl
+from mdjax import files, jsonl
 
 Array = jax.Array
 
@@ -371,8 +371,21 @@ def read_samples(path: str) -> tuple[list[str], list[list[int]] | None]:
   return texts, (tokens if all(t is not None for t in tokens) else None)
 
 
+def strict(row: dict) -> dict:
+  """`row` with each float that is not finite as None: strict JSON (null, never NaN)."""
+  return {k: None if isinstance(v, float) and not math.isfinite(v) else v
+          for k, v in row.items()}
+
+
+class _Parser(argparse.ArgumentParser):
+  """Usage errors in one line, `gen_ppl: error: ...`, exit status 2."""
+
+  def error(self, message: str):
+    self.exit(2, f"gen_ppl: error: {message}\n")
+
+
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(
+  parser = _Parser(
       prog="python -m mdjax.evaluate.gen_ppl",
       description="Generative perplexity of text samples under a causal judge, with the "
                   "samples' unigram entropy.")
@@ -385,7 +398,8 @@ def main(argv=None) -> dict:
   parser.add_argument("--stride", type=int, default=None, help="default: max_length // 2")
   parser.add_argument("--eos", action="store_true", help="append and score the judge's EOS")
   parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
-  parser.add_argument("--out", default=None, help="also write per-sample rows (JSON lines)")
+  parser.add_argument("--out", default=None, help="also write per-sample rows (JSON lines; "
+                      "'index': the sample's position in --samples)")
   args = parser.parse_args(argv)
   texts, tokens = read_samples(args.samples)
   judge = args.judge
@@ -397,19 +411,24 @@ def main(argv=None) -> dict:
                                  sampler_tokens=tokens, eos=args.eos)
   summary = {**result.summary(), "samples": args.samples}
   if args.out:
-    with open(args.out, "w") as f:
+    with files.atomic_write(args.out, "w") as f:
       for i in range(len(texts)):
-        f.write(json.dumps({
-            "nll_per_token": float(result.nll_per_token_N[i]),
+        f.write(json.dumps(strict({
+            "index": i, "nll_per_token": float(result.nll_per_token_N[i]),
             "num_tokens": int(result.num_tokens_N[i]), "entropy": float(result.entropy_N[i]),
             **({} if result.sampler_entropy_N is None else
-               {"sampler_entropy": float(result.sampler_entropy_N[i])})}) + "\n")
-  print(json.dumps(summary))
+               {"sampler_entropy": float(result.sampler_entropy_N[i])})}),
+            allow_nan=False) + "\n")
+  print(json.dumps(strict(summary), allow_nan=False))
   return summary
 
 
 if __name__ == "__main__":
   try:
     main()
-  except ValueError as error:
-    sys.exit(f"error: {error}")
+  except ValueError as error:  # a bad judge, samples file or setting
+    print(f"gen_ppl: error: {error}", file=sys.stderr)
+    sys.exit(2)
+  except OSError as error:
+    print(f"gen_ppl: error: {error}", file=sys.stderr)
+    sys.exit(1)

@@ -21,8 +21,10 @@ ValueError listing them.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import os
+import types
 from typing import Any, Callable, Sequence
 
 import jax
@@ -82,12 +84,22 @@ def known_args() -> list[str]:
   return sorted(set(MODEL_ARGS) | set(SPEC_KNOBS))
 
 
-def check_model_args(args: dict) -> None:
-  """A ValueError naming an argument the adapter does not know, and listing those it does."""
+def check_model_args(args: dict, *, values: bool = False) -> None:
+  """A ValueError naming an argument the adapter does not know, and listing those it does;
+  with `values`, also the first value `MdjaxLM` would refuse before loading its model (a
+  checkpoint that is not a folder, an unknown sampler or estimator, num_samples not a
+  multiple of mc_batch_size, ...): the same checks, nothing loaded."""
   unknown = sorted(set(args) - set(known_args()))
   if unknown:
     raise ValueError(f"model_args {unknown} unknown to the mdjax model; known: "
                      f"{', '.join(known_args())}.")
+  if values:
+    parameters = inspect.signature(MdjaxLM.__init__).parameters
+    given = {**{name: p.default for name, p in parameters.items()
+                if p.default is not inspect.Parameter.empty}, **args}
+    _one_source(given["checkpoint"], given["task"], given["model"])
+    _settings(**{k: v for k, v in given.items() if k in parameters},
+              knobs={k: v for k, v in args.items() if k not in parameters})
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -147,14 +159,22 @@ def pretrained_backend(model, add_special_tokens: bool = True) -> Backend:
                  pad_id=model.eos_id or 0)
 
 
-def load_backend(checkpoint=None, step=None, dtype=None, task=None, oracle=False,
-                 model=None, add_special_tokens: bool = True) -> Backend:
-  """The model of the arguments: an object, a folder, or a task's exact denoiser."""
+def _one_source(checkpoint, task, model) -> None:
+  """A ValueError unless exactly one model source is given (a checkpoint: a folder)."""
   given = [name for name, value in (("checkpoint", checkpoint), ("task", task),
                                     ("model", model)) if value is not None]
   if len(given) != 1:
     raise ValueError(f"give exactly one of checkpoint=DIR, task=NAME (with oracle=true) or "
                      f"model=; got {given or 'none'}.")
+  if checkpoint is not None and not os.path.isdir(checkpoint):
+    raise ValueError(f"checkpoint={checkpoint!r} is not a folder (a train.py workdir or a "
+                     "mdjax.pretrained folder).")
+
+
+def load_backend(checkpoint=None, step=None, dtype=None, task=None, oracle=False,
+                 model=None, add_special_tokens: bool = True) -> Backend:
+  """The model of the arguments: an object, a folder, or a task's exact denoiser."""
+  _one_source(checkpoint, task, model)
   if model is not None:
     if hasattr(model, "mask_id") and hasattr(model, "family"):
       return pretrained_backend(model, add_special_tokens)
@@ -171,8 +191,6 @@ def load_backend(checkpoint=None, step=None, dtype=None, task=None, oracle=False
       raise ValueError(f"task={task!r} has no exact denoiser; oracle=true needs one.")
     return dataclasses.replace(task_backend(bound, bound.exact_denoiser, None),
                                takes_padding=False)
-  if not os.path.isdir(checkpoint):
-    raise ValueError(f"checkpoint={checkpoint!r} is not a folder.")
   if os.path.isfile(os.path.join(checkpoint, "config.json")):
     from mdjax import pretrained
     return pretrained_backend(pretrained.load(checkpoint, dtype=dtype), add_special_tokens)
@@ -185,6 +203,50 @@ def _positive_int(name: str, value) -> int:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
     raise ValueError(f"{name}={value!r} must be an integer >= 1.")
   return int(value)
+
+
+def _settings(*, estimator, num_samples, mc_batch_size, batch_size, context_bucket, sampler,
+              max_new_tokens, spec, knobs: dict, **_) -> types.SimpleNamespace:
+  """The adapter's settings checked (a ValueError naming the first one refused) and
+  normalised: every check `MdjaxLM` makes before it loads a model."""
+  if estimator not in ESTIMATORS:
+    raise ValueError(f"estimator={estimator!r} is unknown; known: {list(ESTIMATORS)}.")
+  num_samples = _positive_int("num_samples", num_samples)
+  mc_batch_size = _positive_int("mc_batch_size", mc_batch_size)
+  if num_samples % mc_batch_size:
+    raise ValueError(f"num_samples={num_samples} must be a multiple of "
+                     f"mc_batch_size={mc_batch_size}.")
+  if isinstance(batch_size, str) and batch_size.isdigit():
+    batch_size = int(batch_size)
+  if spec is not None and knobs:
+    raise ValueError(f"spec= carries the sampler's knobs; {sorted(knobs)} given as well.")
+  if spec is None and sampler not in sampling.families() and sampler != "left_to_right":
+    raise ValueError(f"sampler={sampler!r} is unknown; known: "
+                     f"{sorted(sampling.families()) + ['left_to_right']}.")
+  out = types.SimpleNamespace(
+      num_samples=num_samples, mc_batch_size=mc_batch_size,
+      batch_size=_positive_int("batch_size", batch_size),
+      context_bucket=_positive_int("context_bucket", context_bucket),
+      knobs={**DEFAULT_KNOBS, **knobs} if spec is None else {},
+      max_new_tokens=None if max_new_tokens is None else _positive_int(
+          "max_new_tokens", max_new_tokens))
+  if spec is None:  # a bad knob fails now, before the checkpoint loads
+    _sampler_spec(sampler, out.knobs, out.max_new_tokens or 8)
+  return out
+
+
+def _sampler_spec(sampler: str, knobs: dict, max_new_tokens: int) -> sampling.SamplerSpec:
+  """`sampler=` with its knobs (steps defaults to one token a step)."""
+  fields = {f.name for f in dataclasses.fields(
+      sampling.families()["ordered" if sampler == "left_to_right" else sampler].spec_type)}
+  knobs = {k: v for k, v in knobs.items() if k in fields or k not in DEFAULT_KNOBS}
+  if "steps" in fields and "steps" not in knobs:
+    knobs["steps"] = max_new_tokens
+  try:
+    return sampling.make_spec(sampler, length=max_new_tokens, **knobs)
+  except TypeError as error:  # a required field that is no scalar (groups, fields)
+    raise ValueError(f"sampler={sampler!r} cannot be built from model_args: "
+                     f"{error}; pass spec= from Python.") from None
 
 
 def _cut(text: str, until: Sequence[str]) -> str:
@@ -212,28 +274,14 @@ class MdjaxLM(LM):
     super().__init__()
     check_model_args(knobs)
     del max_batch_size, device  # lm-eval passes them to every model
-    if estimator not in ESTIMATORS:
-      raise ValueError(f"estimator={estimator!r} is unknown; known: {list(ESTIMATORS)}.")
-    self.num_samples = _positive_int("num_samples", num_samples)
-    self.mc_batch_size = _positive_int("mc_batch_size", mc_batch_size)
-    if self.num_samples % self.mc_batch_size:
-      raise ValueError(f"num_samples={num_samples} must be a multiple of "
-                       f"mc_batch_size={mc_batch_size}.")
-    if isinstance(batch_size, str) and batch_size.isdigit():
-      batch_size = int(batch_size)
-    self.batch_size = _positive_int("batch_size", batch_size)
-    self.context_bucket = _positive_int("context_bucket", context_bucket)
-    if spec is not None and knobs:
-      raise ValueError(f"spec= carries the sampler's knobs; {sorted(knobs)} given as well.")
-    if spec is None and sampler not in sampling.families() and sampler != "left_to_right":
-      raise ValueError(f"sampler={sampler!r} is unknown; known: "
-                       f"{sorted(sampling.families()) + ['left_to_right']}.")
+    settings = _settings(estimator=estimator, num_samples=num_samples,
+                         mc_batch_size=mc_batch_size, batch_size=batch_size,
+                         context_bucket=context_bucket, sampler=sampler,
+                         max_new_tokens=max_new_tokens, spec=spec, knobs=knobs)
+    self.num_samples, self.mc_batch_size = settings.num_samples, settings.mc_batch_size
+    self.batch_size, self.context_bucket = settings.batch_size, settings.context_bucket
+    self.knobs, self.max_new_tokens = settings.knobs, settings.max_new_tokens
     self.sampler, self.spec, self.eos = sampler, spec, bool(eos)
-    self.knobs = {**DEFAULT_KNOBS, **knobs} if spec is None else {}
-    self.max_new_tokens = None if max_new_tokens is None else _positive_int(
-        "max_new_tokens", max_new_tokens)
-    if spec is None:  # a bad knob fails now, before the checkpoint loads
-      self._base_spec(self.max_new_tokens or 8)
     self.backend = load_backend(checkpoint, step, dtype, task, oracle, model,
                                 bool(add_special_tokens))
     self.max_len = self.backend.max_len
@@ -375,17 +423,7 @@ class MdjaxLM(LM):
     """`spec=`, or `sampler=` with its knobs (steps defaults to one token a step)."""
     if self.spec is not None:
       return self.spec
-    fields = {f.name for f in dataclasses.fields(
-        sampling.families()["ordered" if self.sampler == "left_to_right"
-                            else self.sampler].spec_type)}
-    knobs = {k: v for k, v in self.knobs.items() if k in fields or k not in DEFAULT_KNOBS}
-    if "steps" in fields and "steps" not in knobs:
-      knobs["steps"] = max_new_tokens
-    try:
-      return sampling.make_spec(self.sampler, length=max_new_tokens, **knobs)
-    except TypeError as error:  # a required field that is no scalar (groups, fields)
-      raise ValueError(f"sampler={self.sampler!r} cannot be built from model_args: "
-                       f"{error}; pass spec= from Python.") from None
+    return _sampler_spec(self.sampler, self.knobs, max_new_tokens)
 
   def spec_for(self, max_new_tokens: int) -> sampling.SamplerSpec:
     """The sampler spec for `max_new_tokens` new tokens, EOS added unless eos=false."""

@@ -4,9 +4,11 @@
       --tasks hellaswag --batch_size 8 [any other lm_eval argument]
 
 The same arguments as `lm_eval` (they all pass through to its CLI; `--model` defaults to mdjax).
-Before lm-eval builds any task, the mdjax model's arguments are checked: an unknown
---model_args key or a --batch_size that is not an integer is an error in one line, not after
-the datasets load.
+Before lm-eval's setup, the mdjax model's arguments are checked by the model's own rules
+(`harness.check_model_args`): an unknown --model_args key, a value the model refuses
+(checkpoint=DIR that is not a folder, an unknown sampler= or estimator=, num_samples not a
+multiple of mc_batch_size, ...) or a --batch_size that is not an integer is one line,
+`lm_eval: error: ...`, and exit status 2.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def check(argv: list[str]) -> str | None:
   if not known.tasks:
     return "--tasks is required: lm-eval task names, or YAML tasks under --include_path."
   try:
-    harness.check_model_args(simple_parse_args_string(known.model_args))
+    harness.check_model_args(simple_parse_args_string(known.model_args), values=True)
   except ValueError as error:
     return f"--model_args: {error}"
   if not str(known.batch_size).isdigit() or int(known.batch_size) < 1:
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = ["--model", "mdjax"] + argv
   problem = check(argv[1:] if argv and argv[0] == "run" else argv)
   if problem:
-    print(f"mdjax.evaluate.lm_eval: error: {problem}", file=sys.stderr)
+    print(f"lm_eval: error: {problem}", file=sys.stderr)
     sys.exit(2)
   import mdjax.evaluate.harness  # noqa: F401  registers "mdjax"
   from lm_eval.__main__ import cli_evaluate

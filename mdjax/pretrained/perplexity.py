@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -79,7 +80,15 @@ def eps_range(model, clipped: bool) -> tuple[float, float]:
   if "sampling_eps_min" not in buffers or "sampling_eps_max" not in buffers:
     raise ValueError("clipped=True needs the checkpoint's sampling_eps_min / sampling_eps_max "
                      "(a BD3-LM folder loaded by mdjax.pretrained.load); this model has none.")
-  return float(buffers["sampling_eps_min"]), float(buffers["sampling_eps_max"])
+  return _scalar(buffers, "sampling_eps_min"), _scalar(buffers, "sampling_eps_max")
+
+
+def _scalar(buffers: dict, name: str) -> float:
+  """A buffer of one value as a float (the reference stores the eps bounds with shape (1,))."""
+  value = np.asarray(buffers[name])
+  if value.size != 1:
+    raise ValueError(f"the checkpoint's {name} has shape {value.shape}; one value expected.")
+  return float(value.reshape(()))
 
 
 def perplexity(model, tokens_file, *, batch_size: int, key: jax.Array,
@@ -119,8 +128,15 @@ def perplexity(model, tokens_file, *, batch_size: int, key: jax.Array,
           "windows": int(len(x_NxL))}
 
 
+class _Parser(argparse.ArgumentParser):
+  """Usage errors in one line, `perplexity: error: ...`, exit status 2."""
+
+  def error(self, message: str):
+    self.exit(2, f"perplexity: error: {message}\n")
+
+
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser(
+  parser = _Parser(
       prog="python -m mdjax.pretrained.perplexity",
       description="NELBO (bits per token) and the perplexity bound of a MDLM / BD3-LM "
                   "checkpoint on a token file.")
@@ -141,12 +157,18 @@ def main(argv=None) -> dict:
                       num_batches=args.num_batches, key=jax.random.key(args.seed),
                       clipped=args.clipped, bin_dtype=args.bin_dtype)
   result.update(pretrained=args.pretrained, tokens=args.tokens, dtype=args.dtype)
-  print(json.dumps(result))
+  # Strict JSON: a value that is not finite (stderr of one batch) prints as null.
+  print(json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                    for k, v in result.items()}, allow_nan=False))
   return result
 
 
 if __name__ == "__main__":
   try:
     main()
-  except ValueError as error:
-    sys.exit(f"error: {error}")
+  except ValueError as error:  # a bad folder, token file or setting
+    print(f"perplexity: error: {error}", file=sys.stderr)
+    sys.exit(2)
+  except OSError as error:
+    print(f"perplexity: error: {error}", file=sys.stderr)
+    sys.exit(1)
