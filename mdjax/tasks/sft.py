@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mdjax import jsonl
 from mdjax.tasks.base import Task
 
 PRETRAINED_PREFIX = "pretrained:"
@@ -57,6 +56,10 @@ class Example:
   where: str
 
 
+LINE_FORM = ("a JSON object with 'prompt' and 'response' texts, or with 'messages' (turns "
+             "ending with an 'assistant' one)")
+
+
 def _turn(value, where: str, i: int) -> dict:
   if not (isinstance(value, dict) and isinstance(value.get("role"), str)
           and isinstance(value.get("content"), str)):
@@ -68,8 +71,7 @@ def _turn(value, where: str, i: int) -> dict:
 def parse_example(obj, where: str) -> Example:
   """An Example of one JSON object, or a ValueError naming `where` and what is wrong."""
   if not isinstance(obj, dict):
-    raise ValueError(f"{where}: a line must be a JSON object with 'prompt' and 'response' or "
-                     f"with 'messages'; got {type(obj).__name__}.")
+    raise ValueError(f"{where}: a JSON {type(obj).__name__}; each line is {LINE_FORM}.")
   if "messages" in obj:
     messages = obj["messages"]
     if not isinstance(messages, list) or not messages:
@@ -87,7 +89,8 @@ def parse_example(obj, where: str) -> Example:
     if not isinstance(prompt, str):
       raise ValueError(f"{where}: 'prompt'={prompt!r} must be a string (or give 'messages').")
     if response is None:
-      raise ValueError(f"{where}: no response: the line has no 'response' field.")
+      raise ValueError(f"{where}: no response: the line has no 'response' field; each line "
+                       f"is {LINE_FORM}.")
   if not isinstance(response, str) or not response.strip():
     raise ValueError(f"{where}: no response: the response {response!r} is not a non-empty "
                      "string.")
@@ -100,8 +103,22 @@ def read_jsonl(path: str) -> list[Example]:
   if not os.path.isfile(path):
     raise ValueError(f"path={path!r} is not a file (a JSONL of prompts and responses).")
   examples = []
-  for number, obj in jsonl.read_rows(path, "path"):
-    examples.append(parse_example(obj, f"{path}:{number}"))
+  with open(path, "rb") as f:
+    for number, line in enumerate(f, 1):
+      where = f"{path}:{number}"
+      try:
+        text = line.decode("utf-8")
+      except UnicodeDecodeError as error:
+        raise ValueError(f"{where}: not UTF-8 text (byte {error.start + 1} of the line)."
+                         ) from None
+      if not text.strip():
+        continue
+      try:
+        obj = json.loads(text.rstrip("\r\n"))
+      except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not JSON ({error.msg}, column {error.colno}); each line "
+                         f"is {LINE_FORM}.") from None
+      examples.append(parse_example(obj, where))
   if not examples:
     raise ValueError(f"path={path!r} holds no example.")
   return examples
@@ -294,7 +311,8 @@ def encode_examples(examples: Sequence[Example], vocab: Vocabulary, length: int,
 def check(path: str | None = None, start: str | None = None, length: int = 128,
           truncate: bool = False, chat: bool = True, validation_path: str | None = None
           ) -> None:
-  """`bind`'s argument errors, found without reading the files or the tokenizer."""
+  """`bind`'s errors, found before anything is trained: the arguments, then every line of the
+  files against the start point's tokenizer (no weight is read); `bind` reuses the rows."""
   if not (isinstance(length, int) and not isinstance(length, bool) and length >= 2):
     raise ValueError(f"length={length!r} must be an integer >= 2.")
   for name, value in (("truncate", truncate), ("chat", chat)):
@@ -306,6 +324,36 @@ def check(path: str | None = None, start: str | None = None, length: int = 128,
     if not (isinstance(value, str) and os.path.isfile(value)):
       raise ValueError(f"{name}={value!r} must be a JSONL file of prompts and responses.")
   split_start(start)
+  _encoded(path, start, length, truncate, chat, validation_path,
+           tuple(_stamp(p) for p in (path, validation_path) if p is not None))
+
+
+def _stamp(path: str) -> tuple[int, int]:
+  """A file's size and modification time: a file edited since is read again."""
+  status = os.stat(path)
+  return status.st_size, status.st_mtime_ns
+
+
+def _rows_of(name: str, path: str, vocab: Vocabulary, length: int, truncate: bool,
+             chat: bool) -> np.ndarray:
+  """The packed rows of one file; a bad line is a ValueError naming the argument and FILE:LINE."""
+  try:
+    return pack_rows(*encode_examples(read_jsonl(path), vocab, length, truncate=truncate,
+                                      chat=chat))
+  except ValueError as error:
+    raise ValueError(f"{name}: {error}") from None
+
+
+@functools.lru_cache(maxsize=1)
+def _encoded(path, start, length, truncate, chat, validation_path, stamps):
+  """(Vocabulary, training rows, held-out rows or None): built by `check`, reused by `bind`
+  (the files' `stamps` in the key)."""
+  del stamps
+  vocab = vocabulary(start)
+  rows = _rows_of("path", path, vocab, length, truncate, chat)
+  held = None if validation_path is None else _rows_of(
+      "validation_path", validation_path, vocab, length, truncate, chat)
+  return vocab, rows, held
 
 
 def _draw(rows, key: jax.Array, batch: int) -> jax.Array:
@@ -340,12 +388,7 @@ def bind(path: str | None = None, start: str | None = None, length: int = 128,
   Held-out rows come from `validation_path` (the same layout), else from the training rows.
   """
   check(path, start, length, truncate, chat, validation_path)
-  vocab = vocabulary(start)
-  rows = pack_rows(*encode_examples(read_jsonl(path), vocab, length, truncate=truncate,
-                                    chat=chat))
-  held = None
-  if validation_path is not None:
-    held = pack_rows(*encode_examples(read_jsonl(validation_path), vocab, length,
-                                      truncate=truncate, chat=chat))
+  vocab, rows, held = _encoded(path, start, length, truncate, chat, validation_path,
+                               tuple(_stamp(p) for p in (path, validation_path) if p is not None))
   return make_task(rows, vocab, validation_NxL=held, description=(
       f"SftTask({path}: {rows.shape[0]} rows of {length} tokens, {vocab.description})"))

@@ -1,0 +1,162 @@
+"""One error style for the evaluation command lines (`NAME: error: ...` on one line, exit 2
+for usage), bad SFT data and lm-eval values refused in one line before any setup, BD3-LM's
+clipped perplexity, gen_ppl's per-sample rows."""
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+import warnings
+
+import jax
+import numpy as np
+import pytest
+
+from mdjax import evaluate, pretrained, train
+from mdjax.evaluate import gen_ppl
+from mdjax.pretrained import perplexity
+from mdjax.tasks import sft as sft_data
+from tests.paths import REPO
+
+FIXTURES = os.path.join(REPO, "tests", "fixtures")
+BD3LM = os.path.join(FIXTURES, "dit", "bd3lm")
+QWEN2 = os.path.join(FIXTURES, "judge", "qwen2")
+LLADA = os.path.join(FIXTURES, "pretrained", "llada")
+
+
+def _strict_json(text: str):
+  """json.loads that refuses NaN and Infinity (strict JSON)."""
+  def refuse(name):
+    raise AssertionError(f"not strict JSON: {name}")
+  return json.loads(text, parse_constant=refuse)
+
+
+def _error_line(capsys, name: str) -> str:
+  """The only line on stderr, which must be `NAME: error: ...`."""
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(f"{name}: error: "), lines
+  return lines[0]
+
+
+def test_clipped_perplexity_of_a_bd3lm_folder(tmp_path, capsys):
+  """The reference stores sampling_eps_min / _max with shape (1,): read as scalars."""
+  model = pretrained.load(BD3LM)
+  assert model.buffers["sampling_eps_min"].shape == (1,)
+  assert perplexity.eps_range(model, True) == (float(np.float32(1e-3)),
+                                               float(np.float32(0.999)))
+  tokens = tmp_path / "val.npy"
+  ids = np.random.default_rng(0).integers(0, model.config.vocab_size, 2 * 16)
+  np.save(tokens, ids.astype(np.int32))
+  result = perplexity.main([f"--pretrained={BD3LM}", f"--tokens={tokens}", "--batch_size=2",
+                            "--clipped"])
+  printed = _strict_json(capsys.readouterr().out.strip().splitlines()[-1])
+  assert (printed["t_min"], printed["t_max"]) == perplexity.eps_range(model, True)
+  assert printed["stderr"] is None and np.isnan(result["stderr"])  # one batch: no spread
+  assert np.isfinite(printed["nelbo_nats_per_token"]) and printed["windows"] == 2
+
+
+def test_perplexity_errors_are_one_line(tmp_path, capsys, monkeypatch):
+  with pytest.raises(SystemExit) as exit_:
+    perplexity.main([f"--pretrained={BD3LM}"])
+  assert exit_.value.code == 2
+  assert "--tokens" in _error_line(capsys, "perplexity")
+  # A bad value (here the token file) through the module's own entry: one line, exit 2.
+  monkeypatch.setattr(sys, "argv", ["perplexity", f"--pretrained={BD3LM}",
+                                    f"--tokens={tmp_path / 'none.npy'}"])
+  with warnings.catch_warnings(), pytest.raises(SystemExit) as exit_:
+    warnings.simplefilter("ignore", RuntimeWarning)  # runpy: the module is imported already
+    runpy.run_module("mdjax.pretrained.perplexity", run_name="__main__")
+  assert exit_.value.code == 2
+  assert "none.npy' is not a file" in _error_line(capsys, "perplexity")
+
+
+def test_gen_ppl_command_warns_nothing_and_errors_in_one_line(tmp_path):
+  """`python -m mdjax.evaluate.gen_ppl`: the package does not import the module first (runpy's
+  RuntimeWarning), and a bad --samples is one line with exit status 2."""
+  proc = subprocess.run(
+      [sys.executable, "-m", "mdjax.evaluate.gen_ppl", f"--judge={QWEN2}",
+       f"--samples={tmp_path / 'none.jsonl'}"], cwd=REPO, capture_output=True, text=True,
+      timeout=120)
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == 2, proc.stderr
+  assert len(lines) == 1 and lines[0].startswith("gen_ppl: error: samples="), proc.stderr
+  assert evaluate.GenPPL is gen_ppl.GenPPL  # the package's names still resolve
+
+
+def test_gen_ppl_out_rows_hold_the_sample_index(tmp_path, capsys):
+  samples = tmp_path / "samples.jsonl"
+  samples.write_text("".join(json.dumps({"text": t}) + "\n"
+                             for t in ["To be, or not to be", "Hello, world!", "Hi"]))
+  out = tmp_path / "rows.jsonl"
+  gen_ppl.main([f"--judge={QWEN2}", f"--samples={samples}", "--batch_size=2", f"--out={out}"])
+  _strict_json(capsys.readouterr().out.strip().splitlines()[-1])
+  rows = [_strict_json(line) for line in out.read_text().splitlines()]
+  assert [row["index"] for row in rows] == [0, 1, 2]
+  with pytest.raises(SystemExit) as exit_:
+    gen_ppl.main([f"--judge={QWEN2}"])
+  assert exit_.value.code == 2 and "--samples" in _error_line(capsys, "gen_ppl")
+
+
+BAD_MODEL_ARGS = [
+    ("checkpoint=/nonexistent", "checkpoint='/nonexistent' is not a folder"),
+    ("task=two_color,oracle=true,sampler=foo", "sampler='foo' is unknown; known: "),
+    ("task=two_color,oracle=true,estimator=foo", "estimator='foo' is unknown; known: "),
+    ("task=two_color,oracle=true,num_samples=10,mc_batch_size=4",
+     "num_samples=10 must be a multiple of mc_batch_size=4"),
+    ("num_samples=8", "give exactly one of checkpoint=DIR"),
+]
+
+
+def test_lm_eval_values_are_refused_before_its_setup(capsys):
+  pytest.importorskip("lm_eval")
+  from mdjax.evaluate import lm_eval as entry
+  for model_args, message in BAD_MODEL_ARGS:
+    problem = entry.check(["--model_args", model_args, "--tasks", "x"])
+    assert problem is not None and message in problem, (model_args, problem)
+  assert entry.check(["--model_args", "task=two_color,oracle=true,num_samples=8",
+                      "--tasks", "x"]) is None
+  with pytest.raises(SystemExit) as exit_:
+    entry.main(["--model_args", "checkpoint=/nonexistent", "--tasks", "x"])
+  assert exit_.value.code == 2
+  assert "checkpoint='/nonexistent'" in _error_line(capsys, "lm_eval")
+
+
+SFT_LENGTH = 80  # the LLaDA fixture's chat template takes 24 tokens of a one-word prompt
+
+
+@pytest.mark.parametrize("content,message", [
+    ('{"prompt": "a", "response": "b"}\n{"prompt": "What?"}\n',
+     r":2: no response: the line has no 'response' field; each line is a JSON object"),
+    ('{"prompt": "a", "response": "b"}\n\n{"prompt": "a", "response": "b"\n',
+     r":3: not JSON \(Expecting .*column 32\); each line is a JSON object"),
+    ('{"prompt": "a", "response": "' + "word " * 100 + '"}\n',
+     r":1: prompt \(24 tokens\) \+ response \(500\) \+ EOS do not fit length=80; raise "
+     r"task_kwargs.length, or set task_kwargs.truncate=True"),
+])
+def test_sft_data_errors_are_one_line_before_anything_is_built(tmp_path, content, message):
+  """train.py prints a ConfigError as one line: each bad file is one, found before the
+  workdir exists."""
+  from tests.train.test_sft import _sft_config
+  data = tmp_path / "data.jsonl"
+  data.write_text(content)
+  config = _sft_config("pretrained:" + LLADA, **{"task_kwargs.path": str(data),
+                                                 "task_kwargs.length": SFT_LENGTH})
+  with pytest.raises(train.ConfigError,
+                     match=rf"^config field task_kwargs\.path: {data}{message}") as error:
+    train.train(config, str(tmp_path / "w"))
+  assert "\n" not in str(error.value)
+  assert not os.path.exists(tmp_path / "w")
+
+
+def test_sft_rows_are_read_once_and_again_when_the_file_changes(tmp_path):
+  data = tmp_path / "data.jsonl"
+  data.write_text('{"prompt": "a", "response": "b"}\n')
+  start = "pretrained:" + LLADA
+  first = sft_data.bind(path=str(data), start=start, length=SFT_LENGTH)
+  again = sft_data.bind(path=str(data), start=start, length=SFT_LENGTH)
+  np.testing.assert_array_equal(first.sample_data(jax.random.key(0), 2),
+                                again.sample_data(jax.random.key(0), 2))
+  data.write_text('{"prompt": "a", "response": "b c d e"}\n{"prompt": "x"}\n')
+  with pytest.raises(ValueError, match=rf"^path: {data}:2: no response"):
+    sft_data.bind(path=str(data), start=start, length=SFT_LENGTH)
