@@ -8,12 +8,16 @@ and, where the task has them, `checks`, `exact_denoiser` (the synthetic tasks), 
 """
 
 import inspect
+import os
 
 from mdjax.tasks import corpus, scan_and_add, sft, text, two_color
 from mdjax.tasks.base import Task
 
 TASKS = {"two_color": two_color, "scan_and_add": scan_and_add, "text": text, "corpus": corpus,
          "sft": sft}
+# The parameters that name files or folders: saved absolute, compared once normalised.
+PATH_KWARGS = {"text": ("text_path",), "corpus": ("data_dir",),
+               "sft": ("path", "validation_path", "start")}
 
 
 def get(name: str, task_kwargs: dict | None = None) -> Task:
@@ -47,6 +51,19 @@ def kwargs_of(config) -> dict:
   return {k: v for k, v in kwargs.items() if v is not None}  # None: the task's default
 
 
+def resolve_paths(name: str, kwargs: dict) -> dict:
+  """`kwargs` of task `name` with its file and folder parameters absolute and normalised (a
+  start point's 'pretrained:' kept): the same files from any working directory."""
+  resolved = dict(kwargs)
+  for key in PATH_KWARGS.get(name, ()):
+    value = resolved.get(key)
+    if key == "start":
+      resolved[key] = sft.resolve_start(value)
+    elif isinstance(value, str) and value:
+      resolved[key] = os.path.abspath(value)
+  return resolved
+
+
 def from_config(config, metadata: dict | None = None) -> Task:
   """The task a training config names (`config.task`, `config.task_kwargs`).
 
@@ -55,5 +72,5 @@ def from_config(config, metadata: dict | None = None) -> Task:
   return get(config.task, {**kwargs_of(config), **(metadata or {})})
 
 
-__all__ = ["TASKS", "Task", "check", "corpus", "from_config", "get", "kwargs_of", "scan_and_add",
-           "text", "two_color"]
+__all__ = ["PATH_KWARGS", "TASKS", "Task", "check", "corpus", "from_config", "get", "kwargs_of",
+           "resolve_paths", "scan_and_add", "text", "two_color"]

@@ -10,6 +10,8 @@ windows at random indices from a key, for callers that want a batch of a key;
 
 Checkpoints keep the tokenizer (its JSON and SHA-256): a run resumed on a corpus prepared
 with another tokenizer is refused, and a workdir samples and decodes without its corpus.
+They also keep the corpus's `data_sha256` (its manifest's tokens, not its path): a run resumes
+on the same corpus wherever it lies now (a copy on local scratch, a relative path).
 `vocab_size`, when the config sets it, must equal the manifest's.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 
 import jax
@@ -26,6 +29,9 @@ from mdjax.tasks.base import Task
 from mdjax.tasks.text import text_metrics
 
 LAYOUTS = ("packed", "padded")
+# The manifest fields that decide the token ids a run reads; not `inputs` (the source paths).
+DATA_FIELDS = ("format", "version", "vocab_size", "eos_id", "dtype", "tokenizer", "documents",
+               "splits")
 
 
 class CorpusFiles:
@@ -38,6 +44,13 @@ class CorpusFiles:
     self.tokenizer = shards.load_tokenizer(data_dir, self.manifest)
     self.tokenizer_sha256 = self.manifest["tokenizer"]["sha256"]
     self._splits = {}
+
+  @property
+  def data_sha256(self) -> str:
+    """SHA-256 of the manifest's data fields (its shards' and tokenizer's hashes among them):
+    equal for a copy of the folder, whatever its path."""
+    fields = {k: self.manifest.get(k) for k in DATA_FIELDS}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode("utf-8")).hexdigest()
 
   def open(self, split: str, verify: str = "checksum", on_corrupt: str = "stop", log=None):
     """The split's shards (checked as `verify` says, once per option set)."""

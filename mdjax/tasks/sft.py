@@ -167,6 +167,16 @@ def split_start(start: str) -> tuple[str, str]:
   return "workdir", start
 
 
+def resolve_start(start):
+  """`start` with its folder absolute and normalised ('pretrained:' kept), so that a saved
+  config names the same start point from any working directory; anything else unchanged."""
+  if not isinstance(start, str) or start in ("", PRETRAINED_PREFIX):
+    return start
+  if start.startswith(PRETRAINED_PREFIX):
+    return PRETRAINED_PREFIX + os.path.abspath(start[len(PRETRAINED_PREFIX):])
+  return os.path.abspath(start)
+
+
 def published_config(folder: str):
   """(PublishedConfig, config.json as read) of a published folder, no weight read."""
   from mdjax.models.published import PublishedConfig

@@ -1,7 +1,9 @@
 """Orbax checkpoints: atomic saves, the newest readable step, `load` for sampling.
 
 An unreadable checkpoint is moved aside (never deleted) and the next newest is read; what
-orbax's abandoned reads report after a failed restore is kept off stderr."""
+orbax's abandoned reads report after a failed restore is kept off stderr. A saved config names
+files by absolute paths, and a corpus is matched by its data's hash, not its path: a workdir
+and its corpus may move."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from absl import logging
 
 from mdjax import tasks
 from mdjax.denoiser import Denoiser
+from mdjax.tasks import sft as sft_data
 from mdjax.train.state import TrainState, init_state, make_mesh
 from mdjax.train.workdir import refuse_link
 
@@ -37,6 +40,16 @@ CORRUPT_DIR = "checkpoints_corrupt"  # unreadable checkpoints are moved here, ne
 
 class CheckpointMismatch(ValueError):
   """A readable checkpoint of another model, task or tokenizer than the config asks for."""
+
+
+class InputNotFound(ValueError):
+  """A readable checkpoint whose config names a file or folder that is not there: a
+  fine-tuning run's start point (`train.init_from`: the model's architecture and tokenizer)
+  or its data file."""
+
+
+# Not the checkpoint's fault: raised as they are, never reported unreadable or moved aside.
+_READABLE_ERRORS = (CheckpointMismatch, InputNotFound)
 
 
 @contextlib.contextmanager
@@ -54,8 +67,10 @@ def quiet_orbax():
 
 def _item_handlers():
   # "data": the grain iterator's state of a corpus run, one file per process (grain's handler).
+  # "corpus": the hash of a corpus run's data (`CorpusFiles.data_sha256`), matched on resume.
   return {"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
-          "task": ocp.JsonCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler()}
+          "task": ocp.JsonCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(),
+          "corpus": ocp.JsonCheckpointHandler()}
 
 
 def checkpoint_manager(workdir: str, config=None, read_only: bool = False
@@ -71,14 +86,28 @@ def checkpoint_manager(workdir: str, config=None, read_only: bool = False
                                  options=options, item_handlers=_item_handlers())
 
 
+def portable_config(config) -> dict:
+  """`config` as a dict with the paths it names (the task's files and folders,
+  `train.init_from`) absolute and normalised: read from any folder, it names the same files."""
+  saved = config.to_dict()
+  if saved.get("task_kwargs"):
+    saved["task_kwargs"] = tasks.resolve_paths(saved.get("task"), saved["task_kwargs"])
+  if (saved.get("train") or {}).get("init_from"):
+    saved["train"]["init_from"] = sft_data.resolve_start(saved["train"]["init_from"])
+  return saved
+
+
 def save(manager: ocp.CheckpointManager, state: TrainState, config, task: tasks.Task,
          source=None) -> None:
-  """Saves state, config and task metadata, and the input pipeline's iterator state when
-  `source` (a `mdjax.data` batch source) has one; orbax writes to a temporary dir, then
-  renames."""
+  """Saves state, config (`portable_config`), task metadata and a corpus's data hash, and the
+  input pipeline's iterator state when `source` (a `mdjax.data` batch source) has one; orbax
+  writes to a temporary dir, then renames."""
   step = int(state.step)
-  items = dict(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict()),
+  items = dict(state=ocp.args.StandardSave(state),
+               config=ocp.args.JsonSave(portable_config(config)),
                task=ocp.args.JsonSave(task.checkpoint_metadata()))
+  if task.corpus is not None:
+    items["corpus"] = ocp.args.JsonSave({"data_sha256": task.corpus.data_sha256})
   if getattr(source, "iterator", None) is not None:
     items["data"] = grain.checkpoint.CheckpointSave(source.iterator)
   with quiet_orbax():
@@ -86,15 +115,25 @@ def save(manager: ocp.CheckpointManager, state: TrainState, config, task: tasks.
     manager.wait_until_finished()
 
 
-def _check_model_matches(saved: dict, config, step: int) -> None:
+def _check_model_matches(saved: dict, config, step: int, saved_data: str | None = None,
+                         data: str | None = None) -> None:
+  """CheckpointMismatch unless the saved model and task are the config's. Paths are compared
+  normalised; a corpus by its data hashes (`saved_data`, `data`) where both are known."""
   saved_model, model = saved.get("model", {}), config.model.to_dict()
   # remat changes how gradients are computed, not the parameters: a run may resume with
   # it switched (checkpoints written before the field existed do not hold it).
   diffs = {k: (saved_model.get(k), v) for k, v in model.items()
            if saved_model.get(k) != v and k != "remat"}
-  saved_kwargs = {k: v for k, v in (saved.get("task_kwargs") or {}).items() if v is not None}
+  saved_kwargs = tasks.resolve_paths(config.task, {
+      k: v for k, v in (saved.get("task_kwargs") or {}).items() if v is not None})
+  kwargs = tasks.resolve_paths(config.task, tasks.kwargs_of(config))
+  if saved_data is not None and data is not None:  # the same tokens under any path
+    saved_dir, data_dir = saved_kwargs.pop("data_dir", None), kwargs.pop("data_dir", None)
+    if saved_data != data:
+      diffs["task_kwargs.data_dir"] = (f"{saved_dir} (data sha256 {saved_data[:12]}...)",
+                                       f"{data_dir} (data sha256 {data[:12]}...)")
   for name, saved_value, value in (("task", saved.get("task"), config.task),
-                                   ("task_kwargs", saved_kwargs, tasks.kwargs_of(config))):
+                                   ("task_kwargs", saved_kwargs, kwargs)):
     if saved_value != value:
       diffs[name] = (saved_value, value)
   if diffs:
@@ -112,6 +151,13 @@ def _summary(error: BaseException) -> str:
 
 def _read_json(manager, step: int, name: str) -> dict:
   return manager.restore(step, args=ocp.args.Composite(**{name: ocp.args.JsonRestore()}))[name]
+
+
+def _saved_data_sha256(manager, step: int) -> str | None:
+  """The corpus data hash a step saved (None: not a corpus run, or written before it was)."""
+  if "corpus" not in (manager.item_metadata(step) or {}):
+    return None
+  return _read_json(manager, step, "corpus").get("data_sha256")
 
 
 def _read_step(manager, step: int, abstract_for: Callable[[int, dict, dict], Any]):
@@ -227,7 +273,7 @@ class _ReadLeftovers:
     try:
       yield
       failed = False
-    except CheckpointMismatch:
+    except _READABLE_ERRORS:
       failed = False
       raise
     finally:
@@ -279,7 +325,7 @@ def newest_readable(manager, abstract_for, log, move_aside: bool, steps=None):
   for step in (step_dirs(manager) if steps is None else steps):
     try:
       return (step, *_read_step(manager, step, abstract_for))
-    except CheckpointMismatch:
+    except _READABLE_ERRORS:
       raise
     except Exception as error:  # truncated, deleted or empty: the step cannot be read
       if move_aside:
@@ -295,8 +341,10 @@ def restore_latest(manager: ocp.CheckpointManager, abstract_state: TrainState, c
                    task: tasks.Task, log=print, move_aside: bool = True) -> TrainState | None:
   """The newest readable checkpoint (unreadable newer ones moved aside), or None."""
 
+  data = None if task.corpus is None else task.corpus.data_sha256
+
   def abstract_for(step, saved_config, saved_task):
-    _check_model_matches(saved_config, config, step)
+    _check_model_matches(saved_config, config, step, _saved_data_sha256(manager, step), data)
     if saved_task and saved_task != task.checkpoint_metadata():
       raise CheckpointMismatch(
           f"checkpoint step {step} was trained with another tokenizer: saved {saved_task}, "
@@ -354,6 +402,29 @@ def _warn(message: str) -> None:
   print(message, file=sys.stderr, flush=True)
 
 
+def _check_inputs(workdir: str, step: int, config) -> None:
+  """InputNotFound where a fine-tuned step's start point or data file is not where its config
+  says: the model and task are rebuilt from them; the checkpoint itself is fine."""
+  start = config.get("train", {}).get("init_from")
+  if start:
+    try:
+      sft_data.split_start(start)
+    except ValueError:
+      wanted = "config.json" if start.startswith(sft_data.PRETRAINED_PREFIX) else "checkpoints/"
+      raise InputNotFound(
+          f"workdir={workdir!r}: start point train.init_from={start!r} not found (no {wanted} "
+          f"there); checkpoint step {step} is readable, but its model is built on the start "
+          "point (its architecture and tokenizer): put it back at that path.") from None
+  if config.get("task") == "sft":
+    for key in ("path", "validation_path"):
+      path = config.task_kwargs.get(key)
+      if path is not None and not os.path.isfile(path):
+        raise InputNotFound(
+            f"workdir={workdir!r}: data file task_kwargs.{key}={path!r} not found; checkpoint "
+            f"step {step} is readable, but its task is rebuilt from that file: put it back at "
+            "that path.")
+
+
 def load(workdir: str, step: int | None = None, log: Callable[[str], None] = _warn) -> Model:
   """The trained model of a workdir: its newest readable checkpoint, or `step`.
 
@@ -373,6 +444,7 @@ def load(workdir: str, step: int | None = None, log: Callable[[str], None] = _wa
 
   def abstract_for(step, saved_config, saved_task):
     config = ml_collections.ConfigDict(saved_config)
+    _check_inputs(workdir, step, config)
     # The saved tokenizer decides the ids, whatever the corpus files hold today.
     config.task_kwargs.update(saved_task)
     task = tasks.from_config(config)
