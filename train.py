@@ -14,6 +14,10 @@ Several processes (hosts, or GPUs) run the same command, each with its id:
 or with JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID set; under `srun` with
 several tasks SLURM's variables are read, and --distributed lets JAX find a TPU pod slice.
 See docs/training.md, "Many processes and hosts".
+
+Errors are one line, `train.py: error: ...`: exit status 2 for a command line or config
+value that cannot work (a usage error), 1 for what the run met (a busy, unsafe or
+unwritable workdir, a checkpoint of another model, the cluster).
 """
 
 import ast
@@ -143,6 +147,14 @@ def _command_line_error(argv: list[str], check_fields: bool = True) -> str | Non
   return None
 
 
+USAGE, RUNTIME = 2, 1  # exit statuses
+
+
+def _fail(error, status: int):
+  print(f"train.py: error: {error}", file=sys.stderr)
+  sys.exit(status)
+
+
 def _parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, its errors on one line (the config file is loaded once when the
   command line is right; only a failed parse looks at it again to say why)."""
@@ -157,8 +169,7 @@ def _parse_flags(argv: list[str]) -> list[str]:
         if not isinstance(parse_error, flags.Error):
           raise
         error = str(parse_error)
-  print(f"train.py: error: {error}", file=sys.stderr)
-  sys.exit(1)
+  _fail(error, USAGE)
 
 
 def main(argv):
@@ -170,15 +181,15 @@ def main(argv):
                                        _PROCESS_ID.value, auto=_DISTRIBUTED.value)
     distributed.initialize(cluster, _INIT_TIMEOUT.value, _HEARTBEAT_TIMEOUT.value)
   except (ValueError, RuntimeError) as error:
-    print(f"train.py: error: {error}", file=sys.stderr)
-    sys.exit(1)
+    _fail(error, RUNTIME)
   from mdjax import train
   try:
     train.train(_CONFIG.value, _WORKDIR.value)
-  except (train.ConfigError, train.CheckpointMismatch, train.WorkdirBusy, train.UnsafeWorkdir,
+  except train.ConfigError as error:
+    _fail(error, USAGE)
+  except (train.CheckpointMismatch, train.WorkdirBusy, train.UnsafeWorkdir,
           PermissionError) as error:
-    print(f"train.py: error: {error}", file=sys.stderr)
-    sys.exit(1)
+    _fail(error, RUNTIME)
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ def training_curve(workdir: str, m: int) -> list[dict]:
     record = json.loads(line)
     if "sample_correct" in record:  # the last record of a step wins (a resumed run)
       rows[record["step"]] = {"M": m, "step": record["step"],
-                              "eval_bits_per_token": record["eval_bits_per_token"],
+                              "eval_bits_per_token": record["val_bits_per_token"],
                               **{k: record[f"sample_{k}"] for k in
                                  ("well_formed", "correct", "add_count_valid", "unique")}}
   return [rows[s] for s in sorted(rows)]

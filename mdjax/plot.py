@@ -51,7 +51,8 @@ def draw(rows: list[dict], out: str) -> str:
   """Writes the four panels of `rows` to the png `out` (atomically); returns `out`.
 
   Panels, x = step: training loss; bits per token (training, and the validation NELBO
-  when logged); learning rate; training tokens/s. Raises ImportError without matplotlib.
+  when logged: of the EMA parameters and of the raw ones when both are); learning rate;
+  training tokens/s. Raises ImportError without matplotlib.
   """
   # The Agg canvas directly: no pyplot, no GUI backend, no global state changed.
   from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -62,10 +63,20 @@ def draw(rows: list[dict], out: str) -> str:
   # Fixed margins: a layout engine would double the time of a write.
   fig.subplots_adjust(left=0.08, right=0.98, bottom=0.08, top=0.95, wspace=0.22, hspace=0.2)
   loss_ax, bits_ax, lr_ax, speed_ax = fig.subplots(2, 2, sharex=True).ravel()
+  # With an EMA, val_bits_per_token is the EMA's (what sampling reads) and the raw
+  # parameters' is val_bits_per_token_raw; files written before either kept only
+  # eval_bits_per_token.
+  ema = any("val_bits_per_token_raw" in r for r in rows)
+  validation = "val_bits_per_token" if any("val_bits_per_token" in r for r in rows) else \
+      "eval_bits_per_token"
   panels = (
       (loss_ax, "training loss", (("loss", "train", "-"),)),
-      (bits_ax, "bits per token", (("bits_per_token", "train", "-"),
-                                   ("eval_bits_per_token", "validation NELBO", "o-"))),
+      (bits_ax, "bits per token", (("bits_per_token", "train (raw weights)" if ema else "train",
+                                    "-"),
+                                   (validation, "validation NELBO" + (", EMA weights" if ema
+                                                                      else ""), "o-"),
+                                   ("val_bits_per_token_raw", "validation NELBO, raw weights",
+                                    "s--"))),
       (lr_ax, "learning rate", (("lr", None, "-"),)),
       (speed_ax, "training tokens/s", (("tokens_per_s", None, "-"),)),
   )
@@ -138,7 +149,8 @@ class Curves:
       self.log(f"{CURVES} not drawn: matplotlib is not installed ({INSTALL}).")
     except (OSError, NoMetrics) as error:
       self.off = True
-      self.log(f"{CURVES} not drawn ({type(error).__name__}: {error}); training goes on.")
+      self.log(f"{CURVES} not drawn ({type(error).__name__}: {error})"
+               + ("." if last else "; training goes on."))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,7 +26,7 @@ from mdjax.train.state import (TrainState, init_state, learning_rate_schedule,
                                train_step)
 from mdjax.train.workdir import (LOCK, METRICS, TENSORBOARD, TRAIN_SECONDS, Interrupts,
                                  MetricsLog, TrainClock, WorkdirLock, check_entries,
-                                 keep_metrics_through, writable)
+                                 keep_metrics_through, run_summary, writable)
 
 
 # ----------------------------------------------------------------------------
@@ -81,7 +81,7 @@ class _Throughput:
 def evaluate(config, task: tasks.Task, params, loss_fn_eval) -> dict:
   """Held-out loss in bits per token (the NELBO, or the causal NLL) over `eval_batches` batches
   (`data.validation_batches`: a corpus's validation split, else `eval_batch`'s draws):
-  `val_bits_per_token`, also logged under its first name `eval_bits_per_token`. With
+  `val_bits_per_token`. With
   `train.grad_accum_steps` = k > 1 each batch is scored in k micro-batches (rows i, i + k,
   ..., noise from fold_in(key, i)), which hold no more in memory than a training pass."""
   values = []
@@ -94,7 +94,7 @@ def evaluate(config, task: tasks.Task, params, loss_fn_eval) -> dict:
       values.append(np.mean([float(loss_fn_eval(params, jax.random.fold_in(key, j), x[j::accum]))
                              for j in range(accum)]))
   value = float(np.mean(values))
-  return {"eval_bits_per_token": value, "val_bits_per_token": value}
+  return {"val_bits_per_token": value}
 
 
 def sample_and_score(config, task: tasks.Task, apply_fn, params) -> dict:
@@ -232,10 +232,15 @@ def _finite_on_host(step_metrics, step: int, workdir: str) -> dict:
 
 
 def _evaluation(config, task: tasks.Task, apply_fn, state: TrainState, eval_loss) -> dict:
-  """The held-out loss of the EMA parameters (if kept), and sample metrics when asked."""
+  """The held-out loss of the parameters sampling reads (the EMA, if kept) as
+  `val_bits_per_token`, with an EMA that of the raw parameters too
+  (`val_bits_per_token_raw`), and sample metrics when asked."""
   params = state.ema_params if state.ema_params is not None else state.params
   params = distributed.host_copy(params)  # several processes: each evaluates a whole copy
   record = evaluate(config, task, params, eval_loss)
+  if state.ema_params is not None:
+    raw = evaluate(config, task, distributed.host_copy(state.params), eval_loss)
+    record["val_bits_per_token_raw"] = raw["val_bits_per_token"]
   if config.objective != "causal" and config.num_eval_samples:
     record.update(sample_and_score(config, task, apply_fn, params))
   return record
@@ -264,7 +269,11 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
   restored = restore_latest(manager, abstract, config, task, log, move_aside=primary)
   if restored is not None:
     state = jax.device_put(restored, shardings)
-    log(f"resumed from step {int(state.step)}")
+    if int(state.step) >= config.train.num_steps:
+      log(f"already finished: {workdir} holds step {int(state.step)} of "
+          f"{config.train.num_steps} (a longer run: raise train.num_steps)")
+    else:
+      log(f"resumed from step {int(state.step)}")
     restore_data(manager, int(state.step), source, log)
   saved_step = int(state.step) if restored is not None else None
   clock = TrainClock(workdir, int(state.step))
@@ -315,7 +324,7 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
     return signalled(interrupts.signal_name is not None)
 
   try:
-    step = int(state.step)
+    step = start_step = int(state.step)
     while step < num_steps and not stopping():
       with input_wait:
         rows = source.batch_for(step)
@@ -349,13 +358,16 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
         input_wait.restart()
     if pending is not None:
       report(*pending)
-    if step < num_steps:  # stopped by a signal (on any process)
+    name = interrupts.signal_name or "a signal to another process"
+    if step == start_step < num_steps:  # stopped before a step ran: nothing new to save
+      log(f"{name} before the first step: stopped, nothing trained or saved; the same "
+          "command " + ("resumes" if saved_step is not None else "starts again") + ".")
+    elif step < num_steps:  # stopped by a signal (on any process)
       if saved_step != step:
         save(manager, state, config, task, source)
         if primary:
           clock.save(step)
       curves.draw(last=True)
-      name = interrupts.signal_name or "a signal to another process"
       log(("\n" if tty else "") + f"{name}: checkpoint saved at step {step} "
           f"of {num_steps} in {workdir}/checkpoints; the same command resumes.")
     if step == num_steps and config.train.get("init_from") and jax.process_index() == 0:
@@ -363,6 +375,8 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
       sft.export(config, state, workdir, log)  # a published start: its layout, fine-tuned
   finally:
     metrics.close()
+  if step == num_steps and primary:
+    log(("\n" if tty else "") + run_summary(workdir, step, num_steps))
   return state
 
 

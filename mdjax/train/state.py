@@ -20,9 +20,6 @@ from mdjax.train.config_checks import ConfigError
 Array = jax.Array
 
 
-Array = jax.Array
-
-
 @struct.dataclass
 class TrainState:
   step: Array
@@ -150,6 +147,13 @@ def accumulated_value_and_grad(loss_fn, params, key: Array, x_BxL: Array, steps:
   return (loss, aux), grads
 
 
+def ema_decay_at(step, ema_decay: float):
+  """The EMA decay of update `step` (from 0): min(ema_decay, (1 + step) / (10 + step)),
+  TensorFlow's `num_updates` warm-up. Without it a short run's EMA stays near the
+  initialisation (0.999 keeps 94% of it after 60 steps); with it update 0 keeps 10%."""
+  return jnp.minimum(ema_decay, (1.0 + step) / (10.0 + step))
+
+
 def train_step(state: TrainState, x_BxL: Array, *, loss_fn, optimizer, ema_decay: float,
                seed: int, learning_rate: optax.Schedule | None = None,
                grad_accum_steps: int = 1) -> tuple[TrainState, dict]:
@@ -167,7 +171,8 @@ def train_step(state: TrainState, x_BxL: Array, *, loss_fn, optimizer, ema_decay
   params = optax.apply_updates(state.params, updates)
   ema = state.ema_params
   if ema_decay > 0:
-    ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, ema, params)
+    decay = ema_decay_at(state.step, ema_decay)
+    ema = jax.tree.map(lambda e, p: decay * e + (1 - decay) * p, ema, params)
   metrics = {k: v for k, v in aux.items() if jnp.ndim(v) == 0}
   metrics.update(loss=loss, grad_norm=optax.tree.norm(grads))
   if learning_rate is not None:  # the rate of this update: optax counts updates from 0

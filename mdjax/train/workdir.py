@@ -7,6 +7,7 @@ pointing at a file elsewhere, a linked checkpoints/) is refused, never written t
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import stat
@@ -174,9 +175,17 @@ def keep_metrics_through(path: str, step: int) -> None:
         row = json.loads(line)
       except json.JSONDecodeError:  # a row cut short by a kill
         continue
-      if row.get("step", 0) <= step:
-        kept.append(line if line.endswith("\n") else line + "\n")
+      if row.get("step", 0) <= step:  # rewritten strict (an older file's bare NaN: null)
+        kept.append(strict_json(row) + "\n")
   write_atomically(path, "".join(kept))
+
+
+def strict_json(row: dict) -> str:
+  """`row` as strict JSON: a non-finite float (a NaN loss) becomes null, which every JSON
+  parser reads, where Python's bare NaN is refused by strict ones."""
+  def finite(value):
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+  return json.dumps({name: finite(value) for name, value in row.items()}, allow_nan=False)
 
 
 class MetricsLog:
@@ -194,7 +203,7 @@ class MetricsLog:
       self.writer = SummaryWriter(folder)
 
   def write(self, row: dict) -> None:
-    self.file.write(json.dumps(row) + "\n")
+    self.file.write(strict_json(row) + "\n")
     self.file.flush()
     if self.writer is not None:
       for name, value in row.items():
@@ -237,7 +246,40 @@ class TrainClock:
 
   def save(self, step: int) -> None:
     seconds = self.previous + time.perf_counter() - self.start
-    write_atomically(self.path, json.dumps({"seconds": round(seconds, 1), "step": step}))
+    write_atomically(self.path, strict_json({"seconds": round(seconds, 1), "step": step}))
+
+
+def run_summary(workdir: str, step: int, num_steps: int) -> str:
+  """The end of a run in a few lines: validation (final and best, with their steps; the
+  EMA's and the raw weights' when both are logged), wall time, the checkpoint and how to
+  plot and sample."""
+  rows = []
+  try:
+    with os.fdopen(open_own_file(os.path.join(workdir, METRICS), os.O_RDONLY)) as f:
+      for line in f:
+        try:
+          rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a row cut short by a kill
+          continue
+  except FileNotFoundError:
+    pass
+  lines = [f"finished: step {step} of {num_steps}"]
+  seconds = read_train_seconds(workdir)
+  if seconds is not None:
+    lines[0] += f" in {seconds:.1f} s of training"
+  raw = any("val_bits_per_token_raw" in row for row in rows)
+  for name, label in (("val_bits_per_token", "validation bits/token" + (" (EMA)" if raw else "")),
+                      ("val_bits_per_token_raw", "validation bits/token (raw weights)")):
+    scored = [(row[name], row["step"]) for row in rows
+              if isinstance(row.get(name), (int, float)) and "step" in row]
+    if scored:
+      best = min(scored)
+      lines.append(f"{label}: final {scored[-1][0]:.4g} at step {scored[-1][1]}, "
+                   f"best {best[0]:.4g} at step {best[1]}")
+  lines.append(f"checkpoint: {os.path.join(workdir, 'checkpoints', str(step))}")
+  lines.append(f"curves: python -m mdjax.plot {workdir}; samples: python sample.py "
+               f"--workdir={workdir}")
+  return "\n".join(lines)
 
 
 def read_train_seconds(workdir: str) -> float | None:

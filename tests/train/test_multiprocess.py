@@ -99,10 +99,10 @@ def test_two_processes_train_as_one(runs):
   # Process 0 alone logs: every step once, one evaluation row (samples drawn on both).
   steps = [r["step"] for r in _rows(runs.pair)]
   assert steps == [1, 2, 3, 4, 4], steps
-  evals = [r for r in _rows(runs.pair) if "eval_bits_per_token" in r]
-  single_eval = [r for r in _rows(runs.single) if "eval_bits_per_token" in r]
-  np.testing.assert_allclose(evals[0]["eval_bits_per_token"],
-                             single_eval[0]["eval_bits_per_token"], rtol=_RTOL)
+  evals = [r for r in _rows(runs.pair) if "val_bits_per_token" in r]
+  single_eval = [r for r in _rows(runs.single) if "val_bits_per_token" in r]
+  np.testing.assert_allclose(evals[0]["val_bits_per_token"],
+                             single_eval[0]["val_bits_per_token"], rtol=_RTOL)
   assert "sample_invalid_fraction" in evals[0]
   assert runs.outputs[1].count("step 4/4") == 1 and "step 4/4" not in runs.outputs[2]
   # One checkpoint per saved step, written by both processes together (each its shards).

@@ -169,15 +169,15 @@ def test_sft_from_llada_fixture_lowers_response_loss_and_round_trips(tmp_path):
   # The held-out loss (here on the training rows) of the start, by the loop's own evaluation.
   rows_written = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   assert rows_written[-1]["step"] == 8
-  after = rows_written[-1]["eval_bits_per_token"]
+  after = rows_written[-1]["val_bits_per_token"]
   resolved = sft.resolve_config(config)
   task = train.tasks.from_config(resolved)
   start = pretrained.load(LLADA)
   view = sft.PublishedView(start.config)
   eval_loss = make_eval_loss(resolved, view, task, sft.loss_fn(resolved, view, task))
-  before = train.evaluate(resolved, task, start.params, eval_loss)["eval_bits_per_token"]
+  before = train.evaluate(resolved, task, start.params, eval_loss)["val_bits_per_token"]
   assert after < 0.5 * before, (before, after)
-  assert train.evaluate(resolved, task, state.params, eval_loss)["eval_bits_per_token"] == after
+  assert train.evaluate(resolved, task, state.params, eval_loss)["val_bits_per_token"] == after
 
   out = os.path.join(workdir, sft.EXPORT_DIR)
   loaded = pretrained.load(out)

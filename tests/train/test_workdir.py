@@ -159,7 +159,7 @@ def test_train_cli_errors_are_one_line_and_help_lists_configs(tmp_path):
       text=True, cwd=REPO, timeout=300, env=dict(os.environ, PYTHONPATH=REPO))
   proc = run("--config=configs/two_color.py", f"--workdir={tmp_path / 'run'}",
              "--config.train.num_steps=0")
-  assert proc.returncode == 1
+  assert proc.returncode == 2  # a usage error
   assert proc.stderr.strip() == ("train.py: error: config field train.num_steps=0: must be "
                                  "an integer >= 1."), proc.stderr[-2000:]
   proc = run("--help")
@@ -241,12 +241,12 @@ def test_train_cli_names_a_misspelt_field_and_a_missing_config(tmp_path):
       [sys.executable, os.path.join(REPO, "train.py"), f"--workdir={tmp_path / 'run'}", *flags],
       capture_output=True, text=True, cwd=REPO, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
   proc = run("--config=configs/two_color.py", "--config.trian.num_steps=3")
-  assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+  assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
   assert proc.stderr.startswith(
       "train.py: error: --config.trian.num_steps=3: configs/two_color.py has no field 'trian' "
       "(did you mean 'train'?); its fields: batch_size, "), proc.stderr
   proc = run("--config=configs/shakespeare-bpe.py")
-  assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+  assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
   assert proc.stderr.startswith(
       "train.py: error: --config='configs/shakespeare-bpe.py' is not a file; did you mean "
       "--config=configs/shakespeare_bpe.py? the configs: configs/corpus.py, "
