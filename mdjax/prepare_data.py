@@ -44,6 +44,7 @@ from mdjax.tasks.text import BpeTokenizer, CharTokenizer
 DOCUMENTS = ("file", "paragraph")
 # The validation split is called small below this many windows of configs/corpus.py's length.
 FEW_WINDOWS, WINDOW = 4, 128
+MIN_FRACTION = 1e-12
 EXTENSIONS = (".txt", ".jsonl")
 PARAGRAPH = "\n\n"
 
@@ -214,6 +215,9 @@ def _check_flags(documents, validation_fraction, shard_tokens, chunk_chars, bpe_
     raise UsageError(f"--documents={documents!r} must be one of {DOCUMENTS}.")
   if not (isinstance(validation_fraction, (int, float)) and 0.0 <= validation_fraction < 1.0):
     raise UsageError(f"--validation_fraction={validation_fraction!r} must lie in [0, 1).")
+  if 0 < validation_fraction < MIN_FRACTION:  # 1/f documents could never be counted
+    raise UsageError(f"--validation_fraction={validation_fraction!r} must be 0 or at least "
+                     f"{MIN_FRACTION}.")
   for name, value, low in (("shard_tokens", shard_tokens, 1), ("chunk_chars", chunk_chars, 1),
                            ("bpe_training_chars", bpe_training_chars, 1)):
     if not (isinstance(value, int) and value >= low):

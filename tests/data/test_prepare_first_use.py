@@ -156,6 +156,7 @@ def test_command_line_errors_are_one_line_with_their_status(tmp_path, capsys):
   assert "--tokenizer='bpe:12'" in error_of(good[:1] + ["--tokenizer=bpe:12"] + good[2:], 2)
   assert "--validation_fraction=1.0 must lie in [0, 1)" in error_of(
       good + ["--validation_fraction=1"], 2)
+  assert "must be 0 or at least 1e-12" in error_of(good + ["--validation_fraction=1e-300"], 2)
   assert main(good + ["--validation_fraction=0.5"]) == 0
   capsys.readouterr()
   assert "already holds a prepared corpus" in error_of(good, 2)
