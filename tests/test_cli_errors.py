@@ -105,6 +105,8 @@ BAD_MODEL_ARGS = [
     ("task=two_color,oracle=true,num_samples=10,mc_batch_size=4",
      "num_samples=10 must be a multiple of mc_batch_size=4"),
     ("num_samples=8", "give exactly one of checkpoint=DIR"),
+    ("task=foo,oracle=true", "task='foo' is unknown; known: "),
+    ("task=two_color", "task='two_color' needs oracle=true"),
 ]
 
 

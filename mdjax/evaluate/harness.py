@@ -97,7 +97,7 @@ def check_model_args(args: dict, *, values: bool = False) -> None:
     parameters = inspect.signature(MdjaxLM.__init__).parameters
     given = {**{name: p.default for name, p in parameters.items()
                 if p.default is not inspect.Parameter.empty}, **args}
-    _one_source(given["checkpoint"], given["task"], given["model"])
+    _one_source(given["checkpoint"], given["task"], given["oracle"], given["model"])
     _settings(**{k: v for k, v in given.items() if k in parameters},
               knobs={k: v for k, v in args.items() if k not in parameters})
 
@@ -159,8 +159,9 @@ def pretrained_backend(model, add_special_tokens: bool = True) -> Backend:
                  pad_id=model.eos_id or 0)
 
 
-def _one_source(checkpoint, task, model) -> None:
-  """A ValueError unless exactly one model source is given (a checkpoint: a folder)."""
+def _one_source(checkpoint, task, oracle, model) -> None:
+  """A ValueError unless exactly one model source is given: a checkpoint folder, a task's
+  exact denoiser (a known task, oracle=true) or a model object."""
   given = [name for name, value in (("checkpoint", checkpoint), ("task", task),
                                     ("model", model)) if value is not None]
   if len(given) != 1:
@@ -169,12 +170,18 @@ def _one_source(checkpoint, task, model) -> None:
   if checkpoint is not None and not os.path.isdir(checkpoint):
     raise ValueError(f"checkpoint={checkpoint!r} is not a folder (a train.py workdir or a "
                      "mdjax.pretrained folder).")
+  if task is not None:
+    if task not in tasks.TASKS:
+      raise ValueError(f"task={task!r} is unknown; known: {sorted(tasks.TASKS)}.")
+    if oracle is not True:
+      raise ValueError(f"task={task!r} needs oracle=true (the task's exact denoiser is the "
+                       "model); a trained model is checkpoint=DIR.")
 
 
 def load_backend(checkpoint=None, step=None, dtype=None, task=None, oracle=False,
                  model=None, add_special_tokens: bool = True) -> Backend:
   """The model of the arguments: an object, a folder, or a task's exact denoiser."""
-  _one_source(checkpoint, task, model)
+  _one_source(checkpoint, task, oracle, model)
   if model is not None:
     if hasattr(model, "mask_id") and hasattr(model, "family"):
       return pretrained_backend(model, add_special_tokens)
@@ -183,9 +190,6 @@ def load_backend(checkpoint=None, step=None, dtype=None, task=None, oracle=False
     raise ValueError(f"model={type(model).__name__} must be a mdjax.pretrained.PretrainedModel "
                      "or a mdjax.load model.")
   if task is not None:
-    if oracle is not True:
-      raise ValueError(f"task={task!r} needs oracle=true (the task's exact denoiser is the "
-                       "model); a trained model is checkpoint=DIR.")
     bound = tasks.get(task)
     if bound.exact_denoiser is None:
       raise ValueError(f"task={task!r} has no exact denoiser; oracle=true needs one.")
