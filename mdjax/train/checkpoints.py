@@ -97,6 +97,11 @@ def portable_config(config) -> dict:
   return saved
 
 
+def _data_sha256(task: tasks.Task) -> str | None:
+  """The hash of a prepared corpus's data (`CorpusFiles.data_sha256`); None for other tasks."""
+  return getattr(task.corpus, "data_sha256", None)
+
+
 def save(manager: ocp.CheckpointManager, state: TrainState, config, task: tasks.Task,
          source=None) -> None:
   """Saves state, config (`portable_config`), task metadata and a corpus's data hash, and the
@@ -106,8 +111,9 @@ def save(manager: ocp.CheckpointManager, state: TrainState, config, task: tasks.
   items = dict(state=ocp.args.StandardSave(state),
                config=ocp.args.JsonSave(portable_config(config)),
                task=ocp.args.JsonSave(task.checkpoint_metadata()))
-  if task.corpus is not None:
-    items["corpus"] = ocp.args.JsonSave({"data_sha256": task.corpus.data_sha256})
+  data = _data_sha256(task)
+  if data is not None:
+    items["corpus"] = ocp.args.JsonSave({"data_sha256": data})
   if getattr(source, "iterator", None) is not None:
     items["data"] = grain.checkpoint.CheckpointSave(source.iterator)
   with quiet_orbax():
@@ -341,7 +347,7 @@ def restore_latest(manager: ocp.CheckpointManager, abstract_state: TrainState, c
                    task: tasks.Task, log=print, move_aside: bool = True) -> TrainState | None:
   """The newest readable checkpoint (unreadable newer ones moved aside), or None."""
 
-  data = None if task.corpus is None else task.corpus.data_sha256
+  data = _data_sha256(task)
 
   def abstract_for(step, saved_config, saved_task):
     _check_model_matches(saved_config, config, step, _saved_data_sha256(manager, step), data)
