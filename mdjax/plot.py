@@ -7,12 +7,12 @@ imported only when a plot is drawn.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import time
 import uuid
+
+from mdjax import cli
 
 CURVES = "curves.png"
 METRICS = "metrics.jsonl"
@@ -154,8 +154,8 @@ class Curves:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(
-      prog="python -m mdjax.plot",
+  parser = cli.Parser(
+      "plot", prog="python -m mdjax.plot",
       description="Redraws a training run's curves (loss, validation NELBO, learning rate, "
       "tokens/s) from WORKDIR/metrics.jsonl.")
   parser.add_argument("workdir", help="a train.py workdir")
@@ -164,13 +164,13 @@ def main(argv: list[str] | None = None) -> None:
   try:
     path = redraw(args.workdir, args.out)
   except NoMetrics as error:
-    sys.exit(f"{parser.prog}: error: {error}")
+    cli.fail("plot", error, cli.USAGE)
   except ModuleNotFoundError as error:
     if not _is_matplotlib(error):
       raise
-    sys.exit(f"{parser.prog}: error: matplotlib is not installed ({INSTALL}).")
+    cli.fail("plot", f"matplotlib is not installed ({INSTALL}).", cli.RUNTIME)
   except OSError as error:
-    sys.exit(f"{parser.prog}: error: cannot write {args.out or CURVES}: {error}")
+    cli.fail("plot", f"cannot write {args.out or CURVES}: {error}", cli.RUNTIME)
   print(f"wrote {path}")
 
 

@@ -27,7 +27,6 @@ is described in `mdjax.data.shards`.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import secrets
@@ -36,8 +35,8 @@ import sys
 from typing import Iterator
 
 
+from mdjax import cli, jsonl
 from mdjax import files as files_lib
-from mdjax import jsonl
 from mdjax.data import shards
 from mdjax.tasks.text import BpeTokenizer, CharTokenizer
 
@@ -385,15 +384,8 @@ def _write(folder, files, tok, tokenizer_entry, validation_fraction, cut, shard_
   return manifest
 
 
-class _Parser(argparse.ArgumentParser):
-  """argparse whose usage errors are one line, `prepare_data: error: ...`, exit status 2."""
-
-  def error(self, message):
-    self.exit(2, f"prepare_data: error: {message}\n")
-
-
 def main(argv=None) -> int:
-  parser = _Parser(prog="python -m mdjax.prepare_data", description=__doc__.split("\n")[0])
+  parser = cli.Parser("prepare_data", prog="python -m mdjax.prepare_data", description=__doc__.split("\n")[0])
   parser.add_argument("--input", required=True,
                       help="comma-separated .txt / .jsonl files or folders of them")
   parser.add_argument("--tokenizer", required=True, help="char, bpe:N or a tokenizer.json")
@@ -420,11 +412,9 @@ def main(argv=None) -> int:
                        args.text_field, args.chunk_chars, args.bpe_training_chars,
                        args.eos_token)
   except UsageError as error:
-    print(f"prepare_data: error: {error}", file=sys.stderr)
-    return 2
+    return cli.report("prepare_data", error, cli.USAGE)
   except (ValueError, OSError, UnicodeDecodeError) as error:
-    print(f"prepare_data: error: {error}", file=sys.stderr)
-    return 1
+    return cli.report("prepare_data", error, cli.RUNTIME)
   train, validation = manifest["splits"]["train"], manifest["splits"]["validation"]
   print(f"{args.out}: {manifest['vocab_size']} ids ({manifest['dtype']}), train "
         f"{train['tokens']:,} tokens / {train['documents']:,} documents in "

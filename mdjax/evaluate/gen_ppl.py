@@ -32,20 +32,18 @@ How a text is scored (`generative_perplexity`):
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
 import math
 import os
-import sys
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mdjax import files, jsonl
+from mdjax import cli, files, jsonl
 
 Array = jax.Array
 
@@ -377,16 +375,9 @@ def strict(row: dict) -> dict:
           for k, v in row.items()}
 
 
-class _Parser(argparse.ArgumentParser):
-  """Usage errors in one line, `gen_ppl: error: ...`, exit status 2."""
-
-  def error(self, message: str):
-    self.exit(2, f"gen_ppl: error: {message}\n")
-
-
 def main(argv=None) -> dict:
-  parser = _Parser(
-      prog="python -m mdjax.evaluate.gen_ppl",
+  parser = cli.Parser(
+      "gen_ppl", prog="python -m mdjax.evaluate.gen_ppl",
       description="Generative perplexity of text samples under a causal judge, with the "
                   "samples' unigram entropy.")
   parser.add_argument("--judge", required=True, help="a LlamaForCausalLM / Qwen2ForCausalLM "
@@ -424,11 +415,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-  try:
-    main()
-  except ValueError as error:  # a bad judge, samples file or setting
-    print(f"gen_ppl: error: {error}", file=sys.stderr)
-    sys.exit(2)
-  except OSError as error:
-    print(f"gen_ppl: error: {error}", file=sys.stderr)
-    sys.exit(1)
+  cli.run("gen_ppl", main)  # ValueError: a bad judge, samples file or setting

@@ -17,6 +17,8 @@ import argparse
 import os
 import sys
 
+from mdjax import cli
+
 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m mdjax.evaluate.lm_eval", add_help=False)
@@ -58,8 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = ["--model", "mdjax"] + argv
   problem = check(argv[1:] if argv and argv[0] == "run" else argv)
   if problem:
-    print(f"lm_eval: error: {problem}", file=sys.stderr)
-    sys.exit(2)
+    cli.fail("lm_eval", problem, cli.USAGE)
   import mdjax.evaluate.harness  # noqa: F401  registers "mdjax"
   from lm_eval.__main__ import cli_evaluate
   sys.argv = [sys.argv[0]] + argv

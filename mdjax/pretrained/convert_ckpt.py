@@ -14,7 +14,6 @@ in the published layout (config.json, model.safetensors with `backbone.*` names)
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import pickle
@@ -23,6 +22,7 @@ import tempfile
 
 import numpy as np
 
+from mdjax import cli
 from mdjax.pretrained import lightning
 from mdjax.pretrained.load import CONFIG_FILE, _raw_config, load, save
 from mdjax.pretrained import tensors as tensors_lib
@@ -77,7 +77,7 @@ def convert(path: str, out_dir: str, config, *, ema: bool = True, dtype: str | N
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(prog="python -m mdjax.pretrained.convert_ckpt",
+  parser = cli.Parser("convert_ckpt", prog="python -m mdjax.pretrained.convert_ckpt",
                                    description=__doc__.split("\n")[0])
   parser.add_argument("ckpt", help="the .ckpt / .pt file")
   parser.add_argument("out_dir", help="the Hugging Face folder to write")
@@ -92,8 +92,10 @@ def main(argv=None):
   try:
     written = convert(args.ckpt, args.out_dir, args.config, ema=not args.raw, dtype=args.dtype,
                       reader=args.reader)
-  except ValueError as e:
-    parser.exit(2, f"error: {e}\n")
+  except ValueError as error:
+    cli.fail("convert_ckpt", error, cli.USAGE)
+  except OSError as error:
+    cli.fail("convert_ckpt", error, cli.RUNTIME)
   for path in written:
     print(path)
 

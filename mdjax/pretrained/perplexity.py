@@ -25,16 +25,14 @@ How each model's papers compute it (`perplexity` below):
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import sys
 
 import jax
 import numpy as np
 
-from mdjax import diffusion, likelihood
+from mdjax import cli, diffusion, likelihood
 from mdjax.models import dit
 
 BIN_DTYPES = ("uint16", "uint32", "int32", "int64")
@@ -128,16 +126,9 @@ def perplexity(model, tokens_file, *, batch_size: int, key: jax.Array,
           "windows": int(len(x_NxL))}
 
 
-class _Parser(argparse.ArgumentParser):
-  """Usage errors in one line, `perplexity: error: ...`, exit status 2."""
-
-  def error(self, message: str):
-    self.exit(2, f"perplexity: error: {message}\n")
-
-
 def main(argv=None) -> dict:
-  parser = _Parser(
-      prog="python -m mdjax.pretrained.perplexity",
+  parser = cli.Parser(
+      "perplexity", prog="python -m mdjax.pretrained.perplexity",
       description="NELBO (bits per token) and the perplexity bound of a MDLM / BD3-LM "
                   "checkpoint on a token file.")
   parser.add_argument("--pretrained", required=True, help="the checkpoint folder (or .ckpt)")
@@ -164,11 +155,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-  try:
-    main()
-  except ValueError as error:  # a bad folder, token file or setting
-    print(f"perplexity: error: {error}", file=sys.stderr)
-    sys.exit(2)
-  except OSError as error:
-    print(f"perplexity: error: {error}", file=sys.stderr)
-    sys.exit(1)
+  cli.run("perplexity", main)  # ValueError: a bad folder, token file or setting
