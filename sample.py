@@ -35,7 +35,7 @@ from absl import app, flags, logging
 import jax
 import numpy as np
 
-from mdjax import generation, sampling, tasks
+from mdjax import generation, jsonl, sampling, tasks
 from mdjax.denoiser import Denoiser
 
 _TASK = flags.DEFINE_enum("task", "two_color", sorted(tasks.TASKS), "Task (with --oracle).")
@@ -325,7 +325,7 @@ def report_completions(prompts, texts, token_ids, elapsed: float, more: str = ""
   if _OUT.value:
     with open(os.path.join(_OUT.value, "completions.jsonl"), "w") as f:
       for row in rows:
-        f.write(json.dumps(row) + "\n")
+        f.write(jsonl.dumps(row) + "\n")
 
 
 def pretrained_sampler(model, length: int) -> dict:
@@ -430,7 +430,7 @@ def report_samples(task, tokens, metrics: dict) -> None:
       for row in tokens:
         f.write(json.dumps({"tokens": row.tolist(), "text": task.decode(row)}) + "\n")
     with open(os.path.join(_OUT.value, "metrics.json"), "w") as f:
-      json.dump(metrics, f, indent=2)
+      jsonl.dump(metrics, f, indent=2)
 
 
 # The modes: "samples" (--num_samples on the task's canvas), "blocks" (--blocks_of without

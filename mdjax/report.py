@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Sequence
 
+from mdjax import files, jsonl
+
 
 def write_json(path: str, data: Any) -> None:
-  """Writes `data` as indented JSON, atomically (a temp file, then rename)."""
+  """Writes `data` as indented strict JSON, atomically (a fresh temp file, then a rename)."""
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(data, f, indent=2)
+  with files.atomic_write(path, "w") as f:
+    jsonl.dump(data, f, indent=2)
     f.write("\n")
-  os.replace(tmp, path)
 
 
 def _cell(value) -> str:

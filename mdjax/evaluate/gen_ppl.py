@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 from typing import Any, Callable, Sequence
@@ -369,12 +368,6 @@ def read_samples(path: str) -> tuple[list[str], list[list[int]] | None]:
   return texts, (tokens if all(t is not None for t in tokens) else None)
 
 
-def strict(row: dict) -> dict:
-  """`row` with each float that is not finite as None: strict JSON (null, never NaN)."""
-  return {k: None if isinstance(v, float) and not math.isfinite(v) else v
-          for k, v in row.items()}
-
-
 def main(argv=None) -> dict:
   parser = cli.Parser(
       "gen_ppl", prog="python -m mdjax.evaluate.gen_ppl",
@@ -404,13 +397,12 @@ def main(argv=None) -> dict:
   if args.out:
     with files.atomic_write(args.out, "w") as f:
       for i in range(len(texts)):
-        f.write(json.dumps(strict({
+        f.write(jsonl.dumps({
             "index": i, "nll_per_token": float(result.nll_per_token_N[i]),
             "num_tokens": int(result.num_tokens_N[i]), "entropy": float(result.entropy_N[i]),
             **({} if result.sampler_entropy_N is None else
-               {"sampler_entropy": float(result.sampler_entropy_N[i])})}),
-            allow_nan=False) + "\n")
-  print(json.dumps(strict(summary), allow_nan=False))
+               {"sampler_entropy": float(result.sampler_entropy_N[i])})}) + "\n")
+  print(jsonl.dumps(summary))
   return summary
 
 

@@ -25,14 +25,12 @@ How each model's papers compute it (`perplexity` below):
 
 from __future__ import annotations
 
-import json
-import math
 import os
 
 import jax
 import numpy as np
 
-from mdjax import cli, diffusion, likelihood
+from mdjax import cli, diffusion, jsonl, likelihood
 from mdjax.models import dit
 
 BIN_DTYPES = ("uint16", "uint32", "int32", "int64")
@@ -149,8 +147,7 @@ def main(argv=None) -> dict:
                       clipped=args.clipped, bin_dtype=args.bin_dtype)
   result.update(pretrained=args.pretrained, tokens=args.tokens, dtype=args.dtype)
   # Strict JSON: a value that is not finite (stderr of one batch) prints as null.
-  print(json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
-                    for k, v in result.items()}, allow_nan=False))
+  print(jsonl.dumps(result))
   return result
 
 

@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 
 from mdjax import files as files_lib
+from mdjax import jsonl
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -284,7 +285,7 @@ def write_file(path: str, tensors: Mapping[str, Any], metadata: Mapping[str, str
 def write_json(path: str, obj) -> None:
   """Writes JSON atomically (`atomic_write`)."""
   with files_lib.atomic_write(path, "w") as f:
-    json.dump(obj, f, indent=2, sort_keys=True)
+    jsonl.dump(obj, f, indent=2, sort_keys=True)
     f.write("\n")
 
 

@@ -7,7 +7,6 @@ pointing at a file elsewhere, a linked checkpoints/) is refused, never written t
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import stat
@@ -16,6 +15,7 @@ import threading
 import time
 
 from mdjax import files as files_lib
+from mdjax import jsonl
 
 LOCK = "train.lock"
 METRICS = "metrics.jsonl"
@@ -176,16 +176,8 @@ def keep_metrics_through(path: str, step: int) -> None:
       except json.JSONDecodeError:  # a row cut short by a kill
         continue
       if row.get("step", 0) <= step:  # rewritten strict (an older file's bare NaN: null)
-        kept.append(strict_json(row) + "\n")
+        kept.append(jsonl.dumps(row) + "\n")
   write_atomically(path, "".join(kept))
-
-
-def strict_json(row: dict) -> str:
-  """`row` as strict JSON: a non-finite float (a NaN loss) becomes null, which every JSON
-  parser reads, where Python's bare NaN is refused by strict ones."""
-  def finite(value):
-    return None if isinstance(value, float) and not math.isfinite(value) else value
-  return json.dumps({name: finite(value) for name, value in row.items()}, allow_nan=False)
 
 
 class MetricsLog:
@@ -203,7 +195,7 @@ class MetricsLog:
       self.writer = SummaryWriter(folder)
 
   def write(self, row: dict) -> None:
-    self.file.write(strict_json(row) + "\n")
+    self.file.write(jsonl.dumps(row) + "\n")
     self.file.flush()
     if self.writer is not None:
       for name, value in row.items():
@@ -246,7 +238,7 @@ class TrainClock:
 
   def save(self, step: int) -> None:
     seconds = self.previous + time.perf_counter() - self.start
-    write_atomically(self.path, strict_json({"seconds": round(seconds, 1), "step": step}))
+    write_atomically(self.path, jsonl.dumps({"seconds": round(seconds, 1), "step": step}))
 
 
 def run_summary(workdir: str, step: int, num_steps: int) -> str:
