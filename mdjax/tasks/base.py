@@ -26,6 +26,9 @@ class Task:
   denoiser contract, exact), `is_impossible(tokens_BxL) -> bool_B`, `encode(text) -> ids`,
   `tokenizer`, `eos_id` (text of documents: the end-of-sequence id), `params` (the bound task
   parameters), `corpus` and `validation_windows(n)` (text). `metadata` is what a checkpoint keeps to rebuild the task with the same ids.
+  `inputs_sha256`: a hash of what the task was built from (a prepared corpus's data; an SFT
+  run's examples and published start point), which a resumed run matches in place of the
+  paths that name them, so a workdir and its inputs may move.
   """
 
   name: str
@@ -47,6 +50,7 @@ class Task:
   validation_windows: Callable[[int], Any] | None = None
   metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   description: str = ""
+  inputs_sha256: str | None = None
 
   def __post_init__(self):
     if not (isinstance(self.length, int) and self.length >= 1):

@@ -184,6 +184,7 @@ def bind(data_dir: str | None = None, length: int = 128, documents: str = "packe
       validation_data=lambda key, batch: windows_of("validation", key, batch),
       decode=tok.decode, encode=tok.encode, sample_metrics=sample_metrics, tokenizer=tok,
       params={"data_dir": data_dir, "documents": documents}, corpus=files,
+      inputs_sha256=files.data_sha256,
       validation_windows=validation_windows,
       metadata={"tokenizer_json": json_of(tok), "tokenizer_sha256": files.tokenizer_sha256,
                 "eos_token": getattr(tok, "eos_token", None)},

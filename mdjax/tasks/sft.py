@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import types
@@ -39,6 +40,9 @@ import numpy as np
 from mdjax.tasks.base import Task
 
 PRETRAINED_PREFIX = "pretrained:"
+# A published start point's files that decide an SFT run's ids (its weights are not hashed:
+# a run resumes from its own fine-tuned weights).
+START_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 # ----------------------------------------------------------------------------
@@ -371,8 +375,24 @@ def _draw(rows, key: jax.Array, batch: int) -> jax.Array:
   return rows[jax.random.randint(key, (batch,), 0, rows.shape[0])]
 
 
+def inputs_sha256(path: str, start: str, validation_path: str | None = None) -> str | None:
+  """SHA-256 of an SFT run's inputs by content: the example files and a published start
+  point's config.json and tokenizer files (None for a workdir start point, matched by path)."""
+  kind, folder = split_start(start)
+  if kind != "pretrained":
+    return None
+  digest = hashlib.sha256()
+  files = [path, validation_path] + [os.path.join(folder, name) for name in START_FILES]
+  for file in files:
+    digest.update(b"\0" if file is None or not os.path.isfile(file) else b"\1")
+    if file is not None and os.path.isfile(file):
+      with open(file, "rb") as f:
+        digest.update(hashlib.sha256(f.read()).digest())
+  return digest.hexdigest()
+
+
 def make_task(rows_NxL: np.ndarray, vocab: Vocabulary, *, validation_NxL=None,
-              description: str = "") -> Task:
+              description: str = "", inputs_sha256: str | None = None) -> Task:
   """The Task of packed rows: `sample_data` draws rows by the key; no sampling metrics."""
   length = rows_NxL.shape[1]
   with jax.ensure_compile_time_eval():
@@ -387,7 +407,7 @@ def make_task(rows_NxL: np.ndarray, vocab: Vocabulary, *, validation_NxL=None,
               sample_data=functools.partial(_draw, train),
               validation_data=functools.partial(_draw, held), decode=decode,
               sample_metrics=lambda tokens_BxL: {}, encode=vocab.encode,
-              tokenizer=vocab.tokenizer, description=description)
+              tokenizer=vocab.tokenizer, description=description, inputs_sha256=inputs_sha256)
 
 
 def bind(path: str | None = None, start: str | None = None, length: int = 128,
@@ -401,4 +421,5 @@ def bind(path: str | None = None, start: str | None = None, length: int = 128,
   vocab, rows, held = _encoded(path, start, length, truncate, chat, validation_path,
                                tuple(_stamp(p) for p in (path, validation_path) if p is not None))
   return make_task(rows, vocab, validation_NxL=held, description=(
-      f"SftTask({path}: {rows.shape[0]} rows of {length} tokens, {vocab.description})"))
+      f"SftTask({path}: {rows.shape[0]} rows of {length} tokens, {vocab.description})"),
+      inputs_sha256=inputs_sha256(path, start, validation_path))

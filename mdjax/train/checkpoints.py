@@ -2,8 +2,9 @@
 
 An unreadable checkpoint is moved aside (never deleted) and the next newest is read; what
 orbax's abandoned reads report after a failed restore is kept off stderr. A saved config names
-files by absolute paths, and a corpus is matched by its data's hash, not its path: a workdir
-and its corpus may move."""
+files by absolute paths, and the files a task was built from (a corpus; an SFT run's examples
+and published start point) are matched by their hash, not their paths: a workdir and its
+inputs may move."""
 
 from __future__ import annotations
 
@@ -67,10 +68,10 @@ def quiet_orbax():
 
 def _item_handlers():
   # "data": the grain iterator's state of a corpus run, one file per process (grain's handler).
-  # "corpus": the hash of a corpus run's data (`CorpusFiles.data_sha256`), matched on resume.
+  # "inputs": the hash of what the task was built from (`Task.inputs_sha256`), matched on resume.
   return {"state": ocp.StandardCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
           "task": ocp.JsonCheckpointHandler(), "data": grain.checkpoint.CheckpointHandler(),
-          "corpus": ocp.JsonCheckpointHandler()}
+          "inputs": ocp.JsonCheckpointHandler()}
 
 
 def checkpoint_manager(workdir: str, config=None, read_only: bool = False
@@ -97,11 +98,6 @@ def portable_config(config) -> dict:
   return saved
 
 
-def _data_sha256(task: tasks.Task) -> str | None:
-  """The hash of a prepared corpus's data (`CorpusFiles.data_sha256`); None for other tasks."""
-  return getattr(task.corpus, "data_sha256", None)
-
-
 def save(manager: ocp.CheckpointManager, state: TrainState, config, task: tasks.Task,
          source=None) -> None:
   """Saves state, config (`portable_config`), task metadata and a corpus's data hash, and the
@@ -111,9 +107,8 @@ def save(manager: ocp.CheckpointManager, state: TrainState, config, task: tasks.
   items = dict(state=ocp.args.StandardSave(state),
                config=ocp.args.JsonSave(portable_config(config)),
                task=ocp.args.JsonSave(task.checkpoint_metadata()))
-  data = _data_sha256(task)
-  if data is not None:
-    items["corpus"] = ocp.args.JsonSave({"data_sha256": data})
+  if task.inputs_sha256 is not None:
+    items["inputs"] = ocp.args.JsonSave({"sha256": task.inputs_sha256})
   if getattr(source, "iterator", None) is not None:
     items["data"] = grain.checkpoint.CheckpointSave(source.iterator)
   with quiet_orbax():
@@ -121,10 +116,11 @@ def save(manager: ocp.CheckpointManager, state: TrainState, config, task: tasks.
     manager.wait_until_finished()
 
 
-def _check_model_matches(saved: dict, config, step: int, saved_data: str | None = None,
-                         data: str | None = None) -> None:
+def _check_model_matches(saved: dict, config, step: int, saved_inputs: str | None = None,
+                         inputs: str | None = None) -> None:
   """CheckpointMismatch unless the saved model and task are the config's. Paths are compared
-  normalised; a corpus by its data hashes (`saved_data`, `data`) where both are known."""
+  normalised; the files they name by the inputs' hashes (`saved_inputs`, `inputs`:
+  `Task.inputs_sha256`) where both are known."""
   saved_model, model = saved.get("model", {}), config.model.to_dict()
   # remat changes how gradients are computed, not the parameters: a run may resume with
   # it switched (checkpoints written before the field existed do not hold it).
@@ -133,11 +129,14 @@ def _check_model_matches(saved: dict, config, step: int, saved_data: str | None 
   saved_kwargs = tasks.resolve_paths(config.task, {
       k: v for k, v in (saved.get("task_kwargs") or {}).items() if v is not None})
   kwargs = tasks.resolve_paths(config.task, tasks.kwargs_of(config))
-  if saved_data is not None and data is not None:  # the same tokens under any path
-    saved_dir, data_dir = saved_kwargs.pop("data_dir", None), kwargs.pop("data_dir", None)
-    if saved_data != data:
-      diffs["task_kwargs.data_dir"] = (f"{saved_dir} (data sha256 {saved_data[:12]}...)",
-                                       f"{data_dir} (data sha256 {data[:12]}...)")
+  if saved_inputs is not None and inputs is not None:  # the same inputs under any path
+    names = tasks.PATH_KWARGS.get(config.task, ())
+    saved_at = {k: saved_kwargs.pop(k) for k in names if k in saved_kwargs}
+    at = {k: kwargs.pop(k) for k in names if k in kwargs}
+    if saved_inputs != inputs:
+      diffs["task_kwargs." + "/".join(sorted(at or saved_at))] = (
+          f"{saved_at} (inputs sha256 {saved_inputs[:12]}...)",
+          f"{at} (inputs sha256 {inputs[:12]}...)")
   for name, saved_value, value in (("task", saved.get("task"), config.task),
                                    ("task_kwargs", saved_kwargs, kwargs)):
     if saved_value != value:
@@ -159,11 +158,11 @@ def _read_json(manager, step: int, name: str) -> dict:
   return manager.restore(step, args=ocp.args.Composite(**{name: ocp.args.JsonRestore()}))[name]
 
 
-def _saved_data_sha256(manager, step: int) -> str | None:
-  """The corpus data hash a step saved (None: not a corpus run, or written before it was)."""
-  if "corpus" not in (manager.item_metadata(step) or {}):
+def _saved_inputs_sha256(manager, step: int) -> str | None:
+  """The inputs' hash a step saved (None: a task without one, or written before it was)."""
+  if "inputs" not in (manager.item_metadata(step) or {}):
     return None
-  return _read_json(manager, step, "corpus").get("data_sha256")
+  return _read_json(manager, step, "inputs").get("sha256")
 
 
 def _read_step(manager, step: int, abstract_for: Callable[[int, dict, dict], Any]):
@@ -347,10 +346,9 @@ def restore_latest(manager: ocp.CheckpointManager, abstract_state: TrainState, c
                    task: tasks.Task, log=print, move_aside: bool = True) -> TrainState | None:
   """The newest readable checkpoint (unreadable newer ones moved aside), or None."""
 
-  data = _data_sha256(task)
-
   def abstract_for(step, saved_config, saved_task):
-    _check_model_matches(saved_config, config, step, _saved_data_sha256(manager, step), data)
+    _check_model_matches(saved_config, config, step, _saved_inputs_sha256(manager, step),
+                         task.inputs_sha256)
     if saved_task and saved_task != task.checkpoint_metadata():
       raise CheckpointMismatch(
           f"checkpoint step {step} was trained with another tokenizer: saved {saved_task}, "

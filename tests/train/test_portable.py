@@ -73,7 +73,7 @@ def test_a_corpus_run_resumes_under_any_spelling_of_its_corpus(corpora, tmp_path
   assert _saved_config(workdir)["task_kwargs"]["data_dir"] == str(scratch)
   # Another corpus (same tokenizer, other shards) is still refused, naming the field.
   with pytest.raises(train.CheckpointMismatch,
-                     match=r"another shape or task.*task_kwargs\.data_dir.*data sha256"):
+                     match=r"another shape or task.*task_kwargs\.data_dir.*inputs sha256"):
     train.train(_config(corpora / "other", 6), workdir, log=_quiet)
   assert not os.path.exists(os.path.join(workdir, train.CORRUPT_DIR))
 
@@ -134,3 +134,30 @@ def test_an_sft_workdir_loads_from_another_folder_and_names_a_missing_start_poin
                               "checkpoint step 0 is readable")
   assert os.listdir(os.path.join(workdir, "checkpoints")) == ["0"]
   assert not os.path.exists(os.path.join(workdir, train.CORRUPT_DIR))
+
+
+def test_an_sft_run_resumes_from_copies_of_its_start_point_and_data(tmp_path, monkeypatch):
+  """The start point and examples are matched by content (`Task.inputs_sha256`), not by the
+  paths that name them: copies elsewhere resume, other examples are refused."""
+  workdir, start, data = _sft_workdir(tmp_path, monkeypatch)
+  elsewhere = tmp_path / "scratch"
+  shutil.copytree(start, elsewhere / "llada")
+  shutil.copy(data, elsewhere / "chat.jsonl")
+
+  def restore(start_dir, data_file):
+    config = importlib.import_module("configs.sft").get_config()
+    config.train.init_from = f"pretrained:{start_dir}"
+    config.task_kwargs.update(path=str(data_file), length=80)
+    config = sft.resolve_config(config)
+    task = tasks.from_config(config)
+    state, *_ = train.init_state(config, train.make_mesh(1), task)
+    return checkpoints.restore_latest(train.checkpoint_manager(workdir, config), state, config,
+                                      task, log=_quiet)
+
+  assert int(restore(elsewhere / "llada", elsewhere / "chat.jsonl").step) == 0
+  rows = (elsewhere / "chat.jsonl").read_text().splitlines()
+  (elsewhere / "chat.jsonl").write_text("\n".join(rows[1:]) + "\n")  # other examples
+  with pytest.raises(checkpoints.CheckpointMismatch,
+                     match=r"task_kwargs\.path/start.*inputs sha256"):
+    restore(elsewhere / "llada", elsewhere / "chat.jsonl")
+  assert os.listdir(os.path.join(workdir, "checkpoints")) == ["0"]
