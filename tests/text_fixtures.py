@@ -15,6 +15,15 @@ def write_corpus(path, seed=0, first_line=""):
   return str(path)
 
 
+def write_paragraphs(path, count=60, words=2, seed=0):
+  """`count` short paragraphs of `words` words each, blank lines between: a corpus of many
+  small documents for prepare_data."""
+  rng = np.random.default_rng(seed)
+  paragraphs = [" ".join(rng.choice(WORDS, words)).capitalize() + "." for _ in range(count)]
+  path.write_text("\n\n".join(paragraphs), encoding="utf-8")
+  return str(path)
+
+
 def tiny_config(text_path: str, causal: bool = False):
   """configs/shakespeare_char.py (or the causal reference) cut to seconds on a tiny corpus."""
   c = CONFIGS[causal]()

@@ -12,8 +12,8 @@ import pytest
 from configs import corpus as corpus_config
 from mdjax import data, plot, tasks, train
 from mdjax.prepare_data import prepare
+from tests.text_fixtures import write_paragraphs
 
-WORDS = ("thou", "art", "the", "king", "and", "queen", "of", "night", "fair", "love", "sweet")
 STOP_AT = 6  # the SIGTERM arrives while step 6's batch is read: the run saves at step 7
 
 
@@ -25,9 +25,7 @@ def _quiet(*args, **kwargs):
 def data_dir(tmp_path_factory):
   """60 short paragraphs: 37 windows of 16 characters, an epoch of 9 steps of 4 rows."""
   tmp = tmp_path_factory.mktemp("resume")
-  rng = np.random.default_rng(0)
-  paragraphs = [" ".join(rng.choice(WORDS, 2)).capitalize() + "." for _ in range(60)]
-  (tmp / "words.txt").write_text("\n\n".join(paragraphs), encoding="utf-8")
+  write_paragraphs(tmp / "words.txt")
   prepare([str(tmp / "words.txt")], "char", str(tmp / "corpus"), validation_fraction=0.1,
           documents="paragraph", shard_tokens=200)
   return tmp / "corpus"

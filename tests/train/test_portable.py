@@ -6,7 +6,6 @@ import importlib
 import os
 import shutil
 
-import numpy as np
 import pytest
 
 from configs import corpus as corpus_config
@@ -14,8 +13,8 @@ from mdjax import tasks, train
 from mdjax.prepare_data import prepare
 from mdjax.train import checkpoints, sft
 from tests.paths import REPO
+from tests.text_fixtures import write_paragraphs
 
-WORDS = ("thou", "art", "the", "king", "and", "queen", "of", "night", "fair", "love", "sweet")
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
 
 
@@ -27,9 +26,7 @@ def _quiet(*args, **kwargs):
 def corpora(tmp_path_factory):
   """A tiny char corpus, and another one of the same text and tokenizer cut in other shards."""
   tmp = tmp_path_factory.mktemp("portable")
-  rng = np.random.default_rng(0)
-  paragraphs = [" ".join(rng.choice(WORDS, 2)).capitalize() + "." for _ in range(60)]
-  (tmp / "words.txt").write_text("\n\n".join(paragraphs), encoding="utf-8")
+  write_paragraphs(tmp / "words.txt")
   for name, shard_tokens in (("corpus", 200), ("other", 300)):
     prepare([str(tmp / "words.txt")], "char", str(tmp / name), validation_fraction=0.1,
             documents="paragraph", shard_tokens=shard_tokens)
