@@ -35,7 +35,8 @@ from absl import app, flags, logging
 import jax
 import numpy as np
 
-from mdjax import generation, jsonl, sampling, tasks
+import mdjax
+from mdjax import generation, jsonl, loader, sampling, tasks
 from mdjax.denoiser import Denoiser
 
 _TASK = flags.DEFINE_enum("task", "two_color", sorted(tasks.TASKS), "Task (with --oracle).")
@@ -278,37 +279,38 @@ def eos_spec(task: tasks.Task, spec):
     raise app.UsageError(str(error)) from error
 
 
-def complete_prompts(task, apply_fn: Denoiser, params, spec) -> None:
-  """--prompts: `generation.generate` (--max_new_tokens after each prompt), completions.jsonl,
-  output tokens per second."""
-  where = f"--prompts={_PROMPTS.value!r}"
+def _flag_names(error: Exception) -> str:
+  """An error of the library with its argument names written as this script's flags."""
+  text = str(error).replace("spec.block_length=", "--block_length=")
+  for name in ("max_new_tokens", "blocks_of", "batch_size"):
+    text = text.replace(f"{name}=", f"--{name}=")
+  return text.replace("prompts line", f"--prompts={_PROMPTS.value!r} line")
+
+
+def complete_prompts(model, spec, knobs: dict) -> None:
+  """--prompts: `mdjax.generate` (--max_new_tokens after each prompt; `spec` None: the
+  model's default sampler with `knobs`), completions.jsonl, output tokens per second."""
   try:
-    prompts = generation.read_prompts(_PROMPTS.value)
-    ids = generation.prompt_ids(task, prompts, where=where)
-    plan = generation.plan_for(apply_fn, task, ids, spec, max_new_tokens=_MAX_NEW_TOKENS.value,
-                               blocks_of=_BLOCKS_OF.value, window=_CONTEXT.value)
+    prompts = generation.read_prompts(_PROMPTS.value, messages=True)
   except (ValueError, OSError) as error:
-    flag_names = str(error).replace("spec.block_length=", "--block_length=")
-    for name in ("max_new_tokens", "blocks_of"):
-      flag_names = flag_names.replace(f"{name}=", f"--{name}=")
-    raise app.UsageError(flag_names) from error
-  print(f"task={task.name} sampler={spec} prompts={len(prompts)}: {plan.describe()}")
+    raise app.UsageError(str(error)) from error
+  print(f"{_source()} prompts={len(prompts)} sampler={spec or 'default'} "
+        f"{' '.join(f'{k}={v}' for k, v in knobs.items())}".rstrip())
   start_time = time.perf_counter()
   try:
-    out = generation.generate(apply_fn, params, task, ids, spec,
-                              max_new_tokens=_MAX_NEW_TOKENS.value,
-                              key=jax.random.key(_SEED.value), batch_size=_BATCH.value,
-                              blocks_of=_BLOCKS_OF.value, window=_CONTEXT.value,
-                              on_batch=lambda done, total: print(
-                                  f"\r[{'#' * (24 * done // total):<24}] {done}/{total} "
-                                  f"prompts [{time.perf_counter() - start_time:.1f}s]", end="",
-                                  flush=True))
+    out = mdjax.generate(model, prompts, max_new_tokens=_MAX_NEW_TOKENS.value, spec=spec,
+                         key=jax.random.key(_SEED.value), batch_size=_BATCH.value,
+                         chat=_CHAT.value, blocks_of=_BLOCKS_OF.value, window=_CONTEXT.value,
+                         on_batch=lambda done, total: print(
+                             f"\r[{'#' * (24 * done // total):<24}] {done}/{total} "
+                             f"prompts [{time.perf_counter() - start_time:.1f}s]", end="",
+                             flush=True), **knobs)
   except ValueError as error:
-    raise app.UsageError(str(error)) from error
+    raise app.UsageError(_flag_names(error)) from error
   print()
   elapsed = time.perf_counter() - start_time
   report_completions(prompts, out.texts, out.token_ids, elapsed,
-                     f", {out.nfe} denoiser passes")
+                     f", {out.nfe} denoiser passes; {out.plan.describe()}")
 
 
 def report_completions(prompts, texts, token_ids, elapsed: float, more: str = "") -> None:
@@ -328,57 +330,52 @@ def report_completions(prompts, texts, token_ids, elapsed: float, more: str = ""
         f.write(jsonl.dumps(row) + "\n")
 
 
-def pretrained_sampler(model, length: int) -> dict:
-  """The keyword arguments of `pretrained.complete`: --sampler's spec, or without --sampler
-  the checkpoint's reference sampler and the knobs given for it."""
+def pretrained_sampler(model) -> tuple:
+  """(spec, knobs) of a published checkpoint: --sampler's spec, inheriting the reference
+  sampler's defaults (greedy) for flags not given, or without --sampler the checkpoint's
+  reference sampler (spec None) and the knobs given for it."""
   if _given("sampler"):
     wrong = [n for n in PRETRAINED_FLAGS[2:] if _given(n)]
     if wrong:
       raise app.UsageError(f"--{wrong[0]} is a knob of LLaDA's reference sampler; it does "
                            f"not apply with --sampler={_SAMPLER.value}.")
     # sampler_spec reads a task's name and canvas length only.
-    return {"spec": sampler_spec(types.SimpleNamespace(name="pretrained", length=length,
-                                                       params=None))}
-  from mdjax import pretrained
+    spec = sampler_spec(types.SimpleNamespace(name="pretrained", length=model.max_len,
+                                              params=None))
+    fields = {f.name for f in dataclasses.fields(spec)}
+    inherited = {k: v for k, v in model.sampler.spec_defaults.items()
+                 if k in fields and not _given(k)}
+    return dataclasses.replace(spec, **inherited), {}
   values = {**SPEC_FLAGS, "cfg_scale": _CFG_SCALE, "remasking": _REMASKING,
             "logits_eos_inf": _LOGITS_EOS_INF, "confidence_eos_eot_inf": _CONFIDENCE_EOS_EOT_INF}
-  allowed = [n for n in pretrained.REFERENCE_KNOBS[model.family] if n in values]
+  allowed = [n for n in model.sampler.knobs if n in values]
   for name in sorted(set(values) | set(PRETRAINED_FLAGS[2:])):
     if _given(name) and name not in allowed:
       raise app.UsageError(f"--{name} does not apply to the {model.family} reference sampler "
                            f"(or give --sampler); its flags: "
                            + ", ".join(f"--{n}" for n in allowed) + ".")
-  return {name: values[name].value for name in allowed if _given(name)}
+  return None, {name: values[name].value for name in allowed if _given(name)}
 
 
-def complete_pretrained() -> None:
-  """--pretrained: `pretrained.complete` on --prompts, completions.jsonl, tokens per second."""
-  from mdjax import pretrained
-  try:
-    prompts = generation.read_prompts(_PROMPTS.value, messages=True)
-    model = pretrained.load(_PRETRAINED.value, dtype=_DTYPE.value)
-    prompt_BxP, _ = pretrained.encode_prompts(model, prompts, chat=_CHAT.value)
-  except (ValueError, OSError) as error:
-    raise app.UsageError(str(error)) from error
-  if _BATCH.value < 1:
-    raise app.UsageError(f"--batch_size={_BATCH.value} must be >= 1.")
-  knobs = pretrained_sampler(model, prompt_BxP.shape[1] + _MAX_NEW_TOKENS.value)
-  print(f"pretrained={_PRETRAINED.value} family={model.family} dtype={model.config.dtype} "
-        f"prompts={len(prompts)} sampler={knobs.get('spec', 'reference')}")
+def sample_pretrained(model) -> None:
+  """--pretrained without --prompts: --num_samples rows of --length tokens (default the
+  model's length) from nothing, by its reference sampler (MDLM, BD3-LM: unconditional
+  generation); samples.jsonl and tokens per second."""
+  spec, knobs = pretrained_sampler(model)
+  length = _LENGTH.value or model.max_len
+  print(f"{_source()} samples={_NUM_SAMPLES.value} length={length} "
+        f"sampler={spec or 'default'}")
   start_time = time.perf_counter()
-  texts, token_ids = [], []
-  for first in range(0, len(prompts), _BATCH.value):
-    part = prompts[first:first + _BATCH.value]
-    try:
-      out = pretrained.complete(model, part, max_new_tokens=_MAX_NEW_TOKENS.value,
-                                chat=_CHAT.value,
-                                key=jax.random.fold_in(jax.random.key(_SEED.value), first),
-                                **knobs)
-    except ValueError as error:
-      raise app.UsageError(str(error)) from error
-    texts += out.texts or [None] * len(part)
-    token_ids += out.token_ids
-  report_completions(prompts, texts, token_ids, time.perf_counter() - start_time)
+  try:
+    out = mdjax.generate(model, [[]] * _NUM_SAMPLES.value, max_new_tokens=length, spec=spec,
+                         key=jax.random.key(_SEED.value), batch_size=_BATCH.value,
+                         stop_at_eos=False, **knobs)
+  except ValueError as error:
+    raise app.UsageError(_flag_names(error).replace("--max_new_tokens=", "--length=")
+                         ) from error
+  elapsed = time.perf_counter() - start_time
+  report_completions([""] * len(out), out.texts, out.token_ids, elapsed,
+                     f", {out.nfe} denoiser passes; {out.plan.describe()}")
 
 
 def generate_in_blocks(task, apply_fn: Denoiser, params, spec) -> None:
@@ -459,9 +456,8 @@ PRETRAINED_FLAGS = ("chat", "dtype", "cfg_scale", "remasking", "logits_eos_inf",
                     "confidence_eos_eot_inf")
 # What --pretrained does not read: the task, its canvas and its EOS (the reference samplers
 # have their own EOS knobs).
-NOT_PRETRAINED = ("task", "step", "prompt", "prefix", "suffix", "reference", "num_samples",
-                  "blocks_of", "length", "context", "eos", "eos_penalty", "eos_never",
-                  "eos_rank_last")
+NOT_PRETRAINED = ("task", "step", "prompt", "prefix", "suffix", "reference", "blocks_of",
+                  "context", "eos", "eos_penalty", "eos_never", "eos_rank_last")
 
 
 def mode() -> str:
@@ -478,9 +474,18 @@ def check_mode_flags() -> None:
     for name in NOT_PRETRAINED:
       if _given(name):
         raise app.UsageError(f"--{name} does not apply with --pretrained: it completes "
-                             "--prompts with the checkpoint's own ids and samplers.")
-    if not _PROMPTS.value or _MAX_NEW_TOKENS.value is None:
-      raise app.UsageError("--pretrained needs --prompts=FILE.jsonl and --max_new_tokens=N.")
+                             "--prompts (or samples from nothing) with the checkpoint's own "
+                             "ids and samplers.")
+    if _PROMPTS.value and _MAX_NEW_TOKENS.value is None:
+      raise app.UsageError("--pretrained with --prompts needs --max_new_tokens=N.")
+    for name, needs in (("max_new_tokens", "--prompts"), ("chat", "--prompts")):
+      if _given(name) and not _PROMPTS.value:
+        raise app.UsageError(f"--{name} applies with {needs}; without it --pretrained samples "
+                             "--num_samples rows of --length tokens.")
+    for name in ("num_samples", "length"):
+      if _given(name) and _PROMPTS.value:
+        raise app.UsageError(f"--{name} does not apply with --prompts: each prompt gets one "
+                             "completion of --max_new_tokens tokens.")
     return
   for name in PRETRAINED_FLAGS:
     if _given(name):
@@ -504,37 +509,55 @@ def check_mode_flags() -> None:
                          "--blocks_of generation.")
 
 
+def _source() -> str:
+  if _PRETRAINED.value:
+    return f"pretrained={_PRETRAINED.value}"
+  return f"workdir={_WORKDIR.value}" if _WORKDIR.value else f"task={_TASK.value} (oracle)"
+
+
+def load_model():
+  """The model of --workdir, --oracle (--task's exact denoiser) or --pretrained, by
+  `mdjax.load`; a bad source is a usage error."""
+  if _WORKDIR.value:
+    path, kwargs = _WORKDIR.value, {"step": _STEP.value}
+  elif _PRETRAINED.value:
+    path, kwargs = _PRETRAINED.value, {"dtype": _DTYPE.value}
+  else:
+    path, kwargs = loader.ORACLE_PREFIX + _TASK.value, {}
+  if not _PRETRAINED.value and not _WORKDIR.value and tasks.get(_TASK.value).exact_denoiser is None:
+    raise app.UsageError(f"--task={_TASK.value} has no exact denoiser (its joint is unknown); "
+                         "sample a trained model with --workdir=DIR.")
+  try:
+    model = mdjax.load(path, **{k: v for k, v in kwargs.items() if v is not None})
+  except (ValueError, OSError) as error:
+    raise app.UsageError(str(error)) from error
+  if _WORKDIR.value:
+    print(f"workdir={_WORKDIR.value} step={model.step}")
+  elif _PRETRAINED.value:
+    print(f"pretrained={_PRETRAINED.value} family={model.family} dtype={model.config.dtype}")
+  return model
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it reads at INFO
   check_mode_flags()
   if _OUT.value:
     check_out(_OUT.value)
+  model = load_model()
   if _PRETRAINED.value:
-    return complete_pretrained()
-  if _WORKDIR.value:
-    import mdjax
-    try:
-      model = mdjax.load(_WORKDIR.value, _STEP.value)
-    except ValueError as error:
-      raise app.UsageError(str(error)) from error
-    task, apply_fn, params = model.task, model.apply_fn, model.params
-    print(f"workdir={_WORKDIR.value} step={model.step}")
-  else:
-    task = tasks.get(_TASK.value)
-    if task.exact_denoiser is None:
-      raise app.UsageError(f"--task={task.name} has no exact denoiser (its joint is unknown); "
-                           "sample a trained model with --workdir=DIR.")
-    apply_fn, params = task.exact_denoiser, None
+    if _PROMPTS.value:
+      return complete_prompts(model, *pretrained_sampler(model))
+    return sample_pretrained(model)
+  task, apply_fn, params = model.task, model.denoiser, model.params
   spec = eos_spec(task, sampler_spec(task))
-  apply_fn = Denoiser.of(apply_fn)
   if spec.kv_cache != "none" and not apply_fn.offers_cache:
     apply_fn = sampling.recompute_cache(apply_fn)  # an oracle: exact, by recomputation
   if _PROMPTS.value:
     if task.encode is None:
       raise app.UsageError(f"--prompts needs a text task; --task={task.name} has no text "
                            "encoding.")
-    return complete_prompts(task, apply_fn, params, spec)
+    return complete_prompts(model.replace(denoiser=apply_fn), spec, {})
   for name, value in (("num_samples", _NUM_SAMPLES.value), ("batch_size", _BATCH.value)):
     if value < 1:
       raise app.UsageError(f"--{name}={value} must be >= 1.")

@@ -1,10 +1,17 @@
 """mdjax: masked (absorbing-state) discrete diffusion in JAX.
 
-`mdjax.load(workdir, step=None)` restores a trained model (see `mdjax.train.Model`).
+The face: `load(path) -> Model` (a train.py workdir, a published folder, a task's exact
+denoiser) and `generate(model, prompts, ...)` (completions for any model, one key rule).
+
+    model = mdjax.load("/tmp/quickstart")
+    out = mdjax.generate(model, ["HAMLET."], max_new_tokens=32, key=jax.random.key(0))
+    logits_BxLxV = model.denoiser(model.params, tokens_BxL, t_B)
 """
 
 from mdjax import diffusion
 from mdjax.denoiser import Denoiser
+from mdjax.generation import Completion, Completions, generate, generate_ids
+from mdjax.model import Model
 from mdjax.diffusion import (
     CosineSchedule,
     LinearSchedule,
@@ -17,16 +24,9 @@ from mdjax.diffusion import (
 __version__ = "0.1.0"
 
 
-def load(workdir: str, step: int | None = None, **kwargs):
-  """The trained model of a train.py workdir: a `mdjax.train.Model` with `apply_fn`,
-  `params`, `task`, `tokenizer`, `config` and `step`.
-
-  The newest readable checkpoint, or `step`; needs no corpus file (the tokenizer is saved
-  with the checkpoint) and only reads the workdir. Quiet: orbax's warnings are silenced,
-  and an unreadable newest checkpoint is one line on stderr (or through `log=`).
-
-    model = mdjax.load("/tmp/quickstart")
-    logits_BxLxV = model.apply_fn(model.params, tokens_BxL, t_B)
-  """
-  from mdjax import train  # orbax and the models load on first use only
-  return train.load(workdir, step, **kwargs)
+def load(path: str, **kwargs):
+  """The model at `path` as a `mdjax.Model`: a train.py workdir (its newest readable
+  checkpoint, or step=), a published Hugging Face folder or torch .ckpt (dtype=, mesh=), or
+  a task name (its exact denoiser). See `mdjax.loader.load`."""
+  from mdjax import loader  # orbax, the models and the readers load on first use only
+  return loader.load(path, **kwargs)

@@ -68,6 +68,16 @@ def open_regular(path: str, *, follow_links: bool = True) -> BinaryIO:
     raise ValueError(f"{path}: no such file") from None
 
 
+def read_text(path: str) -> str:
+  """A regular file's UTF-8 text; a ValueError naming the file when it is not UTF-8."""
+  with open_regular(path) as f:
+    data = f.read()
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{path}: not UTF-8 text ({e})") from e
+
+
 def create_file(path: str, *, exclusive: bool = False) -> BinaryIO:
   """`open(path, "wb")` through no link, FIFO or device planted at `path`; `exclusive`: a
   new file only."""

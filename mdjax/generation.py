@@ -15,10 +15,12 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mdjax import jsonl, sampling
 from mdjax.denoiser import Denoiser
+# The mesh functions live in `mdjax.mesh`; their names here stay for one release.
+from mdjax.mesh import gathered, sample_on_mesh, shard_params  # noqa: F401
+from mdjax.model import Model, SamplerPlan
 
 
 def _is_chat(messages) -> bool:
@@ -133,13 +135,17 @@ def plan_generation(prompt_lengths: Sequence[int], max_new_tokens: int, *, max_l
     return GenerationPlan(new, longest, max_len, "canvas", canvas_length=longest + new)
   if blocks_of is None:
     if model_block is None:
-      room = (f"so at most {max_len - longest} new tokens" if longest < max_len else
-              f"so prompts must be shorter than {max_len} tokens")
+      line = int(np.argmax(prompt_lengths)) + 1
+      if longest >= max_len:
+        raise ValueError(
+            f"prompts line {line} has {longest} tokens; the model holds {max_len} positions, "
+            f"so a prompt may have at most {max_len - new} tokens to leave room for "
+            f"max_new_tokens={new}: shorten it.")
       raise ValueError(
-          f"max_new_tokens={new} is too many: the longest prompt (line "
-          f"{int(np.argmax(prompt_lengths)) + 1}) has {longest} tokens and the model holds "
-          f"{max_len} positions, {room} (a block-causal model, trained with block_size, "
-          "generates past its length block by block).")
+          f"max_new_tokens={new} is too many: the longest prompt (line {line}) has {longest} "
+          f"tokens and the model holds {max_len} positions, so at most {max_len - longest} "
+          "new tokens (a block-causal model, trained with block_size, generates past its "
+          "length block by block).")
     blocks_of = model_block
   if not isinstance(blocks_of, (int, np.integer)) or not 1 <= blocks_of < max_len:
     raise ValueError(f"blocks_of={blocks_of!r} is invalid: it must be an integer in [1, "
@@ -151,113 +157,210 @@ def plan_generation(prompt_lengths: Sequence[int], max_new_tokens: int, *, max_l
 
 
 @dataclasses.dataclass(frozen=True)
-class Completions:
-  """What `generate` returns, a row per prompt in the order given.
+class Completion:
+  """One prompt's completion.
 
-  token_ids: each row's new ids, up to its first EOS (excluded) and at most max_new_tokens.
-  texts: the decoded `token_ids` (None for a task without text).
-  nfe: denoiser passes, summed over the batches.
+  token_ids: the new ids, up to the first stop id (EOS, end of turn; excluded) and at most
+  max_new_tokens. text: their decoded text (None for a model without a text codec).
+  finish_reason: "stop" (a stop id ended it) or "length" (max_new_tokens did).
+  prompt_ids: the prompt as the model read it (the chat template applied).
   """
 
-  token_ids: list
-  texts: list | None
-  plan: GenerationPlan
-  nfe: int
+  token_ids: np.ndarray
+  text: str | None
+  finish_reason: str
+  prompt_ids: np.ndarray
+
+
+class Completions(list):
+  """What `generate` returns: a `Completion` per prompt, in the order given, with the
+  call's `plan` (the layout run) and `nfe` (denoiser passes summed over the batches);
+  `texts` and `token_ids` are the columns (`texts` None for a model without text)."""
+
+  def __init__(self, items, plan: "GenerationPlan", nfe: int):
+    super().__init__(items)
+    self.plan, self.nfe = plan, nfe
+
+  @property
+  def token_ids(self) -> list[np.ndarray]:
+    return [c.token_ids for c in self]
+
+  @property
+  def texts(self) -> list[str] | None:
+    return None if any(c.text is None for c in self) else [c.text for c in self]
 
   @property
   def generated_length_B(self) -> np.ndarray:
-    return np.array([len(ids) for ids in self.token_ids], np.int32)
+    return np.array([len(c.token_ids) for c in self], np.int32)
 
 
-def prompt_ids(task, prompts: Sequence, where: str = "prompts") -> list[np.ndarray]:
-  """Texts (encoded by the task's tokenizer) or id sequences, as int32 arrays; a ValueError
-  names the 1-based line of a prompt that cannot be encoded or holds an id outside
-  0..mask_id - 1."""
+def _is_messages(prompt) -> bool:
+  return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
+
+
+def prompt_ids(model: Model, prompts: Sequence, *, chat: bool = False,
+               where: str = "prompts") -> list[np.ndarray]:
+  """Each prompt as int32 ids: a text (encoded by the model's codec, no special tokens),
+  a chat (a list of {"role", "content"} messages, or a text with chat=True: one user
+  message) through the model's chat template, or a sequence of ids. A ValueError names the
+  1-based line of a prompt that cannot be encoded or holds an id outside [0, vocab) or the
+  mask id."""
+  if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+    raise ValueError(f"{where} is a {type(prompts).__name__}: give a list of prompts (texts, "
+                     "chats or id sequences).")
+  if not len(prompts):
+    raise ValueError(f"{where} is empty: give at least one prompt (an empty prompt is fine).")
+  limit = model.vocab_size
   encoded = []
   for number, prompt in enumerate(prompts, 1):
+    if chat or _is_messages(prompt):
+      if not (isinstance(prompt, str) or _is_messages(prompt)):
+        raise ValueError(f"{where} line {number} is ids; chat=True needs texts or messages.")
+      messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+      prompt = model.render_chat(list(messages))
     if isinstance(prompt, str):
-      if task.encode is None:
-        raise ValueError(f"{where} line {number} is text; task {task.name!r} has no text "
-                         "encoding: give token ids.")
+      if model.encode is None:
+        raise ValueError(f"{where} line {number} is text; the {model.family!r} model has no "
+                         "text codec: give token ids.")
       try:
-        ids = np.asarray(task.encode(prompt), np.int32).reshape(-1)
+        ids = np.asarray(model.encode(prompt), np.int64).reshape(-1)
       except ValueError as error:
         raise ValueError(f"{where} line {number}: {error}") from None
     else:
       ids = np.asarray(prompt).reshape(-1)
-      if ids.size and (not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0
-                       or ids.max() >= task.mask_id):
-        raise ValueError(f"{where} line {number} holds {ids.tolist()[:8]}...; prompt ids are "
-                         f"integers in [0, {task.mask_id - 1}].")
-      ids = ids.astype(np.int32)
-    encoded.append(ids)
+      if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{where} line {number} holds {ids.tolist()[:8]}; prompt ids are "
+                         f"integers in [0, {limit - 1}].")
+    if ids.size and (ids.min() < 0 or ids.max() >= limit or (ids == model.mask_id).any()):
+      raise ValueError(f"{where} line {number} holds {ids.tolist()[:8]}...; prompt ids are "
+                       f"integers in [0, {limit - 1}] other than the mask id {model.mask_id}.")
+    encoded.append(ids.astype(np.int32))
   return encoded
 
 
-def plan_for(apply_fn, task, prompts_ids: Sequence[np.ndarray], spec, *, max_new_tokens: int,
-             blocks_of: int | None = None, window: int | None = None) -> GenerationPlan:
-  """`plan_generation` for this denoiser, task and spec: what `generate` will run."""
-  return plan_generation([len(p) for p in prompts_ids], max_new_tokens, max_len=task.length,
-                         model_block=Denoiser.of(apply_fn).block_size, blocks_of=blocks_of,
-                         window=window, block_length=sampling.family_of(spec).block_length(spec))
-
-
-def generate(apply_fn, params, task, prompts: Sequence, spec, *, max_new_tokens: int,
-             key: jax.Array, batch_size: int | None = None, blocks_of: int | None = None,
-             window: int | None = None,
-             on_batch: Callable[[int, int], None] | None = None) -> Completions:
-  """`max_new_tokens` new tokens after each prompt (texts or token ids), whatever the batch.
-
-  Prompts are left-padded to the longest prompt of all (exact: each row gives what it gives
-  alone), and row i draws with `fold_in(key, i)`, so completions do not depend on
-  `batch_size` (up to the rounding of programs compiled for other batch sizes, which can
-  flip exact near-ties). Up to the
-  model's length (`task.length`) every row is generated on one canvas; past it a
-  block-causal denoiser (`Denoiser.block_size`) generates block by block
-  (`sampling.sample_blocks`, the exact cache), any other is a ValueError giving the limit.
-  `blocks_of`/`window` ask for block-by-block generation explicitly. With `spec.eos_id` a
-  row stops at its EOS. `on_batch(done, total)` is called after each batch (a progress bar).
-
-    model = mdjax.load("/tmp/models/bpe")
-    out = generation.generate(model.apply_fn, model.params, model.task, ["HAMLET."],
-                              sampling.ConfidenceSpec(steps=32, eos_id=model.task.eos_id),
-                              max_new_tokens=32, key=jax.random.key(0))
-    out.texts[0]
-  """
-  ids = prompt_ids(task, prompts)
-  denoiser = Denoiser.of(apply_fn)
-  model_block = denoiser.block_size
-  plan = plan_for(denoiser, task, ids, spec, max_new_tokens=max_new_tokens,
-                  blocks_of=blocks_of, window=window)
-  batch_size = len(ids) if batch_size is None else batch_size
+def _check_batch_size(batch_size, default: int) -> int:
+  if batch_size is None:
+    return default
   if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
       or batch_size < 1:
     raise ValueError(f"batch_size={batch_size!r} is invalid: it must be an integer >= 1.")
-  keys_N = jax.vmap(jax.random.fold_in, (None, 0))(key, np.arange(len(ids)))
-  token_ids, nfe = [], 0
-  for first in range(0, len(ids), batch_size):
-    part, keys_B = ids[first:first + batch_size], keys_N[first:first + batch_size]
-    # Every batch padded to the longest prompt of all: one shape, one compiled program.
-    start = plan.longest_prompt
+  return int(batch_size)
+
+
+def sampler_plan(model: Model, prompt_length: int, max_new_tokens: int, spec=None,
+                 **knobs) -> SamplerPlan:
+  """What a call runs: `spec` (any family's) on the model's denoiser, or with spec=None the
+  model's default sampler (`model.sampler`) with `knobs` over its defaults."""
+  if spec is not None:
+    if knobs:
+      raise ValueError(f"{sorted(knobs)} are knobs of the model's default sampler; with spec= "
+                       "the spec carries the sampler's settings.")
+    return SamplerPlan(model.denoiser, spec)
+  if model.sampler is None:
+    raise ValueError(f"the {model.family!r} model has no default sampler; give spec=.")
+  unknown = sorted(set(knobs) - set(model.sampler.knobs))
+  if unknown:
+    raise ValueError(f"{unknown[0]}= does not apply to the {model.family} model's default "
+                     f"sampler; its knobs: {', '.join(model.sampler.knobs)}.")
+  return model.sampler.plan(model, prompt_length=prompt_length,
+                            max_new_tokens=max_new_tokens, **knobs)
+
+
+def generate_ids(model: Model, prompts_ids: Sequence[np.ndarray], *, max_new_tokens: int,
+                 key: jax.Array, spec=None, batch_size: int | None = None,
+                 blocks_of: int | None = None, window: int | None = None,
+                 on_batch: Callable[[int, int], None] | None = None,
+                 **knobs) -> tuple[list[np.ndarray], np.ndarray, GenerationPlan, int]:
+  """Token ids in, token ids out: (each row's new ids up to the sampler's end, at most
+  max_new_tokens; generated lengths; the plan; nfe). The layer under `generate`, with the
+  same rules: every batch left-padded to the longest prompt of all (one shape, one compiled
+  program), row i drawing with `fold_in(key, i)`."""
+  if not len(prompts_ids):
+    raise ValueError("prompts is empty: give at least one prompt (an empty prompt is fine).")
+  longest = max(len(p) for p in prompts_ids)
+  run = sampler_plan(model, longest, max_new_tokens, spec, **knobs)
+  if blocks_of is None and run.blocks_of is not None:
+    blocks_of, window = run.blocks_of, run.window if window is None else window
+  plan = plan_generation([len(p) for p in prompts_ids], max_new_tokens, max_len=model.max_len,
+                         model_block=run.denoiser.block_size, blocks_of=blocks_of,
+                         window=window,
+                         block_length=sampling.family_of(run.spec).block_length(run.spec))
+  batch_size = _check_batch_size(batch_size, len(prompts_ids))
+  if not model.takes_padding and len({len(p) for p in prompts_ids}) > 1:
+    raise ValueError(f"the {model.family!r} model takes no padding (an exact denoiser: its "
+                     f"positions are fixed), and the prompts have lengths "
+                     f"{sorted({len(p) for p in prompts_ids})}: give prompts of one length.")
+  params = model.params if run.params is None else run.params
+  mask_id = model.mask_id
+  keys_N = jax.vmap(jax.random.fold_in, (None, 0))(key, np.arange(len(prompts_ids)))
+  token_ids, lengths, nfe = [], [], 0
+  start = plan.longest_prompt
+  for first in range(0, len(prompts_ids), batch_size):
+    part, keys_B = prompts_ids[first:first + batch_size], keys_N[first:first + batch_size]
+    valid_given = model.takes_padding
     if plan.layout == "canvas":
-      tokens, valid, _ = left_padded(part, plan.canvas_length, task.mask_id, start=start)
-      out = sampling.sample(denoiser, params, keys_B, tokens, spec, mask_id=task.mask_id,
-                            valid_BxL=valid)
+      tokens, valid, _ = left_padded(part, plan.canvas_length, mask_id, pad_id=model.pad_id,
+                                     start=start)
+      out = sampling.sample(run.denoiser, params, keys_B, tokens, run.spec, mask_id=mask_id,
+                            valid_BxL=valid if valid_given else None)
       final_BxL = np.asarray(out.tokens_BxL)
     else:
-      tokens, valid, _ = left_padded(part, start, task.mask_id, start=start)
-      out = sampling.sample_blocks(denoiser, params, keys_B, tokens, spec, length=plan.length,
-                                   blocks_of=plan.blocks_of, window=plan.window,
-                                   mask_id=task.mask_id, valid_BxP=valid,
-                                   cached=model_block is not None)
+      tokens, valid, _ = left_padded(part, start, mask_id, pad_id=model.pad_id, start=start)
+      out = sampling.sample_blocks(run.denoiser, params, keys_B, tokens, run.spec,
+                                   length=plan.length, blocks_of=plan.blocks_of,
+                                   window=plan.window, mask_id=mask_id,
+                                   valid_BxP=valid if valid_given else None,
+                                   cached=run.denoiser.block_size is not None)
       final_BxL = np.asarray(out.tokens_BxT)
     lengths_B = np.minimum(np.asarray(out.generated_length_B), plan.max_new_tokens)
     token_ids += [completion_ids(row, start, n) for row, n in zip(final_BxL, lengths_B)]
+    lengths += lengths_B.tolist()
     nfe += int(out.nfe)
     if on_batch is not None:
-      on_batch(min(first + batch_size, len(ids)), len(ids))
-  texts = None if task.encode is None else [task.decode(row) for row in token_ids]
-  return Completions(token_ids=token_ids, texts=texts, plan=plan, nfe=nfe)
+      on_batch(min(first + batch_size, len(prompts_ids)), len(prompts_ids))
+  return token_ids, np.asarray(lengths, np.int32), plan, nfe
+
+
+def generate(model: Model, prompts: Sequence, *, max_new_tokens: int, key: jax.Array,
+             spec=None, batch_size: int | None = None, chat: bool = False,
+             stop_at_eos: bool = True, blocks_of: int | None = None,
+             window: int | None = None, on_batch: Callable[[int, int], None] | None = None,
+             **knobs) -> Completions:
+  """`max_new_tokens` new tokens after each prompt, for any `Model` (`mdjax.load`).
+
+  prompts: texts, chats (lists of {"role", "content"} messages; with chat=True a text is one
+  user message) through the model's chat template, or id sequences (`prompt_ids`).
+  spec: any sampler family's spec; None runs the model's default sampler (a published
+  checkpoint's reference sampler, a workdir's configured one) with `knobs` (`temperature`,
+  `steps`, ...: `model.sampler.knobs`) over its defaults.
+  key: row i draws with `fold_in(key, i)`, and every batch is left-padded to the longest
+  prompt of all, so a completion does not depend on `batch_size` (up to the rounding of
+  programs compiled for other batch sizes, which can flip exact near-ties). A model whose
+  positions count from each row's first real token (mdjax's, Dream's) gives a prompt the
+  same completion beside any other prompts; LLaDA's positions are absolute, as in its
+  reference code, so its completion also depends on the padding before the prompt.
+  Up to the model's length every row is generated on one canvas; past it a block-causal
+  denoiser generates block by block (`blocks_of`/`window` ask for that explicitly).
+  stop_at_eos: a completion ends before its first stop id (`model.stop_ids`).
+  on_batch(done, total) is called after each batch (a progress bar).
+
+    model = mdjax.load("/tmp/models/bpe")
+    out = mdjax.generate(model, ["HAMLET."], max_new_tokens=32, key=jax.random.key(0))
+    out[0].text
+  """
+  ids = prompt_ids(model, prompts, chat=chat)
+  token_ids, lengths, plan, nfe = generate_ids(
+      model, ids, max_new_tokens=max_new_tokens, key=key, spec=spec, batch_size=batch_size,
+      blocks_of=blocks_of, window=window, on_batch=on_batch, **knobs)
+  stops = np.asarray(model.stop_ids if stop_at_eos else (), np.int64)
+  items = []
+  for prompt, row, length in zip(ids, token_ids, lengths):
+    ends = np.flatnonzero(np.isin(row, stops)) if stops.size else []
+    stopped = bool(len(ends)) or length < plan.max_new_tokens
+    row = np.asarray(row[:ends[0]] if len(ends) else row)
+    text = None if model.decode is None else model.decode([int(t) for t in row])
+    items.append(Completion(row, text, "stop" if stopped else "length", prompt))
+  return Completions(items, plan, nfe)
 
 
 def with_eos(spec, eos_id: int | None, **knobs):
@@ -266,66 +369,3 @@ def with_eos(spec, eos_id: int | None, **knobs):
     return spec
   return dataclasses.replace(spec, eos_id=int(eos_id), **knobs)
 
-
-# ----------------------------------------------------------------------------
-# A mesh.
-# ----------------------------------------------------------------------------
-
-
-def shard_params(mesh: Mesh, params, fsdp: bool = True):
-  """Parameters on the mesh: each split on its first axis divisible by the `data` axis (FSDP,
-  the layout training uses with train.fsdp=True), or replicated."""
-  from mdjax import train
-  return jax.device_put(params, train.param_sharding(mesh, params, fsdp))
-
-
-_GATHERED: dict[tuple, Denoiser] = {}
-
-
-def gathered(apply_fn, mesh: Mesh) -> Denoiser:
-  """The denoiser (and every pass it offers) computing with its parameters all-gathered.
-
-  Stored sharded (FSDP), the weights are gathered where they are used, so every device
-  runs one device's arithmetic and the tokens are one device's, bit for bit. Left to
-  partition the matmuls over sharded weights instead, XLA sums in another order: logits
-  move by ~1e-5 and near-ties in a sample flip. One wrapper per (denoiser, mesh), so
-  repeated calls reuse the compiled program.
-  """
-  denoiser = Denoiser.of(apply_fn)
-  wrapper = _GATHERED.get((denoiser, mesh))
-  if wrapper is not None:
-    return wrapper
-  replicate = lambda params: jax.lax.with_sharding_constraint(
-      params, jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), params))
-
-  def on_gathered(method):
-    if method is None:
-      return None
-    return lambda params, *args, **kwargs: method(replicate(params), *args, **kwargs)
-
-  wrapper = Denoiser(on_gathered(denoiser.apply), prefill=on_gathered(denoiser.prefill),
-                     decode=on_gathered(denoiser.decode), block_size=denoiser.block_size,
-                     block_pair=on_gathered(denoiser.block_pair))
-  _GATHERED[denoiser, mesh] = wrapper
-  return wrapper
-
-
-def sample_on_mesh(apply_fn, params: Any, key: jax.Array, tokens_BxL, spec, mesh: Mesh, *,
-                   fixed_BxL=None, valid_BxL=None, mask_id: int | None = None,
-                   fsdp: bool = True) -> sampling.SampleResult:
-  """`sampling.sample` with the batch split on the mesh's `data` axis and the parameters
-  stored sharded (FSDP) over it, gathered where used (`gathered`): one program over every
-  device, the same tokens as on one device (the rows keep their keys: `split(key, B)`)."""
-  if "data" not in mesh.shape:
-    raise ValueError(f"mesh has axes {tuple(mesh.shape)}; sampling splits the batch on 'data'.")
-  batch, size = np.shape(tokens_BxL)[0], mesh.shape["data"]
-  if batch % size:
-    raise ValueError(f"mesh data axis of {size} devices does not divide the batch B={batch}; "
-                     f"use a batch that is a multiple of {size}.")
-  rows = NamedSharding(mesh, PartitionSpec("data"))
-  put = lambda x: None if x is None else jax.device_put(np.asarray(x), rows)
-  keys_B = sampling.row_keys(key, batch)
-  return sampling.sample(gathered(apply_fn, mesh), shard_params(mesh, params, fsdp),
-                         jax.device_put(keys_B, rows),
-                         put(tokens_BxL), spec, put(fixed_BxL), mask_id=mask_id,
-                         valid_BxL=put(valid_BxL))

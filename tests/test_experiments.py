@@ -1,16 +1,17 @@
-"""Smoke tests of the experiment scripts: schema and values at small sizes."""
+"""Smoke tests of the research scripts of experiments/: schema and values at small sizes."""
 
 import json
 import math
 
 import numpy as np
 
-from experiments import scan_and_add_oracle, two_color_oracle
 from mdjax import sampling, tasks
 from mdjax.tasks import scan_and_add as sa
+from tests.scripts import load_script
 
 
 def test_two_color_experiment_schema_and_theory(tmp_path):
+  two_color_oracle = load_script("two_color_oracle")
   results = two_color_oracle.run(n=4000)
   two_color_oracle.write(results, str(tmp_path))
   data = json.loads((tmp_path / "two_color_oracle.json").read_text())
@@ -26,6 +27,7 @@ def test_two_color_experiment_schema_and_theory(tmp_path):
 
 
 def test_scan_and_add_experiment_schema(tmp_path):
+  scan_and_add_oracle = load_script("scan_and_add_oracle")
   specs = [("ancestral K=5", sampling.AncestralSpec(steps=5)),
            ("random order", sampling.RandomOrderSpec())]
   # 4,000 NELBO sequences (the script: 40,000): the check below is in units of the
@@ -59,7 +61,7 @@ def test_scan_and_add_experiment_schema(tmp_path):
 
 
 def test_scan_and_add_study_schema_and_exact_orders(tmp_path, monkeypatch):
-  from experiments import scan_and_add_study as study
+  study = load_script("scan_and_add_study")
   # The exact denoiser stands in for the trained model: its rows run the programs of the
   # oracle rows (the compilation cache serves them), and are exact too.
   exact_model = tasks.get("scan_and_add", {"max_command_id": 9}).exact_denoiser
@@ -103,7 +105,7 @@ def test_scan_and_add_study_schema_and_exact_orders(tmp_path, monkeypatch):
 
 
 def test_speculative_experiment_schema(tmp_path, monkeypatch):
-  from experiments import speculative
+  speculative = load_script("speculative")
   monkeypatch.setattr(speculative, "KS", (4,))
   monkeypatch.setattr(speculative, "ORDER_RULES", ("lowest_index",))
   # Timed: the chain rule, and two programs the rows compile anyway (k = 4, left to right).

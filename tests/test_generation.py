@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import mdjax
 from mdjax import generation, models, sampling
 
 pytestmark = pytest.mark.xdist_group("generation")
@@ -192,8 +193,15 @@ def test_bpe_documents_checkpoint_and_prompts_cli(tmp_path):
       [sys.executable, os.path.join(root, "sample.py"), f"--workdir={workdir}",
        f"--prompts={bad}", "--sampler=confidence", "--steps=4", "--max_new_tokens=8"],
       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=root))
-  assert proc.returncode == 2 and "--max_new_tokens=8 is too many" in proc.stderr, proc.stderr
-  assert "prompts must be shorter than 16 tokens" in proc.stderr
+  # The prompt is what is too long: the error names its line, not --max_new_tokens.
+  assert proc.returncode == 2 and "bad.jsonl' line 1 has 200 tokens" in proc.stderr, proc.stderr
+  assert "the model holds 16 positions, so a prompt may have at most 8 tokens" in proc.stderr
+  assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1
+  proc = subprocess.run(
+      [sys.executable, os.path.join(root, "sample.py"), f"--workdir={workdir}",
+       f"--prompts={prompts}", "--sampler=confidence", "--steps=4", "--max_new_tokens=-3"],
+      capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=root))
+  assert proc.returncode == 2 and "--max_new_tokens=-3 is invalid" in proc.stderr, proc.stderr
 
 
 GEN_V, GEN_LEN = 9, 12  # vocabulary and the model's length for `generate`
@@ -204,9 +212,8 @@ def _generation_model(block_size=None):
                                  num_heads=2, d_ff=64, block_size=block_size,
                                  time_conditioning=block_size is None)
   _, params, apply_fn = models.init(cfg, seed=0)
-  task = types.SimpleNamespace(name="ids", length=GEN_LEN, mask_id=GEN_V, encode=None,
-                               decode=None)
-  return apply_fn, params, task
+  return mdjax.Model(denoiser=apply_fn, params=params, family="mdjax", vocab_size=GEN_V,
+                     max_len=GEN_LEN, mask_id_or_none=GEN_V)
 
 
 def test_generate_gives_every_row_max_new_tokens_whatever_the_batch():
@@ -214,12 +221,11 @@ def test_generate_gives_every_row_max_new_tokens_whatever_the_batch():
   one prompt at a time (row i draws with fold_in(key, i)). Programs of different batch sizes
   round differently (logits move by ~2e-7 here), which can flip a near-tie of this untrained
   model's almost flat distributions: the check uses ancestral draws, which it does not flip."""
-  apply_fn, params, task = _generation_model()
+  model = _generation_model()
   prompts = [[1, 2, 3, 4, 5, 6, 7], [8], []]
   spec = sampling.AncestralSpec(steps=4)
-  run = lambda batch_size: generation.generate(apply_fn, params, task, prompts, spec,
-                                               max_new_tokens=4, key=jax.random.key(0),
-                                               batch_size=batch_size)
+  run = lambda batch_size: mdjax.generate(model, prompts, spec=spec, max_new_tokens=4,
+                                          key=jax.random.key(0), batch_size=batch_size)
   together, one_by_one = run(None), run(1)
   assert together.plan.layout == "canvas" and together.plan.canvas_length == 7 + 4
   assert together.texts is None
@@ -227,17 +233,15 @@ def test_generate_gives_every_row_max_new_tokens_whatever_the_batch():
   for a, b in zip(together.token_ids, one_by_one.token_ids):
     np.testing.assert_array_equal(a, b)
   with pytest.raises(ValueError, match="max_new_tokens=6 is too many.*line 1.*at most 5 new"):
-    generation.generate(apply_fn, params, task, prompts, spec, max_new_tokens=6,
-                        key=jax.random.key(0))
+    mdjax.generate(model, prompts, spec=spec, max_new_tokens=6, key=jax.random.key(0))
 
 
 def test_generate_past_the_model_length_on_a_block_causal_model():
   """12 positions, blocks of 4: a 5-token prompt and 10 new tokens go block by block (the
   prompt's partial block first), 10 tokens a row."""
-  apply_fn, params, task = _generation_model(block_size=4)
-  out = generation.generate(apply_fn, params, task, [[1, 2, 3, 4, 5], [6]],
-                            sampling.ConfidenceSpec(steps=2), max_new_tokens=10,
-                            key=jax.random.key(1))
+  model = _generation_model(block_size=4)
+  out = mdjax.generate(model, [[1, 2, 3, 4, 5], [6]], spec=sampling.ConfidenceSpec(steps=2),
+                       max_new_tokens=10, key=jax.random.key(1))
   assert out.plan.layout == "blocks" and (out.plan.blocks_of, out.plan.window) == (4, 8)
   assert out.plan.length == 12  # 10 rounded up to whole blocks, the rest cut off
   np.testing.assert_array_equal(out.generated_length_B, [10, 10])

@@ -5,7 +5,8 @@ from mdjax.tasks import scan_and_add as sa
 
 def test_literature_experiment_schema(trained, tmp_path, monkeypatch):
   import json
-  from experiments import literature_samplers as ls
+  from tests.scripts import load_script
+  ls = load_script("literature_samplers")
   from mdjax import tasks, train
   root, _ = trained
   _, char_apply, char_params, _ = train.load_for_sampling(str(root / "char"))

@@ -32,6 +32,18 @@ def median_time(fn: Callable[[], Any], repeats: int) -> float:
   return interleaved_medians({"fn": fn}, repeats)["fn"]
 
 
+def median_run(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+  """(median seconds of `repeats` calls after a warm-up call, the last output); `fn` blocks
+  on its own result (a torch loop's too)."""
+  out = fn()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    out = fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), out
+
+
 def timed_compile(lower_fn):
   """(compiled program, its arguments, seconds to trace, lower and compile it);
   lower_fn -> (lowered, args), as `sampling.lower` returns them."""

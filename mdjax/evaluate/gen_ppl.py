@@ -42,7 +42,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mdjax import cli, files, jsonl
+from mdjax import cli, files, jsonl, loader
+from mdjax.model import WORKDIR_FAMILY, Model
+from mdjax.models.published import CAUSAL_FAMILIES
 
 Array = jax.Array
 
@@ -84,19 +86,9 @@ def _window_nll(logits_fn):
 
 
 @dataclasses.dataclass(frozen=True)
-class _PublishedLogits:
-  """published.forward with its config bound: equal for equal configs."""
-
-  config: Any
-
-  def __call__(self, params, tokens_BxL):
-    from mdjax.models import published
-    return published.forward(self.config, params, tokens_BxL)
-
-
-@dataclasses.dataclass(frozen=True)
 class _DenoiserLogits:
-  """A mdjax causal model's apply_fn(params, tokens_BxL, t_B), t ignored."""
+  """A causal model's denoiser(params, tokens_BxL, t_B), t ignored (a published judge's
+  and a mdjax causal model's alike)."""
 
   apply_fn: Any
 
@@ -177,63 +169,59 @@ def _hf_encoder(tokenizer, vocab_size: int):
   return encode
 
 
-def _pretrained_judge(model) -> Judge:
-  from mdjax.models import published
-  from mdjax.pretrained import layouts
-  config = model.config
-  if not getattr(config, "causal", False):
+def _first_id(raw: dict, key: str):
+  """A config.json id some configs give as a list (the first is the canonical one)."""
+  value = raw.get(key)
+  value = value[0] if isinstance(value, list) and value else value
+  return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _published_judge(model: Model) -> Judge:
+  """A published causal checkpoint (families "llama", "qwen2")."""
+  if not model.causal:
     raise ValueError(f"judge is a {model.family!r} checkpoint, not a causal LM (families "
-                     f"{published.CAUSAL_FAMILIES}).")
+                     f"{CAUSAL_FAMILIES}).")
   if model.tokenizer is None:
     raise ValueError(f"judge {model.source!r} has no tokenizer.json: texts cannot be "
                      "retokenized.")
-  bos = layouts._first_id(model.hf_config or {}, "bos_token_id", model.family)
   return Judge(name=f"{model.family}:{os.path.basename(model.source or '')}",
-               logits_fn=_PublishedLogits(config), params=model.params,
-               encode=_hf_encoder(model.tokenizer, config.vocab_size),
-               vocab_size=config.vocab_size, max_length=config.max_len, start_id=bos,
-               eos_id=config.eos_id)
+               logits_fn=_DenoiserLogits(model.denoiser), params=model.params,
+               encode=_hf_encoder(model.tokenizer, model.vocab_size),
+               vocab_size=model.vocab_size, max_length=model.max_len,
+               start_id=_first_id(model.hf_config or {}, "bos_token_id"), eos_id=model.eos_id)
 
 
-def _workdir_judge(model) -> Judge:
+def _workdir_judge(model: Model) -> Judge:
   """A mdjax model trained with objective "causal" (`mdjax.load` of its workdir)."""
   objective = model.config.get("objective")
   if objective != "causal":
     raise ValueError(f"judge {model.workdir!r} was trained with objective={objective!r}, not "
                      "'causal': it is not a left-to-right LM.")
-  task, apply_fn = model.task, model.apply_fn
+  task = model.task
   if task.tokenizer is None:
     raise ValueError(f"judge {model.workdir!r}: task {task.name!r} has no tokenizer.")
 
   # causal_lm_loss's convention: the mask id (outside the data's ids) starts every window.
   return Judge(name=f"mdjax:{os.path.basename(os.path.normpath(model.workdir))}",
-               logits_fn=_DenoiserLogits(apply_fn), params=model.params,
+               logits_fn=_DenoiserLogits(model.denoiser), params=model.params,
                encode=lambda text: task.encode(text).tolist(), vocab_size=task.mask_id + 1,
                max_length=task.length, start_id=task.mask_id, eos_id=task.eos_id)
 
 
 def load_judge(judge) -> Judge:
-  """A `Judge` from a Judge, a causal `PretrainedModel`, a mdjax `Model` (objective
-  "causal"), or a path: a Hugging Face folder (config.json) or a mdjax workdir."""
-  from mdjax.pretrained.load import PretrainedModel
-  from mdjax.train import checkpoints
+  """A `Judge` from a Judge, a `mdjax.Model` (a causal published checkpoint, or a workdir
+  trained with objective "causal"), or a path `mdjax.load` reads."""
   if isinstance(judge, Judge):
     return judge
-  if isinstance(judge, PretrainedModel):
-    return _pretrained_judge(judge)
-  if isinstance(judge, checkpoints.Model):
-    return _workdir_judge(judge)
   if isinstance(judge, (str, os.PathLike)):
     path = os.fspath(judge)
-    if os.path.isfile(os.path.join(path, "config.json")):
-      from mdjax import pretrained
-      return _pretrained_judge(pretrained.load(path))
-    if os.path.isdir(os.path.join(path, "checkpoints")):
-      return _workdir_judge(checkpoints.load(path))
-    raise ValueError(f"judge={path!r} is neither a Hugging Face folder (config.json) nor a "
-                     "mdjax workdir (checkpoints/).")
-  raise ValueError(f"judge is a {type(judge).__name__}: pass a causal PretrainedModel, a mdjax "
-                   "Model or workdir trained with objective 'causal', a folder, or a Judge.")
+    if loader.kind_of(path) == "oracle":
+      raise ValueError(f"judge={path!r} is a task's exact denoiser, not a causal LM.")
+    judge = loader.load(path)
+  if isinstance(judge, Model):
+    return _workdir_judge(judge) if judge.family == WORKDIR_FAMILY else _published_judge(judge)
+  raise ValueError(f"judge is a {type(judge).__name__}: pass a causal mdjax.Model, a mdjax "
+                   "workdir trained with objective 'causal', a folder, or a Judge.")
 
 
 # --- scoring ------------------------------------------------------------------------------

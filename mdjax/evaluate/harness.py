@@ -32,7 +32,8 @@ import numpy as np
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from mdjax import generation, sampling, tasks
+from mdjax import generation, loader, sampling, tasks
+from mdjax.model import Model
 from mdjax.evaluate.loglikelihood import ESTIMATORS, loglikelihood
 from mdjax.evaluate.rolling import loglikelihood_rolling
 
@@ -67,7 +68,7 @@ MODEL_ARGS = {
     "batch_size": "requests per call (lm-eval's --batch_size; an integer)",
     "max_batch_size": "lm-eval's; unused",
     "device": "lm-eval's; unused (JAX places the arrays)",
-    "model": "Python only: a PretrainedModel or a mdjax.load model",
+    "model": "Python only: a mdjax.Model (mdjax.load)",
     "spec": "Python only: a sampler spec (instead of sampler= and its knobs)",
 }
 # Sampler spec fields settable as model_args (scalars; see mdjax.sampling).
@@ -104,20 +105,20 @@ def check_model_args(args: dict, *, values: bool = False) -> None:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Backend:
-  """What the adapter needs of a model: the denoiser, its ids and its text codec."""
+  """The model (`mdjax.Model`) and the text codec lm-eval's requests go through."""
 
-  apply_fn: Any
-  params: Any
-  mask_id: int
-  max_len: int
-  eos_id: int | None
+  model: Model
   encode: Callable[[str], list[int]]  # a text that starts a sequence (BOS, if any, added)
   decode: Callable[[Sequence[int]], str]
-  encode_plain: Callable[[str], list[int]] | None = None  # a piece inside one (default encode)
-  task: Any = None  # a mdjax Task (workdirs, oracles): generation.generate's
-  pretrained: Any = None  # a PretrainedModel: pretrained.sample_family's
-  pad_id: int = 0
-  takes_padding: bool = True  # False: an exact denoiser (positions fixed, no valid_BxL)
+  encode_plain: Callable[[str], list[int]]  # a piece inside one
+
+  # The model's fields the adapter reads, by their names.
+  apply_fn = property(lambda self: self.model.denoiser)
+  params = property(lambda self: self.model.params)
+  mask_id = property(lambda self: self.model.mask_id)
+  max_len = property(lambda self: self.model.max_len)
+  eos_id = property(lambda self: self.model.eos_id)
+  pad_id = property(lambda self: self.model.pad_id)
 
 
 def word_codec(task) -> tuple[Callable, Callable]:
@@ -135,28 +136,19 @@ def word_codec(task) -> tuple[Callable, Callable]:
   return encode, lambda ids_: " ".join(words[int(i)] for i in ids_)
 
 
-def task_backend(task, apply_fn, params) -> Backend:
-  if task.encode is not None:
-    encode = lambda text: [int(i) for i in task.encode(text)]
-    decode = lambda ids: task.decode(np.asarray(ids, np.int32))
-  else:
-    encode, decode = word_codec(task)
-  return Backend(apply_fn, params, task.mask_id, task.length, task.eos_id, encode, decode,
-                 task=task)
-
-
-def pretrained_backend(model, add_special_tokens: bool = True) -> Backend:
-  if model.tokenizer is None:
-    raise ValueError(f"checkpoint {model.source!r} has no tokenizer.json: lm-eval's requests "
-                     "are texts.")
-  config = model.config
-  max_len = getattr(config, "max_len", None) or getattr(config, "model_length")
-  encode = lambda text, special=add_special_tokens: model.tokenizer.encode(
-      text, add_special_tokens=special).ids
-  return Backend(model.apply_fn, model.params, model.mask_id, int(max_len), model.eos_id,
-                 encode, lambda ids: model.tokenizer.decode([int(i) for i in ids]),
-                 encode_plain=lambda text: encode(text, False), pretrained=model,
-                 pad_id=model.eos_id or 0)
+def backend_of(model: Model, add_special_tokens: bool = True) -> Backend:
+  """The adapter's view of a model: a published checkpoint's tokenizer (BOS before a
+  sequence with add_special_tokens, as LLaDA's eval), a task's codec, or a task's words."""
+  if model.encode is not None:
+    special = add_special_tokens and model.task is None  # a task's codec has no BOS
+    encode = lambda text: list(model.encode(text, add_special_tokens=special))
+    plain = lambda text: list(model.encode(text, add_special_tokens=False))
+    return Backend(model, encode, model.decode, plain)
+  if model.task is not None:
+    encode, decode = word_codec(model.task)
+    return Backend(model, encode, decode, encode)
+  raise ValueError(f"the {model.family!r} model at {model.source!r} has no tokenizer: "
+                   "lm-eval's requests are texts.")
 
 
 def _one_source(checkpoint, task, oracle, model) -> None:
@@ -180,27 +172,17 @@ def _one_source(checkpoint, task, oracle, model) -> None:
 
 def load_backend(checkpoint=None, step=None, dtype=None, task=None, oracle=False,
                  model=None, add_special_tokens: bool = True) -> Backend:
-  """The model of the arguments: an object, a folder, or a task's exact denoiser."""
+  """The model of the arguments (`mdjax.load` of a folder or a task's exact denoiser, or a
+  `Model` given) and its codec."""
   _one_source(checkpoint, task, oracle, model)
-  if model is not None:
-    if hasattr(model, "mask_id") and hasattr(model, "family"):
-      return pretrained_backend(model, add_special_tokens)
-    if hasattr(model, "task") and hasattr(model, "apply_fn"):
-      return task_backend(model.task, model.apply_fn, model.params)
-    raise ValueError(f"model={type(model).__name__} must be a mdjax.pretrained.PretrainedModel "
-                     "or a mdjax.load model.")
-  if task is not None:
-    bound = tasks.get(task)
-    if bound.exact_denoiser is None:
-      raise ValueError(f"task={task!r} has no exact denoiser; oracle=true needs one.")
-    return dataclasses.replace(task_backend(bound, bound.exact_denoiser, None),
-                               takes_padding=False)
-  if os.path.isfile(os.path.join(checkpoint, "config.json")):
-    from mdjax import pretrained
-    return pretrained_backend(pretrained.load(checkpoint, dtype=dtype), add_special_tokens)
-  import mdjax
-  loaded = mdjax.load(checkpoint, step)
-  return task_backend(loaded.task, loaded.apply_fn, loaded.params)
+  if model is None:
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    if step is not None:
+      kwargs["step"] = step
+    model = loader.load(checkpoint if task is None else loader.ORACLE_PREFIX + task, **kwargs)
+  if not isinstance(model, Model):
+    raise ValueError(f"model={type(model).__name__} must be a mdjax.Model (mdjax.load).")
+  return backend_of(model, add_special_tokens)
 
 
 def _positive_int(name: str, value) -> int:
@@ -305,22 +287,20 @@ class MdjaxLM(LM):
 
   @property
   def tokenizer_name(self) -> str:
-    model = self.backend.pretrained
-    return (model.source or "pretrained") if model is not None else "mdjax"
+    model = self.backend.model
+    return (model.source or "pretrained") if model.task is None else "mdjax"
 
   def chat_template(self, chat_template: bool | str = False) -> str | None:
-    model = self.backend.pretrained
-    return getattr(model, "chat_template", None) or ""
+    return self.backend.model.chat_template or ""
 
   def apply_chat_template(self, chat_history: list[dict[str, str]],
                           add_generation_prompt: bool = True) -> str:
     """The messages through the checkpoint's chat template, the assistant's turn opened
     (`pretrained.render_chat`); a ValueError for a model without one."""
-    model = self.backend.pretrained
-    if model is None or not model.chat_template:
+    model = self.backend.model
+    if not model.chat_template:
       raise ValueError("--apply_chat_template needs a pretrained folder with a chat template.")
-    from mdjax import pretrained
-    return pretrained.render_chat(model, chat_history)
+    return model.render_chat(chat_history)
 
   # --------------------------------------------------------------------------
   # loglikelihood
@@ -474,52 +454,10 @@ class MdjaxLM(LM):
     return out
 
   def _generate(self, prompts: list[np.ndarray], spec, new: int, key) -> list[np.ndarray]:
-    """The new ids of each prompt, up to its EOS."""
-    backend = self.backend
-    if not backend.takes_padding:
-      return self._generate_unpadded(prompts, spec, new, key)
-    if backend.task is not None:
-      return generation.generate(backend.apply_fn, backend.params, backend.task, prompts, spec,
-                                 max_new_tokens=new, key=key,
-                                 batch_size=self.batch_size).token_ids
-    from mdjax import pretrained
-    model, out = backend.pretrained, []
-    stops = [i for i in (model.eos_id, getattr(model.config, "eot_id", None)) if i is not None]
-    width = max(len(p) for p in prompts)  # one canvas for every batch: one compilation
-    for first in range(0, len(prompts), self.batch_size):
-      part = prompts[first:first + self.batch_size]
-      # The last batch filled with copies: one shape, one compilation.
-      filled = part + [part[-1]] * (self.batch_size - len(part))
-      prompt_BxP, valid_BxP, _ = generation.left_padded(filled, width, model.mask_id,
-                                                        pad_id=backend.pad_id, start=width)
-      ids_BxL = pretrained.sample_family(model, prompt_BxP, spec, max_new_tokens=new,
-                                         attention_mask=valid_BxP.astype(np.int32),
-                                         key=jax.random.fold_in(key, first))
-      for row in np.asarray(jax.device_get(ids_BxL))[:len(part), width:]:
-        ends = np.flatnonzero(np.isin(row, stops))
-        out.append(row[:ends[0]] if len(ends) else row)
-    return out
-
-
-  def _generate_unpadded(self, prompts, spec, new: int, key) -> list[np.ndarray]:
-    """An exact denoiser (no padding): prompts of one length on [prompt, new masks] canvases,
-    row i drawing with fold_in(key, i) as `generation.generate`'s rows."""
-    if len({len(p) for p in prompts}) > 1:
-      raise ValueError(f"the oracle takes no padding, and these prompts have lengths "
-                       f"{sorted({len(p) for p in prompts})}: give prompts of one length.")
-    mask_id, out = self.backend.mask_id, []
-    keys_N = jax.vmap(jax.random.fold_in, (None, 0))(key, np.arange(len(prompts)))
-    for first in range(0, len(prompts), self.batch_size):
-      part = np.stack(prompts[first:first + self.batch_size])
-      canvas_BxL = np.concatenate([part, np.full((len(part), new), mask_id, np.int32)], 1)
-      result = sampling.sample(self.backend.apply_fn, self.backend.params,
-                               keys_N[first:first + len(part)], canvas_BxL, spec,
-                               mask_id=mask_id)
-      final_BxL = np.asarray(result.tokens_BxL)
-      lengths_B = np.minimum(np.asarray(result.generated_length_B), new)
-      out += [generation.completion_ids(row, part.shape[1], n)
-              for row, n in zip(final_BxL, lengths_B)]
-    return out
+    """The new ids of each prompt, up to its EOS (or end of turn): `mdjax.generate`, row i
+    drawing with fold_in(key, i)."""
+    return generation.generate(self.backend.model, prompts, spec=spec, max_new_tokens=new,
+                               key=key, batch_size=self.batch_size).token_ids
 
 
 def _progress(total, desc: str, disable: bool):

@@ -53,17 +53,14 @@ import numpy as np
 from flax import struct
 
 from mdjax.denoiser import Denoiser
-from mdjax.models import checks
-from mdjax.models.transformer import block_pair_mask
+from mdjax.models import checks, layers
+from mdjax.models.layers import block_pair_mask
 
 Array = jax.Array
 
 FAMILIES = ("mdlm", "bd3lm")
 DTYPES = ("float32", "bfloat16")
 FREQUENCY_FEATURES = 256
-# A masked attention score: finite, so a query whose every key is masked gets a uniform
-# (finite) average instead of NaN.
-_MASKED = -1e30
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -203,59 +200,34 @@ def positions(valid_BxL: Array | None, length: int) -> Array:
   each row's first real token (padding at 0)."""
   if valid_BxL is None:
     return jnp.arange(length, dtype=jnp.int32)[None]
-  return jnp.maximum(jnp.cumsum(valid_BxL.astype(bool), -1, dtype=jnp.int32) - 1, 0)
+  return layers.counted_positions(valid_BxL)
 
 
 def _rotary(config: DiTConfig, positions_BxQ: Array) -> tuple[Array, Array]:
   """cos and sin of the rotary angles, B x Q x K/2 (float32)."""
-  k = config.head_dim
-  inv_freq = 1.0 / (config.rope_base ** (np.arange(0, k, 2, dtype=np.float64) / k))
-  angle = positions_BxQ.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
-  return jnp.cos(angle), jnp.sin(angle)
-
-
-def _rotate(x_BxQxHxK: Array, cos_BxQxK2: Array, sin_BxQxK2: Array) -> Array:
-  """x * cos + rotate_half(x) * sin (half-split, non-interleaved), in float32."""
-  x = x_BxQxHxK.astype(jnp.float32)
-  half = x.shape[-1] // 2
-  x1, x2 = x[..., :half], x[..., half:]
-  cos, sin = cos_BxQxK2[:, :, None], sin_BxQxK2[:, :, None]
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  inv_freq_K2 = layers.inverse_frequencies(config.head_dim, config.rope_base)
+  return layers.rotary_cos_sin(positions_BxQ, inv_freq_K2, full_width=False)
 
 
 def _qkv(config: DiTConfig, layer: dict, x_BxQxD: Array, cos, sin):
-  """Queries B x Q x H x K and keys, values B x H x Q x K (q and k rotated, v not)."""
+  """Queries B x Q x H x K and keys, values B x H x Q x K (q and k rotated in float32 in
+  flash-attn's order, v not)."""
   batch, width, _ = x_BxQxD.shape
   qkv = _matmul(x_BxQxD, layer["qkv"], config.jnp_dtype)
   qkv = qkv.reshape(batch, width, 3, config.n_heads, config.head_dim)  # (three h d)
-  q = _rotate(qkv[:, :, 0], cos, sin)
-  k = _rotate(qkv[:, :, 1], cos, sin)
+  rotate = lambda x: layers.rotate(x, cos, sin, form="halves", float32=True)
+  q, k = rotate(qkv[:, :, 0]), rotate(qkv[:, :, 1])
   dtype = config.jnp_dtype
   return (q.astype(dtype), k.transpose(0, 2, 1, 3).astype(dtype),
           qkv[:, :, 2].transpose(0, 2, 1, 3).astype(dtype))
 
 
-def _attend(config: DiTConfig, q_BxQxHxK: Array, parts) -> Array:
-  """Attention of the queries over the concatenation of key parts, each (keys_BxHxSxK,
-  values_BxHxSxK, visible_BxQxS or broadcastable, or None: all), under one float32
-  softmax scaled by 1/sqrt(K); the parts are never concatenated (a window pass reads the
-  cache in place). Returns B x Q x D."""
-  batch, width, heads, k = q_BxQxHxK.shape
-  dtype = q_BxQxHxK.dtype
-  scores = []
-  for keys_BxHxSxK, _, visible_BxQxS in parts:
-    s_BxHxQxS = jnp.einsum("bqhk,bhsk->bhqs", q_BxQxHxK, keys_BxHxSxK.astype(dtype),
-                           preferred_element_type=jnp.float32) / math.sqrt(k)
-    if visible_BxQxS is not None:
-      s_BxHxQxS = jnp.where(visible_BxQxS[:, None], s_BxHxQxS, _MASKED)
-    scores.append(s_BxHxQxS)
-  sizes = np.cumsum([s.shape[-1] for s in scores])[:-1]
-  probs = jnp.split(jax.nn.softmax(jnp.concatenate(scores, -1), -1), sizes, axis=-1)
-  out_BxQxHxK = sum(
-      jnp.einsum("bhqs,bhsk->bqhk", p.astype(dtype), values_BxHxSxK.astype(dtype),
-                 preferred_element_type=jnp.float32)
-      for p, (_, values_BxHxSxK, _) in zip(probs, parts))
-  return out_BxQxHxK.reshape(batch, width, heads * k)
+def _attend(q_BxQxHxK: Array, parts) -> Array:
+  """Attention of the queries over key parts, each (keys_BxHxSxK, values_BxHxSxK,
+  visible_BxQxS or broadcastable, or None: all), under one float32 softmax
+  (`layers.attend`: scores divided by sqrt(K), values weighted into float32). Returns
+  B x Q x D."""
+  return layers.attend(q_BxQxHxK, parts, scale_by_reciprocal=False, float32_values=True)
 
 
 def _modulation(config: DiTConfig, ada: Array, ada_bias: Array, c_BxC: Array | None,
@@ -311,13 +283,7 @@ def _embed(params: dict, tokens_BxQ: Array) -> Array:
 def _visible(config: DiTConfig, query_BxQ: Array, key_BxS: Array) -> Array | None:
   """Block-causal visibility (query block b sees key blocks <= b), [B x] Q x S; None when
   bidirectional."""
-  if config.block_size is None:
-    return None
-  return key_BxS[..., None, :] // config.block_size <= query_BxQ[..., :, None] // config.block_size
-
-
-def _and(a: Array | None, b: Array | None) -> Array | None:
-  return b if a is None else a if b is None else a & b
+  return layers.visible(query_BxQ, key_BxS, block_size=config.block_size)
 
 
 # --- the passes on the network -----------------------------------------------------------
@@ -332,7 +298,7 @@ def _full_pass(config: DiTConfig, params: dict, c_BxC: Array | None, tokens_BxQ:
   def body(h_BxQxD, layer):
     def attention(x):
       q, k, v = _qkv(config, layer, x, cos, sin)
-      return _attend(config, q, [(k, v, visible_BxQxQ)]), (k, v)
+      return _attend(q, [(k, v, visible_BxQxQ)]), (k, v)
     return _block(config, layer, c_BxC, h_BxQxD, attention)
 
   h_BxQxD, (keys, values) = jax.lax.scan(body, _embed(params, tokens_BxQ), params["blocks"])
@@ -359,7 +325,7 @@ def _canvas_pass(config: DiTConfig, params: dict, c_BxC: Array | None, tokens_Bx
   pos_BxL = positions(valid_BxL, length)
   visible = _visible(config, pos_BxL, pos_BxL)
   if valid_BxL is not None:  # padding is attended by nothing
-    visible = _and(visible, valid_BxL.astype(bool)[:, None, :])
+    visible = layers.both(visible, valid_BxL.astype(bool)[:, None, :])
   h_BxLxD, keys, values = _full_pass(config, params, c_BxC, tokens_BxL, pos_BxL, visible)
   return _final(config, params["final"], c_BxC, h_BxLxD), DiTCache.of_blocks(keys, values)
 
@@ -372,19 +338,19 @@ def _window_pass(config: DiTConfig, params: dict, c_BxC: Array | None, cache: Di
   tokens_BxW = jnp.asarray(tokens_BxW, jnp.int32)
   batch, width = tokens_BxW.shape
   length = cache.length
-  if width > length:
-    raise ValueError(f"window of {width} positions is longer than the cache ({length}).")
+  layers.check_window(width, length)
   start = jnp.asarray(start, jnp.int32)
   pos_BxL = jnp.broadcast_to(positions(valid_BxL, length), (batch, length))
   pos_BxW = jax.lax.dynamic_slice_in_dim(pos_BxL, start, width, axis=1)
   key_L = jnp.arange(length)
-  cached_vis = ((key_L < start) | (key_L >= start + width))[None, None]
-  cached_vis = _and(cached_vis, _visible(config, pos_BxW, pos_BxL))
+  cached_vis = layers.outside_window(key_L, start, width)[None, None]
+  cached_vis = layers.both(cached_vis, _visible(config, pos_BxW, pos_BxL))
   own_vis = _visible(config, pos_BxW, pos_BxW)
   if valid_BxL is not None:  # padding is attended by nothing
     valid_BxL = valid_BxL.astype(bool)
     cached_vis = cached_vis & valid_BxL[:, None, :]
-    own_vis = _and(own_vis, jax.lax.dynamic_slice_in_dim(valid_BxL, start, width, 1)[:, None])
+    own_vis = layers.both(own_vis,
+                          jax.lax.dynamic_slice_in_dim(valid_BxL, start, width, 1)[:, None])
   cos, sin = _rotary(config, pos_BxW)
 
   def body(h_BxWxD, xs):
@@ -392,17 +358,16 @@ def _window_pass(config: DiTConfig, params: dict, c_BxC: Array | None, cache: Di
 
     def attention(x):
       q, k, v = _qkv(config, layer, x, cos, sin)
-      out = _attend(config, q, [(cached_keys, cached_values, cached_vis), (k, v, own_vis)])
+      out = _attend(q, [(cached_keys, cached_values, cached_vis), (k, v, own_vis)])
       return out, (k, v)
     return _block(config, layer, c_BxC, h_BxWxD, attention)
 
   cached_keys, cached_values = cache.blocks_first()
   h_BxWxD, (keys, values) = jax.lax.scan(
       body, _embed(params, tokens_BxW), (params["blocks"], cached_keys, cached_values))
-  put = lambda old, new: jax.lax.dynamic_update_slice_in_dim(old, new.astype(old.dtype), start,
-                                                             axis=3)
   return _final(config, params["final"], c_BxC, h_BxWxD), DiTCache.of_blocks(
-      put(cached_keys, keys), put(cached_values, values))
+      layers.write_window(cached_keys, keys, start),
+      layers.write_window(cached_values, values, start))
 
 
 def _pair_pass(config: DiTConfig, params: dict, c_BxC: Array | None, noisy_BxL: Array,
@@ -546,19 +511,6 @@ def _block_pair(config, mode, params, noisy_BxL, clean_BxL, t_B):
   return subs(config, _pair_pass(config, net, c_BxC, noisy_BxL, clean_BxL), noisy_BxL)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Bound:
-  """A module-level function with its config and params mode bound first: equal (and
-  equally hashed) for equal arguments, so equal Denoisers share compiled programs."""
-
-  fn: Callable
-  config: DiTConfig
-  mode: str
-
-  def __call__(self, *args, **kwargs):
-    return self.fn(self.config, self.mode, *args, **kwargs)
-
-
 def denoiser(config: DiTConfig, *, folded: bool | None = None) -> Denoiser:
   """The model as a `Denoiser`: apply(params, tokens_BxL, t_B, valid_BxL=None) ->
   logits_BxLxV over the V real ids under SUBS (`subs`), t mapped to sigma(t) by the
@@ -582,7 +534,7 @@ def denoiser(config: DiTConfig, *, folded: bool | None = None) -> Denoiser:
     mode = "folded"
   else:
     mode = "plain"
-  bound = lambda fn: _Bound(fn, config, mode)
+  bound = lambda fn: layers.bind(fn, config, mode)  # equal for equal (config, mode)
   blocks = config.block_size is not None
   cached = not (blocks and config.time_conditioning)
   return Denoiser(apply=bound(_apply),

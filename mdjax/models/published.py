@@ -39,7 +39,6 @@ code does.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -47,17 +46,13 @@ import numpy as np
 from flax import struct
 
 from mdjax.denoiser import Denoiser
-from mdjax.models import checks
+from mdjax.models import checks, layers
 
 Array = jax.Array
 
 FAMILIES = ("llada", "dream", "llama", "qwen2")
 CAUSAL_FAMILIES = ("llama", "qwen2")
 DTYPES = ("float32", "bfloat16")
-
-# A masked score: finite, so a query whose every key is masked gets a uniform (finite)
-# average instead of NaN.
-_MASKED = -1e30
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -166,48 +161,23 @@ def positions(config: PublishedConfig, valid_BxL: Array | None, length: int) -> 
   row's first real token and puts padding at 1; the others always count 0..L-1."""
   if valid_BxL is None or config.family != "dream":
     return jnp.arange(length, dtype=jnp.int32)[None]
-  valid_BxL = valid_BxL.astype(bool)
-  counted_BxL = jnp.cumsum(valid_BxL, axis=-1, dtype=jnp.int32) - 1
-  return jnp.where(valid_BxL, counted_BxL, 1)
+  return layers.counted_positions(valid_BxL, padding=1)
 
 
 def _rope_cos_sin(config: PublishedConfig, positions_BxQ: Array) -> tuple[Array, Array]:
-  """cos and sin of Llama's rotary angles, B x Q x K, in float32."""
-  k = config.head_dim
-  inv_freq_K2 = 1.0 / (config.rope_theta ** (np.arange(0, k, 2, dtype=np.float64) / k))
+  """cos and sin of Llama's rotary angles, B x Q x K, in float32 (Llama 3.1's frequencies
+  with `rope_scaling`)."""
+  inv_freq_K2 = layers.inverse_frequencies(config.head_dim, config.rope_theta)
   if config.rope_scaling is not None:
-    inv_freq_K2 = _llama3_inv_freq(inv_freq_K2, *config.rope_scaling)
-  angle_BxQxK2 = positions_BxQ.astype(jnp.float32)[..., None] * jnp.asarray(
-      inv_freq_K2, jnp.float32)
-  angle_BxQxK = jnp.concatenate([angle_BxQxK2, angle_BxQxK2], axis=-1)
-  return jnp.cos(angle_BxQxK), jnp.sin(angle_BxQxK)
-
-
-def _llama3_inv_freq(inv_freq_K2: np.ndarray, factor: float, low_freq_factor: float,
-                     high_freq_factor: float, original_length: int) -> np.ndarray:
-  """Llama 3.1's frequencies (transformers' `_compute_llama3_parameters`): wavelengths above
-  original_length / low_freq_factor slowed by `factor`, those below original_length /
-  high_freq_factor kept, the ones between interpolated."""
-  wavelen_K2 = 2 * np.pi / inv_freq_K2
-  scaled_K2 = np.where(wavelen_K2 > original_length / low_freq_factor, inv_freq_K2 / factor,
-                       inv_freq_K2)
-  smooth_K2 = (original_length / wavelen_K2 - low_freq_factor) / (high_freq_factor -
-                                                                   low_freq_factor)
-  smoothed_K2 = (1 - smooth_K2) * scaled_K2 / factor + smooth_K2 * scaled_K2
-  medium_K2 = ((wavelen_K2 >= original_length / high_freq_factor)
-               & (wavelen_K2 <= original_length / low_freq_factor))
-  return np.where(medium_K2, smoothed_K2, scaled_K2)
+    inv_freq_K2 = layers.llama3_inverse_frequencies(inv_freq_K2, *config.rope_scaling)
+  return layers.rotary_cos_sin(positions_BxQ, inv_freq_K2, full_width=True)
 
 
 def _rope(x_BxQxHxK: Array, cos_BxQxK: Array, sin_BxQxK: Array) -> Array:
   """x * cos + rotate_half(x) * sin (Llama's half-split rotation), in float32 as LLaDA's
   code does it (HF Llama rotates in the compute dtype: the same up to bfloat16 rounding),
   cast back."""
-  x = x_BxQxHxK.astype(jnp.float32)
-  half = x.shape[-1] // 2
-  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-  out = x * cos_BxQxK[:, :, None] + rotated * sin_BxQxK[:, :, None]
-  return out.astype(x_BxQxHxK.dtype)
+  return layers.rotate(x_BxQxHxK, cos_BxQxK, sin_BxQxK, form="rotate_half", float32=True)
 
 
 def _qkv(config: PublishedConfig, layer: dict, x_BxQxD: Array, cos_BxQxK: Array,
@@ -229,23 +199,10 @@ def _qkv(config: PublishedConfig, layer: dict, x_BxQxD: Array, cos_BxQxK: Array,
 
 
 def _attend(q_BxQxGxRxK: Array, parts: list[tuple[Array, Array, Array]]) -> Array:
-  """Attention of the queries over the concatenation of key parts, each (keys_BxGxSxK,
-  values_BxGxSxK, visible_BxQxS or B x 1 x S), under one float32 softmax; the values are
-  never concatenated (a window pass reads the cache in place). Returns B x Q x H*K."""
-  batch, width, groups, ratio, k = q_BxQxGxRxK.shape
-  dtype = q_BxQxGxRxK.dtype
-  scale = 1.0 / np.sqrt(k)
-  scores = []
-  for keys_BxGxSxK, _, visible_BxQxS in parts:
-    s_BxGxRxQxS = jnp.einsum("bqgrk,bgsk->bgrqs", q_BxQxGxRxK, keys_BxGxSxK.astype(dtype),
-                             preferred_element_type=jnp.float32) * scale
-    scores.append(jnp.where(visible_BxQxS[:, None, None], s_BxGxRxQxS, _MASKED))
-  sizes = np.cumsum([s.shape[-1] for s in scores])[:-1]
-  probs = jnp.split(jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1), sizes, axis=-1)
-  out_BxQxGxRxK = sum(
-      jnp.einsum("bgrqs,bgsk->bqgrk", p.astype(dtype), values_BxGxSxK.astype(dtype))
-      for p, (_, values_BxGxSxK, _) in zip(probs, parts))
-  return out_BxQxGxRxK.reshape(batch, width, groups * ratio * k)
+  """Attention of the grouped queries over key parts, each (keys_BxGxSxK, values_BxGxSxK,
+  visible_BxQxS or B x 1 x S), under one float32 softmax (`layers.attend`: scores times
+  1/sqrt(K), values weighted in the compute dtype). Returns B x Q x H*K."""
+  return layers.attend(q_BxQxGxRxK, parts, scale_by_reciprocal=True, float32_values=False)
 
 
 def _mlp_and_residuals(config: PublishedConfig, layer: dict, h_BxQxD: Array,
@@ -271,11 +228,6 @@ def _embed(config: PublishedConfig, params: dict, tokens_BxQ: Array) -> Array:
   return jnp.take(params["embed"], tokens_BxQ, axis=0).astype(config.jnp_dtype)
 
 
-def _check_length(config: PublishedConfig, length: int):
-  if length > config.max_len:
-    raise ValueError(f"sequence length {length} exceeds max_len={config.max_len}.")
-
-
 # --- the passes --------------------------------------------------------------------------
 
 
@@ -283,12 +235,13 @@ def _full_pass(config: PublishedConfig, params: dict, tokens_BxL: Array,
                valid_BxL: Array | None) -> tuple[Array, Array, Array]:
   """Unshifted logits_BxLxV and every layer's keys and values (N x B x G x L x K)."""
   batch, length = tokens_BxL.shape
-  _check_length(config, length)
+  layers.check_length(length, config.max_len)
   cos_BxLxK, sin_BxLxK = _rope_cos_sin(config, positions(config, valid_BxL, length))
   visible_Bx1xL = (jnp.ones((1, 1, length), bool) if valid_BxL is None
                    else valid_BxL.astype(bool)[:, None, :])
   if config.causal:  # B x L x L: each query sees its own position and before
-    visible_Bx1xL = visible_Bx1xL & jnp.tril(jnp.ones((length, length), bool))[None]
+    visible_Bx1xL = visible_Bx1xL & layers.visible(np.arange(length), np.arange(length),
+                                                   causal=True)[None]
 
   def layer_fn(h_BxLxD, layer):
     x = _rms_norm(h_BxLxD, layer["attn_norm"], config.norm_eps)
@@ -340,14 +293,13 @@ def decode(config: PublishedConfig, params: dict, cache: PublishedCache, tokens_
   tokens_BxW = jnp.asarray(tokens_BxW, jnp.int32)
   batch, width = tokens_BxW.shape
   length = cache.length
-  if width > length:
-    raise ValueError(f"window of {width} positions is longer than the cache ({length}).")
-  _check_length(config, length)
+  layers.check_window(width, length)
+  layers.check_length(length, config.max_len)
   start = jnp.asarray(start, jnp.int32)
   pos_BxL = jnp.broadcast_to(positions(config, valid_BxL, length), (batch, length))
   pos_BxW = jax.lax.dynamic_slice_in_dim(pos_BxL, start, width, axis=1)
   key_L = jnp.arange(length)
-  outside_1x1xL = ((key_L < start) | (key_L >= start + width))[None, None]
+  outside_1x1xL = layers.outside_window(key_L, start, width)[None, None]
   own_Bx1xW = jnp.ones((batch, 1, width), bool)
   if valid_BxL is not None:  # padding is attended by nothing
     valid_BxL = valid_BxL.astype(bool)
@@ -355,7 +307,8 @@ def decode(config: PublishedConfig, params: dict, cache: PublishedCache, tokens_
     own_Bx1xW = jax.lax.dynamic_slice_in_dim(valid_BxL, start, width, axis=1)[:, None]
   if config.causal:  # keys after the window are the future; inside it, the query's past
     outside_1x1xL = outside_1x1xL & (key_L < start)[None, None]
-    own_Bx1xW = own_Bx1xW & jnp.tril(jnp.ones((width, width), bool))[None]
+    own_Bx1xW = own_Bx1xW & layers.visible(np.arange(width), np.arange(width),
+                                           causal=True)[None]
   tokens_BxQ, pos_BxQ, extra = tokens_BxW, pos_BxW, 0
   if config.logit_shift:
     before = jnp.maximum(start - 1, 0)
@@ -382,11 +335,9 @@ def decode(config: PublishedConfig, params: dict, cache: PublishedCache, tokens_
     first_Bx1xD = jnp.where(start > 0, h_BxQxD[:, :1], h_BxQxD[:, 1:2])
     h_BxQxD = jnp.concatenate([first_Bx1xD, h_BxQxD[:, 1:width]], axis=1)
   logits_BxWxV = _logits(config, params, h_BxQxD)
-  put = lambda old, new: jax.lax.dynamic_update_slice_in_dim(old, new.astype(old.dtype), start,
-                                                             axis=old.ndim - 2)
   return logits_BxWxV, PublishedCache(
-      keys_NxBxGxLxK=put(cache.keys_NxBxGxLxK, keys_NxBxGxWxK),
-      values_NxBxGxLxK=put(cache.values_NxBxGxLxK, values_NxBxGxWxK),
+      keys_NxBxGxLxK=layers.write_window(cache.keys_NxBxGxLxK, keys_NxBxGxWxK, start),
+      values_NxBxGxLxK=layers.write_window(cache.values_NxBxGxLxK, values_NxBxGxWxK, start),
       tokens_BxL=jax.lax.dynamic_update_slice_in_dim(cache.tokens_BxL, tokens_BxW, start,
                                                      axis=1))
 
@@ -409,23 +360,11 @@ def _decode(config, params, cache, tokens_BxW, start, t_B, valid_BxL=None):
   return decode(config, params, cache, tokens_BxW, start, valid_BxL)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Bound:
-  """A module-level function with its config bound first: equal (and equally hashed) for
-  equal configs, so equal Denoisers share compiled programs (functools.partial compares by
-  identity)."""
-
-  fn: Callable
-  config: PublishedConfig
-
-  def __call__(self, *args, **kwargs):
-    return self.fn(self.config, *args, **kwargs)
-
-
 def denoiser(config: PublishedConfig) -> Denoiser:
-  """The model as a `Denoiser` (t_B ignored): apply, prefill and decode; no blocks."""
-  return Denoiser(apply=_Bound(_apply, config), prefill=_Bound(_prefill, config),
-                  decode=_Bound(_decode, config))
+  """The model as a `Denoiser` (t_B ignored): apply, prefill and decode; no blocks. Its
+  functions are `layers.Bound`: equal for equal configs, so equal Denoisers share programs."""
+  return Denoiser(apply=layers.bind(_apply, config), prefill=layers.bind(_prefill, config),
+                  decode=layers.bind(_decode, config))
 
 
 # --- parameters ---------------------------------------------------------------------------

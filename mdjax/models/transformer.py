@@ -32,7 +32,6 @@ noisy block b, anything after].
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -41,6 +40,8 @@ import numpy as np
 from flax import nnx, struct
 
 from mdjax.denoiser import Denoiser
+from mdjax.models import layers
+from mdjax.models.layers import block_pair_mask, rope_table  # noqa: F401 (public here too)
 
 Array = jax.Array
 
@@ -109,29 +110,19 @@ def sinusoidal(length: int, dim: int) -> Array:
   return jnp.concatenate([jnp.sin(angle), jnp.cos(angle)], -1)[:, :dim]
 
 
-@functools.lru_cache(maxsize=64)
-def rope_table(length: int, half: int) -> tuple[np.ndarray, np.ndarray]:
-  """cos and sin of the rotary angles at positions 0..L-1 (L x K/2, float32), computed on
-  the host in float64: a constant of the program, the same on every backend, instead of
-  sin and cos that XLA fuses into each layer's rotation and redoes at every call."""
-  freq_K = np.exp(-math.log(10_000.0) * np.arange(half) / half)
-  angle_LxK = np.arange(length)[:, None] * freq_K[None]
-  return np.cos(angle_LxK).astype(np.float32), np.sin(angle_LxK).astype(np.float32)
-
-
 def rope(x_BxLxHxK: Array, positions_L: Array | None = None, max_len: int = 0) -> Array:
   """Rotary position embedding on the head dimension (positions default to 0..L-1; an
-  L or B x L array of positions, each below max(L, max_len))."""
+  L or B x L array of positions, each below max(L, max_len)), from the host table
+  `rope_table`, in x's dtype."""
   length, half = x_BxLxHxK.shape[1], x_BxLxHxK.shape[-1] // 2
   cos_PxK, sin_PxK = rope_table(max(length, max_len), half)
   if positions_L is None:
-    cos, sin = cos_PxK[None, :length, None], sin_PxK[None, :length, None]
+    cos, sin = cos_PxK[None, :length], sin_PxK[None, :length]
   else:
     at = lambda table_PxK: jnp.asarray(table_PxK)[positions_L].reshape(
-        (-1, length, 1, half))  # [B x] L x K/2 -> (B or 1) x L x 1 x K/2
+        (-1, length, half))  # [B x] L x K/2 -> (B or 1) x L x K/2
     cos, sin = at(cos_PxK), at(sin_PxK)
-  x1, x2 = x_BxLxHxK[..., :half], x_BxLxHxK[..., half:]
-  return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x_BxLxHxK.dtype)
+  return layers.rotate(x_BxLxHxK, cos, sin, form="halves_sin_first", float32=False)
 
 
 def _norm(cfg: TransformerConfig, rngs) -> nnx.Module:
@@ -213,8 +204,7 @@ class LayerKV:
   def write(self, keys_BxWxHxK: Array, values_BxWxHxK: Array, start) -> "LayerKV":
     """The cache with positions [start, start + W) replaced."""
     window = LayerKV.heads_major(keys_BxWxHxK, values_BxWxHxK)
-    put = lambda old, new: jax.lax.dynamic_update_slice_in_dim(old, new.astype(old.dtype),
-                                                               start, axis=2)
+    put = lambda old, new: layers.write_window(old, new, start)
     return LayerKV(keys_BxHxLxK=put(self.keys_BxHxLxK, window.keys_BxHxLxK),
                    values_BxHxLxK=put(self.values_BxHxLxK, window.values_BxHxLxK))
 
@@ -242,23 +232,7 @@ def visible(cfg: TransformerConfig, query_Q, key_K):
   """Whether each query position attends to each key position ([B x] Q x K from positions
   of shape [B x] Q and [B x] K, numpy or jax by the inputs); None when every key is
   visible (bidirectional)."""
-  query, key = query_Q[..., :, None], key_K[..., None, :]
-  if cfg.causal:
-    return key <= query
-  if cfg.block_size is not None:
-    return key // cfg.block_size <= query // cfg.block_size
-  return None
-
-
-def block_pair_mask(length: int, block_size: int) -> np.ndarray:
-  """The BD3-LM attention mask over [noisy; clean] (2L x 2L): noisy block b sees itself and
-  clean blocks < b; clean block b sees clean blocks <= b; no clean position sees noise."""
-  block_L = np.arange(length) // block_size
-  q, k = block_L[:, None], block_L[None]
-  noisy_to_noisy, noisy_to_clean, clean_to_clean = q == k, k < q, k <= q
-  top = np.concatenate([noisy_to_noisy, noisy_to_clean], 1)
-  bottom = np.concatenate([np.zeros((length, length), bool), clean_to_clean], 1)
-  return np.concatenate([top, bottom], 0)
+  return layers.visible(query_Q, key_K, causal=cfg.causal, block_size=cfg.block_size)
 
 
 def _per_head(mask):
@@ -272,9 +246,9 @@ def _attend(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, visible_LxL, head_dim: int,
   key); padding (not `valid_BxL`) is attended by nothing and attends to nothing."""
   logits_BxHxLxL = jnp.einsum("blhk,bmhk->bhlm", q_BxLxHxK, k_BxLxHxK) / math.sqrt(head_dim)
   if visible_LxL is not None:
-    logits_BxHxLxL = jnp.where(_per_head(visible_LxL), logits_BxHxLxL, -1e30)
+    logits_BxHxLxL = jnp.where(_per_head(visible_LxL), logits_BxHxLxL, layers.MASKED)
   if valid_BxL is not None:
-    logits_BxHxLxL = jnp.where(valid_BxL[:, None, None, :], logits_BxHxLxL, -1e30)
+    logits_BxHxLxL = jnp.where(valid_BxL[:, None, None, :], logits_BxHxLxL, layers.MASKED)
   attn = jax.nn.softmax(logits_BxHxLxL.astype(jnp.float32), -1).astype(v_BxLxHxK.dtype)
   out_BxLxHxK = jnp.einsum("bhlm,bmhk->blhk", attn, v_BxLxHxK)
   if valid_BxL is not None:
@@ -291,11 +265,11 @@ def _attend_window(q_BxWxHxK, k_BxWxHxK, v_BxWxHxK, cached: LayerKV, start,
   width, length = q_BxWxHxK.shape[1], cached.keys_BxHxLxK.shape[2]
   query_W = start + jnp.arange(width)
   key_L = jnp.arange(length)
-  visible_WxL = ((key_L < start) | (key_L >= start + width))[None]
+  visible_WxL = layers.outside_window(key_L, start, width)[None]
   own_WxW = jnp.ones((width, width), bool)
   if cfg.block_size is not None and valid_BxL is not None:
     # Blocks are counted in each row's positions (from its first valid token).
-    key_L = jnp.maximum(jnp.cumsum(valid_BxL.astype(bool), -1, dtype=jnp.int32) - 1, 0)
+    key_L = layers.counted_positions(valid_BxL)
     query_W = jax.lax.dynamic_slice_in_dim(key_L, start, width, axis=1)
   pattern_WxL = visible(cfg, query_W, key_L)
   if pattern_WxL is not None:
@@ -311,8 +285,9 @@ def _attend_window(q_BxWxHxK, k_BxWxHxK, v_BxWxHxK, cached: LayerKV, start,
   q_BxHxWxK = q_BxWxHxK.transpose(0, 2, 1, 3) / math.sqrt(head_dim)
   cached_BxHxWxL = jnp.einsum("bhwk,bhlk->bhwl", q_BxHxWxK, cached.keys_BxHxLxK.astype(dtype))
   own_BxHxWxW = jnp.einsum("bhwk,buhk->bhwu", q_BxHxWxK, k_BxWxHxK)
-  cached_BxHxWxL = jnp.where(visible_BxWxL[:, None], cached_BxHxWxL.astype(jnp.float32), -1e30)
-  own_BxHxWxW = jnp.where(own_BxWxW[:, None], own_BxHxWxW.astype(jnp.float32), -1e30)
+  cached_BxHxWxL = jnp.where(visible_BxWxL[:, None], cached_BxHxWxL.astype(jnp.float32),
+                             layers.MASKED)
+  own_BxHxWxW = jnp.where(own_BxWxW[:, None], own_BxHxWxW.astype(jnp.float32), layers.MASKED)
   # One softmax over [cached keys, own keys], without concatenating the cached values.
   top_BxHxW = jnp.maximum(cached_BxHxWxL.max(-1), own_BxHxWxW.max(-1))[..., None]
   p_cached = jnp.exp(cached_BxHxWxL - top_BxHxW)
@@ -350,18 +325,16 @@ class Transformer(nnx.Module):
   def prefill(self, tokens_BxL: Array, t_B: Array,
               valid_BxL: Array | None = None) -> tuple[Array, KVCache]:
     """One full pass: (logits_BxLxV, every layer's keys and values)."""
-    logits_BxLxV, layers = self._forward(tokens_BxL, t_B, valid_BxL=valid_BxL)
-    return logits_BxLxV, KVCache.stack(layers)
+    logits_BxLxV, fresh = self._forward(tokens_BxL, t_B, valid_BxL=valid_BxL)
+    return logits_BxLxV, KVCache.stack(fresh)
 
   def decode(self, cache: KVCache, tokens_BxW: Array, start: Array | int,
              t_B: Array, valid_BxL: Array | None = None) -> tuple[Array, KVCache]:
     """A pass over positions [start, start + W) against `cache`: (logits_BxWxV, the cache
     with the window's keys and values written in)."""
-    length, width = cache.length, tokens_BxW.shape[1]
-    if width > length:
-      raise ValueError(f"window of {width} positions is longer than the cache ({length}).")
-    logits_BxWxV, layers = self._forward(tokens_BxW, t_B, start, cache, valid_BxL)
-    return logits_BxWxV, KVCache.stack(layers)
+    layers.check_window(tokens_BxW.shape[1], cache.length)
+    logits_BxWxV, fresh = self._forward(tokens_BxW, t_B, start, cache, valid_BxL)
+    return logits_BxWxV, KVCache.stack(fresh)
 
   def block_pair(self, noisy_BxL: Array, clean_BxL: Array, t_B: Array) -> Array:
     """Noisy blocks' logits_BxLxV, each conditioned on the clean blocks before it: one pass
@@ -394,13 +367,12 @@ class Transformer(nnx.Module):
     length = width if cache is None else cache.length
     if pair_positions_W is not None:
       length = int(pair_positions_W.max()) + 1
-    if length > cfg.max_len:
-      raise ValueError(f"sequence length {length} exceeds max_len={cfg.max_len}.")
+    layers.check_length(length, cfg.max_len)
     h_BxWxD = self.embed(tokens_BxW)
     positions_BxW = None
     if valid_BxL is not None:  # counted from each row's first valid position
       valid_BxL = valid_BxL.astype(bool)
-      positions_BxL = jnp.maximum(jnp.cumsum(valid_BxL, -1, dtype=jnp.int32) - 1, 0)
+      positions_BxL = layers.counted_positions(valid_BxL)
       positions_BxW = jax.lax.dynamic_slice_in_dim(positions_BxL, start, width, axis=1)
     if cache is None and pair_positions_W is None:
       if positions_BxW is not None and cfg.block_size is not None:
@@ -421,7 +393,7 @@ class Transformer(nnx.Module):
     temb_BxD = None
     if cfg.time_conditioning:
       temb_BxD = jax.nn.silu(self.time_mlp(_time_features(t_B, cfg.d_model)))
-    layers = []
+    fresh = []
     for n, block in enumerate(self.blocks):
       if cfg.remat and cache is None:
         h_BxWxD, layer = _remat_block(block, h_BxWxD, temb_BxD, positions_BxW, valid_BxL,
@@ -430,10 +402,10 @@ class Transformer(nnx.Module):
         h_BxWxD, layer = block(h_BxWxD, temb_BxD, start,
                                None if cache is None else cache.layer(n), positions_BxW,
                                valid_BxL, visible_WxW)
-      layers.append(layer)
+      fresh.append(layer)
     if logits_for is not None:
       h_BxWxD = h_BxWxD[:, :logits_for]
-    return self.head(self.final_norm(h_BxWxD)).astype(jnp.float32), layers
+    return self.head(self.final_norm(h_BxWxD)).astype(jnp.float32), fresh
 
 
 @nnx.remat

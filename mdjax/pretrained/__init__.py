@@ -10,15 +10,14 @@ caches) and `diffusion_generate` (Dream's) sample it as the reference code does;
 """
 
 from mdjax.pretrained.chat_template import render_chat
-from mdjax.pretrained.complete import (REFERENCE_KNOBS, Completion, complete, encode_prompts,
-                                       sample_family)
+from mdjax.pretrained.complete import Completion, complete, encode_prompts, sample_family
 from mdjax.pretrained.samplers import diffusion_generate, generate
 from mdjax.pretrained.layouts import LAYOUTS, detect
 from mdjax.pretrained.lightning import read_ckpt
 from mdjax.pretrained.load import PretrainedModel, load, partition_spec, save
 from mdjax.pretrained.tensors import read_checkpoint, read_header, read_tensor, write_checkpoint
 
-__all__ = ["LAYOUTS", "REFERENCE_KNOBS", "Completion", "PretrainedModel", "complete", "detect",
+__all__ = ["LAYOUTS", "Completion", "PretrainedModel", "complete", "detect",
            "diffusion_generate", "encode_prompts", "generate", "load", "partition_spec",
            "read_checkpoint", "read_ckpt", "read_header", "read_tensor", "render_chat", "sample_family",
            "save", "write_checkpoint"]

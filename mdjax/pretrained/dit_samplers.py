@@ -13,38 +13,17 @@ tiny model from `dit.init_params`.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import numpy as np
 
 from mdjax import sampling
-from mdjax.models import dit
+from mdjax.checkpoints import bd3lm, mdlm
+from mdjax.checkpoints.dit import check_count as _check_count
+from mdjax.checkpoints.dit import sampled_config
+from mdjax.checkpoints.dit import sampled_parts as _parts  # noqa: F401  (its earlier home)
 from mdjax.pretrained.perplexity import perplexity  # noqa: F401  (one home for the three)
 
 Array = jax.Array
-
-
-def _parts(model) -> tuple[Any, Any, dit.DiTConfig]:
-  config = getattr(model, "config", None)
-  if not isinstance(config, dit.DiTConfig):
-    raise ValueError(f"model.config={config!r} must be a mdjax.models.dit.DiTConfig (a MDLM "
-                     "or BD3-LM checkpoint).")
-  apply_fn = getattr(model, "apply_fn", None) or dit.denoiser(config)
-  params = model.params
-  if not config.time_conditioning and apply_fn == dit.denoiser(config):
-    # Fold the adaLN terms once: the default denoiser folds them at every call, which a
-    # call skipped by a branch (the cache) keeps XLA from hoisting out of the loop.
-    apply_fn, params = dit.denoiser(config, folded=True), _fold(config, params)
-  return apply_fn, params, config
-
-
-_fold = jax.jit(dit.fold, static_argnums=0)
-
-
-def _check_count(name: str, value) -> None:
-  if not (isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1):
-    raise ValueError(f"{name}={value!r} must be an integer >= 1.")
 
 
 def mdlm_sample(model, *, num_samples: int, steps: int, key: Array, length: int | None = None,
@@ -56,26 +35,13 @@ def mdlm_sample(model, *, num_samples: int, steps: int, key: Array, length: int 
   model is time-conditioned, as MDLM) reuses the last call while the canvas is unchanged;
   `result.nfe` counts the calls made, `result.saved_calls` those reused or skipped.
   One compiled program."""
-  apply_fn, params, config = _parts(model)
+  config = sampled_config(model)
   _check_count("num_samples", num_samples)
-  _check_count("steps", steps)
   length = config.model_length if length is None else length
-  _check_count("length", length)
-  if length > config.model_length:
-    raise ValueError(f"length={length} is longer than the model's {config.model_length} "
-                     "positions: MDLM samples one window; for longer sequences use a BD3-LM "
-                     "checkpoint's blocks (bd3lm_sample), which slide past the training length.")
-  if config.block_size is not None:
-    raise ValueError(f"model.config.block_size={config.block_size}: a block-causal (BD3-LM) "
-                     "model samples block by block; use bd3lm_sample.")
-  if cache is None:
-    cache = not config.time_conditioning
-  if cache and config.time_conditioning:
-    raise ValueError("cache=True with a time-conditioned model: its logits depend on t, so a "
-                     "reused call would be wrong (MDLM turns the cache off there).")
-  spec = sampling.MDLMSpec(steps=steps, eps=eps, noise_removal=noise_removal, cache=cache)
+  plan = mdlm.plan(model, length=length, steps=steps, eps=eps, noise_removal=noise_removal,
+                   cache=cache)
   tokens_BxL = np.full((num_samples, length), config.mask_id, np.int32)
-  return sampling.sample(apply_fn, params, key, tokens_BxL, spec)
+  return sampling.sample(plan.denoiser, plan.params, key, tokens_BxL, plan.spec)
 
 
 def bd3lm_sample(model, *, num_samples: int, length: int, key: Array,
@@ -91,25 +57,13 @@ def bd3lm_sample(model, *, num_samples: int, length: int, key: Array,
   at it, as the reference's `x[:, 0] = BOS` (GPT-2's 50256 for the released checkpoints;
   None: every position generated). cached: the exact KV cache of finished blocks.
   Returns `sampling.BlocksResult` (tokens_BxT of `length` tokens, counters summed)."""
-  apply_fn, params, config = _parts(model)
+  config = sampled_config(model)
   _check_count("num_samples", num_samples)
   _check_count("length", length)
-  block = config.block_size
-  if block is None:
-    raise ValueError("model.config.block_size is None: a bidirectional (MDLM) model; sample it "
-                     "with mdlm_sample, or load a BD3-LM checkpoint.")
-  if length % block:
-    raise ValueError(f"length={length} must be a multiple of the model's block_size={block} "
-                     "(BD3-LM generates whole blocks).")
-  if first_hitting and config.time_conditioning:
-    raise ValueError("first_hitting=True with a time-conditioned model: the reference tells "
-                     "such a model the random hitting time, which the family's plan cannot; "
-                     "use first_hitting=False.")
-  if not first_hitting and steps_per_block is None:
-    steps_per_block = block
-  spec = sampling.BD3LMSpec(steps=steps_per_block, first_hitting=first_hitting,
-                            nucleus_p=nucleus_p)
-  window = config.model_length - block
+  plan = bd3lm.plan(model, length=length, steps_per_block=steps_per_block, nucleus_p=nucleus_p,
+                    first_hitting=first_hitting)
+  apply_fn, params, spec = plan.denoiser, plan.params, plan.spec
+  block, window = plan.blocks_of, plan.window
   keys = sampling.row_keys(key, num_samples)
   if bos_id is None:
     return sampling.sample_blocks(apply_fn, params, keys, np.zeros((num_samples, 0), np.int32),

@@ -1,5 +1,7 @@
 """Loading and saving Hugging Face folders of the published checkpoints (LLaDA, Dream, MDLM,
-BD3-LM), and reading torch / Lightning `.ckpt` files of MDLM and BD3-LM.
+BD3-LM, the Llama / Qwen2 judges), and reading torch / Lightning `.ckpt` files of MDLM and
+BD3-LM. What each family's folder holds is its file of `mdjax.checkpoints`; `load` returns
+the one `mdjax.model.Model`.
 
 `load` checks everything it can before it reads a weight: the folder, config.json, the
 family, every safetensors header against its file, the set of tensors and each one's shape and
@@ -30,15 +32,18 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mdjax import checkpoints
 from mdjax import files as files_lib
+from mdjax.checkpoints import base as family_base
+from mdjax.model import Model
 from mdjax.models.dit import DiTConfig
 from mdjax.models.published import DTYPES, PublishedConfig
-from mdjax.pretrained import layouts as layouts_lib
 from mdjax.pretrained import lightning
 from mdjax.pretrained import tensors as tensors_lib
+from mdjax.pretrained.record import PretrainedModel  # noqa: F401  (its earlier home)
+from mdjax.pretrained.record import TOKENIZER_FILE, published_model, tokenizer_failure
 
 CONFIG_FILE = "config.json"
-TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # Files beside the weights that `save` copies from the folder a model was loaded from.
@@ -47,49 +52,6 @@ SIDE_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json",
 # Checkpoint dtype codes that load as they are when no dtype is asked for.
 _NATIVE = {"F32": "float32", "BF16": "bfloat16"}
 _FLOATS = ("F64", "F32", "F16", "BF16")
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class PretrainedModel:
-  """A loaded checkpoint: the denoiser, its params and what came with them.
-
-  apply_fn: `mdjax.models.published.denoiser(config)` (LLaDA, Dream) or
-  `mdjax.models.dit.denoiser(config)` (MDLM, BD3-LM: config a DiTConfig, mask id V).
-  tokenizer: a `tokenizers.Tokenizer` (None without tokenizer.json). source: the folder it
-  was loaded from (save copies its tokenizer files). hf_config: config.json as read.
-  bytes_read: the tensor bytes read. buffers: {name: array} of the non-parameter tensors
-  the checkpoint stores (MDLM / BD3-LM's rotary table, BD3-LM's eps range), which `save`
-  writes back as read.
-  """
-
-  apply_fn: Any
-  params: dict
-  config: PublishedConfig | DiTConfig
-  family: str
-  tokenizer: Any = None
-  chat_template: str | None = None
-  source: str | None = None
-  hf_config: dict | None = None
-  bytes_read: int = 0
-  buffers: dict | None = None  # MDLM / BD3-LM: the stored non-parameter tensors, as read
-
-  @property
-  def mask_id(self) -> int:
-    if getattr(self.config, "causal", False):  # every diffusion entry point reads it first
-      raise ValueError(f"this {self.family!r} checkpoint is a causal LM: it has no mask id and "
-                       "is not sampled by the diffusion samplers; it scores samples "
-                       "(mdjax.evaluate.generative_perplexity).")
-    return self.config.mask_id
-
-  @property
-  def eos_id(self) -> int | None:
-    if isinstance(self.config, DiTConfig):  # GPT-2's 50256 where config.json names it
-      return layouts_lib._first_id(self.hf_config or {}, "eos_token_id", self.family)
-    return self.config.eos_id
-
-  @property
-  def vocab_size(self) -> int:
-    return self.config.vocab_size
 
 
 # ----------------------------------------------------------------------------
@@ -168,12 +130,6 @@ def _host(info: tensors_lib.TensorInfo, transpose: bool, dtype: np.dtype) -> np.
   return out
 
 
-def tokenizer_failure(e: BaseException) -> bool:
-  """Whether `e` is the tokenizers library refusing its input: an Exception, or the Rust
-  panic pyo3 raises as PanicException, which derives from BaseException only."""
-  return isinstance(e, Exception) or type(e).__name__ == "PanicException"
-
-
 def _load_tokenizer(folder: str):
   path = os.path.join(folder, TOKENIZER_FILE)
   if not files_lib.regular_file(path):
@@ -187,6 +143,28 @@ def _load_tokenizer(folder: str):
       raise
     raise ValueError(f"{path}: unreadable tokenizer ({type(e).__name__}: "
                      f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def check_tokenizer(tokenizer, config, raw: dict, path: str) -> None:
+  """Refuses a tokenizer.json that does not fit the checkpoint (another model's, which would
+  decode garbage): more ids than the logits have, or no token at an id the config names (mask,
+  EOS, EoT). MDLM / BD3-LM's mask id V lies outside their tokenizer (GPT-2's) by design."""
+  if tokenizer is None:
+    return
+  size = tokenizer.get_vocab_size(with_added_tokens=True)
+  if isinstance(config, DiTConfig):  # logits over V ids and the mask id V
+    rows = config.vocab_size + 1
+    named = {"EOS": family_base._first_id(raw, "eos_token_id", config.family)}
+  else:  # LLaDA's tokenizer is smaller than its embedding and holds the mask id
+    rows = config.vocab_size
+    named = {"mask": config.mask_id, "EOS": config.eos_id, "EoT": config.eot_id}
+  if size > rows:
+    raise ValueError(f"{path}: the tokenizer has {size} ids, more than the checkpoint's "
+                     f"vocabulary of {rows} (its logits): another model's tokenizer?")
+  for name, token_id in named.items():
+    if token_id is not None and tokenizer.id_to_token(token_id) is None:
+      raise ValueError(f"{path}: the tokenizer ({size} ids) has no token at the {name} id "
+                       f"{token_id} that config.json names: another model's tokenizer?")
 
 
 def _chat_template(folder: str) -> str | None:
@@ -247,7 +225,7 @@ def _raw_config(config, folder: str, where: str) -> dict:
   if isinstance(config, (str, os.PathLike)):
     return _read_json(os.fspath(config))
   if isinstance(config, (PublishedConfig, DiTConfig)):
-    return layouts_lib.LAYOUTS[config.family].config_to_hf(config)
+    return checkpoints.get(config.family).config_to_hf(config)
   raise ValueError(f"config= is a {type(config).__name__}: pass a PublishedConfig or DiTConfig, "
                    "a config.json dict or its path")
 
@@ -271,9 +249,10 @@ def _put(tree: dict, path: tuple[str, ...], value):
 
 
 def load(path: str, *, dtype: str | None = None, mesh: Mesh | None = None, config=None,
-         ema: bool = True) -> PretrainedModel:
-  """Loads a Hugging Face folder of a LLaDA, Dream, MDLM or BD3-LM checkpoint, or a torch /
-  PyTorch Lightning `.ckpt` (a file, or a folder holding one and no safetensors).
+         ema: bool = True) -> Model:
+  """Loads a Hugging Face folder of a published checkpoint (`mdjax.checkpoints.supported()`),
+  or a torch / PyTorch Lightning `.ckpt` (a file, or a folder holding one and no
+  safetensors), as a `mdjax.model.Model` (its family's denoiser, ids and reference sampler).
 
   dtype: None keeps the checkpoint's (BF16 -> "bfloat16", F32 -> "float32"); "float32" or
   "bfloat16" casts each tensor as it streams. mesh: shard the params over it (module
@@ -290,7 +269,7 @@ def load(path: str, *, dtype: str | None = None, mesh: Mesh | None = None, confi
   folder = src if ckpt is None else os.path.dirname(os.path.abspath(ckpt))
   raw = _raw_config(config, folder, ckpt or folder)
   where = os.path.join(folder, CONFIG_FILE) if config is None else ckpt or folder
-  layout = layouts_lib.detect(raw, where)
+  layout = checkpoints.detect(raw, where)
   if ckpt is None:
     infos = tensors_lib.read_checkpoint(folder)
   else:
@@ -300,14 +279,14 @@ def load(path: str, *, dtype: str | None = None, mesh: Mesh | None = None, confi
   # The tensor names come from the config alone, so a first config (any dtype) finds them.
   probe = layout.config_from_hf(raw, dtype or "float32")
   leaves = layout.leaves(probe, tied, **layout.leaf_options(raw))
-  n_layers = layouts_lib.depth(probe)
+  n_layers = family_base.depth(probe)
   # The depth is bounded by the tensors present before any per-layer name is built.
   held = _layers_held(leaves, infos)
   if n_layers > held:
     raise ValueError(f"{where}: {layout.depth_key}={n_layers} but the checkpoint holds tensors "
                      f"for {held} layers (missing tensor(s) of the others)")
   needed = list(dict.fromkeys(n for leaf in leaves for n in leaf.hf_names(n_layers)))
-  buffers = [n for n in layouts_lib.optional_buffers(layout) if n in infos]
+  buffers = [n for n in layout.optional_buffers if n in infos]
   missing = [n for n in needed if n not in infos]
   extra = sorted(set(infos) - set(needed) - set(buffers))
   if missing:
@@ -323,7 +302,7 @@ def load(path: str, *, dtype: str | None = None, mesh: Mesh | None = None, confi
   config = dataclasses.replace(
       probe, dtype=dtype or _checkpoint_dtype(infos, needed, leaves[0].hf, ckpt or folder))
   for leaf in leaves:
-    want = layouts_lib.hf_shape(config, leaf)
+    want = family_base.hf_shape(config, leaf)
     for n in leaf.hf_names(n_layers):
       if infos[n].shape != want:
         raise ValueError(f"{infos[n].path}: tensor {n!r} has shape {list(infos[n].shape)}, "
@@ -335,7 +314,7 @@ def load(path: str, *, dtype: str | None = None, mesh: Mesh | None = None, confi
 
   shardings = {}
   for key, stacked, shape, name in (
-      [(leaf.key, leaf.stacked, layouts_lib.leaf_shape(config, leaf), f"{leaf.key} ({leaf.hf})")
+      [(leaf.key, leaf.stacked, family_base.leaf_shape(config, leaf), f"{leaf.key} ({leaf.hf})")
        for leaf in leaves]
       + [(k, k.startswith("blocks/"), v.shape, k) for k, v in synthesized.items()]):
     if mesh is None:
@@ -346,6 +325,7 @@ def load(path: str, *, dtype: str | None = None, mesh: Mesh | None = None, confi
       layer_spec = PartitionSpec(*spec[1:]) if stacked else spec
       shardings[key] = (NamedSharding(mesh, spec), NamedSharding(mesh, layer_spec))
   tokenizer = _load_tokenizer(folder)
+  check_tokenizer(tokenizer, config, raw, os.path.join(folder, TOKENIZER_FILE))
   chat_template = _chat_template(folder)
 
   np_dtype = np.dtype(config.jnp_dtype)
@@ -357,7 +337,7 @@ def load(path: str, *, dtype: str | None = None, mesh: Mesh | None = None, confi
     if not leaf.stacked:
       value = jax.device_put(_host(infos[names[0]], leaf.transpose, np_dtype), sharding)
     else:
-      shape = layouts_lib.leaf_shape(config, leaf)
+      shape = family_base.leaf_shape(config, leaf)
       if sharding is None:
         value = jnp.zeros(shape, np_dtype)
         update = _set_layer(None)
@@ -372,14 +352,8 @@ def load(path: str, *, dtype: str | None = None, mesh: Mesh | None = None, confi
     _put(params, leaf.path, value)
   for key, value in synthesized.items():
     _put(params, tuple(key.split("/")), jax.device_put(value.astype(np_dtype), shardings[key][0]))
-  if isinstance(config, DiTConfig):
-    from mdjax.models import dit  # the model module loads only with a model
-    apply_fn = dit.denoiser(config)
-  else:
-    from mdjax.models import published
-    apply_fn = published.denoiser(config)
-  return PretrainedModel(apply_fn=apply_fn, params=params, config=config,
-                         family=layout.family, tokenizer=tokenizer, chat_template=chat_template,
+  return published_model(params=params, config=config, family=layout.family,
+                         tokenizer=tokenizer, chat_template=chat_template,
                          source=os.path.abspath(folder), hf_config=raw, bytes_read=bytes_read,
                          buffers=read_buffers or None)
 
@@ -460,9 +434,11 @@ def save(model_or_params, path: str, *, family: str | None = None,
   """Writes a Hugging Face folder (config.json, safetensors) that `load` and the published
   modeling code read; returns the files written.
 
-  model_or_params: a PretrainedModel (its tokenizer and chat template files come along), or
-  a params pytree with `config` (a PublishedConfig, or a DiTConfig for "mdlm" / "bd3lm":
-  their config.json and `backbone.*` tensors, the rotary buffer included). dtype: None keeps each leaf's dtype, else casts. With
+  model_or_params: a published `Model` (`load`'s; its tokenizer and chat template files
+  come along), or a params pytree with `config` (a PublishedConfig, or a DiTConfig for
+  "mdlm" / "bd3lm": their config.json and `backbone.*` tensors, the rotary buffer
+  included). family: the family written (default the model's, else config.family).
+  dtype: None keeps each leaf's dtype, else casts. With
   max_shard_bytes the weights are sharded (model-0000i-of-0000n.safetensors and
   model.safetensors.index.json). The head is always written as its own tensor (weight_tying /
   tie_word_embeddings false). Side files are copied only as regular files of the source
@@ -471,18 +447,21 @@ def save(model_or_params, path: str, *, family: str | None = None,
   temporary name and renamed, so a link planted in `path` is replaced, never written through.
   """
   _check_dtype(dtype)
-  model = model_or_params if isinstance(model_or_params, PretrainedModel) else None
+  model = model_or_params if isinstance(model_or_params, Model) else None
+  if model is not None and model.family not in checkpoints.FAMILIES:
+    raise ValueError(f"save: a {model.family!r} model is not a published checkpoint (families: "
+                     f"{', '.join(checkpoints.FAMILIES)})")
   params = model.params if model else model_or_params
   config = config or (model.config if model else None)
   if config is None:
     raise ValueError("save: a params pytree needs config= (a PublishedConfig or DiTConfig)")
-  family = family or config.family
-  if family not in layouts_lib.LAYOUTS:
+  family = family or (model.family if model else config.family)
+  if family not in checkpoints.FAMILIES:
     raise ValueError(f"save: unknown family {family!r} (supported: "
-                     f"{', '.join(layouts_lib.LAYOUTS)})")
-  if family != config.family:
+                     f"{', '.join(checkpoints.FAMILIES)})")
+  layout = checkpoints.FAMILIES[family]
+  if layout.network != getattr(config, "family", None):
     raise ValueError(f"save: family={family!r} but config.family={config.family!r}")
-  layout = layouts_lib.LAYOUTS[family]
   if not isinstance(config, layout.config_type):
     raise ValueError(f"save: family {family!r} needs a {layout.config_type.__name__}, got a "
                      f"{type(config).__name__}")
@@ -502,7 +481,7 @@ def save(model_or_params, path: str, *, family: str | None = None,
     raise ValueError(f"save: params do not match the {family} layout of the config: "
                      f"missing {missing}, extra {extra}")
   for leaf in leaves:
-    want, got = layouts_lib.leaf_shape(config, leaf), tuple(flat[leaf.key].shape)
+    want, got = family_base.leaf_shape(config, leaf), tuple(flat[leaf.key].shape)
     if got != want:
       raise ValueError(f"save: params leaf {leaf.key} has shape {list(got)}, expected "
                        f"{list(want)} for the config")
@@ -515,8 +494,8 @@ def save(model_or_params, path: str, *, family: str | None = None,
   for leaf in leaves:
     x = flat[leaf.key]
     out_dtype = np.dtype(jnp.dtype(dtype)) if dtype else np.dtype(x.dtype)
-    shape = layouts_lib.hf_shape(config, leaf)
-    for i, n in enumerate(leaf.hf_names(layouts_lib.depth(config))):
+    shape = family_base.hf_shape(config, leaf)
+    for i, n in enumerate(leaf.hf_names(family_base.depth(config))):
       fn = functools.partial(_to_host, x, i if leaf.stacked else None, leaf.transpose, out_dtype)
       tensors[n] = tensors_lib.Lazy(shape, out_dtype, fn)
   # The buffers the reference code reads strictly (MDLM / BD3-LM: the rotary table).
@@ -548,9 +527,7 @@ def save(model_or_params, path: str, *, family: str | None = None,
   base = dict(model.hf_config) if model and model.hf_config else {}
   if "auto_map" in base and not all(f in copied for f in modeling):
     del base["auto_map"]
-  if family == "llada" and isinstance(base.get("vocab_size"), int) and (
-      base["vocab_size"] <= config.vocab_size):
-    hf["vocab_size"] = base["vocab_size"]  # the tokenizer's size; embedding_size is the rows
+  hf = layout.saved_config(hf, base, config)  # the family's rules for the source's keys
   if "pad_token_id" in base:  # the params do not carry a pad id: the source's stands
     hf.pop("pad_token_id", None)
   base.update(hf)

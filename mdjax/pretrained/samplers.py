@@ -4,28 +4,31 @@
 `diffusion_generate` is Dream's `diffusion_generate` (`_sample`). Each call is one compiled
 program (`sampling.sample`); the arguments are checked before anything compiles.
 
-`model` is a loaded checkpoint (`mdjax.pretrained.load`) or anything with its fields:
-`apply_fn` (a `Denoiser`), `params`, `mask_id`, `eos_id` and `config.eot_id`. Its logits
-cover the checkpoint's vocabulary, the mask id inside it (its logit -inf).
+Both are the families' reference samplers (`mdjax.checkpoints.llada.plan`,
+`mdjax.checkpoints.dream.plan`: the spec and the denoiser a call samples) run on ids.
+
+`model` is a loaded checkpoint (`mdjax.pretrained.load`: a `mdjax.model.Model`) or anything
+with its fields: `apply_fn` (a `Denoiser`), `params`, `mask_id`, `eos_id` and `eot_id` (or
+`config.eot_id`). Its logits cover the checkpoint's vocabulary, the mask id inside it (its
+logit -inf).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mdjax import sampling
+from mdjax.checkpoints import dream as dream_family
+from mdjax.checkpoints import llada as llada_family
+from mdjax.checkpoints.base import check_choice as _check_choice  # noqa: F401  (complete.py's)
+from mdjax.checkpoints.base import check_int as _check_int
+from mdjax.checkpoints.base import check_number as _check_number  # noqa: F401
+from mdjax.checkpoints.llada import KV_CACHES, REMASKINGS  # noqa: F401  (their earlier home)
+from mdjax.checkpoints.prefix_cache import prefix_cache  # noqa: F401  (its earlier home)
 from mdjax.denoiser import Denoiser
-from mdjax.sampling.families import dream
 
 Array = jax.Array
-
-REMASKINGS = ("low_confidence", "random")
-KV_CACHES = ("none", "dual", "prefix")
 
 
 def generate(model, prompt_BxP, *, steps: int, gen_length: int, block_length: int,
@@ -57,7 +60,7 @@ def generate(model, prompt_BxP, *, steps: int, gen_length: int, block_length: in
     logits_eos_inf: the EOS logit is -inf (never proposed; confidence renormalised
       without it), as LLaDA sets it before the noise and the softmax.
     confidence_eos_eot_inf: as LLaDA's code does it: after x0 is drawn, the EoT logit
-      (`model.config.eot_id`) is -inf in the softmax the confidence reads, so an EoT
+      (`model.eot_id`) is -inf in the softmax the confidence reads, so an EoT
       proposal scores 0 (below every other proposal) and the other proposals'
       probabilities are renormalised without it. The same line sets EOS to -inf in the
       noised logits, which at temperature 0 are the logits themselves (the noise function
@@ -79,60 +82,14 @@ def generate(model, prompt_BxP, *, steps: int, gen_length: int, block_length: in
   """
   prompt_BxP = _prompt(model, prompt_BxP)
   batch, prompt_length = prompt_BxP.shape
-  _check_int(gen_length, "gen_length", 1)
-  _check_int(block_length, "block_length", 1)
-  _check_int(steps, "steps", 1)
-  if gen_length % block_length:
-    raise ValueError(f"gen_length={gen_length} must be a multiple of block_length="
-                     f"{block_length}.")
-  num_blocks = gen_length // block_length
-  if steps % num_blocks:
-    raise ValueError(f"steps={steps} must be a multiple of the number of blocks "
-                     f"gen_length / block_length = {num_blocks}: each block runs "
-                     "steps / num_blocks steps.")
-  _check_choice(remasking, "remasking", REMASKINGS)
-  _check_choice(kv_cache, "kv_cache", KV_CACHES)
-  _check_number(temperature, "temperature", "must be a finite number >= 0", lambda x: x >= 0)
-  _check_number(cfg_scale, "cfg_scale", "must be a finite number >= 0", lambda x: x >= 0)
-  if threshold is not None:
-    _check_number(threshold, "threshold", "must be None or lie in (0, 1]",
-                  lambda x: 0 < x <= 1)
-  if factor is not None:
-    _check_number(factor, "factor", "must be None or a finite number > 0", lambda x: x > 0)
-  if threshold is not None and factor is not None:
-    raise ValueError(f"threshold={threshold} and factor={factor}: set one (Fast-dLLM's factor "
-                     "rule replaces the threshold).")
-  for flag, name in ((logits_eos_inf, "logits_eos_inf"),
-                     (confidence_eos_eot_inf, "confidence_eos_eot_inf")):
-    if not isinstance(flag, bool):
-      raise ValueError(f"{name}={flag!r} must be True or False.")
-  eos_id, eot_id = model.eos_id, getattr(model.config, "eot_id", None)
-  if logits_eos_inf and eos_id is None:
-    raise ValueError("logits_eos_inf=True needs the model's EOS id; model.eos_id is None.")
-  if confidence_eos_eot_inf and eot_id is None:
-    raise ValueError("confidence_eos_eot_inf=True needs the model's EoT id; "
-                     "model.config.eot_id is None.")
+  plan = llada_family.plan(
+      model, prompt_length=prompt_length, gen_length=gen_length, steps=steps,
+      block_length=block_length, temperature=temperature, cfg_scale=cfg_scale,
+      remasking=remasking, logits_eos_inf=logits_eos_inf,
+      confidence_eos_eot_inf=confidence_eos_eot_inf, threshold=threshold, factor=factor,
+      kv_cache=kv_cache)
   valid_BxL = _valid(attention_mask, batch, prompt_length, gen_length)
-
-  adaptive = threshold is not None or factor is not None
-  per_block = block_length if adaptive else steps // num_blocks
-  spec = sampling.ConfidenceSpec(
-      steps=per_block * num_blocks, block_length=block_length, count_rule="even",
-      score="prob" if remasking == "low_confidence" else "random", temperature=float(temperature),
-      threshold=threshold, factor=factor,
-      banned_ids=(eos_id,) if logits_eos_inf else (),
-      score_excluded_ids=_excluded(confidence_eos_eot_inf, temperature, eos_id, eot_id),
-      kv_cache="none" if kv_cache == "none" else "dual")
-  denoiser = Denoiser.of(model.apply_fn)
-  if cfg_scale > 0:
-    denoiser = sampling.classifier_free(denoiser, float(cfg_scale), prompt_length=prompt_length,
-                                        mask_id=model.mask_id)
-  if kv_cache != "none" and not denoiser.offers_cache:
-    raise ValueError(f"kv_cache={kv_cache!r}: the model offers no cached contract "
-                     "(Denoiser.prefill and decode).")
-  if kv_cache == "prefix":
-    denoiser = prefix_cache(denoiser, prompt_length, block_length)
-  return _run(model, denoiser, prompt_BxP, gen_length, spec, valid_BxL, key)
+  return _run(model, plan.denoiser, prompt_BxP, gen_length, plan.spec, valid_BxL, key)
 
 
 def diffusion_generate(model, prompt_BxP, *, max_new_tokens: int, steps: int,
@@ -163,105 +120,14 @@ def diffusion_generate(model, prompt_BxP, *, max_new_tokens: int, steps: int,
   """
   prompt_BxP = _prompt(model, prompt_BxP)
   batch, prompt_length = prompt_BxP.shape
-  _check_int(max_new_tokens, "max_new_tokens", 1)
-  _check_int(steps, "steps", 1)
-  _check_choice(alg, "alg", dream.ALGS)
-  _check_number(eps, "eps", "must lie in [0, 1)", lambda x: 0 <= x < 1)
-  _check_number(temperature, "temperature", "must be a finite number >= 0", lambda x: x >= 0)
-  if alg_temp is not None:
-    _check_number(alg_temp, "alg_temp", "must be None or a finite number >= 0",
-                  lambda x: x >= 0)
-  if top_p is not None:
-    _check_number(top_p, "top_p", "must be None or lie in (0, 1]", lambda x: 0 < x <= 1)
-  if top_k is not None:
-    _check_int(top_k, "top_k", 1)
-  if not isinstance(per_row_count, bool):
-    raise ValueError(f"per_row_count={per_row_count!r} must be True or False.")
+  plan = dream_family.plan(model, max_new_tokens=max_new_tokens, steps=steps, eps=eps, alg=alg,
+                           alg_temp=alg_temp, temperature=temperature, top_p=top_p, top_k=top_k,
+                           per_row_count=per_row_count)
   valid_BxL = _valid(attention_mask, batch, prompt_length, max_new_tokens)
-  spec = sampling.DreamSpec(steps=steps, eps=float(eps), alg=alg, alg_temp=alg_temp,
-                            per_row_count=per_row_count, temperature=float(temperature),
-                            top_p=1.0 if top_p is None else float(top_p), top_k=top_k)
-  return _run(model, Denoiser.of(model.apply_fn), prompt_BxP, max_new_tokens, spec, valid_BxL,
-              key)
-
-
-def _excluded(confidence_eos_eot_inf: bool, temperature: float, eos_id, eot_id) -> tuple:
-  """The ids LLaDA's `confidence_eos_eot_inf` line leaves out of the confidence softmax:
-  EoT, and EOS where the noised logits it writes to are the logits (temperature 0)."""
-  if not confidence_eos_eot_inf:
-    return ()
-  return (eot_id,) + ((eos_id,) if temperature == 0 and eos_id is not None else ())
-
-
-# --- the prefix cache ---------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _PrefixPrefill:
-  inner: Denoiser
-
-  def __call__(self, params, tokens_BxL, t_B, valid_BxL=None):
-    logits_BxLxV, cache = self.inner.prefill(params, tokens_BxL, t_B, **_given(valid_BxL))
-    return logits_BxLxV, (cache, tokens_BxL)
-
-
-@dataclasses.dataclass(frozen=True)
-class _PrefixDecode:
-  """A window pass of the dual cache run as Fast-dLLM's prefix cache: the pass covers the
-  block and every position after it (fresh keys and values), attending to the cached
-  ones before the block. Its width, the length minus the block's start, is static only
-  per block, so the pass is a `lax.switch` over the blocks, one branch per width."""
-
-  inner: Denoiser
-  generation_start: int
-  block_length: int
-
-  def __call__(self, params, cache, tokens_BxW, start, t_B, valid_BxL=None):
-    inner_cache, canvas_BxL = cache
-    # The canvas as of the block's first step, with the block's current tokens: the
-    # positions after the block do not change while the block is decoded.
-    canvas_BxL = jax.lax.dynamic_update_slice_in_dim(canvas_BxL, tokens_BxW, start, axis=1)
-    length, width = canvas_BxL.shape[1], tokens_BxW.shape[1]
-    num_blocks = (length - self.generation_start) // self.block_length
-
-    def branch(block):
-      begin = self.generation_start + block * self.block_length
-
-      def run():
-        logits_BxRxV, _ = self.inner.decode(params, inner_cache, canvas_BxL[:, begin:], begin,
-                                            t_B, **_given(valid_BxL))
-        return logits_BxRxV[:, :width]
-
-      return run
-
-    block = (jnp.asarray(start, jnp.int32) - self.generation_start) // self.block_length
-    logits_BxWxV = jax.lax.switch(jnp.clip(block, 0, num_blocks - 1),
-                                  [branch(b) for b in range(num_blocks)])
-    return logits_BxWxV, cache
-
-
-def prefix_cache(denoiser, generation_start: int, block_length: int) -> Denoiser:
-  """A cached denoiser whose window passes follow Fast-dLLM's prefix cache (`_PrefixDecode`)
-  where `sampling.sample`'s dual cache makes window passes; the blocks are those of a
-  generation that starts at `generation_start` and runs to the canvas's end."""
-  inner = Denoiser.of(denoiser)
-  return Denoiser(_PrefixApply(inner), prefill=_PrefixPrefill(inner),
-                  decode=_PrefixDecode(inner, int(generation_start), int(block_length)))
-
-
-@dataclasses.dataclass(frozen=True)
-class _PrefixApply:
-  inner: Denoiser
-
-  def __call__(self, params, tokens_BxL, t_B, valid_BxL=None):
-    return self.inner(params, tokens_BxL, t_B, valid_BxL)
+  return _run(model, plan.denoiser, prompt_BxP, max_new_tokens, plan.spec, valid_BxL, key)
 
 
 # --- shared -------------------------------------------------------------------------------
-
-
-def _given(valid_BxL) -> dict:
-  return {} if valid_BxL is None else {"valid_BxL": valid_BxL}
 
 
 def _run(model, denoiser: Denoiser, prompt_BxP: np.ndarray, gen_length: int, spec,
@@ -299,19 +165,3 @@ def _valid(attention_mask, batch: int, prompt_length: int, gen_length: int):
   if not np.isin(mask, (0, 1)).all():
     raise ValueError("attention_mask must hold 1 (a real token) and 0 (padding) only.")
   return np.concatenate([mask.astype(bool), np.ones((batch, gen_length), bool)], axis=1)
-
-
-def _check_int(value, name: str, low: int):
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-    raise ValueError(f"{name}={value!r} must be an integer >= {low}.")
-
-
-def _check_choice(value, name: str, allowed):
-  if value not in allowed:
-    raise ValueError(f"{name}={value!r} is not supported; one of {allowed}.")
-
-
-def _check_number(value, name: str, rule: str, ok):
-  if (isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating))
-      or not math.isfinite(value) or not ok(value)):
-    raise ValueError(f"{name}={value!r} {rule}.")

@@ -12,7 +12,7 @@ unknown dtype; in a sharded checkpoint a tensor stored in two shards) is a Value
 file and, where there is one, the tensor. Only regular files are opened (a FIFO or a device
 named like a checkpoint file would block or never end), and every file is written by a rename
 of a new temporary file, so a symbolic link planted at its name is replaced, never written
-through.
+through; a save then removes the earlier save's weight files that it does not name.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from typing import Any, Callable, Iterable, Mapping
 
 import ml_dtypes
@@ -307,6 +308,27 @@ def plan_shards(sizes: Iterable[tuple[str, int]], max_shard_bytes: int) -> list[
   return shards
 
 
+# The names a save gives its weight files; `write_checkpoint` removes the previous save's.
+SHARD_NAME = re.compile(r"model-\d{5,}-of-\d{5,}\.safetensors")
+
+
+def stale_weight_files(folder: str, keep: Iterable[str]) -> list[str]:
+  """The weight files of an earlier save in `folder` that are not in `keep` (paths): regular
+  files and symbolic links named model.safetensors, model.safetensors.index.json or
+  model-XXXXX-of-YYYYY.safetensors; the index first. Nothing else of the folder is named."""
+  kept = {os.path.basename(p) for p in keep}
+  stale = []
+  with os.scandir(folder) as entries:
+    for entry in entries:
+      name = entry.name
+      if name in kept or not (name in (SINGLE_FILE, INDEX_FILE) or SHARD_NAME.fullmatch(name)):
+        continue
+      # A link is judged as a link (never followed); a folder or FIFO so named is not ours.
+      if entry.is_symlink() or entry.is_file(follow_symlinks=False):
+        stale.append(entry.path)
+  return sorted(stale, key=lambda p: (os.path.basename(p) != INDEX_FILE, p))
+
+
 def write_checkpoint(folder: str, tensors: Mapping[str, Any], *,
                      max_shard_bytes: int | None = None,
                      metadata: Mapping[str, str] | None = None) -> list[str]:
@@ -314,28 +336,28 @@ def write_checkpoint(folder: str, tensors: Mapping[str, Any], *,
 
   Shards are named model-0000i-of-0000n.safetensors, as Hugging Face names them; a checkpoint
   that fits one shard is written as model.safetensors. The index is written last, so a folder
-  whose index exists has all its shards. A stale file of the other form (an index beside a new
-  single file, or a single file beside a new index) is removed so the folder holds one
-  checkpoint.
+  whose index exists has all its shards. Once the new files are in place, the weight files of
+  an earlier save that the new one does not name (`stale_weight_files`: its index first, then
+  its shards or single file) are removed, so the folder holds one checkpoint; a symbolic link
+  so named is unlinked, never followed.
   """
   os.makedirs(folder, exist_ok=True)
   names = sorted(tensors)
   shards = ([names] if max_shard_bytes is None
             else plan_shards(((n, _nbytes(tensors[n])) for n in names), max_shard_bytes))
-  single, index = os.path.join(folder, SINGLE_FILE), os.path.join(folder, INDEX_FILE)
   if len(shards) <= 1:
-    write_file(single, tensors, metadata)
-    if os.path.exists(index):
-      os.remove(index)
-    return [single]
-  paths, weight_map = [], {}
-  for i, group in enumerate(shards):
-    name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-    write_file(os.path.join(folder, name), {n: tensors[n] for n in group}, metadata)
-    paths.append(os.path.join(folder, name))
-    weight_map.update({n: name for n in group})
-  total = sum(_nbytes(tensors[n]) for n in names)
-  write_json(index, {"metadata": {"total_size": total}, "weight_map": weight_map})
-  if os.path.exists(single):
-    os.remove(single)
-  return paths + [index]
+    paths = [os.path.join(folder, SINGLE_FILE)]
+    write_file(paths[0], tensors, metadata)
+  else:
+    paths, weight_map = [], {}
+    for i, group in enumerate(shards):
+      name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+      write_file(os.path.join(folder, name), {n: tensors[n] for n in group}, metadata)
+      paths.append(os.path.join(folder, name))
+      weight_map.update({n: name for n in group})
+    total = sum(_nbytes(tensors[n]) for n in names)
+    paths.append(os.path.join(folder, INDEX_FILE))
+    write_json(paths[-1], {"metadata": {"total_size": total}, "weight_map": weight_map})
+  for stale in stale_weight_files(folder, paths):
+    os.remove(stale)  # on a link: the link itself
+  return paths

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import sys
 import threading
@@ -24,8 +23,8 @@ import ml_collections
 import orbax.checkpoint as ocp
 from absl import logging
 
+from mdjax import model as model_lib
 from mdjax import tasks
-from mdjax.denoiser import Denoiser
 from mdjax.tasks import sft as sft_data
 from mdjax.train.state import TrainState, init_state, make_mesh
 from mdjax.train.workdir import refuse_link
@@ -379,27 +378,8 @@ def restore_data(manager: ocp.CheckpointManager, step: int, source, log=print) -
   source.restore(step, state)
 
 
-@dataclasses.dataclass(frozen=True)
-class Model:
-  """A trained denoiser loaded from a workdir (`mdjax.load`).
-
-  `apply_fn` is the model's `Denoiser` value (callable as the denoiser contract
-  `apply_fn(params, tokens_BxL, t_B) -> logits_BxLxV`, with its cached passes); `params`
-  are the EMA parameters when the run kept them. `task` is rebuilt from the saved config and
-  tokenizer (no corpus file needed: a text task without its corpus samples and decodes, but
-  has no training data). `tokenizer` is the task's (None for synthetic tasks).
-  """
-
-  config: ml_collections.ConfigDict
-  apply_fn: Denoiser
-  params: Any
-  task: tasks.Task
-  step: int
-  workdir: str
-
-  @property
-  def tokenizer(self):
-    return self.task.tokenizer
+# The record `load` returns (`mdjax.Model`); the name stays here one release.
+Model = model_lib.Model
 
 
 def _warn(message: str) -> None:
@@ -430,7 +410,9 @@ def _check_inputs(workdir: str, step: int, config) -> None:
 
 
 def load(workdir: str, step: int | None = None, log: Callable[[str], None] = _warn) -> Model:
-  """The trained model of a workdir: its newest readable checkpoint, or `step`.
+  """The trained model of a workdir (a `mdjax.Model`, family "mdjax", its `task` and
+  `config` the saved ones, its default sampler `config.sampler`): its newest readable
+  checkpoint, or `step`.
 
   Reads only (a read-only workdir is fine); an unreadable newest checkpoint is reported in
   one line through `log` and the previous one is used. Orbax's own warnings are silenced.
@@ -463,8 +445,12 @@ def load(workdir: str, step: int | None = None, log: Callable[[str], None] = _wa
                      + (f" at step {step}." if step is not None else "."))
   step, _, _, state = found
   params = state.ema_params if state.ema_params is not None else state.params
-  return Model(config=built["config"], apply_fn=built["apply_fn"], params=params,
-               task=built["task"], step=step, workdir=workdir)
+  config = built["config"]
+  settings = {k: v for k, v in config.sampler.to_dict().items() if k != "family"}
+  sampler = model_lib.ConfiguredSampler(config.sampler.family, tuple(sorted(settings.items())),
+                                        eos_id=built["task"].eos_id)
+  return model_lib.task_model(built["task"], built["apply_fn"], params, sampler=sampler,
+                              config=config, step=step, source=workdir)
 
 
 def load_for_sampling(workdir: str, step: int | None = None):

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from mdjax import sampling, tasks
+from mdjax.train import objectives
 
 
 # ----------------------------------------------------------------------------
@@ -45,7 +46,8 @@ CONFIG_RANGES = (
     ("block_nelbo.t_min", _number(lambda v: 0 <= v < 1, "in [0, 1)")),
     ("block_nelbo.t_max", _number(lambda v: 0 < v <= 1, "in (0, 1]")),
 )
-OBJECTIVES = ("nelbo", "mlm", "causal", "sft")
+# The objectives' names, live: those registered on import (`objectives.register`) join it.
+OBJECTIVES = objectives.OBJECTIVES.keys()
 
 
 _ABSENT = object()
@@ -83,7 +85,7 @@ def check_config(config) -> None:
   if steps is not _ABSENT and steps is not None and not _integer(1)[0](steps):
     refuse("sampler.steps", steps, "must be an integer >= 1 (or None for families without)")
   if config.objective not in OBJECTIVES:
-    refuse("objective", config.objective, f"must be one of {OBJECTIVES}")
+    refuse("objective", config.objective, f"must be one of {tuple(OBJECTIVES)}")
   task = _field(config, "task")
   if task is not _ABSENT:
     if task not in tasks.TASKS:

@@ -23,6 +23,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mdjax.mesh import ordered_devices  # noqa: F401  (its home is mdjax.mesh)
+
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
@@ -135,13 +137,6 @@ def is_multiprocess() -> bool:
 # ----------------------------------------------------------------------------
 # The global batch.
 # ----------------------------------------------------------------------------
-
-
-def ordered_devices(num_devices: int | None = None) -> list:
-  """Every process's devices, process 0's first: process p holds the p-th contiguous slice
-  of the mesh, hence of the batch (one process: `jax.devices()` as it is)."""
-  devices = sorted(jax.devices(), key=lambda d: d.process_index)  # stable: ids kept in order
-  return devices[:num_devices] if num_devices else devices
 
 
 def check_batch_split(batch_size: int, mesh: Mesh) -> str | None:

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
-import numpy as np
 import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mdjax import diffusion, models, streams, tasks
-from mdjax.train import distributed
+from mdjax.mesh import auto_axes, make_mesh, param_sharding  # noqa: F401  (train's names too)
+from mdjax.train import objectives
 from mdjax.train.config_checks import ConfigError
+from mdjax.train.objectives import block_nelbo_options, masking_schedule  # noqa: F401  (train's names too)
 
 Array = jax.Array
 
@@ -44,13 +43,6 @@ def model_config(config, task: tasks.Task) -> models.TransformerConfig:
                                   **config.model.to_dict())
 
 
-def block_nelbo_options(config) -> dict:
-  """t_min, t_max and antithetic of the block NELBO (config.block_nelbo, defaults if absent)."""
-  options = dict(t_min=1e-5, t_max=1.0, antithetic=True)
-  options.update(config.get("block_nelbo", ml_collections.ConfigDict()).to_dict())
-  return options
-
-
 def learning_rate_schedule(cfg) -> optax.Schedule:
   """Linear warmup then cosine decay to `lr_floor * lr`: the rate of update i (from 0)."""
   return optax.warmup_cosine_decay_schedule(
@@ -66,53 +58,9 @@ def make_optimizer(cfg) -> optax.GradientTransformation:
                   weight_decay=cfg.weight_decay))
 
 
-def masking_schedule(config) -> diffusion.Schedule:
-  """The configured masking schedule, e.g. schedule='polynomial', schedule_kwargs.power=3."""
-  kwargs = config.get("schedule_kwargs", ml_collections.ConfigDict()).to_dict()
-  return diffusion.get_schedule(config.schedule, **kwargs)
-
-
 def make_loss_fn(config, apply_fn, task: tasks.Task) -> Callable:
-  """loss_fn(params, key, x_BxL) -> (loss, aux) for the configured objective."""
-  if config.objective == "sft":  # the response-only NELBO of the sft task's packed rows
-    from mdjax.train import sft
-    return sft.loss_fn(config, apply_fn, task)
-  if config.objective == "nelbo" and config.model.get("block_size") is not None:
-    return functools.partial(diffusion.block_nelbo_loss, apply_fn, schedule=masking_schedule(config),
-                             mask_id=task.mask_id, block_size=config.model.block_size,
-                             **block_nelbo_options(config))
-  if config.objective == "nelbo":
-    return functools.partial(diffusion.nelbo_loss, apply_fn, schedule=masking_schedule(config),
-                             mask_id=task.mask_id)
-  if config.objective == "causal":
-    if not config.model.causal:
-      raise ValueError("objective='causal' needs model.causal=True (a left-to-right model).")
-    return functools.partial(diffusion.causal_lm_loss, apply_fn, start_id=task.mask_id)
-  if config.objective == "mlm":
-    corruption = diffusion.MlmCorruption(**config.get("mlm", ml_collections.ConfigDict()).to_dict())
-    return functools.partial(diffusion.mlm_loss, apply_fn, vocab_size=task.vocab_size,
-                             mask_id=task.mask_id, corruption=corruption)
-  raise ValueError(f"objective={config.objective!r} must be 'nelbo', 'mlm' or 'causal'.")
-
-
-def make_mesh(num_devices: int | None = None) -> Mesh:
-  """A 1-D mesh with the batch axis 'data' over every process's devices, process by process
-  (`distributed.ordered_devices`: one process's devices hold one slice of the batch)."""
-  return Mesh(np.array(distributed.ordered_devices(num_devices)), ("data",))
-
-
-def param_sharding(mesh: Mesh, params, fsdp: bool):
-  """Replicated parameters, or (FSDP) each split on its first divisible axis."""
-  size = mesh.shape["data"]
-
-  def spec(x):
-    if fsdp:
-      for axis, dim in enumerate(x.shape):
-        if dim % size == 0 and dim >= size:
-          return NamedSharding(mesh, PartitionSpec(*([None] * axis + ["data"])))
-    return NamedSharding(mesh, PartitionSpec())
-
-  return jax.tree.map(spec, params)
+  """loss_fn(params, key, x_BxL) -> (loss, aux) of the configured objective (`objectives`)."""
+  return objectives.get(config.objective).loss_fn(config, apply_fn, task)
 
 
 # ----------------------------------------------------------------------------
@@ -182,11 +130,12 @@ def train_step(state: TrainState, x_BxL: Array, *, loss_fn, optimizer, ema_decay
 
 
 def init_state(config, mesh: Mesh, task: tasks.Task):
-  """Fresh state, sharded on the mesh; returns (state, graphdef, apply_fn, shardings). With
-  `train.init_from` the model and parameters are the start point's (`sft.start_model`)."""
-  if config.train.get("init_from"):
-    from mdjax.train import sft
-    graphdef, params, apply_fn = sft.start_model(config, task)
+  """Fresh state, sharded on the mesh; returns (state, graphdef, apply_fn, shardings). The
+  model and parameters are the objective's start model where it has one (SFT with
+  `train.init_from`: the start point's), else a fresh model."""
+  start = objectives.start_model(config, task)
+  if start is not None:
+    graphdef, params, apply_fn = start
   else:
     graphdef, params, apply_fn = models.init(model_config(config, task), seed=config.seed)
     params = nnx.to_pure_dict(params)
@@ -201,7 +150,9 @@ def init_state(config, mesh: Mesh, task: tasks.Task):
 
 
 def state_sharding(mesh: Mesh, state: TrainState, fsdp: bool):
-  replicated = NamedSharding(mesh, PartitionSpec())
+  """The sharding of every leaf of the state: the parameters by `param_sharding` (the FSDP
+  rule of `mdjax.mesh`), their optimizer moments alike, the rest replicated."""
+  replicated = NamedSharding(auto_axes(mesh), PartitionSpec())
   by_shape = {}
   for leaf, sh in zip(jax.tree.leaves(state.params),
                       jax.tree.leaves(param_sharding(mesh, state.params, fsdp))):

@@ -1,7 +1,7 @@
 """Parity of `mdjax.models.dit` with the published MDLM / BD3-LM code on tiny random checkpoints
 in the published layouts.
 
-The fixtures (tests/fixtures/dit/) come from experiments/dit_reference.py: mdlm/ and mdlm_time/
+The fixtures (tests/fixtures/dit/) come from tests/reference/dit.py: mdlm/ and mdlm_time/
 in kuleshov-group/mdlm-owt's layout (time_conditioning false / true), bd3lm/ in
 kuleshov-group/bd3lm-owt-block_size*'s (block_size 4), every adaLN weight and bias random and
 nonzero; the raw float32 logits over V + 1 ids of bd3lms' Hugging Face `BD3LM` (MDLM: with

@@ -148,12 +148,14 @@ def test_generate_rules_on_a_stub():
   plain = np.asarray(gen.generate(model, PROMPT, steps=8, gen_length=G, block_length=4))
   assert plain.shape == (2, P + G) and (plain != V).all()
   np.testing.assert_array_equal(plain[:, :P], PROMPT)
-  # cfg_scale 0 is no guidance; guidance changes the logits.
+  # cfg_scale 0 is no guidance; guidance changes the logits, and so the tokens (the stub's
+  # logits read the prompt, so masking it in the unconditional rows moves them).
   np.testing.assert_array_equal(
       gen.generate(model, PROMPT, steps=8, gen_length=G, block_length=4, cfg_scale=0.0), plain)
   guided = np.asarray(gen.generate(model, PROMPT, steps=8, gen_length=G, block_length=4,
                                    cfg_scale=2.0))
   assert (guided != V).all() and (guided[:, :P] == PROMPT).all()
+  assert (guided[:, P:] != plain[:, P:]).any()
   # EOS is never written with logits_eos_inf.
   banned = np.asarray(gen.generate(model, PROMPT, steps=4, gen_length=G, block_length=4,
                                    logits_eos_inf=True, confidence_eos_eot_inf=True,
@@ -166,6 +168,28 @@ def test_generate_rules_on_a_stub():
   factor = dict(steps=8, gen_length=G, block_length=4, factor=1.0)
   np.testing.assert_array_equal(gen.generate(cached, PROMPT, kv_cache="dual", **factor),
                                 gen.generate(model, PROMPT, **factor))
+
+
+@pytest.mark.parametrize("cfg_scale", [0.5, 2.0])
+def test_guidance_is_llada_rule_on_the_models_logits(cfg_scale):
+  """One step commits every position of one block at its argmax: the tokens are the argmax of
+  un + (s + 1)(cond - un), computed here from the stub's logits of the canvas (cond) and of
+  the canvas with its prompt masked (un), and differ from the unguided argmax."""
+  model = stub_model()
+  canvas = np.concatenate([PROMPT, np.full((2, G), V, np.int32)], 1)
+  unconditional = np.where(np.arange(P + G) < P, V, canvas)
+  cond = stubs.stub_logits_np(model.params, canvas)[:, P:]
+  un = stubs.stub_logits_np(model.params, unconditional)[:, P:]
+  expect = (un + (cfg_scale + 1) * (cond - un)).argmax(-1)
+  # The case tells the rule apart from no guidance and from un + s (cond - un).
+  assert (expect != cond.argmax(-1)).any()
+  assert (expect != (un + cfg_scale * (cond - un)).argmax(-1)).any()
+  one_step = dict(steps=1, gen_length=G, block_length=G)
+  guided = np.asarray(gen.generate(model, PROMPT, cfg_scale=cfg_scale, **one_step))
+  np.testing.assert_array_equal(guided[:, :P], PROMPT)
+  np.testing.assert_array_equal(guided[:, P:], expect)
+  unguided = np.asarray(gen.generate(model, PROMPT, **one_step))
+  np.testing.assert_array_equal(unguided[:, P:], cond.argmax(-1))
 
 
 def test_diffusion_generate_on_a_stub():

@@ -2,8 +2,10 @@
 every bad input as a ValueError naming it."""
 
 import dataclasses
+import importlib
 import json
 import os
+import shutil
 
 import jax
 import ml_dtypes
@@ -13,7 +15,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mdjax import pretrained
 from mdjax.models import published
+from mdjax.models.dit import DiTConfig
 from mdjax.pretrained import layouts, tensors
+from tests.paths import REPO
+
+# The module (the package's `load` attribute is the function).
+load_lib = importlib.import_module("mdjax.pretrained.load")
+FIXTURES = os.path.join(REPO, "tests", "fixtures")
 
 TINY = dict(vocab_size=64, d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
             mlp_hidden=24, rope_theta=10000.0, max_len=128)
@@ -276,8 +284,9 @@ def test_tied_head(saved):
 def test_tokenizer_and_chat_template(saved, tmp_path):
   tokenizers = pytest.importorskip("tokenizers")
   folder, _, _ = saved("llada")
-  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1, "[UNK]": 2},
-                                                         unk_token="[UNK]"))
+  # 64 ids, as many as the tiny config's vocabulary: it holds the mask (63) and EOS (1) ids.
+  vocab = {"a": 0, "b": 1, "[UNK]": 2, **{f"<{i}>": i for i in range(3, 64)}}
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
   tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
   tok.save(os.path.join(folder, "tokenizer.json"))
   template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -442,3 +451,131 @@ def test_bad_save_inputs(tmp_path):
   with pytest.raises(ValueError, match="unsupported dtype 'int8'"):
     pretrained.save(params, tmp_path, config=config, dtype="int8")
   assert not os.listdir(tmp_path)
+
+
+# --- a tokenizer.json that does not fit the checkpoint -------------------------------------
+
+
+class SizedTokenizer:
+  """What the check asks of a tokenizer: its size and which ids hold a token."""
+
+  def __init__(self, size, holes=()):
+    self.size, self.holes = size, set(holes)
+
+  def get_vocab_size(self, with_added_tokens=True):
+    return self.size
+
+  def id_to_token(self, token_id):
+    return None if token_id >= self.size or token_id in self.holes else f"<{token_id}>"
+
+
+def test_published_tokenizers_fit_their_checkpoints():
+  """The rule holds for every published layout: LLaDA's tokenizer (126349 ids) is smaller
+  than its embedding and holds the mask id; Dream's holds 151666; MDLM / BD3-LM's GPT-2
+  tokenizer has 50257 ids and the mask id V = 50257 lies outside it."""
+  check = load_lib.check_tokenizer
+  llada = layouts.detect(LLADA_8B_INSTRUCT, "x").config_from_hf(LLADA_8B_INSTRUCT, "bfloat16")
+  dream = layouts.detect(DREAM_7B, "x").config_from_hf(DREAM_7B, "bfloat16")
+  check(SizedTokenizer(126349), llada, LLADA_8B_INSTRUCT, "llada/tokenizer.json")
+  check(SizedTokenizer(151667), dream, DREAM_7B, "dream/tokenizer.json")
+  for family, block_size in (("mdlm", None), ("bd3lm", 16)):
+    owt = DiTConfig(family=family, vocab_size=50257, hidden_dim=768, cond_dim=128, n_blocks=12,
+                    n_heads=12, model_length=1024, block_size=block_size)
+    check(SizedTokenizer(50257), owt, {"eos_token_id": 50256}, "owt/tokenizer.json")
+    with pytest.raises(ValueError, match=r"owt/tokenizer.json: the tokenizer has 50259 ids, "
+                                         r"more than the checkpoint's vocabulary of 50258"):
+      check(SizedTokenizer(50259), owt, {}, "owt/tokenizer.json")
+  with pytest.raises(ValueError, match=r"\(126336 ids\) has no token at the mask id 126336"):
+    check(SizedTokenizer(126336), llada, LLADA_8B_INSTRUCT, "llada/tokenizer.json")
+  with pytest.raises(ValueError, match=r"has no token at the EOS id 151643"):
+    check(SizedTokenizer(151667, holes=[151643]), dream, DREAM_7B, "dream/tokenizer.json")
+
+
+def word_tokenizer(ids):
+  tokenizers = pytest.importorskip("tokenizers")
+  ids = list(ids)
+  return tokenizers.Tokenizer(tokenizers.models.WordLevel({f"<{i}>": i for i in ids},
+                                                          unk_token=f"<{ids[0]}>"))
+
+
+@pytest.mark.parametrize("tokenizer, match", [
+    pytest.param("qwen2", r"the tokenizer \(300 ids\) has no token at the mask id 300",
+                 id="another-models"),
+    pytest.param(range(400), r"the tokenizer has 400 ids, more than the checkpoint's "
+                 r"vocabulary of 320", id="too-large"),
+    pytest.param([i for i in range(320) if i != 290],
+                 r"the tokenizer \(319 ids\) has no token at the EOS id 290", id="no-eos"),
+    pytest.param([i for i in range(320) if i != 310],
+                 r"the tokenizer \(319 ids\) has no token at the EoT id 310", id="no-eot"),
+])
+def test_a_tokenizer_that_does_not_fit_is_refused(tmp_path, monkeypatch, tokenizer, match):
+  """Another model's tokenizer.json (the Qwen2 judge's 300 ids for LLaDA's 320) would decode
+  garbage: refused before any weight is read."""
+  folder = shutil.copytree(os.path.join(FIXTURES, "pretrained", "llada"), tmp_path / "llada")
+  if tokenizer == "qwen2":
+    shutil.copy(os.path.join(FIXTURES, "judge", "qwen2", "tokenizer.json"), folder)
+  else:
+    word_tokenizer(tokenizer).save(str(folder / "tokenizer.json"))
+
+  def no_weight(info):
+    raise AssertionError(f"tensor {info.name} was read")
+  monkeypatch.setattr(tensors, "read_tensor", no_weight)
+  with pytest.raises(ValueError, match=r"llada/tokenizer\.json: " + match):
+    pretrained.load(folder)
+
+
+def test_mdlm_mask_id_lies_outside_its_tokenizer(tmp_path):
+  folder = shutil.copytree(os.path.join(FIXTURES, "dit", "mdlm"), tmp_path / "mdlm")
+  word_tokenizer(range(40)).save(str(folder / "tokenizer.json"))  # V = 40 ids, mask id 40
+  model = pretrained.load(folder)
+  assert model.mask_id == 40 and model.tokenizer.id_to_token(40) is None
+  word_tokenizer(range(42)).save(str(folder / "tokenizer.json"))
+  with pytest.raises(ValueError, match=r"mdlm/tokenizer\.json: the tokenizer has 42 ids, more "
+                                       r"than the checkpoint's vocabulary of 41"):
+    pretrained.load(folder)
+
+
+# --- save into a folder that held a save --------------------------------------------------
+
+
+def weight_files(folder):
+  return sorted(f for f in os.listdir(folder) if f.startswith("model"))
+
+
+def test_save_removes_the_previous_saves_weight_files(saved):
+  folder, config, params = saved("llada", max_shard_bytes=4096)
+  sharded = weight_files(folder)
+  assert len(sharded) > 3 and "model.safetensors.index.json" in sharded
+  keep = ["notes.txt", "model-00001-of-00002.safetensors.bak", "model-1-of-2.safetensors"]
+  for name in keep:
+    with open(os.path.join(folder, name), "w") as f:
+      f.write("mine")
+  pretrained.save(params, folder, config=config)  # one file: the shards and index go
+  assert weight_files(folder) == sorted(["model.safetensors"] + keep[1:])
+  assert_same(params, pretrained.load(folder).params)
+  pretrained.save(params, folder, config=config, max_shard_bytes=4096)  # and back
+  assert weight_files(folder) == sorted(sharded + keep[1:])
+  assert_same(params, pretrained.load(folder).params)
+  pretrained.save(params, folder, config=config, max_shard_bytes=8192)  # fewer shards
+  shards = [f for f in os.listdir(folder) if tensors.SHARD_NAME.fullmatch(f)]
+  assert 1 < len(shards) < len(sharded) - 1
+  assert all(s.endswith(f"-of-{len(shards):05d}.safetensors") for s in shards)
+  assert_same(params, pretrained.load(folder).params)
+  assert set(keep) <= set(os.listdir(folder))
+
+
+def test_save_unlinks_a_link_named_like_a_shard_and_never_follows_it(saved, tmp_path):
+  folder, config, params = saved("llada", max_shard_bytes=4096)
+  victim = tmp_path / "victim.safetensors"
+  victim.write_bytes(b"victim")
+  for name in ("model-00001-of-00099.safetensors", "model.safetensors"):
+    os.symlink(victim, os.path.join(folder, name))
+  os.symlink(tmp_path / "gone", os.path.join(folder, "model-00002-of-00099.safetensors"))
+  os.mkdir(os.path.join(folder, "model-00003-of-00099.safetensors"))  # not a file: not ours
+  os.mkfifo(os.path.join(folder, "model-00004-of-00099.safetensors"))
+  pretrained.save(params, folder, config=config, max_shard_bytes=4096)
+  assert victim.read_bytes() == b"victim"
+  left = [f for f in weight_files(folder) if "-of-00099" in f]
+  assert left == ["model-00003-of-00099.safetensors", "model-00004-of-00099.safetensors"]
+  assert not any(os.path.islink(os.path.join(folder, f)) for f in os.listdir(folder))
+  assert_same(params, pretrained.load(folder).params)

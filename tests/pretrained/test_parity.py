@@ -1,6 +1,6 @@
 """Parity with the published code on tiny random checkpoints in the published layouts.
 
-The fixtures (tests/fixtures/pretrained/) come from experiments/pretrained_reference.py: the
+The fixtures (tests/fixtures/pretrained/) come from tests/reference/pretrained.py: the
 checkpoints, the transformers reference logits (LLaDA as a bidirectional Llama, Dream as a
 bidirectional Qwen2 with its logit shift) and the token outputs of the published sampling
 loops (LLaDA generate.py, Fast-dLLM's generate / prefix / dual cache loops, Dream's `_sample`)

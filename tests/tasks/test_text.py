@@ -14,6 +14,7 @@ import pytest
 from mdjax import diffusion, likelihood, tasks, train
 from mdjax.tasks import text, two_color
 from tests.paths import REPO as ROOT
+from tests.scripts import load_script
 from tests.text_fixtures import tiny_config, write_corpus as _write_corpus
 
 # ----------------------------------------------------------------------------
@@ -224,7 +225,7 @@ def test_sample_cli_errors(trained, sample_cli):
 
 
 def test_text_quality_experiment_schema(trained, tmp_path, monkeypatch):
-  from experiments import text_quality as tq
+  tq = load_script("text_quality")
   root, corpus = trained
   monkeypatch.setattr(tq.shakespeare_char, "get_config", lambda: tiny_config(corpus))
   monkeypatch.setattr(tq.shakespeare_causal, "get_config", lambda: tiny_config(corpus, True))
@@ -289,7 +290,7 @@ def test_text_path_override_any_character_and_sampling_without_the_corpus(
 
 
 def test_kv_cache_quality_experiment_schema(trained, tmp_path, monkeypatch):
-  from experiments import kv_cache_quality as kq
+  kq = load_script("kv_cache_quality")
   from mdjax import models, tasks
 
   root, corpus = trained
@@ -318,7 +319,7 @@ def test_kv_cache_quality_experiment_schema(trained, tmp_path, monkeypatch):
 
 def test_block_diffusion_experiment_schema(trained, tmp_path, monkeypatch):
   """experiments/block_diffusion.py on tiny models: results/block_diffusion.json's keys."""
-  from experiments import block_diffusion as bd
+  bd = load_script("block_diffusion")
   _, corpus = trained
 
   def block_config():

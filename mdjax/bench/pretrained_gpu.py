@@ -1,6 +1,6 @@
 """The published-checkpoint checks that need an accelerator, as one short script.
 
-  python experiments/pretrained_gpu.py [--out=/tmp/pretrained_gpu.json]
+  python -m mdjax.bench.pretrained_gpu [--out=/tmp/pretrained_gpu.json]
 
 1. bfloat16 against float32 on the tiny LLaDA and Dream fixtures (tests/fixtures/pretrained):
    the fraction of positions whose top-1 id agrees, and the largest logit difference.
@@ -16,21 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import sys
-import time
-
-if __package__ in (None, ""):
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import numpy as np
 
 from mdjax import pretrained
+from mdjax.bench import timing
 from mdjax.models import published
 
-FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "tests", "fixtures", "pretrained")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "pretrained")  # run from a checkout
 
 
 def dtype_agreement() -> list[dict]:
@@ -65,13 +60,7 @@ def one_billion(repeats: int = 3) -> list[dict]:
   for kv_cache in ("none", "dual"):
     run = lambda: jax.block_until_ready(pretrained.generate(
         model, prompt_BxP, steps=256, gen_length=256, block_length=32, kv_cache=kv_cache))
-    run()
-    times = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      run()
-      times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
+    seconds, _ = timing.median_run(run, repeats)
     rows.append(dict(params=published.num_params(config), kv_cache=kv_cache, batch=8,
                      prompt_len=128, gen_length=256, steps=256, block_length=32,
                      time_s=round(seconds, 3), tokens_per_s=round(8 * 256 / seconds, 1)))

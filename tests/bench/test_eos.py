@@ -1,11 +1,11 @@
-"""experiments/eos_long.py's rows on an oracle whose rows end at a random EOS."""
+"""mdjax.bench.eos (results/eos_long.json's rows) on an oracle whose rows end at a random EOS."""
 
 import functools
 
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import eos_long
+from mdjax.bench import eos
 
 CANVAS, BLOCK = 16, 4
 VOCAB, EOS = 6, 1  # ids 0..5, mask 6
@@ -37,8 +37,8 @@ SEEDS = range(4)  # rows ending at different positions, one program
 @functools.cache
 def rows():
   """{(sampler, seed): (row without, row with early stop)}."""
-  chosen = [s for s in eos_long.samplers(CANVAS, BLOCK, steps=CANVAS) if s.name in SAMPLERS]
-  return {(s.name, seed): eos_long.measure(oracle, None, s, eos_id=EOS, mask_id=VOCAB,
+  chosen = [s for s in eos.samplers(CANVAS, BLOCK, steps=CANVAS) if s.name in SAMPLERS]
+  return {(s.name, seed): eos.measure(oracle, None, s, eos_id=EOS, mask_id=VOCAB,
                                            canvas=CANVAS, batch=1, repeats=1, seed=seed)
           for s in chosen for seed in SEEDS}
 
@@ -63,9 +63,9 @@ def test_lengths_agree_where_stopping_leaves_the_trajectory_unchanged():
   # up to its first EOS, so the run without the stop keeps that prefix (same keys and draws).
   for name, (_, with_) in rows().items():
     assert with_["same_trajectory"] and with_["lengths_agree"], name
-  remdm, ranked_last = (s for s in eos_long.samplers(CANVAS, BLOCK, steps=CANVAS)
+  remdm, ranked_last = (s for s in eos.samplers(CANVAS, BLOCK, steps=CANVAS)
                         if s.name in ("remdm", "confidence top-k, EOS ranked last"))
-  assert not eos_long.same_trajectory(remdm) and not eos_long.same_trajectory(ranked_last)
+  assert not eos.same_trajectory(remdm) and not eos.same_trajectory(ranked_last)
 
 
 def test_blocks_save_the_calls_after_the_block_holding_eos():

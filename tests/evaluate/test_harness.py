@@ -12,8 +12,7 @@ import pytest
 from mdjax import evaluate, tasks
 from mdjax.evaluate import rolling
 from tests import stubs
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.paths import REPO as ROOT
 TWO_COLOR = tasks.get("two_color")
 
 
@@ -163,19 +162,19 @@ def test_llada_fixture_padding_stops_and_ragged_prompts():
 def test_lm_eval_end_to_end_on_local_tasks(monkeypatch):
   """lm-eval's simple_evaluate over the YAML tasks, the exact ScanAndAdd denoiser as the
   model: every answer is the one the law allows, so acc and exact_match are 1 (see
-  experiments/lm_eval_local.py; 8 stratified draws cover the counts 1..3)."""
+  tests/lm_eval_tasks.py; 8 stratified draws cover the counts 1..3)."""
   pytest.importorskip("lm_eval")
   monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-  from experiments import lm_eval_local
+  from tests import lm_eval_tasks
   monkeypatch.chdir(ROOT)
-  output = lm_eval_local.evaluate("task=scan_and_add,oracle=true,num_samples=8,"
-                                  "mc_batch_size=8", limit=4, tasks=lm_eval_local.TASKS[:2])
+  output = lm_eval_tasks.evaluate("task=scan_and_add,oracle=true,num_samples=8,"
+                                  "mc_batch_size=8", limit=4, tasks=lm_eval_tasks.TASKS[:2])
   results = output["results"]
   assert results["mdjax_scan_and_add_mc"]["acc,none"] == 1.0
   assert results["mdjax_scan_and_add_gen"]["exact_match,none"] == 1.0
-  assert lm_eval_local.rows(count=4) == [
+  assert lm_eval_tasks.rows(count=4) == [
       __import__("json").loads(line) for line in
-      open(lm_eval_local.DATA).read().splitlines()[:4]]
+      open(lm_eval_tasks.DATA).read().splitlines()[:4]]
 
 
 def test_trained_workdir(trained):

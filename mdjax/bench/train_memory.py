@@ -1,6 +1,6 @@
 """The compiled memory of one train step with and without remat and gradient accumulation.
 
-  python experiments/train_memory.py [--d_model=256 --num_layers=4 --batch_size=8 --length=1024]
+  python -m mdjax.bench.train_memory [--d_model=256 --num_layers=4 --batch_size=8 --length=1024]
 
 Compiles (never runs) the train step of a bfloat16 Transformer on Shakespeare characters
 and prints XLA's memory analysis of each program: the temporary buffers (activations kept
@@ -10,23 +10,17 @@ jax.checkpoint's optimization barriers before common-subexpression elimination, 
 merges the recomputed forward back into the first one, so remat saves nothing unless the
 pass is off:
 
-  XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander python experiments/train_memory.py
+  XLA_FLAGS=--xla_disable_hlo_passes=cse_barrier_expander python -m mdjax.bench.train_memory
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
-if __package__ in (None, ""):  # run as a script: experiments/ lives in the repo root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import argparse
 import functools
+import os
 
 import jax
 
-from configs import shakespeare_char
 from mdjax import data, tasks
 from mdjax.train import state as train_state
 
@@ -34,6 +28,7 @@ from mdjax.train import state as train_state
 def temp_mib(remat: bool, grad_accum_steps: int, d_model: int, num_layers: int,
              batch_size: int, length: int) -> float:
   """MiB of temporary buffers of the compiled train step."""
+  from configs import shakespeare_char  # the repository's configs/ (run from its root)
   config = shakespeare_char.get_config()
   config.task_kwargs.length, config.batch_size = length, batch_size
   config.model.update(d_model=d_model, num_layers=num_layers, num_heads=d_model // 64,

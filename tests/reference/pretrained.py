@@ -1,7 +1,7 @@
 """Regenerates the published-checkpoint parity fixtures in tests/fixtures/pretrained/.
 
   pip install -e '.[reference]'
-  python experiments/pretrained_reference.py [--out tests/fixtures/pretrained] \
+  python -m tests.reference.pretrained [--out tests/fixtures/pretrained] \
       [--fast-dllm PATH] [--llada PATH]
 
 Every file is rebuilt from fixed seeds; nothing is downloaded. What it writes:
@@ -108,7 +108,7 @@ try:
 except ImportError as e:  # the optional extra
   raise SystemExit(f"{e}: install the reference extra: pip install -e '.[reference]'")
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
 DEFAULT_OUT = ROOT / "tests" / "fixtures" / "pretrained"
 
 VOCAB = 320

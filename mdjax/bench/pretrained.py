@@ -1,13 +1,13 @@
 """mdjax against the reference PyTorch loop on a LLaDA-shaped checkpoint; loading memory.
 
   pip install -e '.[reference]'
-  python experiments/pretrained_bench.py [--out=results] [--repeats=3]
+  python -m mdjax.bench.pretrained [--out=results] [--repeats=3]   # from the repository root
 
 Sampling: a random LLaDA-shaped model (d 512, 8 layers, 8 heads, MLP 1536, 4096 ids: the
 layers of a mid-sized model, a vocabulary cut so the head does not dominate on a CPU) is
 saved in the published layout, loaded by `mdjax.pretrained.load`, and sampled at batch 8
 side by side with the same weights in PyTorch: LLaDA's `generate.py` loop on transformers'
-Llama made bidirectional (the forward `experiments/pretrained_reference.py` checks against
+Llama made bidirectional (the forward tests/reference/pretrained.py checks against
 the published modeling code), and mdjax's `pretrained.generate` uncached and with the dual
 cache. Times are medians of --repeats runs after one warm-up run (mdjax's compiles there).
 tokens_equal_reference compares the ids with the reference loop's at temperature 0: the
@@ -27,19 +27,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
-
-if __package__ in (None, ""):  # run as a script: experiments/ lives in the repo root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import numpy as np
 
 from mdjax import pretrained
+from mdjax.bench import timing
 from mdjax.models import published
 
 VOCAB, MASK_ID, EOS_ID, EOT_ID = 4096, 4000, 3999, 4001
@@ -64,25 +60,18 @@ def spread_params(config, seed: int):
 
 
 def reference_module(config):
-  """experiments/pretrained_reference.py with its constants set to this model's shape."""
-  from experiments import pretrained_reference as ref
+  """tests/reference/pretrained.py (torch) with its constants set to this model's shape."""
+  try:
+    from tests.reference import pretrained as ref
+  except ImportError as e:
+    raise SystemExit(f"{e}: run from the repository root, with the reference extra: "
+                     "pip install -e '.[reference]'")
   ref.VOCAB, ref.MASK_ID = VOCAB, MASK_ID
   ref.LLADA_CONFIG = {**ref.LLADA_CONFIG, "d_model": config.d_model,
                       "n_heads": config.num_heads, "n_kv_heads": config.num_kv_heads,
                       "n_layers": config.num_layers, "mlp_hidden_size": config.mlp_hidden,
                       "embedding_size": VOCAB, "vocab_size": VOCAB, "mask_token_id": MASK_ID}
   return ref
-
-
-def median_time(run, repeats: int):
-  """(median seconds of `repeats` runs after a warm-up run, the last output)."""
-  out = run()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    out = run()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times), out
 
 
 def sampling_rows(repeats: int) -> list[dict]:
@@ -113,12 +102,12 @@ def sampling_rows(repeats: int) -> list[dict]:
                     else reference_dual).numpy()
   torch.set_num_threads(os.cpu_count() or 1)
   rows = []
-  reference_time, reference_ids = median_time(reference, repeats)
+  reference_time, reference_ids = timing.median_run(reference, repeats)
   for impl, run, expected in (("mdjax", mdjax_run("none"), reference_ids),
                               ("mdjax_dual_cache", mdjax_run("dual"), reference_dual),
                               ("reference_torch", reference, reference_ids)):
     seconds, ids = (reference_time, reference_ids) if impl == "reference_torch" else \
-        median_time(run, repeats)
+        timing.median_run(run, repeats)
     rows.append(dict(family="llada", impl=impl, batch=s["batch"], prompt_len=s["prompt_len"],
                      gen_length=s["gen_length"], steps=s["steps"],
                      block_length=s["block_length"], time_s=round(seconds, 3),

@@ -1,6 +1,6 @@
 """Where a sampler step's own time goes: its parts timed side by side, at batch 1 and 128.
 
-  python experiments/step_profile.py [--repeats=9]
+  python -m mdjax.bench.step_profile [--repeats=9]
 
 Each part runs K = 25 times in one compiled `lax.scan` (L = 25 positions, V = 15 values,
 ScanAndAdd's size; the sizes of `mdjax.bench`'s step-cost table), its result folded into
@@ -13,12 +13,6 @@ ancestral and confidence samplers with an embedding-lookup denoiser. Prints a ta
 """
 
 from __future__ import annotations
-
-import os
-import sys
-
-if __package__ in (None, ""):  # run as a script: experiments/ lives in the repo root
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse
 import functools

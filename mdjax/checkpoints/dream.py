@@ -1,0 +1,105 @@
+"""Dream (Dream-org/Dream-v0-Base-7B, -Instruct-7B): model_type "Dream", DreamModel, Qwen2
+tensor names on the published network (logits shifted by one, positions counted from each
+row's first real token).
+
+Its reference sampler is Dream's `diffusion_generate` (`_sample`): `steps` steps on the time
+grid linspace(1, eps, steps + 1), by `sampling.DreamSpec`; `mdjax.pretrained.
+diffusion_generate` runs it on ids.
+"""
+
+from __future__ import annotations
+
+from mdjax import sampling
+from mdjax.checkpoints.base import (TORCH_DTYPES, TransformersFamily, _first_id, _get,
+                                    _head_dim, _published, _refuse, _with_ids, check_choice,
+                                    check_flag, check_int, check_number)
+from mdjax.denoiser import Denoiser
+from mdjax.model import SamplerPlan
+from mdjax.models.published import PublishedConfig
+from mdjax.sampling.families import dream as dream_family
+
+DREAM_MASK_ID = 151666
+
+
+def plan(model, *, max_new_tokens: int, steps: int, eps: float = 1e-3, alg: str = "origin",
+         alg_temp: float | None = None, temperature: float = 0.0, top_p: float | None = None,
+         top_k: int | None = None, per_row_count: bool = False) -> SamplerPlan:
+  """Dream's `diffusion_generate` for `max_new_tokens` new tokens (arguments as
+  `mdjax.pretrained.diffusion_generate`'s, checked in its order): its DreamSpec."""
+  check_int(max_new_tokens, "max_new_tokens", 1)
+  check_int(steps, "steps", 1)
+  check_choice(alg, "alg", dream_family.ALGS)
+  check_number(eps, "eps", "must lie in [0, 1)", lambda x: 0 <= x < 1)
+  check_number(temperature, "temperature", "must be a finite number >= 0", lambda x: x >= 0)
+  if alg_temp is not None:
+    check_number(alg_temp, "alg_temp", "must be None or a finite number >= 0", lambda x: x >= 0)
+  if top_p is not None:
+    check_number(top_p, "top_p", "must be None or lie in (0, 1]", lambda x: 0 < x <= 1)
+  if top_k is not None:
+    check_int(top_k, "top_k", 1)
+  check_flag(per_row_count, "per_row_count")
+  spec = sampling.DreamSpec(steps=steps, eps=float(eps), alg=alg, alg_temp=alg_temp,
+                            per_row_count=per_row_count, temperature=float(temperature),
+                            top_p=1.0 if top_p is None else float(top_p), top_k=top_k)
+  return SamplerPlan(denoiser=Denoiser.of(model.apply_fn), spec=spec)
+
+
+class Sampler:
+  """Dream's `diffusion_generate` as a model's default sampler: steps default to
+  max_new_tokens; greedy unless a temperature is given."""
+
+  knobs = ("steps", "eps", "alg", "alg_temp", "temperature", "top_p", "top_k", "per_row_count")
+  spec_defaults = {"temperature": 0.0}  # the reference's default: greedy
+
+  def plan(self, model, *, prompt_length: int, max_new_tokens: int, **knobs) -> SamplerPlan:
+    knobs.setdefault("steps", max_new_tokens)
+    return plan(model, max_new_tokens=max_new_tokens, **knobs)
+
+
+class Dream(TransformersFamily):
+  """Dream-7B's layout: Qwen2 names."""
+
+  family = "dream"
+  network = "dream"
+  model_types = ("Dream",)
+  architectures = ("DreamModel",)
+  sampler = Sampler()
+
+  def config_from_hf(self, raw: dict, dtype: str) -> PublishedConfig:
+    f = self.family
+    _refuse(raw, f, "hidden_act", ("silu",), "the MLP is silu(gate) * up")
+    _refuse(raw, f, "rope_scaling", (None,), "RoPE is unscaled")
+    _refuse(raw, f, "use_sliding_window", (False,), "attention is over the whole sequence")
+    d = _get(raw, "hidden_size", int, f)
+    heads = _get(raw, "num_attention_heads", int, f)
+    return _published(
+        self.network, vocab_size=_get(raw, "vocab_size", int, f), d_model=d,
+        num_layers=_get(raw, "num_hidden_layers", int, f), num_heads=heads,
+        num_kv_heads=_get(raw, "num_key_value_heads", int, f, heads),
+        head_dim=_head_dim(d, heads, f, "num_attention_heads"),
+        mlp_hidden=_get(raw, "intermediate_size", int, f),
+        rope_theta=_get(raw, "rope_theta", float, f, 10000.0),
+        norm_eps=_get(raw, "rms_norm_eps", float, f, 1e-6), qkv_bias=True, logit_shift=True,
+        mask_id=_get(raw, "mask_token_id", int, f, DREAM_MASK_ID),
+        eos_id=_first_id(raw, "eos_token_id", f), eot_id=_first_id(raw, "eot_token_id", f),
+        max_len=_get(raw, "max_position_embeddings", int, f, 32768), dtype=dtype)
+
+  def config_to_hf(self, config: PublishedConfig) -> dict:
+    self._check_writable(config)
+    if not (config.qkv_bias and config.logit_shift):
+      raise ValueError(f"config.qkv_bias={config.qkv_bias}, logit_shift={config.logit_shift} "
+                       f"cannot be written as {self.family} (its code has q/k/v biases and "
+                       "shifts logits)")
+    raw = {
+        "architectures": list(self.architectures), "model_type": self.model_types[0],
+        "attention_dropout": 0.0,
+        "hidden_act": "silu", "hidden_size": config.d_model, "initializer_range": 0.02,
+        "intermediate_size": config.mlp_hidden, "mask_token_id": config.mask_id,
+        "max_position_embeddings": config.max_len, "max_window_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_hidden_layers": config.num_layers,
+        "num_key_value_heads": config.num_kv_heads, "rms_norm_eps": config.norm_eps,
+        "rope_scaling": None, "rope_theta": config.rope_theta, "sliding_window": None,
+        "tie_word_embeddings": False, "torch_dtype": TORCH_DTYPES[config.dtype],
+        "use_cache": False, "use_sliding_window": False, "vocab_size": config.vocab_size,
+    }
+    return _with_ids(raw, config)

@@ -1,0 +1,78 @@
+"""`load(path) -> Model`: one entry for every model mdjax samples or scores.
+
+  a train.py workdir (a folder with checkpoints/)      -> `mdjax.train.load`
+  a published Hugging Face folder (config.json), or a torch / Lightning .ckpt
+                                                         -> `mdjax.pretrained.load`
+  a task's name ("two_color", "oracle:scan_and_add")    -> the task's exact denoiser
+
+Whatever it was, the result is one `mdjax.Model`, which `mdjax.generate`, sample.py, the
+lm-eval model and generative perplexity take as it is.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from mdjax import mesh as mesh_lib
+from mdjax import pretrained, tasks, train
+from mdjax.model import ORACLE_FAMILY, Model, task_model
+
+ORACLE_PREFIX = "oracle:"
+CKPT_SUFFIXES = (".ckpt", ".pt", ".pth")  # a torch checkpoint `pretrained.load` reads
+
+
+def kind_of(path: str) -> str:
+  """"workdir", "published" or "oracle": what `load` reads at `path` (a ValueError when it
+  is none of them)."""
+  src = os.fspath(path)
+  if src.startswith(ORACLE_PREFIX) or (not os.path.exists(src) and src in tasks.TASKS):
+    return "oracle"
+  if os.path.isdir(os.path.join(src, "checkpoints")):
+    return "workdir"
+  if (os.path.isfile(os.path.join(src, "config.json")) or
+      (os.path.isfile(src) and src.endswith(CKPT_SUFFIXES)) or
+      (os.path.isdir(src) and any(n.endswith(".ckpt") for n in os.listdir(src)))):
+    return "published"
+  if not os.path.exists(src):
+    raise ValueError(f"path={src!r} does not exist (a train.py workdir, a published folder, a "
+                     f"torch .ckpt, or a task name: {', '.join(sorted(tasks.TASKS))}).")
+  raise ValueError(f"path={src!r} is neither a train.py workdir (no checkpoints/), a published "
+                   "folder (no config.json) nor a torch checkpoint (.ckpt, .pt, .pth).")
+
+
+def load(path: str, *, dtype: str | None = None, mesh=None, step: int | None = None,
+         task_kwargs: dict | None = None, **kwargs: Any) -> Model:
+  """The model at `path` (module docstring) as a `Model`.
+
+  dtype: a published checkpoint's ("float32", "bfloat16"; None keeps the checkpoint's).
+  mesh: the params stored sharded over it (the FSDP rule of `mdjax.mesh`). step: a
+  workdir's checkpoint step (default the newest readable). task_kwargs: an oracle task's
+  parameters. Other keywords go to the loader of that kind (`pretrained.load`'s config= and
+  ema=, `train.load`'s log=). Every argument that does not apply to the kind found is a
+  ValueError naming it.
+  """
+  kind = kind_of(path)
+  given = {"dtype": dtype, "step": step, "task_kwargs": task_kwargs}
+  applies = {"workdir": ("step",), "published": ("dtype",), "oracle": ("task_kwargs",)}[kind]
+  wrong = [name for name, value in given.items() if value is not None and name not in applies]
+  if wrong:
+    raise ValueError(f"{wrong[0]}={given[wrong[0]]!r} does not apply to {path!r}, a {kind} "
+                     f"(its arguments: {', '.join(applies) or 'none'}).")
+  if kind == "published":
+    return pretrained.load(path, dtype=dtype, mesh=mesh, **kwargs)
+  if kind == "workdir":
+    model = train.load(path, step, **kwargs)
+  else:
+    if kwargs:
+      raise ValueError(f"{sorted(kwargs)[0]}= does not apply to a task's exact denoiser.")
+    name = path[len(ORACLE_PREFIX):] if path.startswith(ORACLE_PREFIX) else path
+    if name not in tasks.TASKS:
+      raise ValueError(f"task={name!r} is unknown; known: {sorted(tasks.TASKS)}.")
+    task = tasks.get(name, task_kwargs)
+    if task.exact_denoiser is None:
+      raise ValueError(f"task={name!r} has no exact denoiser to load.")
+    model = task_model(task, task.exact_denoiser, None, family=ORACLE_FAMILY, source=name)
+  if mesh is not None and model.params is not None:
+    model = model.replace(params=mesh_lib.shard_params(mesh, model.params))
+  return model

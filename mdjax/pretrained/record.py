@@ -1,0 +1,94 @@
+"""A published checkpoint as the one `mdjax.model.Model` record: its family's denoiser,
+special ids, length and reference sampler (`mdjax.checkpoints`), and the text codec of its
+tokenizer.json. `PretrainedModel(...)`, the earlier record's constructor, builds the same
+Model from its fields (one release)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Sequence
+
+from mdjax import checkpoints
+from mdjax.model import Model
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def tokenizer_failure(e: BaseException) -> bool:
+  """Whether `e` is the tokenizers library refusing its input: an Exception, or the Rust
+  panic pyo3 raises as PanicException, which derives from BaseException only."""
+  return isinstance(e, Exception) or type(e).__name__ == "PanicException"
+
+
+def _tokenizing(call, where: str):
+  """call() of a tokenizer; the library's failure (a panic included) as a ValueError naming
+  `where` (tokenizer.json)."""
+  try:
+    return call()
+  except BaseException as e:
+    if not tokenizer_failure(e):
+      raise
+    raise ValueError(f"{where}: the tokenizer failed ({type(e).__name__}: "
+                     f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def text_codec(tokenizer, source: str | None
+               ) -> tuple[Callable[..., list[int]] | None, Callable[[Sequence[int]], str] | None]:
+  """(encode(text, add_special_tokens=False) -> ids, decode(ids) -> text) of a
+  `tokenizers.Tokenizer` (None, None without one)."""
+  if tokenizer is None:
+    return None, None
+  where = os.path.join(source, TOKENIZER_FILE) if source else "the model's tokenizer"
+
+  def encode(text: str, add_special_tokens: bool = False) -> list[int]:
+    return list(_tokenizing(lambda: tokenizer.encode(
+        text, add_special_tokens=add_special_tokens).ids, where))
+
+  def decode(ids: Sequence[int]) -> str:
+    return _tokenizing(lambda: tokenizer.decode([int(i) for i in ids]), where)
+
+  return encode, decode
+
+
+def published_model(*, params, config, family: str | None = None, apply_fn=None,
+                    tokenizer=None, chat_template: str | None = None, source: str | None = None,
+                    hf_config: dict | None = None, bytes_read: int = 0,
+                    buffers: dict | None = None) -> Model:
+  """The Model of a published checkpoint's parts. family: the registry's name (default
+  config.family); apply_fn: its denoiser (None: the family's of `config`)."""
+  kind = checkpoints.get(family or config.family)
+  mask_id, eos_id, eot_id, pad_id = kind.special_ids(config, hf_config)
+  encode, decode = text_codec(tokenizer, source)
+  return Model(denoiser=kind.denoiser(config) if apply_fn is None else apply_fn,
+               params=params, family=kind.family, vocab_size=config.vocab_size,
+               max_len=kind.max_len(config), mask_id_or_none=mask_id, eos_id=eos_id,
+               eot_id=eot_id, pad_id=pad_id, encode=encode, decode=decode,
+               tokenizer=tokenizer, chat_template=chat_template, sampler=kind.sampler,
+               config=config, source=source, hf_config=hf_config, buffers=buffers,
+               bytes_read=bytes_read)
+
+
+_FIELDS = ("apply_fn", "params", "config", "family", "tokenizer", "chat_template", "source",
+           "hf_config", "bytes_read", "buffers")
+
+
+class _PublishedModelType(type):
+  def __instancecheck__(cls, obj: Any) -> bool:
+    return isinstance(obj, Model) and obj.family in checkpoints.FAMILIES
+
+
+class PretrainedModel(metaclass=_PublishedModelType):
+  """The earlier record of a loaded checkpoint, now a `Model`: PretrainedModel(apply_fn=,
+  params=, config=, family=, tokenizer=, chat_template=, source=, hf_config=, bytes_read=,
+  buffers=) returns `published_model(...)`'s Model, and isinstance(x, PretrainedModel) is
+  whether x is a Model of a published family."""
+
+  def __new__(cls, *args, **fields) -> Model:  # type: ignore[misc]
+    if len(args) > len(_FIELDS):
+      raise ValueError(f"PretrainedModel takes at most {len(_FIELDS)} positional fields "
+                       f"({', '.join(_FIELDS)}); got {len(args)}")
+    given = dict(zip(_FIELDS, args))
+    twice = sorted(set(given) & set(fields))
+    if twice:
+      raise ValueError(f"PretrainedModel: {twice} given by position and by name")
+    return published_model(**given, **fields)
