@@ -1,32 +1,21 @@
-"""Samples a trained workdir, a task's exact oracle or a published checkpoint; prints metrics.
+"""Samples any model `mdjax.load` reads (a workdir, a task's exact oracle, a published
+checkpoint) and prints metrics; completions go through `mdjax.generate`.
 
   python sample.py --workdir=/tmp/quickstart --sampler=confidence --steps=25
   python sample.py --task=two_color --oracle --sampler=ancestral --steps=8
   python sample.py --workdir=/tmp/shakespeare --prefix="ROMEO." --suffix="love." --steps=32
   python sample.py --pretrained=/data/LLaDA-8B-Instruct --prompts=prompts.jsonl --chat \
       --max_new_tokens=128 --steps=128 --block_length=32 --dtype=bfloat16
-
-Text tasks take --prefix / --suffix (fixed left and right context: prefix-conditioned
-generation or infilling) and --reference=CAUSAL_WORKDIR (generative bits per character of
-the samples under a causal reference model).
-
-A published checkpoint (--pretrained: LLaDA, Dream) completes --prompts with its reference
-sampler and that sampler's knobs, or with any --sampler family.
+  python sample.py --pretrained=/data/mdlm-owt --num_samples=16
 
 Every registered sampler family is a --sampler choice; a flag that does not apply to the
-chosen family is an error. Write orders: --sampler=field_order --order="[VOA][v×9]o×10[ht1]"
-(ScanAndAdd's fields), --sampler=ordered --groups="0,1;2-4;5" (positions per step).
-KV-cached block decoding: --sampler=confidence --block_length=16 --steps=32 --kv_cache=dual
-[--refresh_every=4]. Localized remasking: --sampler=local_remask --base=confidence --steps=8
---refill=ancestral --refill_steps=4 --rounds=2 --window=2. Usage errors are one line on
-stderr, exit status 2.
+mode, the source or the family is a one-line error (exit status 2). The flags and modes:
+docs/generation.md and docs/pretrained.md.
 """
 
 import dataclasses
 import json
 import os
-import sys
-import tempfile
 import time
 import types
 
@@ -36,8 +25,7 @@ import jax
 import numpy as np
 
 import mdjax
-from mdjax import generation, jsonl, loader, sampling, tasks
-from mdjax.denoiser import Denoiser
+from mdjax import cli, generation, jsonl, loader, sampling, tasks
 
 _TASK = flags.DEFINE_enum("task", "two_color", sorted(tasks.TASKS), "Task (with --oracle).")
 _ORACLE = flags.DEFINE_bool("oracle", False, "Use the task's exact denoiser (no --workdir).")
@@ -151,18 +139,19 @@ def fix_context(task: tasks.Task, canvas_BxL: np.ndarray, prefix: str | None,
 
 def reference_bits_per_char(workdir: str, task: tasks.Task, tokens_NxL: np.ndarray) -> float:
   """Mean -log2 p(sample) per character under a causal reference model of the same corpus."""
-  from mdjax import likelihood, train
-  config, apply_fn, params, _ = train.load_for_sampling(workdir)
-  if config.objective != "causal":
-    raise app.UsageError(f"--reference={workdir!r} holds a {config.objective!r} model; "
-                         "it must be a causal one (objective='causal').")
-  reference_task = tasks.from_config(config)
-  if reference_task.tokenizer != task.tokenizer:
+  from mdjax import likelihood
+  reference = mdjax.load(workdir)
+  kind = reference.config.objective if reference.family == "mdjax" else reference.family
+  if kind != "causal":
+    raise app.UsageError(f"--reference={workdir!r} holds a {kind!r} model; it must be a "
+                         "causal one (objective='causal').")
+  if reference.tokenizer != task.tokenizer:
     raise app.UsageError(f"--reference={workdir!r} uses another tokenizer than the samples.")
-  if reference_task.length != task.length:
-    raise app.UsageError(f"--reference={workdir!r} has windows of {reference_task.length} "
+  if reference.max_len != task.length:
+    raise app.UsageError(f"--reference={workdir!r} has windows of {reference.max_len} "
                          f"characters; the samples have {task.length}.")
-  bits_N = likelihood.causal_bits(apply_fn, params, tokens_NxL, start_id=reference_task.mask_id)
+  bits_N = likelihood.causal_bits(reference.denoiser, reference.params, tokens_NxL,
+                                  start_id=reference.mask_id)
   return float(bits_N.mean() / task.length)
 
 
@@ -196,22 +185,6 @@ def applicable_flags(family: str) -> set[str]:
   return (fields & set(SPEC_FLAGS)) | set(SPECIAL_FLAGS.get(family, ()))
 
 
-def parse_groups(text: str) -> tuple[tuple[int, ...], ...]:
-  """"0,1;2-4;5" -> ((0, 1), (2, 3, 4), (5,))."""
-  groups = []
-  for group in text.split(";"):
-    positions = []
-    for part in group.split(","):
-      low, _, high = part.strip().partition("-")
-      try:
-        positions.extend(range(int(low), int(high or low) + 1))
-      except ValueError:
-        raise app.UsageError(f"--groups={text!r}: {part!r} is not a position or a range "
-                             "a-b (groups ';'-separated, positions ','-separated).") from None
-    groups.append(tuple(positions))
-  return tuple(groups)
-
-
 def sampler_spec(task: tasks.Task) -> sampling.SamplerSpec:
   """The spec of --sampler and its flags; a flag that does not apply is a UsageError."""
   family = _SAMPLER.value
@@ -243,22 +216,14 @@ def sampler_spec(task: tasks.Task) -> sampling.SamplerSpec:
     if family == "ordered":
       if not _GROUPS.value:
         raise app.UsageError("--sampler=ordered needs --groups, e.g. \"0,1;2-4;5\".")
-      return sampling.OrderedSpec(groups=parse_groups(_GROUPS.value), **knobs)
+      try:
+        groups = sampling.parse_groups(_GROUPS.value)
+      except ValueError as error:
+        raise app.UsageError(f"--{error}") from None
+      return sampling.OrderedSpec(groups=groups, **knobs)
     return sampling.make_spec(family, length=task.length, **knobs)
   except (ValueError, TypeError) as error:
     raise app.UsageError(str(error)) from error
-
-
-def check_out(out: str) -> None:
-  """--out is (or can be made) a writable directory: checked before anything is sampled."""
-  try:
-    os.makedirs(out, exist_ok=True)
-    fd, probe = tempfile.mkstemp(dir=out, prefix=".write-test-")
-    os.close(fd)
-    os.remove(probe)
-  except OSError as error:
-    raise app.UsageError(f"--out={out!r} is not a writable directory ({error.strerror or error})."
-                         ) from error
 
 
 def eos_spec(task: tasks.Task, spec):
@@ -378,7 +343,7 @@ def sample_pretrained(model) -> None:
                      f", {out.nfe} denoiser passes; {out.plan.describe()}")
 
 
-def generate_in_blocks(task, apply_fn: Denoiser, params, spec) -> None:
+def generate_in_blocks(task, apply_fn, params, spec) -> None:
   """--blocks_of: `sampling.sample_blocks` after --prompt / --prefix, any --length."""
   block = _BLOCKS_OF.value
   length = _LENGTH.value or task.length
@@ -543,7 +508,10 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it reads at INFO
   check_mode_flags()
   if _OUT.value:
-    check_out(_OUT.value)
+    try:
+      cli.writable_dir(_OUT.value)
+    except ValueError as error:
+      raise app.UsageError(str(error)) from error
   model = load_model()
   if _PRETRAINED.value:
     if _PROMPTS.value:
@@ -608,9 +576,7 @@ def main(argv):
 
 def _usage_error(message: str) -> None:
   """One line on stderr and exit status 2 (absl would print every flag first)."""
-  lines = str(message).strip().splitlines() or [""]
-  print(f"sample.py: error: {lines[0]}", file=sys.stderr)
-  sys.exit(2)
+  cli.fail("sample.py", (str(message).strip().splitlines() or [""])[0], cli.USAGE)
 
 
 def parse_flags(argv):

@@ -4,7 +4,9 @@ usage (a flag, a value or an input named wrong) and 1 for a runtime failure (a r
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 from typing import Callable, NoReturn
 
 USAGE, RUNTIME = 2, 1
@@ -39,3 +41,16 @@ def run(name: str, main: Callable[[], object], usage=(ValueError,), runtime=(OSE
     fail(name, error, USAGE)
   except runtime as error:
     fail(name, error, RUNTIME)
+
+
+def writable_dir(path: str, flag: str = "--out") -> None:
+  """A ValueError unless `path` is (or can be made) a writable folder: checked before any
+  work, so a long run never fails at its last write."""
+  try:
+    os.makedirs(path, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=path, prefix=".write-test-")
+    os.close(fd)
+    os.remove(probe)
+  except OSError as error:
+    raise ValueError(f"{flag}={path!r} is not a writable directory "
+                     f"({error.strerror or error}).") from error

@@ -18,7 +18,8 @@ import pytest
 from absl import flags
 
 import sample
-from mdjax import tasks
+from mdjax import loader, tasks
+from mdjax import model as model_lib
 from mdjax.denoiser import Denoiser
 from tests.paths import REPO
 from tests.text_fixtures import tiny_config, write_corpus
@@ -77,7 +78,7 @@ class Recorder:
     self.task, self.calls = task, []
 
   def sample(self, apply_fn, params, key, tokens_BxL, spec, fixed_BxL=None, **kw):
-    self.calls.append(("sample", _plain(key), _plain(tokens_BxL), spec,
+    self.calls.append(("sample", repr(apply_fn), _plain(key), _plain(tokens_BxL), spec,
                        sorted((k, _plain(v)) for k, v in kw.items())))
     tokens = np.asarray(tokens_BxL)
     filled = np.where(tokens == kw["mask_id"], 1, tokens)
@@ -92,26 +93,21 @@ class Recorder:
     return types.SimpleNamespace(tokens_BxT=tokens, nfe=1,
                                  generated_length_B=np.full(len(prompt), kw["length"]))
 
-  def load(self, workdir, step=None, **kw):
-    self.calls.append(("load", workdir, step))
+  def load(self, path, step=None, dtype=None, **kw):
+    """`mdjax.load`: the tiny LLaDA fixture for --pretrained, the real oracle for --oracle,
+    a workdir's model whose denoiser is never called otherwise."""
+    self.calls.append(("load", path, step, dtype))
+    if path.startswith(loader.ORACLE_PREFIX):
+      return self.real_load(path)
+    if path == "/ckpt":
+      return self.checkpoint
 
     def apply_fn(params, tokens_BxL, t_B, valid_BxL=None):
       raise AssertionError("the recorders never call the denoiser")
 
     # Block-causal: --blocks_of on the exact cache.
     denoiser = Denoiser(apply_fn, block_size=4)
-    return types.SimpleNamespace(task=self.task, apply_fn=denoiser, params=None,
-                                 step=step or 7)
-
-  def load_pretrained(self, path, dtype=None):
-    self.calls.append(("load_pretrained", path, dtype))
-    return self.checkpoint
-
-  def complete(self, model, prompts, *, max_new_tokens, key=None, **kw):
-    self.calls.append(("complete", repr(prompts), max_new_tokens, _plain(key),
-                       sorted((k, _plain(v)) for k, v in kw.items())))
-    ids = [np.ones(max_new_tokens, np.int32) for _ in prompts]
-    return types.SimpleNamespace(token_ids=ids, texts=["x" * max_new_tokens] * len(prompts))
+    return model_lib.task_model(self.task, denoiser, None, step=step or 7, source=path)
 
   def reference(self, workdir, task, tokens_NxL):
     self.calls.append(("reference", workdir, _plain(tokens_NxL)))
@@ -152,11 +148,10 @@ def test_every_flag_in_every_mode_is_used_or_refused(sample_cli, text_task, tmp_
   monkeypatch.setattr(sample, "reference_bits_per_char", recorder.reference)
   import mdjax
   from mdjax import pretrained
+  recorder.real_load = mdjax.load
   monkeypatch.setattr(mdjax, "load", recorder.load)
   # The tiny LLaDA fixture (its tokenizer and chat template encode the prompts).
   recorder.checkpoint = pretrained.load(os.path.join(REPO, "tests/fixtures/pretrained/llada"))
-  monkeypatch.setattr(pretrained, "load", recorder.load_pretrained)
-  monkeypatch.setattr(pretrained, "complete", recorder.complete)
   table, ignored, unnamed = {}, [], []
   for mode, base in MODES.items():
     assert _run(sample_cli, recorder, tmp_path, base)[0].returncode == 0, mode

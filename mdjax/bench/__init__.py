@@ -15,6 +15,11 @@ block_until_ready (`timing`). `write` gives results/bench_*.{json,md,png}.
 Modules import one way: throughput, compute and kv_cache use timing; overhead uses
 throughput; suite uses all four; report uses none of them; __main__ uses suite, report
 and kv_cache.
+
+Single benchmarks, each `python -m mdjax.bench.NAME` from the repository root: `dit` and
+`pretrained` (mdjax against the reference PyTorch loops of tests/reference/, the
+`[reference]` extra), `pretrained_gpu`, `step_profile` (uses overhead and timing),
+`train_memory` and `eos` (EOS early stop; experiments/eos_long.py). They use timing at most.
 """
 
 from mdjax.bench.report import write

@@ -34,8 +34,12 @@ from typing import Any, Callable
 import grain
 import numpy as np
 
-from mdjax import streams, tasks
+from mdjax import streams
 from mdjax.data.shards import ON_CORRUPT, VERIFY, Split
+
+# A `mdjax.tasks.Task`: the data rooms stand below the tasks (a corpus task reads its batches
+# here), so the type is named, not imported.
+Task = Any
 
 LAYOUTS = ("packed", "padded")
 # The grain shuffle's seed is drawn from (config.seed, this tag): not a key any jax stream uses.
@@ -147,7 +151,7 @@ class CorpusBatches:
     self._next = int(state["next_index"])
 
 
-def batch_for_step(config, step: int, task: tasks.Task) -> np.ndarray:
+def batch_for_step(config, step: int, task: Task) -> np.ndarray:
   """The training batch of a generated task's step: a pure function of (seed, step)."""
   import jax
 
@@ -155,7 +159,7 @@ def batch_for_step(config, step: int, task: tasks.Task) -> np.ndarray:
   return task.sample_data(key, config.batch_size)
 
 
-def eval_batch(config, i: int, task: tasks.Task, batch_size: int | None = None) -> np.ndarray:
+def eval_batch(config, i: int, task: Task, batch_size: int | None = None) -> np.ndarray:
   """Held-out batch i of a generated task: its validation text, or fresh draws of a
   synthetic law (a stream apart from training's)."""
   import jax
@@ -170,7 +174,7 @@ class GeneratedBatches:
 
   iterator = None
 
-  def __init__(self, config, task: tasks.Task, process_index: int = 0, process_count: int = 1,
+  def __init__(self, config, task: Task, process_index: int = 0, process_count: int = 1,
                batch_fn: Callable | None = None):
     batch_fn = batch_for_step if batch_fn is None else batch_fn
     self.rows = check_processes(config.batch_size, process_index, process_count)
@@ -190,7 +194,7 @@ class GeneratedBatches:
     del step, state
 
 
-def batch_source(config, task: tasks.Task, process_index: int = 0, process_count: int = 1,
+def batch_source(config, task: Task, process_index: int = 0, process_count: int = 1,
                  batch_fn: Callable | None = None):
   """The batch source of a training run: `CorpusBatches` for a corpus task (options from
   `config.data`), else `GeneratedBatches` over `batch_fn` (default `batch_for_step`)."""
@@ -204,7 +208,7 @@ def batch_source(config, task: tasks.Task, process_index: int = 0, process_count
   return GeneratedBatches(config, task, process_index, process_count, batch_fn)
 
 
-def validation_batches(config, task: tasks.Task, num_batches: int | None = None,
+def validation_batches(config, task: Task, num_batches: int | None = None,
                        batch_size: int | None = None, process_index: int = 0,
                        process_count: int = 1) -> list[np.ndarray]:
   """Held-out batches ([batch_size / process_count, L] each, this process's rows), the same

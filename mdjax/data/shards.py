@@ -38,7 +38,7 @@ from typing import Sequence
 import numpy as np
 
 from mdjax import files as files_lib
-from mdjax.tasks.text import EOS_TEXT, BpeTokenizer, CharTokenizer
+from mdjax.tokenizers import EOS_TEXT, BpeTokenizer, CharTokenizer
 
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"

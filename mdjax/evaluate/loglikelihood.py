@@ -188,13 +188,11 @@ def _check(context_BxC, continuation_BxT, context_valid_BxC, *, estimator, num_s
                      f"context's {context_BxC.shape}.")
   if estimator not in ESTIMATORS:
     raise ValueError(f"estimator={estimator!r} is unknown; known estimators: {list(ESTIMATORS)}.")
-  for name, value in (("num_samples", num_samples), ("batch_size", batch_size)):
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-      raise ValueError(f"{name}={value!r} must be an integer >= 1.")
+  check_count("num_samples", num_samples)
+  check_count("batch_size", batch_size)
   if num_samples % batch_size:
     raise ValueError(f"num_samples={num_samples} must be a multiple of batch_size={batch_size}.")
-  if not isinstance(mask_id, (int, np.integer)) or isinstance(mask_id, bool) or mask_id < 1:
-    raise ValueError(f"mask_id={mask_id!r} must be an integer >= 1 (the vocabulary size V).")
+  check_count("mask_id", mask_id, 1, " (the vocabulary size V)")
   if not 0.0 < eps < 1.0:
     raise ValueError(f"eps={eps!r} must lie in (0, 1).")
   limit = max_len if max_len is not None else _max_len(apply_fn)
@@ -227,11 +225,18 @@ def draws(apply_fn, params: Any, context_BxC, continuation_BxT, *, estimator: st
 
 
 def standard_error(values_SxB: np.ndarray) -> np.ndarray:
-  """The draws' sample standard deviation over sqrt(S), per row (NaN for one draw)."""
+  """The sample standard deviation of S independent draws (axis 0) over sqrt(S), per row
+  of the other axes (NaN for one draw): the standard error of their mean."""
   num_samples = len(values_SxB)
   with np.errstate(invalid="ignore"):  # an impossible continuation: -inf, stderr NaN
     return (values_SxB.std(0, ddof=1) / math.sqrt(num_samples) if num_samples > 1
-            else np.full(values_SxB.shape[1], np.nan))
+            else np.full(np.shape(values_SxB)[1:], np.nan))
+
+
+def check_count(name: str, value, least: int = 1, why: str = "") -> None:
+  """A ValueError naming `name` unless `value` is an integer (not a bool) >= `least`."""
+  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < least:
+    raise ValueError(f"{name}={value!r} must be an integer >= {least}{why}.")
 
 
 def loglikelihood(apply_fn, params: Any, context_BxC, continuation_BxT, *,

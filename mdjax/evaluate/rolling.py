@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from mdjax.evaluate.loglikelihood import draws, standard_error
+from mdjax.evaluate.loglikelihood import check_count, draws, standard_error
 
 
 class RollingLogLikelihood(NamedTuple):
@@ -62,14 +62,12 @@ def loglikelihood_rolling(apply_fn, params: Any, tokens_N, *, max_len: int,
   if tokens_N.ndim != 1 or len(tokens_N) == 0 or not np.issubdtype(tokens_N.dtype, np.integer):
     raise ValueError(f"tokens_N has shape {tokens_N.shape} and dtype {tokens_N.dtype}; "
                      "expected a non-empty 1-D array of token ids.")
-  if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
-    raise ValueError(f"max_len={max_len!r} must be an integer >= 1 (the model's length).")
+  check_count("max_len", max_len, 1, " (the model's length)")
   window = max_len // 2 if window is None else window
   if isinstance(window, bool) or not isinstance(window, (int, np.integer)) \
       or not 1 <= window <= max_len:
     raise ValueError(f"window={window!r} must be an integer in [1, max_len={max_len}].")
-  if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows < 1:
-    raise ValueError(f"rows={rows!r} must be an integer >= 1.")
+  check_count("rows", rows)
   spans = windows_of(len(tokens_N), max_len, window)
   by_shape: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
   for span in spans:

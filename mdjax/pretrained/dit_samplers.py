@@ -1,10 +1,10 @@
-"""MDLM's and BD3-LM's published samplers on a DiT checkpoint, and its likelihood.
+"""MDLM's and BD3-LM's published samplers on a DiT checkpoint.
 
 `mdlm_sample`: MDLM's `_sample` with its `ddpm_cache` predictor (`sampling.MDLMSpec`).
 `bd3lm_sample`: BD3-LM's `_semi_ar_sampler`: block by block (`sampling.sample_blocks`, the
 exact KV cache of the block-causal model, any length after a sliding window of the model's
 length), each block by BD3-LM's update (`sampling.BD3LMSpec`: first hitting, nucleus).
-`perplexity`: the NELBO and perplexity bound of a token file (`mdjax.pretrained.perplexity`).
+(The NELBO and perplexity bound of a token file: `mdjax.evaluate.perplexity`.)
 
 `model` is anything with `apply_fn` (None: `dit.denoiser(config)`), `params` and `config` (a
 `mdjax.models.dit.DiTConfig`): `mdjax.pretrained.load` of a MDLM or BD3-LM folder, or a
@@ -21,7 +21,6 @@ from mdjax.checkpoints import bd3lm, mdlm
 from mdjax.checkpoints.dit import check_count as _check_count
 from mdjax.checkpoints.dit import sampled_config
 from mdjax.checkpoints.dit import sampled_parts as _parts  # noqa: F401  (its earlier home)
-from mdjax.pretrained.perplexity import perplexity  # noqa: F401  (one home for the three)
 
 Array = jax.Array
 
@@ -90,4 +89,4 @@ def bd3lm_sample(model, *, num_samples: int, length: int, key: Array,
                                blocks_run=np.int32(length // block))
 
 
-__all__ = ["bd3lm_sample", "mdlm_sample", "perplexity"]
+__all__ = ["bd3lm_sample", "mdlm_sample"]

@@ -10,11 +10,12 @@ streams: one tensor at a time is mapped from its file, transposed and cast on th
 on the device(s); a stacked "layers" leaf is allocated on the device and filled layer by layer
 in place (a donated update), so the host holds about one tensor at a time, never the model.
 
-Sharding with a mesh (FSDP style): every matrix (of one layer, for stacked leaves) is split
-along its larger dimension (the first on a tie) over the mesh's first axis, and the layer axis
-and the other dimension are not split; vectors (norms, biases) are replicated. Other mesh axes
-replicate everything. An axis size that does not divide the dimension it must split is a
-ValueError naming the tensor, the dimension and the axis size.
+Sharding with a mesh (FSDP style): `mdjax.mesh`'s rule over the mesh's first axis, the one
+training uses: every matrix (of one layer, for stacked leaves) is split along its largest
+dimension that the axis size divides, the layer axis is not split, vectors (norms, biases)
+are replicated; other mesh axes replicate everything. A matrix that no dimension divides is
+a ValueError naming the tensor, its shape and the axis size. The mesh may have Explicit axes
+(`jax.make_mesh`'s default): the parameters are placed on its Auto-axes twin.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mdjax import checkpoints
 from mdjax import files as files_lib
+from mdjax.mesh import auto_axes, partition_spec
 from mdjax.checkpoints import base as family_base
 from mdjax.model import Model
 from mdjax.models.dit import DiTConfig
@@ -42,6 +44,7 @@ from mdjax.pretrained import lightning
 from mdjax.pretrained import tensors as tensors_lib
 from mdjax.pretrained.record import PretrainedModel  # noqa: F401  (its earlier home)
 from mdjax.pretrained.record import TOKENIZER_FILE, published_model, tokenizer_failure
+from mdjax.tokenizers import load_hf_tokenizer as _load_tokenizer
 
 CONFIG_FILE = "config.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -59,20 +62,7 @@ _FLOATS = ("F64", "F32", "F16", "BF16")
 # ----------------------------------------------------------------------------
 
 
-def partition_spec(name: str, shape: tuple[int, ...], axis_name: str, axis_size: int,
-                   stacked: bool = False) -> PartitionSpec:
-  """The FSDP spec of one leaf (see the module docstring); ValueError if the axis does not
-  divide the dimension it splits. stacked: shape[0] is the layer axis (never split)."""
-  dims = shape[1:] if stacked else shape
-  if len(dims) < 2:
-    return PartitionSpec()
-  j = 0 if dims[0] >= dims[1] else 1
-  if dims[j] % axis_size:
-    raise ValueError(f"tensor {name} {tuple(shape)}: dim {j + stacked} of size {dims[j]} is "
-                     f"not divisible by mesh axis {axis_name!r} of size {axis_size}")
-  spec: list[Any] = [None] * len(shape)
-  spec[j + stacked] = axis_name
-  return PartitionSpec(*spec)
+# The FSDP rule, `partition_spec` included, is `mdjax.mesh`'s.
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,13 +91,7 @@ def _read_json(path: str) -> dict:
   return files_lib.read_json(path, "JSON")
 
 
-def _read_text(path: str) -> str:
-  with files_lib.open_regular(path) as f:
-    data = f.read()
-  try:
-    return data.decode("utf-8")
-  except UnicodeDecodeError as e:
-    raise ValueError(f"{path}: not UTF-8 text ({e})") from e
+_read_text = files_lib.read_text
 
 
 def _checkpoint_dtype(infos, needed: list[str], embed: str, folder: str) -> str:
@@ -128,21 +112,6 @@ def _host(info: tensors_lib.TensorInfo, transpose: bool, dtype: np.dtype) -> np.
   out = np.array(mapped.T if transpose else mapped, dtype=dtype, order="C")
   del mapped
   return out
-
-
-def _load_tokenizer(folder: str):
-  path = os.path.join(folder, TOKENIZER_FILE)
-  if not files_lib.regular_file(path):
-    return None
-  import tokenizers  # a dependency of mdjax; imported only when a folder has a tokenizer
-  text = _read_text(path)  # read here: the library would open a FIFO swapped in and block
-  try:
-    return tokenizers.Tokenizer.from_str(text)
-  except BaseException as e:  # its own exception type, or a panic on a malformed section
-    if not tokenizer_failure(e):
-      raise
-    raise ValueError(f"{path}: unreadable tokenizer ({type(e).__name__}: "
-                     f"{str(e).splitlines()[0] if str(e) else ''})") from None
 
 
 def check_tokenizer(tokenizer, config, raw: dict, path: str) -> None:
@@ -264,6 +233,7 @@ def load(path: str, *, dtype: str | None = None, mesh: Mesh | None = None, confi
   ValueError raised before any weight is read.
   """
   _check_dtype(dtype)
+  mesh = None if mesh is None else auto_axes(mesh)  # the models' gathers refuse Explicit axes
   src = os.fspath(path)
   ckpt = _ckpt_file(src)
   folder = src if ckpt is None else os.path.dirname(os.path.abspath(ckpt))

@@ -10,14 +10,7 @@ from typing import Any, Callable, Sequence
 
 from mdjax import checkpoints
 from mdjax.model import Model
-
-TOKENIZER_FILE = "tokenizer.json"
-
-
-def tokenizer_failure(e: BaseException) -> bool:
-  """Whether `e` is the tokenizers library refusing its input: an Exception, or the Rust
-  panic pyo3 raises as PanicException, which derives from BaseException only."""
-  return isinstance(e, Exception) or type(e).__name__ == "PanicException"
+from mdjax.tokenizers import TOKENIZER_FILE, tokenizer_failure
 
 
 def _tokenizing(call, where: str):

@@ -40,7 +40,7 @@ from mdjax.sampling.families.entropy_bounded import EntropyBoundedSpec
 from mdjax.sampling.families.field_order import FieldOrderSpec, parse_write_order
 from mdjax.sampling.families.local_remask import LocalRemaskSpec
 from mdjax.sampling.families.mdlm import MDLMSpec
-from mdjax.sampling.families.ordered import OrderedSpec
+from mdjax.sampling.families.ordered import OrderedSpec, parse_groups
 from mdjax.sampling.families.random_order import RandomOrderSpec
 from mdjax.sampling.families.remask import RemaskSpec
 from mdjax.sampling.families.revision import RevisionSpec
@@ -56,7 +56,7 @@ __all__ = [
     "EntropyBoundedSpec", "Family", "FieldOrderSpec", "IDLE_FRACTION_TO_SKIP", "KV_CACHES", "LocalRemaskSpec", "MDLMSpec", "OrderedSpec",
     "RandomOrderSpec", "RemaskSpec",
     "RevisionSpec", "SCORES", "SampleResult", "SamplerSpec", "SpeculativeSpec", "families",
-    "family_of", "lower", "make_spec", "num_steps", "offers_cache", "parse_write_order",
+    "family_of", "lower", "make_spec", "num_steps", "offers_cache", "parse_groups", "parse_write_order",
     "recompute_cache", "register", "row_keys", "sample", "sample_blocks", "sample_python_loop",
     "time_grid",
 ]

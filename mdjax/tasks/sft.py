@@ -17,6 +17,10 @@ it) and only the prompt stays visible.
 
 The tokenizer and the ids are the start point's (`start`: "pretrained:DIR" for a published
 Hugging Face folder, or an mdjax workdir), so `start` is `train.init_from` in `configs/sft.py`.
+They are read here without the trainer (`vocabulary`): a published folder's tokenizer.json,
+config.json and chat template, or a workdir's saved config and task metadata
+(`mdjax.saved_run`), whose text task is built again for its tokenizer. The start point's
+model, and the export of the fine-tuned one, are training's (`mdjax.train.sft`).
 
 A row carries which positions are prompt in the token array itself: a prompt token `i` is
 stored as `-1 - i` (`pack_rows`; `unpack_rows` undoes it), so a batch stays one int32 array
@@ -37,7 +41,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mdjax import checkpoints as families
+from mdjax.models.published import PublishedConfig
+from mdjax.pretrained.chat_template import render_chat
+from mdjax.pretrained.load import _chat_template
+from mdjax.saved_run import saved_config
+from mdjax.tasks import corpus, text
 from mdjax.tasks.base import Task
+from mdjax.tokenizers import load_hf_tokenizer
 
 PRETRAINED_PREFIX = "pretrained:"
 # A published start point's files that decide an SFT run's ids (its weights are not hashed:
@@ -183,12 +194,10 @@ def resolve_start(start):
 
 def published_config(folder: str):
   """(PublishedConfig, config.json as read) of a published folder, no weight read."""
-  from mdjax.models.published import PublishedConfig
-  from mdjax.pretrained import layouts
   path = os.path.join(folder, "config.json")
   with open(path) as f:
     raw = json.load(f)
-  config = layouts.detect(raw, path).config_from_hf(raw, "float32")
+  config = families.detect(raw, path).config_from_hf(raw, "float32")
   if not isinstance(config, PublishedConfig):
     raise ValueError(f"{path}: a {config.family} checkpoint; fine-tuning starts from LLaDA or "
                      "Dream folders (or an mdjax workdir).")
@@ -196,10 +205,8 @@ def published_config(folder: str):
 
 
 def _published_vocabulary(folder: str) -> Vocabulary:
-  from mdjax.pretrained.chat_template import render_chat
-  from mdjax.pretrained.load import _chat_template, _load_tokenizer
   config, _ = published_config(folder)
-  tokenizer = _load_tokenizer(folder)
+  tokenizer = load_hf_tokenizer(folder)
   if tokenizer is None:
     raise ValueError(f"{folder}: no tokenizer.json; fine-tuning on text needs the tokenizer.")
   if config.eos_id is None:
@@ -215,16 +222,21 @@ def _published_vocabulary(folder: str) -> Vocabulary:
       chat=chat, tokenizer=tokenizer, description=f"{config.family} {folder}")
 
 
-def _workdir_vocabulary(workdir: str) -> Vocabulary:
-  import ml_collections
-
-  from mdjax import tasks
-  from mdjax.train import sft as train_sft
-  saved_config, saved_task = train_sft.saved_config(workdir)
-  task = tasks.from_config(ml_collections.ConfigDict(saved_config), saved_task)
-  if task.encode is None:
-    raise ValueError(f"start={workdir!r}: its task {task.name!r} has no tokenizer; fine-tuning "
+def _start_task(workdir: str) -> Task:
+  """The task of a workdir start point, built again from its saved config and task metadata
+  (a text task's vocabulary): one of the tasks with a tokenizer."""
+  config, metadata = saved_config(workdir)
+  name = config.get("task")
+  builders = {"text": text.bind, "corpus": corpus.bind, "sft": bind}  # the text tasks
+  if name not in builders:
+    raise ValueError(f"start={workdir!r}: its task {name!r} has no tokenizer; fine-tuning "
                      "on text starts from a text model.")
+  kwargs = {k: v for k, v in (config.get("task_kwargs") or {}).items() if v is not None}
+  return builders[name](**{**kwargs, **metadata})
+
+
+def _workdir_vocabulary(workdir: str) -> Vocabulary:
+  task = _start_task(workdir)
   if task.eos_id is None:
     raise ValueError(f"start={workdir!r}: its task has no EOS id (text with documents='none'); "
                      "the rows are padded with EOS: start from a model trained with "

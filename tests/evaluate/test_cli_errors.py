@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from mdjax import evaluate, pretrained
-from mdjax.evaluate import gen_ppl
-from mdjax.pretrained import perplexity
+from mdjax.evaluate import gen_ppl, perplexity
 from tests.paths import REPO
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
@@ -63,7 +62,7 @@ def test_perplexity_errors_are_one_line(tmp_path, capsys, monkeypatch):
                                     f"--tokens={tmp_path / 'none.npy'}"])
   with warnings.catch_warnings(), pytest.raises(SystemExit) as exit_:
     warnings.simplefilter("ignore", RuntimeWarning)  # runpy: the module is imported already
-    runpy.run_module("mdjax.pretrained.perplexity", run_name="__main__")
+    runpy.run_module("mdjax.evaluate.perplexity", run_name="__main__")
   assert exit_.value.code == 2
   assert "none.npy' is not a file" in _error_line(capsys, "perplexity")
 

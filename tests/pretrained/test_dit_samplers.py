@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from mdjax import diffusion, likelihood, sampling
+from mdjax.evaluate import perplexity as perplexity_lib
 from mdjax.models import dit
-from mdjax.pretrained import dit_samplers, perplexity as perplexity_lib
+from mdjax.pretrained import dit_samplers
 from mdjax.sampling import transforms
 from mdjax.sampling.families import bd3lm, mdlm
 from mdjax.streams import StepStream
@@ -269,7 +270,7 @@ def test_perplexity_reads_token_files_and_uses_each_models_estimator(tmp_path):
   mdlm_model = TinyModel(params=None, config=dit.DiTConfig(family="mdlm", **config),
                          apply_fn=two_color.exact_denoiser)
   a = perplexity_lib.perplexity(mdlm_model, str(npy), batch_size=64, key=jax.random.key(1))
-  b = dit_samplers.perplexity(mdlm_model, str(raw), batch_size=64, key=jax.random.key(1))
+  b = perplexity_lib.perplexity(mdlm_model, str(raw), batch_size=64, key=jax.random.key(1))
   assert a == {**b} and a["windows"] == 64 * 8 and a["model"] == "mdlm"
   exact = (1 - 1e-3) ** 2 * (1 + 1e-3) * math.log(2) / 2
   assert abs(a["nelbo_nats_per_token"] - exact) < 4 * a["stderr"]

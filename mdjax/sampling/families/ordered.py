@@ -98,3 +98,20 @@ class Ordered(Family):
     _, conf_BxL = transforms.value_probs(logits_BxLxV, values_BxL)
     write_BxL = step.plan.write_L[None, :] & ctx.masked(core.tokens_BxL)
     return core.commit(write_BxL, values_BxL, conf_BxL, step.index), None
+
+
+def parse_groups(text: str) -> tuple[tuple[int, ...], ...]:
+  """`OrderedSpec.groups` from notation: "0,1;2-4;5" -> ((0, 1), (2, 3, 4), (5,)) (groups
+  ';'-separated, positions ','-separated, a-b a range); a ValueError names the bad part."""
+  groups = []
+  for group in text.split(";"):
+    positions = []
+    for part in group.split(","):
+      low, _, high = part.strip().partition("-")
+      try:
+        positions.extend(range(int(low), int(high or low) + 1))
+      except ValueError:
+        raise ValueError(f"groups={text!r}: {part!r} is not a position or a range a-b (groups "
+                         "';'-separated, positions ','-separated).") from None
+    groups.append(tuple(positions))
+  return tuple(groups)

@@ -1,6 +1,6 @@
 """The NELBO and perplexity bound of a MDLM / BD3-LM checkpoint on a token file.
 
-  python -m mdjax.pretrained.perplexity --pretrained=DIR --tokens=FILE [--batch_size=16]
+  python -m mdjax.evaluate.perplexity --pretrained=DIR --tokens=FILE [--batch_size=16]
       [--num_batches=N] [--seed=0] [--dtype=float32] [--clipped]
 
 DIR: a folder `mdjax.pretrained.load` reads (kuleshov-group/mdlm-owt,
@@ -30,7 +30,8 @@ import os
 import jax
 import numpy as np
 
-from mdjax import cli, diffusion, jsonl, likelihood
+from mdjax import cli, diffusion, jsonl
+from mdjax.evaluate.elbo import windows_nelbo
 from mdjax.models import dit
 
 BIN_DTYPES = ("uint16", "uint32", "int32", "int64")
@@ -93,7 +94,7 @@ def perplexity(model, tokens_file, *, batch_size: int, key: jax.Array,
   """NELBO per token, bits per token and the perplexity bound exp(NELBO) of a MDLM or BD3-LM
   `model` (`apply_fn`, `params`, `config` a DiTConfig) on `tokens_file` (a path, or an array
   of ids), cut into windows of the model's length; each model's own estimator (module
-  docstring). Batches are `likelihood.windows_nelbo`'s: batch b draws from fold_in(key, b);
+  docstring). Batches are `elbo.windows_nelbo`'s: batch b draws from fold_in(key, b);
   `stderr` is over batches (NaN with one). Returns its dict plus `model`, `t_min`, `t_max`,
   `windows`."""
   config = getattr(model, "config", None)
@@ -111,12 +112,12 @@ def perplexity(model, tokens_file, *, batch_size: int, key: jax.Array,
     if clipped:
       raise ValueError("clipped=True is BD3-LM's clipped schedule; this is a MDLM model.")
     t_min, t_max = ELBO_RANGE
-    out = likelihood.windows_nelbo(
+    out = windows_nelbo(
         apply_fn, model.params, x_NxL, batch_size=batch_size, num_batches=num_batches, key=key,
         schedule=diffusion.LogLinearSchedule(eps=config.noise_eps), t_min=t_min)
   else:
     t_min, t_max = eps_range(model, clipped)
-    out = likelihood.windows_nelbo(
+    out = windows_nelbo(
         apply_fn, model.params, x_NxL, batch_size=batch_size, num_batches=num_batches, key=key,
         schedule=diffusion.LinearSchedule(), t_min=t_min, t_max=t_max,
         block_size=config.block_size, first_maskable=False)
@@ -126,7 +127,7 @@ def perplexity(model, tokens_file, *, batch_size: int, key: jax.Array,
 
 def main(argv=None) -> dict:
   parser = cli.Parser(
-      "perplexity", prog="python -m mdjax.pretrained.perplexity",
+      "perplexity", prog="python -m mdjax.evaluate.perplexity",
       description="NELBO (bits per token) and the perplexity bound of a MDLM / BD3-LM "
                   "checkpoint on a token file.")
   parser.add_argument("--pretrained", required=True, help="the checkpoint folder (or .ckpt)")

@@ -1,0 +1,89 @@
+"""The one FSDP rule (`mdjax.mesh`) for training and loading, and a published model loaded
+onto a mesh as docs/pretrained.md shows it, then sampled."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh, PartitionSpec
+
+from mdjax import mesh as mesh_lib
+from tests.paths import REPO
+
+LLADA = os.path.join(REPO, "tests", "fixtures", "pretrained", "llada")
+
+
+def test_the_largest_dimension_the_axis_divides_is_split():
+  spec = mesh_lib.fsdp_spec
+  assert spec((16, 64), "fsdp", 8) == PartitionSpec(None, "fsdp")
+  assert spec((64, 64), "fsdp", 8) == PartitionSpec("fsdp", None)  # the first of equal ones
+  # GPT-2's vocabulary does not split over 8 devices; the width does.
+  assert spec((50258, 768), "fsdp", 8) == PartitionSpec(None, "fsdp")
+  assert spec((16, 6), "data", 4) == PartitionSpec("data", None)
+  # The layer axis of a stacked leaf is never split, however large; vectors are replicated.
+  assert spec((8, 4, 6), "fsdp", 4, stacked=True) == PartitionSpec(None, "fsdp", None)
+  assert spec((8, 3, 6), "fsdp", 4, stacked=True) == PartitionSpec()
+  assert spec((8, 16), "fsdp", 4, stacked=True) == PartitionSpec()
+  assert spec((16,), "data", 4) == PartitionSpec() and spec((), "data", 4) == PartitionSpec()
+
+
+def test_a_matrix_no_dimension_divides_is_replicated_in_training_refused_in_loading():
+  assert mesh_lib.fsdp_spec((6, 10), "data", 4) == PartitionSpec()
+  with pytest.raises(ValueError, match=r"tensor head \(6, 10\): dim 1 of size 10 is not "
+                                       r"divisible by mesh axis 'fsdp' of size 4, nor is any"):
+    mesh_lib.fsdp_spec((6, 10), "fsdp", 4, strict=True, name="head")
+  with pytest.raises(ValueError, match="tensor q"):
+    mesh_lib.partition_spec("q", (6, 10), "fsdp", 4)
+
+
+def test_training_and_loading_share_the_rule():
+  from mdjax import pretrained, train
+  assert train.param_sharding is mesh_lib.param_sharding
+  assert train.make_mesh is mesh_lib.make_mesh
+  assert pretrained.partition_spec is mesh_lib.partition_spec
+  params = {"embed": np.zeros((7, 16)), "scale": np.zeros(16), "head": np.zeros((16, 6))}
+  mesh = mesh_lib.make_mesh(1)
+  shardings = mesh_lib.param_sharding(mesh, params, fsdp=True)
+  assert shardings["embed"].spec == PartitionSpec(None, "data")
+  assert shardings["head"].spec == PartitionSpec("data", None)
+  assert shardings["scale"].spec == PartitionSpec()
+  assert all(s.spec == PartitionSpec()
+             for s in jax.tree.leaves(mesh_lib.param_sharding(mesh, params, fsdp=False)))
+
+
+def test_explicit_axes_become_auto():
+  explicit = Mesh(np.array(jax.devices()[:1]), ("fsdp",), axis_types=(AxisType.Explicit,))
+  auto = mesh_lib.auto_axes(explicit)
+  assert auto.axis_types == (AxisType.Auto,) and auto.axis_names == ("fsdp",)
+  assert list(auto.devices.flat) == list(explicit.devices.flat)
+  assert mesh_lib.auto_axes(auto) is auto
+
+
+def test_documented_mesh_load_then_generate_on_four_devices():
+  """docs/pretrained.md's call, `jax.make_mesh` (Explicit axes) and all, over 4 devices: the
+  parameters are split and the samples are the unsharded model's, token for token."""
+  code = textwrap.dedent(f"""
+    import jax, numpy as np
+    from mdjax import pretrained
+
+    assert jax.device_count() == 4
+    mesh = jax.make_mesh((jax.device_count(),), ("fsdp",))
+    model = pretrained.load({LLADA!r}, mesh=mesh)
+    embed = model.params["embed"]
+    assert embed.sharding.num_devices == 4 and embed.sharding.spec[0] == "fsdp", embed.sharding
+    prompt = np.array([[1, 2, 3], [4, 5, 6], [7, 8, 9], [3, 3, 3]], np.int32)
+    sharded = pretrained.generate(model, prompt, steps=2, gen_length=4, block_length=4)
+    alone = pretrained.generate(pretrained.load({LLADA!r}), prompt, steps=2, gen_length=4,
+                                block_length=4)
+    np.testing.assert_array_equal(np.asarray(sharded), np.asarray(alone))
+    print("MESH LOAD OK")
+  """)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
+      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip())
+  proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        timeout=300, cwd=REPO)
+  assert "MESH LOAD OK" in proc.stdout, proc.stderr[-3000:]
