@@ -109,6 +109,13 @@ class GenerationPlan:
             f"blocks; the sampler's steps count per block)")
 
 
+def check_max_new_tokens(max_new_tokens) -> None:
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+      or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid: it must be an integer "
+                     ">= 1 (tokens generated after each prompt).")
+
+
 def plan_generation(prompt_lengths: Sequence[int], max_new_tokens: int, *, max_len: int,
                     model_block: int | None = None, blocks_of: int | None = None,
                     window: int | None = None, block_length: int | None = None
@@ -117,10 +124,7 @@ def plan_generation(prompt_lengths: Sequence[int], max_new_tokens: int, *, max_l
 
   model_block: the denoiser's block size when it is block-causal (it can then generate past
   `max_len`); block_length: the spec's semi-autoregressive blocks, if any."""
-  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-      or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid: it must be an integer "
-                     ">= 1 (tokens generated after each prompt).")
+  check_max_new_tokens(max_new_tokens)
   if not len(prompt_lengths):
     raise ValueError("prompts is empty: give at least one prompt (an empty prompt is fine).")
   longest, new = int(max(prompt_lengths)), int(max_new_tokens)
@@ -277,6 +281,7 @@ def generate_ids(model: Model, prompts_ids: Sequence[np.ndarray], *, max_new_tok
   program), row i drawing with `fold_in(key, i)`."""
   if not len(prompts_ids):
     raise ValueError("prompts is empty: give at least one prompt (an empty prompt is fine).")
+  check_max_new_tokens(max_new_tokens)
   longest = max(len(p) for p in prompts_ids)
   run = sampler_plan(model, longest, max_new_tokens, spec, **knobs)
   if blocks_of is None and run.blocks_of is not None:

@@ -100,18 +100,20 @@ def partition_spec(name: str, shape: tuple[int, ...], axis_name: str, axis_size:
   return fsdp_spec(shape, axis_name, axis_size, stacked=stacked, strict=True, name=name)
 
 
-def param_sharding(mesh: Mesh, params, fsdp: bool, axis_name: str = DATA):
+def param_sharding(mesh: Mesh, params, fsdp: bool, axis_name: str | None = None):
   """The NamedSharding of every leaf of `params`: split by `fsdp_spec` over `axis_name`
-  (fsdp=True; matrices no dimension divides replicated), or all replicated."""
+  (default the mesh's first axis, as the loader splits; training's mesh has 'data' alone)
+  with fsdp=True (matrices no dimension divides replicated), or all replicated."""
   mesh = auto_axes(mesh)
+  axis_name = mesh.axis_names[0] if axis_name is None else axis_name
   size = mesh.shape[axis_name]
   spec = lambda x: fsdp_spec(np.shape(x), axis_name, size) if fsdp else PartitionSpec()
   return jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), params)
 
 
 def shard_params(mesh: Mesh, params, fsdp: bool = True):
-  """Parameters on the mesh as training stores them: split by the FSDP rule over the 'data'
-  axis (fsdp=True, train.fsdp=True), or replicated."""
+  """Parameters on the mesh as training stores them: split by the FSDP rule over the mesh's
+  first axis (fsdp=True, train.fsdp=True), or replicated."""
   return jax.device_put(params, param_sharding(mesh, params, fsdp))
 
 
@@ -168,7 +170,8 @@ def sample_on_mesh(apply_fn, params: Any, key: jax.Array, tokens_BxL, spec, mesh
   rows = NamedSharding(mesh, PartitionSpec(DATA))
   put = lambda x: None if x is None else jax.device_put(np.asarray(x), rows)
   keys_B = sampling.row_keys(key, batch)
-  return sampling.sample(gathered(apply_fn, mesh), shard_params(mesh, params, fsdp),
+  params = jax.device_put(params, param_sharding(mesh, params, fsdp, DATA))
+  return sampling.sample(gathered(apply_fn, mesh), params,
                          jax.device_put(keys_B, rows),
                          put(tokens_BxL), spec, put(fixed_BxL), mask_id=mask_id,
                          valid_BxL=put(valid_BxL))

@@ -58,7 +58,9 @@ class Model:
   denoiser: the `Denoiser` (`apply_fn` is the same value). params: its parameters (a
   workdir's EMA parameters when it kept them). family: the published family ("llada",
   "dream", "mdlm", "bd3lm", "llama", "qwen2"), "mdjax" for a train.py workdir, "oracle" for a
-  task's exact denoiser. vocab_size: the logits' last axis. max_len: the positions it holds.
+  task's exact denoiser. vocab_size: the ids a prompt or a sample may hold are [0,
+  vocab_size), the mask id among them (a published LLaDA, Dream) or just past them (mdjax's
+  models, MDLM, BD3-LM: mask id V). max_len: the positions it holds.
   mask_id: None for a causal judge (reading `mask_id` is then a ValueError). eos_id / eot_id /
   pad_id: end of sequence, end of turn, the id left padding carries (never attended).
   encode(text, add_special_tokens=False) -> ids and decode(ids) -> text: its text codec (None

@@ -53,6 +53,10 @@ def test_training_and_loading_share_the_rule():
   assert shardings["scale"].spec == PartitionSpec()
   assert all(s.spec == PartitionSpec()
              for s in jax.tree.leaves(mesh_lib.param_sharding(mesh, params, fsdp=False)))
+  # Any mesh: its first axis, as the loader splits (a workdir loaded with mesh=).
+  fsdp = Mesh(np.array(jax.devices()[:1]), ("fsdp",), axis_types=(AxisType.Explicit,))
+  assert mesh_lib.param_sharding(fsdp, params, fsdp=True)["embed"].spec == PartitionSpec(
+      None, "fsdp")
 
 
 def test_explicit_axes_become_auto():
@@ -80,6 +84,12 @@ def test_documented_mesh_load_then_generate_on_four_devices():
     alone = pretrained.generate(pretrained.load({LLADA!r}), prompt, steps=2, gen_length=4,
                                 block_length=4)
     np.testing.assert_array_equal(np.asarray(sharded), np.asarray(alone))
+    # The same through the one loader and generate, as the page now writes it.
+    import mdjax
+    run = lambda model: [c.token_ids.tolist() for c in mdjax.generate(
+        model, [[1, 2, 3], [4, 5]], max_new_tokens=4, steps=2, block_length=4,
+        key=jax.random.key(0))]
+    assert run(mdjax.load({LLADA!r}, mesh=mesh)) == run(mdjax.load({LLADA!r}))
     print("MESH LOAD OK")
   """)
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(

@@ -38,7 +38,7 @@ def test_load_reads_every_kind_into_one_record(llada, trained):
   assert workdir.workdir == str(root / "char") and workdir.step > 0
   assert not oracle.takes_padding and oracle.params is None
   assert mdjax.load("two_color").family == "oracle"  # a bare task name, when no such path
-  assert mdlm.mask_id == mdlm.vocab_size - 1 and mdlm.max_len == mdlm.config.model_length
+  assert mdlm.mask_id == mdlm.vocab_size and mdlm.max_len == mdlm.config.model_length
 
 
 @pytest.mark.parametrize("path,kwargs,match", [

@@ -116,8 +116,9 @@ class DiTFamily(Family):
 
   def _check_writable(self, config):
     if not isinstance(config, DiTConfig) or config.family != self.network:
-      raise ValueError(f"config {type(config).__name__}(family={getattr(config, 'family', None)!r}) "
-                       f"cannot be written as {self.family} (a DiTConfig of that family)")
+      given = f"{type(config).__name__}(family={getattr(config, 'family', None)!r})"
+      raise ValueError(f"config {given} cannot be written as {self.family} (a DiTConfig of "
+                       "that family)")
     for name, value in DIT_FIXED.items():
       if getattr(config, name) != value:
         raise ValueError(f"config.{name}={getattr(config, name)!r} cannot be written as "

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mdjax import diffusion
-from mdjax.evaluate.loglikelihood import check_count, standard_error
+from mdjax.evaluate.loglikelihood import standard_error
+from mdjax.models.checks import check_count
 
 Array = jax.Array
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mdjax.denoiser import Denoiser
+from mdjax.models.checks import check_count
 
 Array = jax.Array
 
@@ -231,12 +232,6 @@ def standard_error(values_SxB: np.ndarray) -> np.ndarray:
   with np.errstate(invalid="ignore"):  # an impossible continuation: -inf, stderr NaN
     return (values_SxB.std(0, ddof=1) / math.sqrt(num_samples) if num_samples > 1
             else np.full(np.shape(values_SxB)[1:], np.nan))
-
-
-def check_count(name: str, value, least: int = 1, why: str = "") -> None:
-  """A ValueError naming `name` unless `value` is an integer (not a bool) >= `least`."""
-  if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < least:
-    raise ValueError(f"{name}={value!r} must be an integer >= {least}{why}.")
 
 
 def loglikelihood(apply_fn, params: Any, context_BxC, continuation_BxT, *,

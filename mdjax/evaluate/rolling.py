@@ -21,7 +21,8 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from mdjax.evaluate.loglikelihood import check_count, draws, standard_error
+from mdjax.evaluate.loglikelihood import draws, standard_error
+from mdjax.models.checks import check_count
 
 
 class RollingLogLikelihood(NamedTuple):

@@ -14,6 +14,13 @@ def is_number(value) -> bool:
   return isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
 
 
+def check_count(name: str, value, least: int = 1, why: str = "") -> None:
+  """A ValueError naming `name` unless `value` is an integer (not a bool) >= `least`; `why`
+  ends the message (" (the vocabulary size V)")."""
+  if not (is_int(value) and value >= least):
+    raise ValueError(f"{name}={value!r} must be an integer >= {least}{why}.")
+
+
 def check_common(config, families: tuple[str, ...], dtypes: tuple[str, ...],
                  counts: tuple[str, ...], positive: tuple[str, ...]) -> None:
   """`family` and `dtype` among the allowed; the `counts` fields integers >= 1; the
@@ -23,9 +30,7 @@ def check_common(config, families: tuple[str, ...], dtypes: tuple[str, ...],
   if config.dtype not in dtypes:
     raise ValueError(f"dtype={config.dtype!r} must be one of {dtypes}.")
   for name in counts:
-    value = getattr(config, name)
-    if not (is_int(value) and value >= 1):
-      raise ValueError(f"{name}={value!r} must be an integer >= 1.")
+    check_count(name, getattr(config, name))
   for name in positive:
     value = getattr(config, name)
     if not (is_number(value) and value > 0):

@@ -78,10 +78,11 @@ def rope_table(length: int, half: int) -> tuple[np.ndarray, np.ndarray]:
 
 def rotate(x_BxQxHxK: Array, cos_BxQxC: Array, sin_BxQxC: Array, *, form: str,
            float32: bool) -> Array:
-  """The half-split rotary embedding (the first half of each head pairs with the second;
-  cos and sin per position, the same for every head), in x's dtype. `float32`: rotate in
-  float32 (else in x's dtype, promoted by the tables'). The same rotation written in each
-  reference's order of operations (`form`; they can differ in the last bit):
+  """The half-split rotary embedding (the first half of each head pairs with the second),
+  in x's dtype. cos and sin are per position, the same for every head: B x Q x C, or
+  B x Q x 1 x C (B may be 1). `float32`: rotate in float32 (else in x's dtype, promoted by
+  the tables'). The same rotation written in each reference's order of operations (`form`;
+  they can differ in the last bit):
 
     "rotate_half": x * cos + rotate_half(x) * sin, tables K wide (Hugging Face Llama)
     "halves": [x1 cos - x2 sin, x2 cos + x1 sin], tables K/2 wide (flash-attn)
@@ -91,12 +92,13 @@ def rotate(x_BxQxHxK: Array, cos_BxQxC: Array, sin_BxQxC: Array, *, form: str,
     raise ValueError(f"form={form!r} must be one of {ROTATIONS}.")
   x = x_BxQxHxK.astype(jnp.float32) if float32 else x_BxQxHxK
   half = x.shape[-1] // 2
+  per_head = lambda table: table[:, :, None] if table.ndim < x.ndim else table
   if form == "rotate_half":
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    out = x * cos_BxQxC[:, :, None] + rotated * sin_BxQxC[:, :, None]
+    out = x * per_head(cos_BxQxC) + rotated * per_head(sin_BxQxC)
     return out.astype(x_BxQxHxK.dtype)
   x1, x2 = x[..., :half], x[..., half:]
-  cos, sin = cos_BxQxC[:, :, None], sin_BxQxC[:, :, None]
+  cos, sin = per_head(cos_BxQxC), per_head(sin_BxQxC)
   first = x1 * cos - x2 * sin
   second = x2 * cos + x1 * sin if form == "halves" else x1 * sin + x2 * cos
   return jnp.concatenate([first, second], axis=-1).astype(x_BxQxHxK.dtype)

@@ -117,10 +117,10 @@ def rope(x_BxLxHxK: Array, positions_L: Array | None = None, max_len: int = 0) -
   length, half = x_BxLxHxK.shape[1], x_BxLxHxK.shape[-1] // 2
   cos_PxK, sin_PxK = rope_table(max(length, max_len), half)
   if positions_L is None:
-    cos, sin = cos_PxK[None, :length], sin_PxK[None, :length]
+    cos, sin = cos_PxK[None, :length, None], sin_PxK[None, :length, None]
   else:
     at = lambda table_PxK: jnp.asarray(table_PxK)[positions_L].reshape(
-        (-1, length, half))  # [B x] L x K/2 -> (B or 1) x L x K/2
+        (-1, length, 1, half))  # [B x] L x K/2 -> (B or 1) x L x 1 x K/2
     cos, sin = at(cos_PxK), at(sin_PxK)
   return layers.rotate(x_BxLxHxK, cos, sin, form="halves_sin_first", float32=False)
 

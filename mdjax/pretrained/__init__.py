@@ -2,10 +2,10 @@
 sample, save.
 
 `load(folder)` reads config.json, the safetensors weights (one file or sharded with an
-index), tokenizer.json and the chat template into a `PretrainedModel` whose `apply_fn` is
-`mdjax.models.published.denoiser(config)` (MDLM / BD3-LM: `mdjax.models.dit.denoiser`; a
-torch / Lightning `.ckpt` is read too, by the restricted reader of `lightning`); `generate` (LLaDA's, with Fast-dLLM's rules and
-caches) and `diffusion_generate` (Dream's) sample it as the reference code does;
+index), tokenizer.json and the chat template into a `mdjax.model.Model` built by its family's
+file of `mdjax.checkpoints` (denoiser, ids, reference sampler; a torch / Lightning `.ckpt` is
+read too, by the restricted reader of `lightning`); `generate` (LLaDA's, with Fast-dLLM's
+rules and caches) and `diffusion_generate` (Dream's) sample it as the reference code does;
 `complete` goes from texts to texts; `save` writes such a folder back, bit for bit.
 """
 

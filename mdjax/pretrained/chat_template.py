@@ -20,7 +20,10 @@ from jinja2.compiler import CodeGenerator
 from jinja2.utils import Namespace
 
 from mdjax import files as files_lib
-from mdjax.pretrained import load as load_lib
+
+# Where a folder keeps its template: its own file, or tokenizer_config.json's chat_template.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 def _special_token(special: dict, key: str, where: str) -> str:
   """A tokenizer_config.json special token: a string or {"content": ...}."""
@@ -252,9 +255,9 @@ def _template_file(model) -> str:
   """The file a model's chat template was read from, for messages."""
   if not model.source:
     return "<chat template>"
-  path = os.path.join(model.source, load_lib.CHAT_TEMPLATE_FILE)
+  path = os.path.join(model.source, CHAT_TEMPLATE_FILE)
   return path if os.path.isfile(path) else os.path.join(model.source,
-                                                        load_lib.TOKENIZER_CONFIG_FILE)
+                                                        TOKENIZER_CONFIG_FILE)
 
 
 def render_chat(model, messages: Sequence[dict[str, str]]) -> str:
@@ -267,9 +270,9 @@ def render_chat(model, messages: Sequence[dict[str, str]]) -> str:
     raise ValueError("chat=True needs the checkpoint's chat template (tokenizer_config.json "
                      "'chat_template' or chat_template.jinja); this folder has none.")
   special = {}
-  config_path = os.path.join(model.source or "", load_lib.TOKENIZER_CONFIG_FILE)
+  config_path = os.path.join(model.source or "", TOKENIZER_CONFIG_FILE)
   if model.source and files_lib.regular_file(config_path):
-    special = load_lib._read_json(config_path)
+    special = files_lib.read_json(config_path, "JSON")
   bos_token, eos_token = (_special_token(special, key, config_path)
                           for key in ("bos_token", "eos_token"))
   where = _template_file(model)

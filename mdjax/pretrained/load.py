@@ -42,13 +42,12 @@ from mdjax.models.dit import DiTConfig
 from mdjax.models.published import DTYPES, PublishedConfig
 from mdjax.pretrained import lightning
 from mdjax.pretrained import tensors as tensors_lib
+from mdjax.pretrained.chat_template import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE
 from mdjax.pretrained.record import PretrainedModel  # noqa: F401  (its earlier home)
-from mdjax.pretrained.record import TOKENIZER_FILE, published_model, tokenizer_failure
+from mdjax.pretrained.record import TOKENIZER_FILE, published_model, tokenizer_failure  # noqa: F401
 from mdjax.tokenizers import load_hf_tokenizer as _load_tokenizer
 
 CONFIG_FILE = "config.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # Files beside the weights that `save` copies from the folder a model was loaded from.
 SIDE_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json",
               CHAT_TEMPLATE_FILE, "generation_config.json")

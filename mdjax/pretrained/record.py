@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 
 from mdjax import checkpoints
 from mdjax.model import Model
+from mdjax.pretrained.chat_template import render_chat
 from mdjax.tokenizers import TOKENIZER_FILE, tokenizer_failure
 
 
@@ -56,9 +57,9 @@ def published_model(*, params, config, family: str | None = None, apply_fn=None,
                params=params, family=kind.family, vocab_size=config.vocab_size,
                max_len=kind.max_len(config), mask_id_or_none=mask_id, eos_id=eos_id,
                eot_id=eot_id, pad_id=pad_id, encode=encode, decode=decode,
-               tokenizer=tokenizer, chat_template=chat_template, sampler=kind.sampler,
-               config=config, source=source, hf_config=hf_config, buffers=buffers,
-               bytes_read=bytes_read)
+               tokenizer=tokenizer, chat_template=chat_template, chat_renderer=render_chat,
+               sampler=kind.sampler, config=config, source=source, hf_config=hf_config,
+               buffers=buffers, bytes_read=bytes_read)
 
 
 _FIELDS = ("apply_fn", "params", "config", "family", "tokenizer", "chat_template", "source",

@@ -22,7 +22,7 @@ from mdjax import sampling
 from mdjax.checkpoints import dream as dream_family
 from mdjax.checkpoints import llada as llada_family
 from mdjax.checkpoints.base import check_choice as _check_choice  # noqa: F401  (complete.py's)
-from mdjax.checkpoints.base import check_int as _check_int
+from mdjax.checkpoints.base import check_int as _check_int  # noqa: F401
 from mdjax.checkpoints.base import check_number as _check_number  # noqa: F401
 from mdjax.checkpoints.llada import KV_CACHES, REMASKINGS  # noqa: F401  (their earlier home)
 from mdjax.checkpoints.prefix_cache import prefix_cache  # noqa: F401  (its earlier home)

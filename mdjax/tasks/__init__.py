@@ -73,4 +73,4 @@ def from_config(config, metadata: dict | None = None) -> Task:
 
 
 __all__ = ["PATH_KWARGS", "TASKS", "Task", "check", "corpus", "from_config", "get", "kwargs_of",
-           "resolve_paths", "scan_and_add", "text", "two_color"]
+           "resolve_paths", "scan_and_add", "sft", "text", "two_color"]

@@ -41,10 +41,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mdjax import checkpoints as families
-from mdjax.models.published import PublishedConfig
-from mdjax.pretrained.chat_template import render_chat
-from mdjax.pretrained.load import _chat_template
 from mdjax.saved_run import saved_config
 from mdjax.tasks import corpus, text
 from mdjax.tasks.base import Task
@@ -194,6 +190,10 @@ def resolve_start(start):
 
 def published_config(folder: str):
   """(PublishedConfig, config.json as read) of a published folder, no weight read."""
+  # The published families hold their reference samplers: imported by a published start
+  # point only, so that the tasks do not import the samplers.
+  from mdjax import checkpoints as families
+  from mdjax.models.published import PublishedConfig
   path = os.path.join(folder, "config.json")
   with open(path) as f:
     raw = json.load(f)
@@ -205,6 +205,8 @@ def published_config(folder: str):
 
 
 def _published_vocabulary(folder: str) -> Vocabulary:
+  from mdjax.pretrained.chat_template import render_chat  # as in `published_config`
+  from mdjax.pretrained.load import _chat_template
   config, _ = published_config(folder)
   tokenizer = load_hf_tokenizer(folder)
   if tokenizer is None:

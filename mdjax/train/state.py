@@ -14,7 +14,8 @@ from mdjax import diffusion, models, streams, tasks
 from mdjax.mesh import auto_axes, make_mesh, param_sharding  # noqa: F401  (train's names too)
 from mdjax.train import objectives
 from mdjax.train.config_checks import ConfigError
-from mdjax.train.objectives import block_nelbo_options, masking_schedule  # noqa: F401  (train's names too)
+# The losses' knobs, now the objectives'; their names here stay (train's names too).
+from mdjax.train.objectives import block_nelbo_options, masking_schedule  # noqa: F401
 
 Array = jax.Array
 

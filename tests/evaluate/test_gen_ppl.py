@@ -101,13 +101,14 @@ def test_mdjax_causal_model_as_judge(tmp_path):
   from flax import nnx
 
   from mdjax import likelihood, models
-  from mdjax.train import checkpoints, state
+  from mdjax import model as model_lib
+  from mdjax.train import state
   from tests.text_fixtures import tiny_config, write_corpus
   config = tiny_config(write_corpus(tmp_path / "corpus.txt"), causal=True)
   task = tasks.from_config(config)
   _, params, apply_fn = models.init(state.model_config(config, task), seed=0)
-  judge = checkpoints.Model(config=config, apply_fn=apply_fn, params=nnx.to_pure_dict(params),
-                            task=task, step=0, workdir=str(tmp_path / "causal"))
+  judge = model_lib.task_model(task, apply_fn, nnx.to_pure_dict(params), config=config, step=0,
+                               source=str(tmp_path / "causal"))
   windows = task.validation_windows(3)
   out = gen_ppl.generative_perplexity([task.decode(w) for w in windows], judge)
   bits = likelihood.causal_bits(judge.apply_fn, judge.params, windows, start_id=task.mask_id)
@@ -117,8 +118,8 @@ def test_mdjax_causal_model_as_judge(tmp_path):
     gen_ppl.generative_perplexity(["thou art", "thou ~ art"], judge)
   config.objective = "nelbo"
   with pytest.raises(ValueError, match="objective='nelbo', not 'causal'"):
-    gen_ppl.load_judge(checkpoints.Model(config=config, apply_fn=apply_fn, params=None,
-                                         task=task, step=0, workdir="w"))
+    gen_ppl.load_judge(model_lib.task_model(task, apply_fn, None, config=config, step=0,
+                                            source="w"))
 
 
 def test_bad_input(tmp_path):
@@ -139,7 +140,7 @@ def test_bad_input(tmp_path):
       run(**kwargs)
   with pytest.raises(ValueError, match="'llada' checkpoint, not a causal LM"):
     gen_ppl.generative_perplexity(["ab"], LLADA)
-  with pytest.raises(ValueError, match="neither a Hugging Face folder"):
+  with pytest.raises(ValueError, match="neither a train.py workdir .* nor a torch checkpoint"):
     gen_ppl.load_judge(str(tmp_path))
   with pytest.raises(ValueError, match="judge is a int"):
     gen_ppl.load_judge(3)

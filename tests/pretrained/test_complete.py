@@ -39,9 +39,9 @@ def test_chat_template_renders_as_hugging_face(llada):
 def test_bad_prompts(llada, tmp_path):
   with pytest.raises(ValueError, match="prompts is empty"):
     pretrained.encode_prompts(llada, [])
-  with pytest.raises(ValueError, match=f"prompt 1 holds .*mask id {llada.mask_id}"):
+  with pytest.raises(ValueError, match=f"prompts line 2 holds .*mask id {llada.mask_id}"):
     pretrained.encode_prompts(llada, ["a", [1, llada.mask_id]])
-  with pytest.raises(ValueError, match="prompt 0 is ids; chat=True"):
+  with pytest.raises(ValueError, match="prompts line 1 is ids; chat=True"):
     pretrained.encode_prompts(llada, [[1, 2]], chat=True)
   no_template = dataclasses.replace(llada, chat_template=None)
   with pytest.raises(ValueError, match="chat template"):

@@ -1,4 +1,4 @@
-"""likelihood.discrete_nelbo: MD4's T-step NELBO, every step summed, on exact denoisers."""
+"""elbo.discrete_nelbo: MD4's T-step NELBO, every step summed, on exact denoisers."""
 
 import functools
 import math
@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mdjax import diffusion, likelihood
+from mdjax import diffusion
+from mdjax.evaluate import elbo
 from mdjax.tasks import scan_and_add, two_color
 
 LINEAR = diffusion.LinearSchedule()
@@ -22,7 +23,7 @@ def test_two_color_equals_its_closed_form_and_converges_to_log_2():
   # -log p(x), the gap ln 2 / T closing as T grows.
   x = np.asarray(two_color.sample_data(jax.random.key(0), 64))
   for steps in (1, 2, 4, 64):
-    est = likelihood.discrete_nelbo(two_color.exact_denoiser, None, x, schedule=LINEAR,
+    est = elbo.discrete_nelbo(two_color.exact_denoiser, None, x, schedule=LINEAR,
                                     mask_id=two_color.MASK_ID, num_steps=steps, samples=8,
                                     steps_per_call=1)
     theory = math.log(2) * (steps + 1) / steps
@@ -40,7 +41,7 @@ def test_scan_and_add_converges_to_minus_log_p():
   exact = -scan_and_add.log_prob(x, SMALL).mean()
   # Eight steps per call: both T run one compiled program (the exact denoiser compiles
   # slowly). T = 1 is the two-color test's.
-  call = functools.partial(likelihood.discrete_nelbo, SA_DENOISER, None, x, schedule=LINEAR,
+  call = functools.partial(elbo.discrete_nelbo, SA_DENOISER, None, x, schedule=LINEAR,
                            mask_id=scan_and_add.MASK_ID, steps_per_call=8)
   est8, est256 = call(num_steps=8, samples=8), call(num_steps=256, samples=4)
   # T = 8: steps unmask several tokens at once (0.67 +- 0.12 nats above -log p(x) with 64
@@ -55,7 +56,7 @@ def test_scan_and_add_converges_to_minus_log_p():
 
 def test_bad_input_is_refused_before_compiling():
   x = np.zeros((2, 2), np.int32)
-  call = functools.partial(likelihood.discrete_nelbo, two_color.exact_denoiser, None,
+  call = functools.partial(elbo.discrete_nelbo, two_color.exact_denoiser, None,
                            schedule=LINEAR, mask_id=two_color.MASK_ID)
   with pytest.raises(ValueError, match="num_steps=0"):
     call(x, num_steps=0)
