@@ -10,8 +10,6 @@ denoiser) and `generate(model, prompts, ...)` (completions for any model, one ke
 
 from mdjax import diffusion
 from mdjax.denoiser import Denoiser
-from mdjax.generation import Completion, Completions, generate, generate_ids
-from mdjax.model import Model
 from mdjax.diffusion import (
     CosineSchedule,
     LinearSchedule,
@@ -30,3 +28,16 @@ def load(path: str, **kwargs):
   a task name (its exact denoiser). See `mdjax.loader.load`."""
   from mdjax import loader  # orbax, the models and the readers load on first use only
   return loader.load(path, **kwargs)
+
+
+# The samplers load on first use (`import mdjax` alone, as the tasks do, stays light).
+_LAZY = {"generate": "mdjax.generation", "generate_ids": "mdjax.generation",
+         "Completion": "mdjax.generation", "Completions": "mdjax.generation",
+         "Model": "mdjax.model"}
+
+
+def __getattr__(name: str):
+  if name in _LAZY:
+    import importlib
+    return getattr(importlib.import_module(_LAZY[name]), name)
+  raise AttributeError(f"module 'mdjax' has no attribute {name!r}")
