@@ -98,3 +98,43 @@ def test_sample_cli_pretrained(sample_cli, llada, tmp_path):
   proc = sample_cli(f"--pretrained={os.path.join(FIXTURES, 'llada')}", f"--prompts={prompts}",
                     "--max_new_tokens=8", "--alg=entropy")
   assert proc.returncode == 1 and "--alg does not apply to the llada" in proc.stderr
+
+
+def test_sample_cli_samples_mdlm_and_bd3lm_from_nothing(sample_cli, tmp_path):
+  """MDLM and BD3-LM folders through sample.py: unconditional rows by their reference
+  samplers (BD3-LM past its length, block by block), and id prompts completed."""
+  dit = os.path.join(REPO, "tests", "fixtures", "dit")
+  proc = sample_cli(f"--pretrained={os.path.join(dit, 'mdlm')}", "--num_samples=3",
+                    "--steps=4", f"--out={tmp_path / 'mdlm'}")
+  assert proc.returncode == 0, proc.stderr
+  rows = [json.loads(line) for line in (tmp_path / "mdlm" / "completions.jsonl").open()]
+  assert len(rows) == 3 and all(r["generated_length"] == len(r["token_ids"]) for r in rows)
+  bd3lm = os.path.join(dit, "bd3lm")
+  length = 2 * pretrained.load(bd3lm).max_len  # past the model's positions
+  proc = sample_cli(f"--pretrained={bd3lm}", "--num_samples=2", f"--length={length}",
+                    f"--out={tmp_path / 'bd3lm'}")
+  assert proc.returncode == 0, proc.stderr
+  rows = [json.loads(line) for line in (tmp_path / "bd3lm" / "completions.jsonl").open()]
+  assert [len(r["token_ids"]) for r in rows] == [length, length]
+  prompts = tmp_path / "ids.jsonl"
+  prompts.write_text('{"prompt": [5, 6, 7]}\n{"prompt": [8]}\n')
+  proc = sample_cli(f"--pretrained={os.path.join(dit, 'mdlm')}", f"--prompts={prompts}",
+                    "--max_new_tokens=4", "--steps=4")
+  assert proc.returncode == 0 and "2 completions" in proc.stdout, proc.stderr
+
+
+def test_a_family_by_name_inherits_the_reference_greedy_default(sample_cli, llada, tmp_path,
+                                                               monkeypatch):
+  """--sampler=confidence on LLaDA without --temperature is greedy, as LLaDA's reference
+  sampler: it once switched to temperature 1 silently."""
+  seen = []
+  real = sampling.sample
+  monkeypatch.setattr(sampling, "sample",
+                      lambda *args, **kwargs: seen.append(args[4]) or real(*args, **kwargs))
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text('{"prompt": "Hello"}\n')
+  base = (f"--pretrained={os.path.join(FIXTURES, 'llada')}", f"--prompts={prompts}",
+          "--max_new_tokens=4", "--sampler=confidence", "--steps=4")
+  assert sample_cli(*base).returncode == 0
+  assert sample_cli(*base, "--temperature=0.7").returncode == 0
+  assert [spec.temperature for spec in seen] == [0.0, 0.7]
