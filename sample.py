@@ -139,7 +139,7 @@ def fix_context(task: tasks.Task, canvas_BxL: np.ndarray, prefix: str | None,
 
 def reference_bits_per_char(workdir: str, task: tasks.Task, tokens_NxL: np.ndarray) -> float:
   """Mean -log2 p(sample) per character under a causal reference model of the same corpus."""
-  from mdjax import likelihood
+  from mdjax.evaluate import elbo
   reference = mdjax.load(workdir)
   kind = reference.config.objective if reference.family == "mdjax" else reference.family
   if kind != "causal":
@@ -150,7 +150,7 @@ def reference_bits_per_char(workdir: str, task: tasks.Task, tokens_NxL: np.ndarr
   if reference.max_len != task.length:
     raise app.UsageError(f"--reference={workdir!r} has windows of {reference.max_len} "
                          f"characters; the samples have {task.length}.")
-  bits_N = likelihood.causal_bits(reference.denoiser, reference.params, tokens_NxL,
+  bits_N = elbo.causal_bits(reference.denoiser, reference.params, tokens_NxL,
                                   start_id=reference.mask_id)
   return float(bits_N.mean() / task.length)
 

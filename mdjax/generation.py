@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
 
 from mdjax import jsonl, sampling
-from mdjax.denoiser import Denoiser
 # The mesh functions live in `mdjax.mesh`; their names here stay for one release.
 from mdjax.mesh import gathered, sample_on_mesh, shard_params  # noqa: F401
 from mdjax.model import Model, SamplerPlan

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from mdjax.denoiser import Denoiser
+from mdjax.models.checks import check_count
 from mdjax.models import dit, published
 from mdjax.models.dit import DiTConfig
 from mdjax.models.published import PublishedConfig
@@ -152,8 +153,7 @@ def _head_dim(d_model: int, heads: int, family: str, key: str) -> int:
 
 
 def check_int(value, name: str, low: int):
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-    raise ValueError(f"{name}={value!r} must be an integer >= {low}.")
+  check_count(name, value, low)
 
 
 def check_choice(value, name: str, allowed):

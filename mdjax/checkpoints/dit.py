@@ -15,6 +15,7 @@ import numpy as np
 from mdjax.checkpoints.base import (TORCH_DTYPES, Family, Leaf, _bool, _first_id, _get,
                                     _refuse, leaf_shape)
 from mdjax.denoiser import Denoiser
+from mdjax.models.checks import check_count  # noqa: F401  (mdlm, bd3lm)
 from mdjax.models import dit
 from mdjax.models.dit import DiTConfig
 
@@ -58,11 +59,6 @@ def sampled_parts(model) -> tuple[Any, Any, DiTConfig]:
     # call skipped by a branch (the cache) keeps XLA from hoisting out of the loop.
     apply_fn, params = dit.denoiser(config, folded=True), _fold(config, params)
   return apply_fn, params, config
-
-
-def check_count(name: str, value) -> None:
-  if not (isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1):
-    raise ValueError(f"{name}={value!r} must be an integer >= 1.")
 
 
 class DiTFamily(Family):
