@@ -22,12 +22,12 @@ from mdjax.diffusion import (
 __version__ = "0.1.0"
 
 
-def load(path: str, **kwargs):
+def load(path: str, step: int | None = None, **kwargs):
   """The model at `path` as a `mdjax.Model`: a train.py workdir (its newest readable
   checkpoint, or step=), a published Hugging Face folder or torch .ckpt (dtype=, mesh=), or
   a task name (its exact denoiser). See `mdjax.loader.load`."""
   from mdjax import loader  # orbax, the models and the readers load on first use only
-  return loader.load(path, **kwargs)
+  return loader.load(path, step=step, **kwargs)
 
 
 # The samplers load on first use (`import mdjax` alone, as the tasks do, stays light).

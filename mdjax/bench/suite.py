@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mdjax import models, tasks
+from mdjax import loader, models
+from mdjax.model import WORKDIR_FAMILY
 from mdjax import train as train_lib
 from mdjax.bench.compute import train_and_flops
 from mdjax.bench.overhead import call_overheads, family_overheads, step_costs
@@ -54,8 +55,12 @@ def load_model(config, workdir: str | None):
   """(model config, apply_fn, params): the config's model at random init, or a trained
   checkpoint."""
   if workdir:
-    train_config, apply_fn, params, _ = train_lib.load_for_sampling(workdir)
-    model_cfg = train_lib.model_config(train_config, tasks.from_config(train_config))
+    model = loader.load(workdir)
+    if model.family != WORKDIR_FAMILY:
+      raise ValueError(f"workdir={workdir!r} is a {model.family!r} model; the suite times "
+                       "mdjax's Transformer (a train.py workdir).")
+    apply_fn, params = model.denoiser, model.params
+    model_cfg = train_lib.model_config(model.config, model.task)
     if model_cfg.max_len < config.seq_len:
       raise ValueError(f"seq_len={config.seq_len} exceeds the checkpoint's max_len="
                        f"{model_cfg.max_len}.")
