@@ -374,11 +374,7 @@ def _pair_pass(config: DiTConfig, params: dict, c_BxC: Array | None, noisy_BxL: 
                clean_BxL: Array) -> Array:
   """BD3-LM's training pass over [x_t ; x_0] (both at positions 0..L-1) under
   `block_pair_mask`: the noisy half's raw logits."""
-  if config.block_size is None:
-    raise ValueError("block_pair needs a block-causal model: set DiTConfig.block_size.")
-  if noisy_BxL.shape != clean_BxL.shape:
-    raise ValueError(f"noisy_BxL has shape {noisy_BxL.shape}, clean_BxL {clean_BxL.shape}; "
-                     "they must match.")
+  layers.check_block_pair(config.block_size, noisy_BxL, clean_BxL, "DiTConfig")
   length = noisy_BxL.shape[1]
   if length % config.block_size:
     raise ValueError(f"block_pair over {length} positions: block_size={config.block_size} "

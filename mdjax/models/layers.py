@@ -141,6 +141,16 @@ def outside_window(key_L: Array, start, width: int) -> Array:
   return (key_L < start) | (key_L >= start + width)
 
 
+def check_block_pair(block_size: int | None, noisy_BxL, clean_BxL, config_name: str) -> None:
+  """The block pair's arguments: a block-causal model (`config_name`.block_size set) and a
+  noisy and a clean sequence of one shape."""
+  if block_size is None:
+    raise ValueError(f"block_pair needs a block-causal model: set {config_name}.block_size.")
+  if noisy_BxL.shape != clean_BxL.shape:
+    raise ValueError(f"noisy_BxL has shape {noisy_BxL.shape}, clean_BxL {clean_BxL.shape}; "
+                     "they must match.")
+
+
 def block_pair_mask(length: int, block_size: int) -> np.ndarray:
   """The BD3-LM attention mask over [noisy; clean] (2L x 2L): noisy block b sees itself and
   clean blocks < b; clean block b sees clean blocks <= b; no clean position sees noise."""

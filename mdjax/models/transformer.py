@@ -41,7 +41,7 @@ from flax import nnx, struct
 
 from mdjax.denoiser import Denoiser
 from mdjax.models import layers
-from mdjax.models.layers import block_pair_mask, rope_table  # noqa: F401 (public here too)
+from mdjax.models.layers import block_pair_mask, rope_table
 
 Array = jax.Array
 
@@ -340,12 +340,7 @@ class Transformer(nnx.Module):
     """Noisy blocks' logits_BxLxV, each conditioned on the clean blocks before it: one pass
     over [noisy; clean] under `block_pair_mask` (BD3-LM's vectorized training pass)."""
     cfg = self.cfg
-    if cfg.block_size is None:
-      raise ValueError("block_pair needs a block-causal model: set TransformerConfig."
-                       "block_size.")
-    if noisy_BxL.shape != clean_BxL.shape:
-      raise ValueError(f"noisy_BxL has shape {noisy_BxL.shape}, clean_BxL {clean_BxL.shape}; "
-                       "they must match.")
+    layers.check_block_pair(cfg.block_size, noisy_BxL, clean_BxL, "TransformerConfig")
     length = noisy_BxL.shape[1]
     positions_W = np.concatenate([np.arange(length)] * 2)
     logits_BxWxV, _ = self._forward(
