@@ -374,10 +374,7 @@ def main(argv=None) -> dict:
                       "'index': the sample's position in --samples)")
   args = parser.parse_args(argv)
   texts, tokens = read_samples(args.samples)
-  judge = args.judge
-  if os.path.isfile(os.path.join(judge, "config.json")):
-    from mdjax import pretrained
-    judge = pretrained.load(judge, dtype=args.dtype)
+  judge = loader.load(args.judge, dtype=args.dtype)  # dtype= for a published folder only
   result = generative_perplexity(texts, judge, batch_size=args.batch_size,
                                  max_length=args.max_length, stride=args.stride,
                                  sampler_tokens=tokens, eos=args.eos)
