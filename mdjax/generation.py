@@ -356,15 +356,21 @@ def generate(model: Model, prompts: Sequence, *, max_new_tokens: int, key: jax.A
   token_ids, lengths, plan, nfe = generate_ids(
       model, ids, max_new_tokens=max_new_tokens, key=key, spec=spec, batch_size=batch_size,
       blocks_of=blocks_of, window=window, on_batch=on_batch, **knobs)
-  stops = np.asarray(model.stop_ids if stop_at_eos else (), np.int64)
-  items = []
-  for prompt, row, length in zip(ids, token_ids, lengths):
-    ends = np.flatnonzero(np.isin(row, stops)) if stops.size else []
-    stopped = bool(len(ends)) or length < plan.max_new_tokens
-    row = np.asarray(row[:ends[0]] if len(ends) else row)
-    text = None if model.decode is None else model.decode([int(t) for t in row])
-    items.append(Completion(row, text, "stop" if stopped else "length", prompt))
+  items = [completion_of(model, prompt, row, length, plan.max_new_tokens, stop_at_eos)
+           for prompt, row, length in zip(ids, token_ids, lengths)]
   return Completions(items, plan, nfe)
+
+
+def completion_of(model: Model, prompt: np.ndarray, row: np.ndarray, length: int,
+                  max_new_tokens: int, stop_at_eos: bool = True) -> Completion:
+  """A row's `Completion`: its new ids cut before the first stop id (with stop_at_eos);
+  "stop" when a stop id or the sampler's end came before `max_new_tokens`."""
+  stops = np.asarray(model.stop_ids if stop_at_eos else (), np.int64)
+  ends = np.flatnonzero(np.isin(row, stops)) if stops.size else []
+  stopped = bool(len(ends)) or length < max_new_tokens
+  row = np.asarray(row[:ends[0]] if len(ends) else row)
+  text = None if model.decode is None else model.decode([int(t) for t in row])
+  return Completion(row, text, "stop" if stopped else "length", prompt)
 
 
 def with_eos(spec, eos_id: int | None, **knobs):

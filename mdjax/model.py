@@ -68,7 +68,10 @@ class Model:
   tokenizer). chat_template: the checkpoint's Jinja template, which `render_chat` renders
   with `chat_renderer` (the published folders' sandboxed Jinja). sampler: the default sampler
   (`DefaultSampler`). takes_padding: False for an exact denoiser, whose positions are fixed
-  (prompts of one length, no `valid_BxL`).
+  (prompts of one length, no `valid_BxL`). padding_invariant: a row's logits do not depend
+  on the padding before it (positions count from its first real token: mdjax's models,
+  Dream), so it can be served on a longer canvas (`mdjax.serve`); LLaDA's positions are
+  absolute.
 
   Where it came from: config (a workdir's ConfigDict, a published PublishedConfig /
   DiTConfig), source (the folder or workdir), task (a workdir's or oracle's `Task`), step (a
@@ -92,6 +95,7 @@ class Model:
   chat_renderer: Callable[["Model", list], str] | None = None
   sampler: DefaultSampler | None = None
   takes_padding: bool = True
+  padding_invariant: bool = False
   config: Any = None
   source: str | None = None
   task: Any = None
@@ -193,4 +197,5 @@ def task_model(task, denoiser, params, *, family: str = WORKDIR_FAMILY,
                max_len=task.length, mask_id_or_none=task.mask_id, eos_id=task.eos_id,
                encode=encode, decode=decode, tokenizer=task.tokenizer,
                sampler=sampler or ConfiguredSampler(eos_id=task.eos_id), task=task,
-               takes_padding=family != ORACLE_FAMILY, **fields)
+               takes_padding=family != ORACLE_FAMILY,
+               padding_invariant=family != ORACLE_FAMILY, **fields)

@@ -184,7 +184,8 @@ class Family:
   the config.json values it is detected by. sampler: its reference sampler (a
   `mdjax.model.DefaultSampler`; None for a causal judge). optional_buffers: stored
   non-parameter tensors a checkpoint may hold. soft_keys: config.json keys outside the
-  architecture whose source value stands on save.
+  architecture whose source value stands on save. padding_invariant: its positions count
+  from each row's first real token (`Model.padding_invariant`).
   """
 
   family: str
@@ -196,6 +197,7 @@ class Family:
   soft_keys: tuple[str, ...] = ()
   optional_buffers: tuple[str, ...] = ()
   sampler: Any = None
+  padding_invariant = False
 
   def matches(self, raw: dict) -> bool:
     if raw.get("model_type") is not None:

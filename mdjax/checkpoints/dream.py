@@ -64,6 +64,7 @@ class Dream(TransformersFamily):
   model_types = ("Dream",)
   architectures = ("DreamModel",)
   sampler = Sampler()
+  padding_invariant = True  # positions count from the first real token (`models.published`)
 
   def config_from_hf(self, raw: dict, dtype: str) -> PublishedConfig:
     f = self.family

@@ -58,7 +58,8 @@ def published_model(*, params, config, family: str | None = None, apply_fn=None,
                max_len=kind.max_len(config), mask_id_or_none=mask_id, eos_id=eos_id,
                eot_id=eot_id, pad_id=pad_id, encode=encode, decode=decode,
                tokenizer=tokenizer, chat_template=chat_template, chat_renderer=render_chat,
-               sampler=kind.sampler, config=config, source=source, hf_config=hf_config,
+               sampler=kind.sampler, padding_invariant=kind.padding_invariant, config=config,
+               source=source, hf_config=hf_config,
                buffers=buffers, bytes_read=bytes_read)
 
 

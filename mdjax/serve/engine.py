@@ -1,0 +1,580 @@
+"""The serving engine: continuous batching at step granularity over the compiled sampler step.
+
+A `Lane` is a fixed number of rows (slots) of one sampler spec on one canvas length. Each
+tick is one compiled program that advances every active row of the lane one denoising step,
+whatever step each row is at: the driver's own step (`sampling.driver`), vmapped over rows,
+each with its own step index and plan. A request's rows take free slots between ticks and
+leave as soon as their canvas is done (or they wrote EOS), so their slots serve the next
+request at the next tick. The shapes of a lane never change: nothing recompiles while
+serving (`EngineStats.compiles` counts the programs traced).
+
+Exactly the offline samples: a row is what `mdjax.generate` makes of its prompt alone,
+left-padded to the lane's canvas. Row i of a request keys its draws with
+`fold_in(key(seed), i)` and step k with `fold_in(row key, k)`; its draws are indexed from its
+first real token (`sampling.transforms`), and a padding-invariant model (`Model.
+padding_invariant`: positions from the first real token) reads the padding as nothing. So
+a request gets what `generate(model, [prompt] * n, max_new_tokens=..., key=key(seed),
+spec=job.spec)` gives, token for token, whatever else is being served. A model with absolute
+positions (LLaDA) is served on canvases of exactly prompt + max_new_tokens positions (a lane
+per length), where nothing pads it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from mdjax import generation, sampling
+from mdjax.model import ConfiguredSampler, Model
+from mdjax.sampling import driver
+from mdjax.sampling.base import BoundDenoiser, Context
+from mdjax.sampling.end_of_row import EndOfRow
+
+Array = jax.Array
+
+# Every trace of an engine program bumps this (a Python side effect runs at trace time only).
+_TRACES = itertools.count()
+_traced = [0]
+
+
+def _count_trace() -> None:
+  _traced[0] = next(_TRACES) + 1
+
+
+class QueueFull(Exception):
+  """More rows wait than the engine's `max_queue`: try again after `retry_after` seconds."""
+
+  def __init__(self, message: str, retry_after: float):
+    super().__init__(message)
+    self.retry_after = retry_after
+
+
+@dataclasses.dataclass(frozen=True)
+class RowUpdate:
+  """A row of a job after a tick (see the module docstring of `mdjax.serve.app`).
+
+  canvas_ids: the row's max_new_tokens generated positions (the mask id where masked).
+  committed: leading generated positions that are final (their text will not change).
+  completion: set once, when the row finished: what `mdjax.generate` returns for it.
+  """
+
+  choice: int
+  step: int
+  num_steps: int
+  canvas_ids: np.ndarray
+  masked: np.ndarray
+  committed: int
+  completion: generation.Completion | None = None
+  error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+  """A request, checked and laid out on the host: n rows of one prompt under one spec.
+
+  spec: the sampler spec run (`generate(..., spec=job.spec)` reproduces it offline).
+  tokens_1xS / valid_1xS: the row's canvas (left padding, prompt, max_new_tokens masks).
+  plan: the family's per-step plan for that canvas (leading axis num_steps).
+  """
+
+  prompt_ids: np.ndarray
+  max_new_tokens: int
+  seed: int
+  n: int
+  spec: Any
+  num_steps: int
+  denoiser: Any
+  params: Any
+  tokens_1xS: np.ndarray
+  valid_1xS: np.ndarray
+  plan: Any
+  mask_id: int
+  vocab_size: int
+
+  @property
+  def canvas_length(self) -> int:
+    return self.tokens_1xS.shape[1]
+
+  @property
+  def lane_key(self) -> tuple:
+    return (self.denoiser, id(self.params), self.spec, self.canvas_length, self.mask_id,
+            self.vocab_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+  """What the engine has done so far (all counts since it was made)."""
+
+  queue_rows: int
+  active_rows: int
+  slots: int
+  lanes: int
+  ticks: int
+  denoiser_calls: int
+  completion_tokens: int
+  rows_done: int
+  compiles: int
+  tokens_per_s: float
+
+
+class Handle:
+  """A submitted job: `cancel()` frees its rows at the next tick; `done` once every row
+  finished, was cancelled or failed."""
+
+  def __init__(self, job: Job, on_update: Callable[[RowUpdate], None]):
+    self.job, self.on_update = job, on_update
+    self.cancelled = False
+    self._open = job.n
+    self._lock = threading.Lock()
+
+  def cancel(self) -> None:
+    self.cancelled = True
+
+  @property
+  def done(self) -> bool:
+    return self._open == 0
+
+  def _close_rows(self, count: int) -> None:
+    with self._lock:
+      self._open = max(0, self._open - count)
+
+  def _send(self, update: RowUpdate) -> None:
+    try:
+      self.on_update(update)
+    except Exception:  # a broken listener loses its rows, never the engine
+      self.cancelled = True
+
+
+# ----------------------------------------------------------------------------
+# The compiled programs of a lane.
+# ----------------------------------------------------------------------------
+
+
+@struct.dataclass
+class RowState:
+  """One slot: the driver's loop state of a one-row run, its constants, its plan, its step."""
+
+  loop: driver.LoopState
+  ctx: Context
+  plan: Any
+  valid_1xS: Array
+  index: Array  # the next step
+  active: Array
+
+
+_STATIC = ("denoiser", "family", "spec", "mask_id", "vocab_size", "padded", "sharding")
+
+
+def _placed(rows: RowState, sharding) -> RowState:
+  """The rows on the lane's sharding (every program returns them there, so the next one
+  sees the same input shardings and nothing retraces)."""
+  return rows if sharding is None else jax.lax.with_sharding_constraint(rows, sharding)
+
+
+def row_sharding(params, slots: int):
+  """Where a lane's rows live: split over the 'data' axis of the mesh the parameters are
+  on (when it divides the slots), else replicated on it; None off a mesh."""
+  for leaf in jax.tree.leaves(params):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      mesh = sharding.mesh
+      data = mesh.shape.get("data", 1)
+      spec = jax.sharding.PartitionSpec("data" if data > 1 and slots % data == 0 else None)
+      return jax.sharding.NamedSharding(mesh, spec)
+  return None
+
+
+def _bound(denoiser, params, row_ctx: Context, valid_1xS, padded: bool) -> BoundDenoiser:
+  return BoundDenoiser(denoiser, params, valid_1xS if padded else None,
+                       mask_in_vocab=row_ctx.mask_in_vocab)
+
+
+def _start_row(denoiser, params, key, tokens_1xS, valid_1xS, plan, *, family, spec, mask_id,
+               vocab_size, padded, sharding=None) -> RowState:
+  core, ctx = driver._start(key[None], tokens_1xS, None, mask_id,
+                            valid_1xS if padded else None, vocab_size)
+  loop = driver._init(family, spec, _bound(denoiser, params, ctx, valid_1xS, padded), core,
+                      ctx, cached=False)
+  return RowState(loop=loop, ctx=ctx, plan=plan, valid_1xS=valid_1xS, index=jnp.int32(0),
+                  active=jnp.bool_(True))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("slots",))
+def _empty_lane(denoiser, params, key, tokens_1xS, valid_1xS, plan, *, slots, **static):
+  """`slots` idle rows (copies of one row, inactive): the lane's fixed shapes."""
+  _count_trace()
+  row = _start_row(denoiser, params, key, tokens_1xS, valid_1xS, plan, **static)
+  rows = jax.vmap(lambda _: row)(jnp.arange(slots))
+  return _placed(rows.replace(active=jnp.zeros((slots,), bool)), static["sharding"])
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("rows",))
+def _admit(denoiser, params, rows, slot, key, tokens_1xS, valid_1xS, plan, **static):
+  """The rows with slot `slot` started on a new row."""
+  _count_trace()
+  row = _start_row(denoiser, params, key, tokens_1xS, valid_1xS, plan, **static)
+  rows = jax.tree.map(lambda all_rows, one: all_rows.at[slot].set(one), rows, row)
+  return _placed(rows, static["sharding"])
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("num_steps",),
+                   donate_argnames=("rows",))
+def _tick(denoiser, params, rows, *, family, spec, mask_id, vocab_size, padded, sharding,
+          num_steps):
+  """One step for every active row (each at its own step): (rows, tokens_NxS, active_N,
+  generated_length_N)."""
+  _count_trace()
+  end = EndOfRow.of(spec)
+
+  def step(row: RowState) -> RowState:
+    index = jnp.minimum(row.index, num_steps - 1)
+    inputs = driver.StepInputs(index=index, plan=driver._at(row.plan, index), kv_plan=None)
+    bound = _bound(denoiser, params, row.ctx, row.valid_1xS, padded)
+    loop = driver._step(family, spec, bound, row.ctx, row.loop, inputs)
+    tokens_1xS = loop.core.tokens_BxL
+    still_open = jnp.asarray(end.any_open(tokens_1xS, row.ctx))
+    if not family.rewrites:  # a filled canvas no step changes: the row is done
+      still_open &= row.ctx.masked(tokens_1xS).any()
+    keep = lambda new, old: jnp.where(row.active, new, old)
+    return row.replace(loop=jax.tree.map(keep, loop, row.loop),
+                       index=keep(index + 1, row.index),
+                       active=row.active & (index + 1 < num_steps) & still_open)
+
+  rows = _placed(jax.vmap(step)(rows), sharding)
+  tokens_NxS = rows.loop.core.tokens_BxL[:, 0]
+  lengths_N = jax.vmap(lambda r: end.generated_length(r.loop.core.tokens_BxL,
+                                                      r.ctx.editable_BxL, mask_id)[0])(rows)
+  return rows, tokens_NxS, rows.active, lengths_N
+
+
+@dataclasses.dataclass
+class _Slot:
+  handle: Handle
+  choice: int
+  started: float
+
+
+class Lane:
+  """The slots of one (spec, canvas length): their device state and who holds each."""
+
+  def __init__(self, job: Job, slots: int, padded: bool):
+    self.key = job.lane_key
+    self.family = sampling.family_of(job.spec)
+    self.static = dict(denoiser=job.denoiser, family=self.family, spec=job.spec,
+                       mask_id=job.mask_id, vocab_size=job.vocab_size, padded=padded,
+                       sharding=row_sharding(job.params, slots))
+    self.params, self.num_steps = job.params, job.num_steps
+    self.owners: list[_Slot | None] = [None] * slots
+    self.rows = _empty_lane(job.denoiser, job.params, jax.random.key(0), job.tokens_1xS,
+                            job.valid_1xS, job.plan, slots=slots, **_lane_static(self.static))
+    self.last_used = time.monotonic()
+
+  @property
+  def active(self) -> int:
+    return sum(owner is not None for owner in self.owners)
+
+  def free_slot(self) -> int | None:
+    return next((i for i, owner in enumerate(self.owners) if owner is None), None)
+
+  def admit(self, handle: Handle, choice: int) -> None:
+    slot, job = self.free_slot(), handle.job
+    key = jax.random.fold_in(jax.random.key(job.seed), choice)  # generate's row key
+    self.rows = _admit(job.denoiser, self.params, self.rows, np.int32(slot), key,
+                       job.tokens_1xS, job.valid_1xS, job.plan, **_lane_static(self.static))
+    self.owners[slot] = _Slot(handle, choice, time.monotonic())
+    self.last_used = time.monotonic()
+
+  def tick(self):
+    self.rows, tokens, active, lengths = _tick(
+        self.static["denoiser"], self.params, self.rows, num_steps=self.num_steps,
+        **{k: v for k, v in self.static.items() if k != "denoiser"})
+    self.last_used = time.monotonic()
+    return (np.asarray(tokens), np.asarray(active), np.asarray(lengths),
+            np.asarray(self.rows.index))
+
+
+def _lane_static(static: dict) -> dict:
+  return {k: v for k, v in static.items() if k != "denoiser"}
+
+
+# ----------------------------------------------------------------------------
+# The engine.
+# ----------------------------------------------------------------------------
+
+
+def _check_int(value, name: str, low: int, high: int | None = None, why: str = "") -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low \
+      or (high is not None and value > high):
+    allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+    raise ValueError(f"{name}={value!r} is invalid: it must be {allowed}{why}.")
+  return int(value)
+
+
+class Engine:
+  """Serves `model`: requests in, rows on fixed slots, one compiled step per lane a tick.
+
+  max_batch: the slots of each lane (rows one program advances together). max_queue: rows
+  that may wait for a slot; `submit` beyond it raises `QueueFull`. canvas_length: the
+  positions of each row's canvas (default the model's length): a prompt and its
+  max_new_tokens must fit in it. max_programs: lanes kept at once (a lane per distinct
+  sampler spec; an idle one is dropped for a new one).
+  """
+
+  def __init__(self, model: Model, *, max_batch: int = 8, max_queue: int = 64,
+               canvas_length: int | None = None, max_programs: int = 8):
+    self.model = model
+    self.max_batch = _check_int(max_batch, "max_batch", 1)
+    self.max_queue = _check_int(max_queue, "max_queue", 0)
+    self.max_programs = _check_int(max_programs, "max_programs", 1)
+    self.canvas_length = _check_int(model.max_len if canvas_length is None else canvas_length,
+                                    "canvas_length", 1, model.max_len,
+                                    f" (the model holds {model.max_len} positions)")
+    model.mask_id  # a causal judge is refused here, with its own message
+    self._lanes: dict[tuple, Lane] = {}
+    self._waiting: collections.deque[tuple[Handle, int]] = collections.deque()
+    self._cv = threading.Condition()
+    self._thread: threading.Thread | None = None
+    self._stopping = False
+    self._finished: collections.deque[tuple[float, int]] = collections.deque()
+    self._counts = collections.Counter()
+    self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=10_000)
+    self._first_trace = _traced[0]
+
+  # -- requests ---------------------------------------------------------------
+
+  def prepare(self, prompt_ids, *, max_new_tokens: int, seed: int, n: int = 1,
+              sampler: str | None = None, knobs: dict | None = None) -> Job:
+    """A request checked and laid out, before anything compiles: a ValueError names the
+    field. sampler: a family name (sample.py's --sampler; None: the model's default
+    sampler, as `generate` with spec=None); knobs: that sampler's settings by name."""
+    model = self.model
+    n = _check_int(n, "n", 1, self.max_batch, f" (the rows of one request; max_batch is "
+                                              f"{self.max_batch})")
+    seed = _check_int(seed, "seed", 0, 2**32 - 1)
+    generation.check_max_new_tokens(max_new_tokens)
+    ids = generation.prompt_ids(model, [prompt_ids], where="prompt")[0]
+    knobs = dict(knobs or {})
+    if sampler is not None:
+      model = model.replace(sampler=_named_sampler(model, sampler, knobs))
+    run = generation.sampler_plan(model, len(ids), max_new_tokens, None, **knobs)
+    family = sampling.family_of(run.spec)
+    name = sampler or "the model's default sampler"
+    if run.blocks_of is not None or family.composite or run.spec.kv_cache != "none":
+      raise ValueError(f"sampler={name!r} is not served: it runs {'blocks with a cache' if run.blocks_of or run.spec.kv_cache != 'none' else 'rounds of its own'}, "
+                       "not one step at a time; use mdjax.generate (or sample.py) for it, or "
+                       "serve a step-wise sampler (confidence, ancestral, mdlm, dream, ...).")
+    length = self.canvas_length if self.model.padding_invariant else len(ids) + max_new_tokens
+    if len(ids) + max_new_tokens > min(length, model.max_len):
+      room = min(length, model.max_len)
+      field = "prompt" if len(ids) >= room else "max_new_tokens"
+      raise ValueError(f"{field}: the prompt has {len(ids)} tokens and max_new_tokens="
+                       f"{max_new_tokens}; together they must fit the {room} positions the "
+                       "server's canvas holds.")
+    generation.plan_generation([len(ids)], max_new_tokens, max_len=length,
+                               block_length=family.block_length(run.spec))
+    tokens, valid, _ = generation.left_padded([ids], length, model.mask_id, pad_id=model.pad_id,
+                                              start=length - max_new_tokens)
+    params = model.params if run.params is None else run.params
+    _, args, static = driver._prepare(run.denoiser, params, jax.random.key(seed)[None], tokens,
+                                      run.spec, None, model.mask_id)
+    return Job(prompt_ids=ids, max_new_tokens=int(max_new_tokens), seed=seed, n=n,
+               spec=run.spec, num_steps=family.num_steps(run.spec, length),
+               denoiser=run.denoiser, params=params, tokens_1xS=tokens, valid_1xS=valid,
+               plan=args[4], mask_id=static["mask_id"], vocab_size=static["vocab_size"])
+
+  def submit(self, job: Job, on_update: Callable[[RowUpdate], None]) -> Handle:
+    """Queues the job's rows; `on_update` hears of each row after every tick (from the
+    engine thread). Raises QueueFull when `max_queue` rows already wait."""
+    handle = Handle(job, on_update)
+    with self._cv:
+      if self._stopping:
+        raise QueueFull("the server is shutting down", retry_after=1.0)
+      if len(self._waiting) + job.n > self.max_queue + self._free_slots():
+        raise QueueFull(f"{len(self._waiting)} rows wait for a slot (max_queue="
+                        f"{self.max_queue})", retry_after=self._retry_after())
+      self._waiting.extend((handle, choice) for choice in range(job.n))
+      self._counts["requests"] += 1
+      self._cv.notify()
+    return handle
+
+  def _free_slots(self) -> int:
+    """Slots that admit at the next tick without waiting (no lane yet: one lane's worth)."""
+    free = sum(lane.owners.count(None) for lane in self._lanes.values())
+    return free + (self.max_batch if len(self._lanes) < self.max_programs else 0)
+
+  def _retry_after(self) -> float:
+    recent = [seconds for seconds, _ in self._finished]
+    return 1.0 if not recent else max(1.0, round(float(np.median(recent)), 1))
+
+  # -- the thread -------------------------------------------------------------
+
+  def start(self) -> "Engine":
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._serve, name="mdjax-engine", daemon=True)
+      self._thread.start()
+    return self
+
+  def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+    """Stops admitting; with drain, finishes every queued and running row first; joins."""
+    with self._cv:
+      self._stopping = True
+      if not drain:
+        for handle, _ in self._waiting:
+          handle.cancel()
+        for lane in self._lanes.values():
+          for owner in lane.owners:
+            if owner is not None:
+              owner.handle.cancel()
+      self._cv.notify()
+    if self._thread is not None:
+      self._thread.join(timeout)
+
+  def _serve(self) -> None:
+    while True:
+      with self._cv:
+        busy = self._waiting or any(lane.active for lane in self._lanes.values())
+        if not busy:
+          if self._stopping:
+            return
+          self._cv.wait(timeout=0.5)
+          continue
+      self.run_once()
+
+  def run_once(self) -> None:
+    """One round of the loop: drop cancelled rows, admit waiting ones, tick every lane
+    with active rows. (The thread calls it; a test or a benchmark may too, unstarted.)"""
+    self._drop_cancelled()
+    self._admit_waiting()
+    for lane in list(self._lanes.values()):
+      if lane.active:
+        self._tick(lane)
+
+  def _drop_cancelled(self) -> None:
+    with self._cv:
+      kept = [(h, c) for h, c in self._waiting if not h.cancelled]
+      for handle, _ in self._waiting:
+        if handle.cancelled:
+          handle._close_rows(1)
+      self._waiting = collections.deque(kept)
+    for lane in self._lanes.values():
+      for slot, owner in enumerate(lane.owners):
+        if owner is not None and owner.handle.cancelled:
+          lane.owners[slot] = None  # its row keeps computing until overwritten, unread
+          owner.handle._close_rows(1)
+
+  def _lane_for(self, job: Job) -> Lane | None:
+    lane = self._lanes.get(job.lane_key)
+    if lane is not None:
+      return lane
+    if len(self._lanes) >= self.max_programs:
+      idle = [key for key, lane in self._lanes.items() if not lane.active]
+      if not idle:
+        return None
+      del self._lanes[min(idle, key=lambda key: self._lanes[key].last_used)]
+    padded = self.model.takes_padding
+    lane = self._lanes[job.lane_key] = Lane(job, self.max_batch, padded)
+    return lane
+
+  def _admit_waiting(self) -> None:
+    with self._cv:
+      waiting = list(self._waiting)
+    admitted = set()
+    for index, (handle, choice) in enumerate(waiting):
+      try:
+        lane = self._lane_for(handle.job)
+        if lane is None or lane.free_slot() is None:
+          continue
+        lane.admit(handle, choice)
+      except Exception as error:  # a program that fails to build fails its request only
+        self._fail(handle, choice, error)
+      admitted.add(index)
+    if admitted:
+      with self._cv:
+        taken = {id(waiting[i][0]) * 1000 + waiting[i][1] for i in admitted}
+        self._waiting = collections.deque(
+            (h, c) for h, c in self._waiting if id(h) * 1000 + c not in taken)
+
+  def _fail(self, handle: Handle, choice: int, error: Exception) -> None:
+    job = handle.job
+    empty = np.full(job.max_new_tokens, job.mask_id, np.int32)
+    handle._send(RowUpdate(choice, 0, job.num_steps, empty, empty == job.mask_id, 0,
+                           error=f"{type(error).__name__}: {error}"))
+    handle._close_rows(1)
+
+  def _tick(self, lane: Lane) -> None:
+    try:
+      tokens_NxS, active_N, lengths_N, steps_N = lane.tick()
+    except Exception as error:
+      for slot, owner in enumerate(lane.owners):
+        if owner is not None:
+          self._fail(owner.handle, owner.choice, error)
+          lane.owners[slot] = None
+      self._lanes.pop(lane.key, None)
+      return
+    self._counts["ticks"] += 1
+    self._counts["denoiser_calls"] += 1
+    for slot, owner in enumerate(lane.owners):
+      if owner is None:
+        continue
+      job = owner.handle.job
+      canvas_ids = tokens_NxS[slot, -job.max_new_tokens:]
+      masked = canvas_ids == job.mask_id
+      finished = not active_N[slot]
+      completion = None
+      if finished:
+        length = min(int(lengths_N[slot]), job.max_new_tokens)
+        completion = generation.completion_of(self.model, job.prompt_ids, canvas_ids, length,
+                                              job.max_new_tokens)
+      if lane.family.rewrites and not finished:
+        committed = 0
+      else:
+        committed = int(np.argmax(masked)) if masked.any() else job.max_new_tokens
+      owner.handle._send(RowUpdate(owner.choice, int(steps_N[slot]), job.num_steps,
+                                   canvas_ids, masked, committed, completion))
+      if finished:
+        lane.owners[slot] = None
+        owner.handle._close_rows(1)
+        self._counts["rows_done"] += 1
+        self._counts["completion_tokens"] += len(completion.token_ids)
+        now = time.monotonic()
+        self._finished.append((now - owner.started, len(completion.token_ids)))
+        self._recent.append((now, len(completion.token_ids)))
+
+  # -- what it has done -------------------------------------------------------
+
+  def stats(self) -> EngineStats:
+    now = time.monotonic()
+    window = [tokens for at, tokens in list(self._recent) if now - at <= 10.0]
+    with self._cv:
+      queue_rows = len(self._waiting)
+    lanes = list(self._lanes.values())
+    return EngineStats(
+        queue_rows=queue_rows, active_rows=sum(lane.active for lane in lanes),
+        slots=self.max_batch * max(1, len(lanes)), lanes=len(lanes),
+        ticks=self._counts["ticks"], denoiser_calls=self._counts["denoiser_calls"],
+        completion_tokens=self._counts["completion_tokens"],
+        rows_done=self._counts["rows_done"], compiles=_traced[0] - self._first_trace,
+        tokens_per_s=sum(window) / 10.0)
+
+
+def _named_sampler(model: Model, sampler: str, knobs: dict) -> ConfiguredSampler:
+  """A sampler family by name (sample.py's --sampler) as the default sampler: the model's
+  reference defaults (greedy for a published checkpoint) for knobs not given, its EOS."""
+  if not isinstance(sampler, str):
+    raise ValueError(f"sampler={sampler!r} is invalid: give a sampler family's name.")
+  named = ConfiguredSampler(family=sampler, eos_id=model.eos_id)
+  named.knobs  # an unknown family is a ValueError naming the known ones
+  fields = set(named.knobs)
+  defaults = {} if model.sampler is None else dict(model.sampler.spec_defaults)
+  inherited = {k: v for k, v in defaults.items() if k in fields and k not in knobs}
+  return dataclasses.replace(named, settings=tuple(sorted(inherited.items())))
