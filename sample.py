@@ -119,6 +119,9 @@ _EOS = flags.DEFINE_bool("eos", True, "End rows at the task's EOS id (text tasks
 _EOS_PENALTY = flags.DEFINE_float("eos_penalty", None, "Subtracted from the EOS logit.")
 _EOS_NEVER = flags.DEFINE_bool("eos_never", False, "Never propose EOS.")
 _EOS_RANK_LAST = flags.DEFINE_bool("eos_rank_last", False, "Rank EOS proposals last.")
+_LIVE = flags.DEFINE_string(
+    "live", None, "A prompt: its completion (--max_new_tokens, --seed, --sampler and knobs as "
+    "the server reads them) drawn step by step in the terminal through the serving engine.")
 
 
 def fix_context(task: tasks.Task, canvas_BxL: np.ndarray, prefix: str | None,
@@ -425,6 +428,30 @@ NOT_PRETRAINED = ("task", "step", "prompt", "prefix", "suffix", "reference", "bl
                   "context", "eos", "eos_penalty", "eos_never", "eos_rank_last")
 
 
+# What --live reads besides the source, --max_new_tokens, --seed, --chat, --sampler and its
+# knobs (passed to the engine as a request's fields, which it checks).
+LIVE_KNOBS = ("cfg_scale", "remasking", "logits_eos_inf", "confidence_eos_eot_inf")
+NOT_LIVE = ("prompts", "num_samples", "prompt", "prefix", "suffix", "reference", "blocks_of",
+            "length", "context", "out", "batch_size", "show", "order", "groups", "base",
+            "refill", "refill_steps", "eos", "eos_penalty", "eos_never", "eos_rank_last")
+
+
+def live_completion(model) -> None:
+  """--live=TEXT: one completion through `mdjax.serve.terminal.live`, its canvas redrawn
+  every step; the final text printed after it."""
+  from mdjax.serve import terminal
+  given = {**SPEC_FLAGS, **{n: flags.FLAGS[n] for n in LIVE_KNOBS}}
+  knobs = {name: flag.value for name, flag in given.items() if _given(name)}
+  try:
+    completion = terminal.live(model, _LIVE.value, max_new_tokens=_MAX_NEW_TOKENS.value,
+                               seed=_SEED.value, chat=_CHAT.value, knobs=knobs or None,
+                               sampler=_SAMPLER.value if _given("sampler") else None)
+  except ValueError as error:
+    raise app.UsageError(_flag_names(ValueError(str(error).replace("prompts line 1", "--live")))
+                         ) from error
+  print(f"--- {_LIVE.value!r} -> {completion.text!r} (finish_reason={completion.finish_reason})")
+
+
 def mode() -> str:
   if _PRETRAINED.value:
     return "pretrained"
@@ -435,6 +462,17 @@ def check_mode_flags() -> None:
   """Refuses, in one line, a flag that the mode or the source does not use."""
   if bool(_WORKDIR.value) + _ORACLE.value + bool(_PRETRAINED.value) != 1:
     raise app.UsageError("give exactly one of --workdir=DIR, --oracle and --pretrained=DIR.")
+  if _LIVE.value is not None:
+    wrong = [name for name in NOT_LIVE if _given(name)]
+    if wrong:
+      raise app.UsageError(f"--{wrong[0]} does not apply with --live: it completes one prompt.")
+    if _MAX_NEW_TOKENS.value is None:
+      raise app.UsageError("--live needs --max_new_tokens=N: the tokens to generate.")
+    source = "pretrained" if _PRETRAINED.value else "workdir" if _WORKDIR.value else "oracle"
+    for name, (wanted, why) in {**SOURCE_FLAGS, "dtype": ("pretrained", "")}.items():
+      if _given(name) and source != wanted:
+        raise app.UsageError(f"--{name} does not apply with --live and --{source}.")
+    return
   if _PRETRAINED.value:
     for name in NOT_PRETRAINED:
       if _given(name):
@@ -513,6 +551,8 @@ def main(argv):
     except ValueError as error:
       raise app.UsageError(str(error)) from error
   model = load_model()
+  if _LIVE.value is not None:
+    return live_completion(model)
   if _PRETRAINED.value:
     if _PROMPTS.value:
       return complete_prompts(model, *pretrained_sampler(model))

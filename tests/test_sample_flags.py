@@ -46,7 +46,7 @@ FLAG_VALUES = {
     "blocks_of": ("2", {}), "length": ("4", {}), "context": ("4", {}),
     "num_samples": ("3", {}), "seed": ("1", {}), "out": (None, {}), "prompts": (None, {}),
     "max_new_tokens": ("2", {}), "eos": ("false", {}), "eos_penalty": ("0.5", {}),
-    "eos_never": ("true", {}), "eos_rank_last": ("true", {}),
+    "eos_never": ("true", {}), "eos_rank_last": ("true", {}), "live": ("Thou", {}),
     "pretrained": ("/ckpt", {}), "chat": ("true", {}), "dtype": ("bfloat16", {}),
     "cfg_scale": ("0.5", {}), "remasking": ("random", {}), "logits_eos_inf": ("true", {}),
     "confidence_eos_eot_inf": ("true", {}), "factor": ("1.0", {"sampler": "confidence"}),

@@ -368,18 +368,23 @@ class Engine:
       model = model.replace(sampler=_named_sampler(model, sampler, knobs))
     run = generation.sampler_plan(model, len(ids), max_new_tokens, None, **knobs)
     family = sampling.family_of(run.spec)
-    name = sampler or "the model's default sampler"
-    if run.blocks_of is not None or family.composite or run.spec.kv_cache != "none":
-      raise ValueError(f"sampler={name!r} is not served: it runs {'blocks with a cache' if run.blocks_of or run.spec.kv_cache != 'none' else 'rounds of its own'}, "
-                       "not one step at a time; use mdjax.generate (or sample.py) for it, or "
-                       "serve a step-wise sampler (confidence, ancestral, mdlm, dream, ...).")
-    length = self.canvas_length if self.model.padding_invariant else len(ids) + max_new_tokens
-    if len(ids) + max_new_tokens > min(length, model.max_len):
-      room = min(length, model.max_len)
-      field = "prompt" if len(ids) >= room else "max_new_tokens"
-      raise ValueError(f"{field}: the prompt has {len(ids)} tokens and max_new_tokens="
-                       f"{max_new_tokens}; together they must fit the {room} positions the "
-                       "server's canvas holds.")
+    name = (f"sampler={sampler!r}" if sampler else
+            f"the model's default sampler ({type(run.spec).__name__})")
+    why = _not_served(run, family)
+    if why:
+      raise ValueError(f"{name} is not served: {why}; use mdjax.generate (or "
+                       "sample.py) for it, or a step-wise sampler (confidence, ancestral, "
+                       "mdlm, dream, remask, ...).")
+    room = self.canvas_length if self.model.padding_invariant else model.max_len
+    if len(ids) + max_new_tokens > room:
+      if len(ids) >= room:
+        raise ValueError(f"prompt has {len(ids)} tokens; the server's canvas holds {room} "
+                         f"positions, prompt and max_new_tokens={max_new_tokens} together.")
+      raise ValueError(f"max_new_tokens={max_new_tokens} is too many: the prompt has "
+                       f"{len(ids)} tokens and the server's canvas holds {room} positions, "
+                       f"so at most {room - len(ids)}.")
+    # A padding-invariant model shares the lane's canvas; any other runs on exactly its own.
+    length = room if self.model.padding_invariant else len(ids) + max_new_tokens
     generation.plan_generation([len(ids)], max_new_tokens, max_len=length,
                                block_length=family.block_length(run.spec))
     tokens, valid, _ = generation.left_padded([ids], length, model.mask_id, pad_id=model.pad_id,
@@ -565,6 +570,25 @@ class Engine:
         completion_tokens=self._counts["completion_tokens"],
         rows_done=self._counts["rows_done"], compiles=_traced[0] - self._first_trace,
         tokens_per_s=sum(window) / 10.0)
+
+
+# Families whose specs name canvas positions: a padded canvas would move them.
+_POSITIONAL = ("ordered", "field_order")
+
+
+def _not_served(run, family) -> str | None:
+  """Why a sampler cannot run one step at a time on a lane's canvas (None: it can)."""
+  if run.blocks_of is not None:
+    return "it generates block by block past the canvas"
+  if family.composite:
+    return "it runs rounds of its own, not one step at a time"
+  if run.spec.kv_cache != "none":
+    return f"kv_cache={run.spec.kv_cache!r} keeps a cache per block"
+  if run.spec.record_trajectory:
+    return "record_trajectory keeps every step (the canvas events stream them)"
+  if family.name in _POSITIONAL:
+    return "its spec names canvas positions"
+  return None
 
 
 def _named_sampler(model: Model, sampler: str, knobs: dict) -> ConfiguredSampler:

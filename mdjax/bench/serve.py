@@ -1,0 +1,504 @@
+"""The serving benchmark (`python -m mdjax.bench.serve` -> results/serve.json).
+
+A server (`mdjax.serve.server.running`: the OpenAI-compatible app over the engine, in a
+thread of this process) is loaded by `openai.OpenAI` clients, one thread each, at 1, 4, 16
+and 32 concurrent clients; every request has the same sampler settings and max_tokens (one
+engine lane, one compiled step), prompts differ. Beside it: the 16 prompts of the
+concurrency-16 run through one batched `mdjax.generate` call (the offline batch), the
+engine alone without HTTP (`Engine.run_once`, unstarted: the tick time at batch 1 and 16),
+every served completion against `mdjax.generate` of its prompt and seed alone
+(`served_equals_offline`), and ~20 bad requests that must each get a 4xx while the server
+keeps serving.
+
+The model: `--model=PATH` (anything `mdjax.load` reads), else configs/shakespeare_char.py's
+denoiser (1.07M parameters: d_model 128, 4 layers, 64 positions, characters) trained for
+`--train_steps` steps in `--workdir` (kept: a second run loads it). Its weights barely
+matter to the timings; its shape does.
+
+    python -m mdjax.bench.serve                       # ~3-5 minutes on 2 CPU cores
+    python -m mdjax.bench.serve --model=/tmp/models/char --requests=64
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+CONCURRENCY = (1, 4, 16, 32)
+OFFLINE_PROMPTS = 16  # the prompts of the concurrency-16 run, batched offline
+API_KEY = "mdjax-bench-key"
+DEFAULT_WORKDIR = os.path.join(tempfile.gettempdir(), "mdjax_bench_serve_model")
+
+# Sixteen prompts of 12 to 16 characters (two lengths, so rows are left-padded).
+PROMPTS = (
+    "ROMEO.\nBut soft", "JULIET.\nO Romeo", "HAMLET.\nTo be,", "KING LEAR.\nBlow",
+    "OTHELLO.\nSoft you", "MACBETH.\nIs this", "PORTIA.\nThe quality", "PUCK.\nIf we",
+    "LEAR.\nNothing will", "IAGO.\nO, beware", "BRUTUS.\nThere is", "VIOLA.\nI left",
+    "PROSPERO.\nOur revels", "ARIEL.\nFull fathom", "FALSTAFF.\nThe better",
+    "CASSIUS.\nThe fault",
+)
+
+
+def bench_model(workdir: str, train_steps: int, log=print):
+  """configs/shakespeare_char.py's denoiser trained `train_steps` steps (batch 16) in
+  `workdir`; a finished run there is only loaded."""
+  import mdjax
+  from mdjax import train
+
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  if root not in sys.path:
+    sys.path.insert(0, root)  # configs/ lives at the repository root
+  from configs import shakespeare_char
+
+  c = shakespeare_char.get_config()
+  c.batch_size = 16
+  c.train.update(num_steps=train_steps, warmup_steps=min(10, train_steps))
+  c.checkpoint.update(every=train_steps)
+  c.eval_every = 0
+  c.num_eval_samples = 0
+  c.log_every = train_steps
+  started = time.perf_counter()
+  train.train(c, workdir, log=lambda *a: None)
+  log(f"model: {workdir} ({train_steps} training steps, {time.perf_counter() - started:.1f} s)")
+  return mdjax.load(workdir)
+
+
+def model_info(model) -> dict:
+  import jax
+  config = getattr(model, "config", None)
+  cfg = getattr(config, "model", None) if config is not None else None
+  hf = model.hf_config or {}
+  d_model = getattr(cfg, "d_model", None) or hf.get("hidden_size") or hf.get("d_model")
+  layers = getattr(cfg, "num_layers", None) or hf.get("num_hidden_layers") \
+      or hf.get("n_layers")
+  return dict(source=model.source, family=model.family,
+              params=int(sum(np.size(x) for x in jax.tree.leaves(model.params))),
+              d_model=None if d_model is None else int(d_model),
+              layers=None if layers is None else int(layers),
+              vocab=int(model.vocab_size), max_len=int(model.max_len))
+
+
+def request_plan(concurrency: int, requests: int, prompts: Sequence[str], seed: int) -> list:
+  """`requests` (prompt, seed) pairs for one concurrency: prompt j % len(prompts), a seed of
+  its own (so no two requests of the run share a (level, index) seed)."""
+  base = seed * 1_000_003 + concurrency * 10_000
+  return [dict(prompt=prompts[j % len(prompts)], seed=base + j) for j in range(requests)]
+
+
+def run_clients(base_url: str, api_key: str, model_name: str, plan: list, concurrency: int,
+                fields: dict) -> tuple[list[dict], float]:
+  """The plan's requests from `concurrency` threads (client k sends requests k, k + c, ...
+  one after another, each thread with its own `openai.OpenAI`): (a record per request,
+  wall seconds from the first send to the last answer)."""
+  import openai
+
+  records: list[dict | None] = [None] * len(plan)
+  errors: list[BaseException] = []
+  barrier = threading.Barrier(concurrency + 1)
+
+  def client(k: int) -> None:
+    api = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=300)
+    barrier.wait()
+    try:
+      for j in range(k, len(plan), concurrency):
+        records[j] = one_request(api, model_name, plan[j], fields)
+    except BaseException as error:  # reported after the join
+      errors.append(error)
+
+  threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(concurrency)]
+  for thread in threads:
+    thread.start()
+  barrier.wait()
+  started = time.perf_counter()
+  for thread in threads:
+    thread.join()
+  wall = time.perf_counter() - started
+  if errors:
+    raise RuntimeError(f"{len(errors)} client(s) failed; first: {errors[0]!r}")
+  return records, wall
+
+
+def one_request(api, model_name: str, request: dict, fields: dict) -> dict:
+  started = time.perf_counter()
+  response = api.completions.create(
+      model=model_name, prompt=request["prompt"], max_tokens=fields["max_tokens"],
+      temperature=fields["temperature"], seed=request["seed"],
+      extra_body={k: v for k, v in fields.items() if k not in ("max_tokens", "temperature")})
+  latency = time.perf_counter() - started
+  body = response.model_dump()
+  choice = body["choices"][0]
+  return dict(prompt=request["prompt"], seed=request["seed"], latency_s=latency,
+              token_ids=[int(t) for t in choice["mdjax"]["token_ids"]],
+              completion_tokens=int(body["usage"]["completion_tokens"]),
+              spec=body["mdjax"]["spec"], text=choice["text"])
+
+
+def level_row(concurrency: int, records: list[dict], wall: float) -> dict:
+  latencies = np.array([r["latency_s"] for r in records])
+  tokens = sum(r["completion_tokens"] for r in records)
+  return dict(concurrency=concurrency, requests=len(records),
+              tokens_per_s=round(tokens / wall, 2),
+              p50_s=round(float(np.percentile(latencies, 50)), 4),
+              p99_s=round(float(np.percentile(latencies, 99)), 4))
+
+
+def offline_batch(model, prompts: Sequence[str], spec, max_tokens: int, seed: int,
+                  repeats: int = 3) -> dict:
+  """The prompts through one batched `mdjax.generate` call: a warm-up call (it compiles),
+  then `repeats` timed calls; tokens/s of the median."""
+  import jax
+
+  import mdjax
+
+  call = lambda: mdjax.generate(model, list(prompts), max_new_tokens=max_tokens,
+                                key=jax.random.key(seed), spec=spec)
+  out = call()
+  seconds = []
+  for _ in range(repeats):
+    started = time.perf_counter()
+    out = call()
+    seconds.append(time.perf_counter() - started)
+  tokens = int(sum(len(c.token_ids) for c in out))
+  median = float(np.median(seconds))
+  return dict(tokens=tokens, seconds=[round(s, 4) for s in seconds], median_s=round(median, 4),
+              tokens_per_s=round(tokens / median, 2), nfe=int(out.nfe))
+
+
+def offline_equal(model, records: list[dict], spec_of: Callable[[dict], object],
+                  max_tokens: int) -> tuple[bool, list[dict]]:
+  """Each served record against `mdjax.generate(model, [prompt], key=key(seed), spec=...)`
+  alone (row 0 of a one-prompt call: exactly the server's row key): (all equal, the
+  mismatches)."""
+  import jax
+
+  import mdjax
+
+  mismatches = []
+  for record in records:
+    out = mdjax.generate(model, [record["prompt"]], max_new_tokens=max_tokens,
+                         key=jax.random.key(record["seed"]), spec=spec_of(record))
+    offline = [int(t) for t in out[0].token_ids]
+    if offline != record["token_ids"]:
+      mismatches.append(dict(prompt=record["prompt"], seed=record["seed"],
+                             served=record["token_ids"], offline=offline))
+  return not mismatches, mismatches
+
+
+def bad_bodies(model_name: str, fields: dict, max_batch: int, limit: int) -> list:
+  """(name, route, body: dict or raw bytes, authorized) of the bad requests: each must get a
+  4xx naming what is wrong."""
+  good = dict(model=model_name, prompt="ROMEO.\nBut soft", max_tokens=fields["max_tokens"],
+              steps=fields["steps"], seed=1)
+  with_ = lambda **changes: {**good, **changes}
+  without = lambda name: {k: v for k, v in good.items() if k != name}
+  completions, chat = "/v1/completions", "/v1/chat/completions"
+  return [
+      ("malformed JSON", completions, b'{"prompt": "x", "max_tokens": ', True),
+      ("a JSON list, not an object", completions, b"[1, 2, 3]", True),
+      ("no prompt", completions, without("prompt"), True),
+      ("prompt of the wrong type", completions, with_(prompt={"text": "x"}), True),
+      ("max_tokens a string", completions, with_(max_tokens="ten"), True),
+      ("max_tokens 0", completions, with_(max_tokens=0), True),
+      ("max_tokens negative", completions, with_(max_tokens=-3), True),
+      ("max_tokens past the model's length", completions, with_(max_tokens=10 * limit), True),
+      ("prompt longer than the context", completions, with_(prompt="a" * (2 * limit)), True),
+      ("unknown sampler", completions, with_(sampler="no_such_sampler"), True),
+      ("unknown field / knob", completions, with_(no_such_knob=1), True),
+      ("negative temperature", completions, with_(temperature=-1.0), True),
+      ("top_p past 1", completions, with_(top_p=1.5), True),
+      ("n too large", completions, with_(n=max_batch + 1), True),
+      ("n 0", completions, with_(n=0), True),
+      ("steps 0", completions, with_(steps=0), True),
+      ("steps a string", completions, with_(steps="many"), True),
+      ("seed negative", completions, with_(seed=-1), True),
+      ("stream not a bool", completions, with_(stream="yes"), True),
+      ("stop of the wrong type", completions, with_(stop=5), True),
+      ("messages not a list", chat, dict(model=model_name, messages="hi", max_tokens=4), True),
+      ("no Authorization header", completions, good, False),
+      ("wrong API key", completions, good, "wrong-key"),
+  ]
+
+
+def bad_requests(url: str, api_key: str, bodies: list, good: Callable[[], bool]) -> dict:
+  """Sends the bad requests with httpx; counts 4xx answers; then `good()` must succeed."""
+  import httpx
+
+  answers = []
+  with httpx.Client(base_url=url, timeout=60) as http:
+    for name, route, body, auth in bodies:
+      headers = {"Content-Type": "application/json"}
+      if auth is True:
+        headers["Authorization"] = f"Bearer {api_key}"
+      elif isinstance(auth, str):
+        headers["Authorization"] = f"Bearer {auth}"
+      content = body if isinstance(body, bytes) else json.dumps(body).encode()
+      response = http.post(route, content=content, headers=headers)
+      try:
+        message = response.json().get("error", {}).get("message", "")
+      except ValueError:
+        message = response.text[:200]
+      answers.append(dict(request=name, status=response.status_code, message=message[:160]))
+  answered = sum(400 <= a["status"] < 500 for a in answers)
+  return dict(sent=len(answers), answered_4xx=answered, server_alive_after=bool(good()),
+              answers=answers)
+
+
+def engine_alone(model, jobs: list, max_batch: int, canvas_length: int) -> dict:
+  """The engine without HTTP (unstarted; `run_once` from here): all `jobs` submitted at once,
+  run to the end. (seconds, ticks, tokens/s, seconds a tick)."""
+  from mdjax.serve.engine import Engine
+
+  engine = Engine(model, max_batch=max_batch, max_queue=len(jobs) + max_batch,
+                  canvas_length=canvas_length)
+  tokens = [0]
+
+  def on_update(update):
+    if update.completion is not None:
+      tokens[0] += len(update.completion.token_ids)
+
+  handles = [engine.submit(job, on_update) for job in jobs]
+  started = time.perf_counter()
+  while not all(h.done for h in handles):
+    engine.run_once()
+  seconds = time.perf_counter() - started
+  ticks = engine.stats().ticks
+  return dict(rows=len(jobs), slots=max_batch, seconds=round(seconds, 4), ticks=ticks,
+              tick_s=round(seconds / max(ticks, 1), 5), tokens=tokens[0],
+              tokens_per_s=round(tokens[0] / seconds, 2))
+
+
+def device_info() -> dict:
+  import jax
+  device = jax.devices()[0]
+  return dict(platform=device.platform, device_kind=device.device_kind,
+              count=len(jax.devices()), jax=jax.__version__, cpus=os.cpu_count(),
+              load_average=[round(x, 2) for x in os.getloadavg()])
+
+
+def main(argv: Sequence[str] | None = None, log=print) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--model", default=None, help="a model mdjax.load reads (default: the "
+                      "bench model, trained in --workdir)")
+  parser.add_argument("--workdir", default=DEFAULT_WORKDIR)
+  parser.add_argument("--train_steps", type=int, default=20)
+  parser.add_argument("--out", default="results/serve.json")
+  parser.add_argument("--requests", type=int, default=16,
+                      help="requests at each concurrency (at least the concurrency)")
+  parser.add_argument("--max_tokens", type=int, default=32)
+  parser.add_argument("--steps", type=int, default=32)
+  parser.add_argument("--temperature", type=float, default=1.0)
+  parser.add_argument("--sampler", default=None, help="a sampler family (default: the "
+                      "model's default sampler)")
+  parser.add_argument("--max_batch", type=int, default=16)
+  parser.add_argument("--canvas_length", type=int, default=None,
+                      help="default: the longest prompt + max_tokens")
+  parser.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)))
+  parser.add_argument("--repeats", type=int, default=3,
+                      help="runs at concurrency 16 and offline timed calls (medians)")
+  parser.add_argument("--seed", type=int, default=0)
+  args = parser.parse_args(argv)
+  bench_started = time.perf_counter()
+
+  import jax
+
+  import mdjax
+  from mdjax import generation
+  from mdjax.serve.server import running, served_name
+
+  model = mdjax.load(args.model) if args.model else bench_model(args.workdir, args.train_steps,
+                                                                 log)
+  prompts = list(PROMPTS)
+  prompt_lengths = [len(generation.prompt_ids(model, [p])[0]) for p in prompts]
+  canvas = args.canvas_length or max(prompt_lengths) + args.max_tokens
+  levels = [int(c) for c in args.concurrency.split(",")]
+  fields = dict(max_tokens=args.max_tokens, temperature=args.temperature, steps=args.steps)
+  if args.sampler:
+    fields["sampler"] = args.sampler
+  knobs = dict(steps=args.steps, temperature=args.temperature)
+  log(f"model {model_info(model)}; canvas {canvas}; {fields}")
+
+  served: list[dict] = []
+  rows: list[dict] = []
+  c16_runs: list[dict] = []
+  with running(model, max_batch=args.max_batch, canvas_length=canvas,
+               max_queue=max(64, 2 * max(levels)), api_key=API_KEY) as server:
+    engine = server.engine
+    name = served_name(model)
+    spec_of = lambda record: engine.prepare(
+        generation.prompt_ids(model, [record["prompt"]])[0], max_new_tokens=args.max_tokens,
+        seed=record["seed"], sampler=args.sampler, knobs=knobs).spec
+    job = engine.prepare(generation.prompt_ids(model, [prompts[0]])[0],
+                         max_new_tokens=args.max_tokens, seed=0, sampler=args.sampler,
+                         knobs=knobs)
+    # Warm-up: every program of the lane compiles here (the empty lane, admit, tick).
+    warm, _ = run_clients(server.base_url, API_KEY, name,
+                          request_plan(2, 4, prompts, args.seed + 7), 2, fields)
+    compiles_before = engine.stats().compiles
+    for concurrency in levels:
+      runs = args.repeats if concurrency == OFFLINE_PROMPTS else 1
+      level = []
+      for run in range(runs):
+        count = max(args.requests, concurrency)
+        count -= count % concurrency  # every client sends as many
+        plan = request_plan(concurrency, count, prompts, args.seed + 100 * run)
+        records, wall = run_clients(server.base_url, API_KEY, name, plan, concurrency, fields)
+        served += records
+        level.append(level_row(concurrency, records, wall))
+        log(f"concurrency {concurrency} run {run}: {level[-1]} (wall {wall:.2f} s)")
+      chosen = sorted(level, key=lambda r: r["tokens_per_s"])[len(level) // 2]
+      rows.append(chosen)
+      if concurrency == OFFLINE_PROMPTS:
+        c16_runs = level
+    ticks_after = engine.stats().ticks
+
+    def good() -> bool:
+      import openai
+      api = openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
+      record = one_request(api, name, dict(prompt=prompts[0], seed=args.seed + 99), fields)
+      served.append(record)
+      return len(record["token_ids"]) > 0
+
+    bad = bad_requests(server.url, API_KEY, bad_bodies(name, fields, args.max_batch, canvas),
+                       good)
+    log(f"bad requests: {bad['answered_4xx']} of {bad['sent']} answered 4xx; alive after: "
+        f"{bad['server_alive_after']}")
+    compiles_after = engine.stats().compiles
+    engine_stats = engine.stats()
+    spec_reprs = sorted({r["spec"] for r in served + warm})
+
+  spec = job.spec
+  if spec_reprs != [repr(spec)]:
+    log(f"warning: responses name specs {spec_reprs}, the engine's is {spec!r}")
+  offline = offline_batch(model, prompts[:OFFLINE_PROMPTS], spec, args.max_tokens, args.seed,
+                          repeats=args.repeats)
+  log(f"offline batch of {OFFLINE_PROMPTS}: {offline}")
+
+  # The engine alone (no HTTP), the 16 prompts at once and one row, on the server's slots and
+  # on a 1-slot lane (what a batch-1 server's tick costs).
+  from mdjax.serve.engine import Engine
+  prep = Engine(model, max_batch=args.max_batch, canvas_length=canvas)
+  jobs = [prep.prepare(generation.prompt_ids(model, [p])[0], max_new_tokens=args.max_tokens,
+                       seed=args.seed + i, sampler=args.sampler, knobs=knobs)
+          for i, p in enumerate(prompts[:OFFLINE_PROMPTS])]
+  alone = dict(
+      batch16_slots=engine_alone(model, jobs, args.max_batch, canvas),
+      batch1_slots=engine_alone(model, jobs[:1], args.max_batch, canvas))
+  engine_alone(model, jobs[:1], 1, canvas)  # compiles the 1-slot lane
+  alone["batch1_1slot"] = engine_alone(model, jobs[:2], 1, canvas)
+  log(f"engine alone: {alone}")
+
+  started = time.perf_counter()
+  equal, mismatches = offline_equal(model, served, spec_of, args.max_tokens)
+  check_s = time.perf_counter() - started
+  log(f"served_equals_offline: {equal} over {len(served)} requests ({check_s:.1f} s)")
+
+  by = {row["concurrency"]: row for row in rows}
+  sequential = by[1]["tokens_per_s"] if 1 in by else None
+  at16 = by.get(OFFLINE_PROMPTS)
+  result = dict(
+      model=model_info(model),
+      settings=dict(max_batch=args.max_batch, canvas_length=canvas, max_tokens=args.max_tokens,
+                    steps=args.steps, temperature=args.temperature,
+                    sampler=args.sampler or "the model's default", spec=repr(spec),
+                    num_steps=job.num_steps, requests_per_level=args.requests,
+                    prompts=prompts, prompt_lengths=prompt_lengths, seed=args.seed,
+                    api_key="set (every request sends it)"),
+      device=device_info(),
+      rows=rows,
+      offline_batch_tokens_per_s=offline["tokens_per_s"],
+      sequential_tokens_per_s=sequential,
+      ratio_16_to_offline=None if at16 is None else
+      round(at16["tokens_per_s"] / offline["tokens_per_s"], 3),
+      gain_over_sequential=None if at16 is None or not sequential else
+      round(at16["tokens_per_s"] / sequential, 2),
+      served_equals_offline=equal,
+      served_checked=len(served),
+      mismatches=mismatches[:5],
+      bad_requests=bad,
+      compiles=dict(before=compiles_before, after=compiles_after,
+                    grew=compiles_after != compiles_before),
+      engine=dict(ticks=engine_stats.ticks, ticks_measured=ticks_after,
+                  denoiser_calls=engine_stats.denoiser_calls,
+                  completion_tokens=engine_stats.completion_tokens,
+                  rows_done=engine_stats.rows_done),
+      profile=dict(offline=offline, engine_alone=alone,
+                   c16_runs_tokens_per_s=[r["tokens_per_s"] for r in c16_runs]),
+  )
+  result["notes"] = notes(result, args)
+  result["bench_seconds"] = round(time.perf_counter() - bench_started, 1)
+  if args.out:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+      json.dump(result, f, indent=1)
+      f.write("\n")
+    log(f"wrote {args.out}")
+  log(result["notes"])
+  return result
+
+
+def notes(result: dict, args) -> str:
+  """What the numbers say, computed from them."""
+  rows = {row["concurrency"]: row for row in result["rows"]}
+  offline, alone = result["profile"]["offline"], result["profile"]["engine_alone"]
+  steps = result["settings"]["num_steps"]
+  slots = result["settings"]["max_batch"]
+  b16, b1, one = alone["batch16_slots"], alone["batch1_slots"], alone["batch1_1slot"]
+  offline_step = offline["median_s"] / max(offline["nfe"], 1)
+  parts = [f"Model {result['model']['params']:,} parameters (d_model {result['model']['d_model']}, "
+           f"{result['model']['layers']} layers, {result['model']['max_len']} positions), "
+           f"{result['settings']['max_tokens']} new tokens in {steps} steps a request, "
+           f"canvas {result['settings']['canvas_length']}, {slots} slots, on "
+           f"{result['device']['device_kind']} ({result['device']['cpus']} CPUs, load average "
+           f"{result['device']['load_average'][0]} at the end: shared and noisy, times vary "
+           f"up to 2x between runs; concurrency 16 and offline are medians of "
+           f"{args.repeats})."]
+  if OFFLINE_PROMPTS in rows:
+    parts.append(
+        f"At 16 clients {rows[16]['tokens_per_s']} tokens/s = {result['ratio_16_to_offline']}x "
+        f"the offline batch of the same 16 prompts ({result['offline_batch_tokens_per_s']} "
+        f"tokens/s; goal 0.8x: {'met' if result['ratio_16_to_offline'] >= 0.8 else 'missed'}).")
+  parts.append(
+      f"Where the time goes: offline, one step of the 16 rows takes {offline_step * 1e3:.1f} ms "
+      f"inside one compiled scan ({offline['nfe']} steps); the engine alone (no HTTP) ticks its "
+      f"{slots} slots in {b16['tick_s'] * 1e3:.1f} ms a tick with 16 rows "
+      f"({b16['tokens_per_s']} tokens/s, {b16['tokens_per_s'] / offline['tokens_per_s']:.2f}x "
+      f"offline) and {b1['tick_s'] * 1e3:.1f} ms with 1 row (the same {slots}-slot program); a "
+      f"1-slot lane ticks in {one['tick_s'] * 1e3:.1f} ms.")
+  if OFFLINE_PROMPTS in rows:
+    parts.append(
+        f"So HTTP, the client threads and admission between ticks cost "
+        f"{1 - rows[16]['tokens_per_s'] / b16['tokens_per_s']:.0%} of the engine-alone "
+        f"throughput at 16 clients.")
+  if 1 in rows and OFFLINE_PROMPTS in rows:
+    tick_floor = steps * b1["tick_s"]
+    parts.append(
+        f"Gain over sequential (one request at a time, {rows[1]['tokens_per_s']} tokens/s, "
+        f"p50 {rows[1]['p50_s']} s of which {tick_floor:.3f} s are {steps} ticks): "
+        f"{result['gain_over_sequential']}x, because a tick costs about the same for 1 row "
+        f"as for 16 ({b1['tick_s'] * 1e3:.1f} against {b16['tick_s'] * 1e3:.1f} ms: the "
+        f"program always runs its {slots} slots, and a 1-slot lane still pays "
+        f"{one['tick_s'] * 1e3:.1f} ms of fixed cost a step at this model size), so 16 rows "
+        f"a tick give up to {b1['tick_s'] / b16['tick_s'] * 16:.1f}x the tokens a tick.")
+  if 32 in rows and OFFLINE_PROMPTS in rows:
+    parts.append(
+        f"At 32 clients the {slots} slots are full and half the requests wait in the queue: "
+        f"{rows[32]['tokens_per_s']} tokens/s, p99 {rows[32]['p99_s']} s against "
+        f"{rows[16]['p99_s']} s at 16.")
+  compiles = result["compiles"]
+  parts.append(f"Compiles: {compiles['before']} after warm-up, {compiles['after']} at the end "
+               f"({'grew' if compiles['grew'] else 'none while measured'}).")
+  return " ".join(parts)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,141 @@
+"""`python -m mdjax.serve --model=PATH`: an OpenAI-compatible server for any model
+`mdjax.load` reads (a train.py workdir, a published Hugging Face folder, a task's oracle).
+
+  python -m mdjax.serve --model=/data/LLaDA-8B-Instruct --max_batch=16 --steps=64
+  python -m mdjax.serve --model=/tmp/shakespeare --port=8001 --api_key=$KEY --sampler=confidence
+
+Sampler flags (sample.py's names) are the server's defaults: a request's fields override
+them knob by knob; without them a knob is `mdjax.generate`'s default for the model. A bad
+flag is one line, `mdjax.serve: error: ...`, and exit status 2. SIGTERM (or Ctrl-C) stops
+accepting, lets the requests in flight finish, stops the engine, and exits 0.
+API: `mdjax.serve.app`; a server inside a Python process: `mdjax.serve.server`;
+docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from typing import NoReturn
+
+from mdjax import cli
+
+NAME = "mdjax.serve"
+
+
+ENGINE_FLAGS = ("max_batch", "max_queue", "canvas_length", "max_programs")
+
+
+def _parser() -> cli.Parser:
+  from mdjax.serve import requests
+  parser = cli.Parser(NAME, prog="python -m mdjax.serve",
+                      description="An OpenAI-compatible server over mdjax's serving engine.")
+  parser.add_argument("--model", required=True, help="What mdjax.load reads: a train.py "
+                      "workdir, a published Hugging Face folder, or a task's oracle name.")
+  parser.add_argument("--step", type=int, default=None, help="A workdir's checkpoint step.")
+  parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                      help="A published checkpoint's weights' dtype.")
+  parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default "
+                      "127.0.0.1: this machine only).")
+  parser.add_argument("--port", type=int, default=8000, help="Port (0: a free one).")
+  parser.add_argument("--max_batch", type=int, default=8, help="Rows a compiled program "
+                      "advances together (slots of a lane).")
+  parser.add_argument("--max_queue", type=int, default=64, help="Rows that may wait for a "
+                      "slot; beyond them a request gets 429.")
+  parser.add_argument("--canvas_length", type=int, default=None, help="Positions of each "
+                      "row's canvas, prompt included (default: the model's length).")
+  parser.add_argument("--max_programs", type=int, default=8, help="Lanes (compiled "
+                      "programs, one a sampler spec) kept at once.")
+  parser.add_argument("--api_key", default=None, help="Requests need 'Authorization: "
+                      "Bearer KEY' (GET /health stays open).")
+  parser.add_argument("--served_model_name", default=None, help="The model id clients name "
+                      "(default: the --model path's last part).")
+  parser.add_argument("--log_level", default="info",
+                      choices=("critical", "error", "warning", "info", "debug", "trace"),
+                      help="uvicorn's log level.")
+  parser.add_argument("--sampler", default=None, help="Sampler family (sample.py's "
+                      "--sampler; default: the model's default sampler).")
+  for names, kind in ((requests.INT_KNOBS, int), (requests.FLOAT_KNOBS, float),
+                      (requests.STR_KNOBS, str)):
+    for name in names:
+      parser.add_argument(f"--{name}", type=kind, default=None, help="Sampler knob (default).")
+  for name in requests.BOOL_KNOBS:
+    parser.add_argument(f"--{name}", action="store_true", default=None,
+                        help="Sampler knob (default).")
+  return parser
+
+
+def _defaults(args) -> dict:
+  """The sampler flags given: the server's defaults."""
+  from mdjax.serve import requests
+  names = ("sampler",) + requests.KNOBS
+  return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def _usage_error(error: ValueError, flags) -> NoReturn:
+  """A ValueError about a setting, as a usage error naming its flag (`--steps=0 is ...`)."""
+  text = str(error)
+  name = text.split("=")[0].split(":")[0]
+  cli.fail(NAME, f"--{text}" if name in flags else text, cli.USAGE)
+
+
+def main(argv=None) -> int:
+  args = _parser().parse_args(argv)
+  for name, low in (("port", 0), ("max_batch", 1), ("max_queue", 0), ("max_programs", 1)):
+    value = getattr(args, name)
+    if value < low or (name == "port" and value > 65535):
+      cli.fail(NAME, f"--{name}={value} is invalid: it must be >= {low}"
+               + (" and <= 65535" if name == "port" else "") + ".", cli.USAGE)
+  import uvicorn
+
+  import mdjax
+  from mdjax.serve import requests, server
+
+  defaults = _defaults(args)
+  try:
+    requests.check_defaults(defaults)
+    model = mdjax.load(args.model, step=args.step, dtype=args.dtype)
+  except ValueError as error:
+    _usage_error(error, defaults)
+  except OSError as error:
+    cli.fail(NAME, error, cli.RUNTIME)
+  name = args.served_model_name or server.served_name(model, args.model)
+  try:
+    engine, app = server.build(model, api_key=args.api_key, defaults=defaults, model_name=name,
+                               max_batch=args.max_batch, max_queue=args.max_queue,
+                               canvas_length=args.canvas_length,
+                               max_programs=args.max_programs)
+    # The defaults checked against the model before serving: a 1-token request's job.
+    knobs = {k: v for k, v in defaults.items() if k != "sampler"}
+    probe = knobs.get("block_length") or 1
+    engine.prepare([], max_new_tokens=min(probe, engine.canvas_length), seed=0,
+                   sampler=defaults.get("sampler"), knobs=knobs or None)
+  except ValueError as error:
+    _usage_error(error, set(defaults) | set(ENGINE_FLAGS))
+  engine.start()
+
+  summary = (f"max_batch={args.max_batch}, max_queue={args.max_queue}, "
+             f"canvas_length={engine.canvas_length}, max_programs={args.max_programs}"
+             + (", api_key set" if args.api_key else "")
+             + "".join(f", {k}={v}" for k, v in defaults.items()))
+
+  class Server(uvicorn.Server):
+    async def startup(self, sockets=None):
+      await super().startup(sockets)
+      if self.started:
+        url = server.url_of(args.host, server.bound_port(self) or args.port)
+        print(f"serving {name} on {url} ({summary})", flush=True)
+
+  config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                          timeout_graceful_shutdown=None)
+  # uvicorn catches SIGTERM/SIGINT while it serves, shuts down gracefully (stops accepting,
+  # waits for the requests in flight, then the app's shutdown drains the engine) and raises
+  # the signal again under the handlers it found: these, so that a graceful stop exits 0.
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda *_: None)
+  Server(config).run()
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

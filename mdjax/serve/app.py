@@ -1,0 +1,215 @@
+"""The OpenAI-compatible HTTP API over the serving engine (`mdjax.serve.engine.Engine`).
+
+  app = create_app(engine, model, model_name="llada")   # then uvicorn.run(app, ...)
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both with `"stream": true`: server-sent
+events in OpenAI's chunk format, ending `data: [DONE]`), GET /v1/models, GET /health,
+GET /metrics (Prometheus text) and GET / (the live page, mdjax/serve/page.html).
+
+Request fields: `prompt` (a text, a list of one text, or token ids) or `messages` (through the
+model's chat template), `max_tokens` (default 16, as OpenAI's), `temperature`, `top_p`,
+`top_k`, `seed` (default a fresh random one, returned), `stop` (a string or a list: the text
+is cut before the first one, finish_reason "stop"), `n`, `stream`, `stream_options`
+({"include_usage": true}); mdjax's extensions under sample.py's names: `sampler` (a family of
+`mdjax.sampling.families()`; absent: the model's default sampler), `steps`, `block_length`,
+`threshold`, ... and `mdjax_canvas` (streaming: an `event: canvas` each step with every
+position's text, null where masked). A field the server does not know is a 400 naming it.
+The server's defaults (`defaults`: `python -m mdjax.serve --steps=...`) are knobs a request
+overrides one by one; without them a knob is `mdjax.generate`'s default for the model.
+
+The exactness rule: a request with `seed=s` gets, token for token, what
+
+    job = engine.prepare(prompt_ids, max_new_tokens=max_tokens, seed=s, n=n, ...)
+    mdjax.generate(model, [prompt_ids] * n, max_new_tokens=max_tokens,
+                   key=jax.random.key(s), spec=job.spec)[i]
+
+gives for choice i, whatever else is served at the same time. Every response names what
+reproduces it: `"mdjax": {"seed": s, "spec": repr(job.spec), "steps": job.num_steps}` at the
+top and `"mdjax": {"token_ids": [...]}` in each choice (the completion's ids, before `stop`
+strings cut its text).
+
+Errors have OpenAI's body, {"error": {"message", "type", "param", "code"}}: 400
+(invalid_request_error, `param` naming the field) for malformed JSON, wrong types, bad values,
+unknown fields or knobs; 401 without `Authorization: Bearer KEY` when the server has a key
+(GET /health and GET / stay open); 429 with Retry-After when the engine's queue is full. A
+client that disconnects cancels its job (its rows are freed at the engine's next tick).
+Shutdown (SIGTERM: uvicorn stops accepting and waits for the requests in flight) ends with
+`engine.stop(drain=True)`.
+
+Here: the routes, the API-key gate, `create_app`. A request's fields and their checks:
+`mdjax.serve.requests`; running it and its responses (JSON, server-sent events):
+`mdjax.serve.streaming`; a server on a thread of this process: `mdjax.serve.server`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import os
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mdjax.serve import metrics as metrics_lib
+from mdjax.serve import streaming
+from mdjax.serve.requests import APIError, Call, bad, check_defaults
+
+PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "page.html")
+
+
+class State:
+  """What the routes share: the engine and its limits, the model, the server's defaults,
+  the metrics, the canvas event's token texts."""
+
+  def __init__(self, engine, model, model_name: str, api_key: str | None, defaults: dict):
+    self.engine, self.model, self.model_name = engine, model, model_name
+    self.api_key, self.defaults = api_key, check_defaults(defaults)
+    self.metrics = metrics_lib.Metrics()
+    self.pieces = streaming.Pieces(model)
+    self.created = int(time.time())
+    self.max_batch, self.max_queue = engine.max_batch, engine.max_queue
+    # n past max_batch cannot be served; past max_queue (when it is set) it could wait.
+    self.max_n = min(self.max_batch, self.max_queue or self.max_batch)
+    self.canvas_length = engine.canvas_length
+
+
+class _Gate:
+  """ASGI middleware: the API key, and the request counters and latency of /v1/ routes."""
+
+  OPEN = ("/health", "/", "/favicon.ico")
+
+  def __init__(self, app, state: State):
+    self.app, self.state = app, state
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    path = scope.get("path", "")
+    counted = path.startswith("/v1/")
+    started, status = time.perf_counter(), [500]
+
+    async def sending(message):
+      if message["type"] == "http.response.start":
+        status[0] = message["status"]
+      await send(message)
+
+    try:
+      key = self.state.api_key
+      if key and path not in self.OPEN:
+        given = dict(scope.get("headers") or ()).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                  key.encode()):
+          error = APIError(401, "a valid API key is required: send the header "
+                           "'Authorization: Bearer KEY'.", None, "invalid_request_error",
+                           "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+          return await error.response()(scope, receive, sending)
+      return await self.app(scope, receive, sending)
+    finally:
+      if counted:
+        self.state.metrics.record(status[0], time.perf_counter() - started)
+
+
+def create_app(engine, model, *, model_name: str, api_key: str | None = None,
+               defaults: dict | None = None) -> FastAPI:
+  """The OpenAI-compatible app over a started `Engine` (module docstring).
+
+  engine: an `mdjax.serve.engine.Engine` whose thread runs (`engine.start()`); the app's
+  shutdown stops it with drain=True. model: the `Model` it serves (the codec, the chat
+  template, the length). model_name: the id clients name (`GET /v1/models`). api_key: with
+  one, every route but GET /health and GET / needs `Authorization: Bearer KEY`. defaults:
+  server-wide sampler knobs (and `sampler`) under sample.py's names; a request's fields
+  override them knob by knob. A bad default is a ValueError naming it.
+  """
+  state = State(engine, model, model_name, api_key, defaults or {})
+
+  @contextlib.asynccontextmanager
+  async def lifespan(app):
+    yield
+    await asyncio.to_thread(engine.stop, drain=True)
+
+  app = FastAPI(title="mdjax", lifespan=lifespan, docs_url=None, redoc_url=None,
+                openapi_url=None)
+  app.state.mdjax = state
+
+  @app.exception_handler(APIError)
+  async def api_error(request, error: APIError):
+    return error.response()
+
+  @app.exception_handler(RequestValidationError)
+  async def validation_error(request, error: RequestValidationError):
+    errors = error.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    return bad(".".join(loc) or None, first.get("msg", "invalid request")).response()
+
+  @app.exception_handler(StarletteHTTPException)
+  async def http_error(request, error: StarletteHTTPException):
+    kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+    return APIError(error.status_code, str(error.detail), None, kind).response()
+
+  async def body_of(request: Request):
+    raw = await request.body()
+    try:
+      return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as error:
+      raise bad(None, f"the request body is not valid JSON: {error}") from None
+
+  async def serve(request: Request, route: str):
+    body = await body_of(request)
+    call = Call(state, body, route)
+    if call.stream:
+      return streaming.stream(call, request)
+    return await streaming.complete(call, request)
+
+  @app.post("/v1/completions")
+  async def completions(request: Request):
+    return await serve(request, "completions")
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(request: Request):
+    return await serve(request, "chat")
+
+  def model_card() -> dict:
+    return {"id": model_name, "object": "model", "created": state.created, "owned_by": "mdjax",
+            "mdjax": {"family": model.family, "max_len": int(model.max_len),
+                      "canvas_length": state.canvas_length, "max_batch": state.max_batch}}
+
+  @app.get("/v1/models")
+  async def models():
+    return {"object": "list", "data": [model_card()]}
+
+  @app.get("/v1/models/{name:path}")
+  async def one_model(name: str):
+    if name != model_name:
+      raise APIError(404, f"model {name!r} is not served here; this server serves "
+                     f"{model_name!r}.", "model", "invalid_request_error", "model_not_found")
+    return model_card()
+
+  @app.get("/health")
+  async def health():
+    stats = engine.stats()
+    return {"status": "ok", "model": model_name, "queue_rows": stats.queue_rows,
+            "active_rows": stats.active_rows, "slots": stats.slots}
+
+  @app.get("/metrics")
+  async def metrics():
+    return PlainTextResponse(state.metrics.render(engine.stats()),
+                             media_type=metrics_lib.CONTENT_TYPE)
+
+  @app.get("/")
+  async def page():
+    try:
+      with open(PAGE, encoding="utf-8") as f:
+        return HTMLResponse(f.read())
+    except FileNotFoundError:
+      return PlainTextResponse("the live page (mdjax/serve/page.html) is not installed\n",
+                               status_code=404)
+
+  app.add_middleware(_Gate, state=state)
+  return app

@@ -1,0 +1,113 @@
+"""The server's Prometheus metrics, in the text exposition format (version 0.0.4).
+
+The engine's gauges and counters come from `Engine.stats()` at scrape time; the HTTP
+counters (requests by status) and the latency histogram are kept here, by the app's
+middleware, for the API routes (/v1/...). No client library: the format is a few lines.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Seconds: a tiny model's request takes milliseconds, a large one's tens of seconds.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   120.0, 300.0)
+
+# (metric name, EngineStats field, type, help)
+ENGINE_METRICS = (
+    ("mdjax_queue_rows", "queue_rows", "gauge", "Rows waiting for a slot."),
+    ("mdjax_active_rows", "active_rows", "gauge", "Rows being denoised."),
+    ("mdjax_slots", "slots", "gauge", "Slots of the lanes held (max_batch a lane)."),
+    ("mdjax_lanes", "lanes", "gauge", "Lanes (compiled programs, one a sampler spec) held."),
+    ("mdjax_ticks_total", "ticks", "counter", "Engine ticks (one denoising step of every "
+     "active row)."),
+    ("mdjax_denoiser_calls_total", "denoiser_calls", "counter", "Denoiser passes run."),
+    ("mdjax_completion_tokens_total", "completion_tokens", "counter",
+     "Tokens of finished completions."),
+    ("mdjax_rows_done_total", "rows_done", "counter", "Rows finished."),
+    ("mdjax_compiles_total", "compiles", "counter", "Programs traced and compiled so far."),
+    ("mdjax_tokens_per_second", "tokens_per_s", "gauge",
+     "Completion tokens per second over the last 10 s."),
+)
+
+
+def _number(value) -> str:
+  if value is None:
+    return "NaN"
+  value = float(value)
+  if math.isnan(value):
+    return "NaN"
+  if math.isinf(value):
+    return "+Inf" if value > 0 else "-Inf"
+  return repr(int(value)) if value.is_integer() and abs(value) < 2**53 else repr(value)
+
+
+def _label(value: str) -> str:
+  return str(value).replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+class Histogram:
+  """A cumulative Prometheus histogram of observations (seconds)."""
+
+  def __init__(self, buckets=LATENCY_BUCKETS):
+    self.buckets = tuple(sorted(buckets))
+    self.counts = [0] * len(self.buckets)  # per bucket, not cumulative
+    self.sum, self.count = 0.0, 0
+
+  def observe(self, value: float) -> None:
+    index = bisect.bisect_left(self.buckets, value)
+    if index < len(self.buckets):
+      self.counts[index] += 1
+    self.sum += value
+    self.count += 1
+
+  def lines(self, name: str, labels: str = "") -> list[str]:
+    out, cumulative = [], 0
+    sep = "," if labels else ""
+    for bound, count in zip(self.buckets, self.counts):
+      cumulative += count
+      out.append(f'{name}_bucket{{{labels}{sep}le="{_number(bound)}"}} {cumulative}')
+    out.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.count}')
+    suffix = f"{{{labels}}}" if labels else ""
+    out.append(f"{name}_sum{suffix} {_number(self.sum)}")
+    out.append(f"{name}_count{suffix} {self.count}")
+    return out
+
+
+class Metrics:
+  """The HTTP side: requests by status code and their latency (thread-safe)."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self.requests: dict[str, int] = {}
+    self.latency = Histogram()
+
+  def record(self, status: int, seconds: float) -> None:
+    with self._lock:
+      key = str(int(status))
+      self.requests[key] = self.requests.get(key, 0) + 1
+      self.latency.observe(max(0.0, float(seconds)))
+
+  def render(self, stats=None) -> str:
+    """The exposition text: the engine's `stats` (an `EngineStats`, or None) and ours."""
+    lines = []
+    if stats is not None:
+      for name, field, kind, help_text in ENGINE_METRICS:
+        if not hasattr(stats, field):
+          continue
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}",
+                  f"{name} {_number(getattr(stats, field))}"]
+    with self._lock:
+      lines += ["# HELP mdjax_requests_total API requests answered, by HTTP status.",
+                "# TYPE mdjax_requests_total counter"]
+      lines += [f'mdjax_requests_total{{status="{_label(status)}"}} {count}'
+                for status, count in sorted(self.requests.items())]
+      lines += ["# HELP mdjax_request_latency_seconds API request latency, from its arrival "
+                "to the last byte of its response.",
+                "# TYPE mdjax_request_latency_seconds histogram"]
+      lines += self.latency.lines("mdjax_request_latency_seconds")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,206 @@
+"""The serving engine: rows at different steps in one program equal `mdjax.generate` offline,
+token for token; rows leave when done and their slots serve the next request; nothing
+recompiles while serving; bad requests are refused before anything compiles."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mdjax
+from mdjax import generation
+from mdjax.model import Model
+from mdjax.serve.engine import Engine, QueueFull
+from tests.paths import REPO
+
+pytestmark = pytest.mark.xdist_group("serve_engine")
+
+LLADA = os.path.join(REPO, "tests", "fixtures", "pretrained", "llada")
+
+
+class Listener:
+  """What a job's rows report: every update, and each row's completion."""
+
+  def __init__(self):
+    self.updates, self.completions = [], {}
+
+  def __call__(self, update):
+    self.updates.append(update)
+    if update.completion is not None or update.error:
+      self.completions[update.choice] = update
+
+
+def drive(engine, handles, most_ticks=200):
+  for _ in range(most_ticks):
+    if all(h.done for h in handles):
+      return
+    engine.run_once()
+  raise AssertionError("the engine did not finish its rows")
+
+
+def offline(model, prompt, job):
+  return mdjax.generate(model, [prompt] * job.n, max_new_tokens=job.max_new_tokens,
+                        key=jax.random.key(job.seed), spec=job.spec)
+
+
+def test_rows_at_different_steps_equal_generate_offline(dream_model):
+  """Mixed requests (prompt lengths, max_new_tokens, n, two specs) joining while others are
+  mid-run: each row equals `generate` of its prompt alone, token for token."""
+  model = dream_model
+  engine = Engine(model, max_batch=3, max_queue=16, canvas_length=40)
+  requests = [  # (prompt, fields); sampling at temperature 1 so the keys decide the tokens
+      ("Hello", dict(max_new_tokens=8, seed=1, knobs=dict(steps=4, temperature=1.0))),
+      ("Hi there, you", dict(max_new_tokens=12, seed=2, n=2,
+                             knobs=dict(steps=4, temperature=1.0))),
+      ("A", dict(max_new_tokens=8, seed=3, sampler="confidence",
+                 knobs=dict(steps=4, block_length=4, threshold=0.5, temperature=1.0))),
+      ("Once upon a time", dict(max_new_tokens=6, seed=4, knobs=dict(steps=4,
+                                                                     temperature=1.0))),
+  ]
+  jobs, listeners, handles = [], [], []
+  for index, (prompt, fields) in enumerate(requests):
+    job = engine.prepare(generation.prompt_ids(model, [prompt])[0], **fields)
+    listener = Listener()
+    handles.append(engine.submit(job, listener))
+    jobs.append(job), listeners.append(listener)
+    if index == 1:
+      engine.run_once()  # the first rows are a step ahead of the next ones
+  drive(engine, handles)
+  assert engine.stats().lanes == 2  # one program per spec, rows of any length in it
+  for (prompt, _), job, listener in zip(requests, jobs, listeners):
+    want = offline(model, prompt, job)
+    for choice in range(job.n):
+      got = listener.completions[choice].completion
+      np.testing.assert_array_equal(got.token_ids, want[choice].token_ids)
+      assert (got.text, got.finish_reason) == (want[choice].text, want[choice].finish_reason)
+  # The keys decide these tokens: the two rows of one request differ.
+  assert (listeners[1].completions[0].completion.token_ids.tolist()
+          != listeners[1].completions[1].completion.token_ids.tolist())
+
+
+def test_a_model_with_absolute_positions_is_served_unpadded():
+  """LLaDA counts positions from the canvas start: its rows run on canvases of exactly
+  prompt + max_new_tokens (a lane per length), and equal generate offline."""
+  model = mdjax.load(LLADA)
+  assert not model.padding_invariant
+  engine = Engine(model, max_batch=2)
+  knobs = dict(steps=4, block_length=4, temperature=1.0)
+  prompts = ["Hello", "Hi there, you"]
+  jobs = [engine.prepare(generation.prompt_ids(model, [p])[0], max_new_tokens=8, seed=5,
+                         knobs=knobs) for p in prompts]
+  assert [job.canvas_length for job in jobs] == [len(j.prompt_ids) + 8 for j in jobs]
+  listeners = [Listener() for _ in jobs]
+  drive(engine, [engine.submit(job, listener) for job, listener in zip(jobs, listeners)])
+  for prompt, job, listener in zip(prompts, jobs, listeners):
+    np.testing.assert_array_equal(listener.completions[0].completion.token_ids,
+                                  offline(model, prompt, job)[0].token_ids)
+
+
+def test_slots_are_reused_and_nothing_recompiles(dream_model):
+  """Five single-row requests through two slots: finished rows leave, waiting rows take
+  their slots at the next tick; a second wave compiles nothing."""
+  engine = Engine(dream_model, max_batch=2, max_queue=16, canvas_length=24)
+  knobs = dict(steps=3, temperature=1.0)
+
+  def wave(first_seed):
+    jobs = [engine.prepare(generation.prompt_ids(dream_model, ["x" * (i + 1)])[0],
+                           max_new_tokens=6, seed=first_seed + i, knobs=knobs)
+            for i in range(5)]
+    handles = [engine.submit(job, Listener()) for job in jobs]
+    ticks = engine.stats().ticks
+    drive(engine, handles)
+    return engine.stats().ticks - ticks
+
+  ticks = wave(0)
+  # At most 3 steps a row (fewer after an early EOS), 2 slots, 5 rows: a freed slot is
+  # taken at the next tick, so at most ceil(5 / 2) * 3 = 9 ticks (one row at a time: 15).
+  assert ticks <= 9
+  compiled = engine.stats().compiles
+  wave(100)
+  stats = engine.stats()
+  assert stats.compiles == compiled and stats.rows_done == 10 and stats.active_rows == 0
+
+
+def _always_eos_model(vocab=8, length=12, eos=0):
+  """A stub denoiser whose every position is EOS with certainty."""
+  def apply_fn(params, tokens_BxL, t_B):
+    logits = jnp.full(tokens_BxL.shape + (vocab,), -10.0)
+    return logits.at[..., eos].set(10.0)
+  return Model(denoiser=apply_fn, params=None, family="stub", vocab_size=vocab, max_len=length,
+               mask_id_or_none=vocab, eos_id=eos, takes_padding=False)
+
+
+def test_a_row_that_wrote_eos_leaves_at_once():
+  """Left to right (one position a step), the first step writes EOS: the row leaves after
+  that tick with finish_reason "stop", as generate ends it, not after its 8 steps."""
+  model = _always_eos_model()
+  engine = Engine(model, max_batch=2)
+  job = engine.prepare(np.array([3, 4], np.int32), max_new_tokens=8, seed=0,
+                       sampler="confidence", knobs=dict(steps=8, block_length=1))
+  assert job.num_steps == 8 and job.spec.eos_id == 0
+  listener = Listener()
+  drive(engine, [engine.submit(job, listener)])
+  finished = listener.completions[0]
+  assert finished.step == 1 and len(listener.updates) == 1
+  want = offline(model, [3, 4], job)[0]
+  assert finished.completion.finish_reason == want.finish_reason == "stop"
+  assert finished.completion.token_ids.size == want.token_ids.size == 0
+
+
+def test_cancel_frees_the_row_and_a_full_queue_is_refused(dream_model):
+  engine = Engine(dream_model, max_batch=1, max_queue=1, canvas_length=24)
+  prepare = lambda seed: engine.prepare(generation.prompt_ids(dream_model, ["Hi"])[0],
+                                        max_new_tokens=6, seed=seed, knobs=dict(steps=6))
+  first = engine.submit(prepare(0), Listener())
+  engine.submit(prepare(1), Listener())  # one slot (no lane yet) + max_queue=1
+  with pytest.raises(QueueFull) as refused:
+    engine.submit(prepare(2), Listener())
+  assert refused.value.retry_after >= 1
+  engine.run_once()
+  assert engine.stats().active_rows == 1 and engine.stats().queue_rows == 1
+  first.cancel()
+  engine.run_once()  # the cancelled row leaves; the waiting one takes its slot
+  assert first.done and engine.stats().queue_rows == 0 and engine.stats().active_rows == 1
+
+
+def test_the_engine_thread_serves_and_drains_on_stop(dream_model):
+  engine = Engine(dream_model, max_batch=2, canvas_length=24).start()
+  job = engine.prepare(generation.prompt_ids(dream_model, ["Hi"])[0], max_new_tokens=4,
+                       seed=0, knobs=dict(steps=2))
+  listener = Listener()
+  handle = engine.submit(job, listener)
+  engine.stop(drain=True, timeout=120)
+  assert handle.done and listener.completions[0].completion is not None
+  with pytest.raises(QueueFull, match="shutting down"):
+    engine.submit(job, Listener())
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(n=0), r"n=0 is invalid"),
+    (dict(n=3), r"n=3 is invalid: it must be an integer in \[1, 2\]"),
+    (dict(seed=-1), r"seed=-1 is invalid"),
+    (dict(max_new_tokens=0), r"max_new_tokens=0 is invalid"),
+    (dict(max_new_tokens=30), r"max_new_tokens=30 is too many: .* at most 22"),
+    (dict(prompt="x" * 30), r"prompt has 30 tokens; the server's canvas holds 24"),
+    (dict(sampler="nope"), r"family='nope' is unknown"),
+    (dict(knobs=dict(nope=1)), r"nope= does not apply"),
+    (dict(knobs=dict(temperature=-1.0)), r"temperature=-1.0 must be a finite number >= 0"),
+    (dict(sampler="ordered", knobs=dict(groups=((0,),))), r"names canvas positions"),
+    (dict(sampler="confidence", knobs=dict(steps=2, kv_cache="dual")), r"kv_cache='dual'"),
+])
+def test_bad_requests_are_refused_before_compiling(dream_model, fields, match):
+  engine = Engine(dream_model, max_batch=2, canvas_length=24)
+  fields = {"max_new_tokens": 4, "seed": 0, **fields}
+  prompt = fields.pop("prompt", "Hi")
+  with pytest.raises(ValueError, match=match):
+    engine.prepare(generation.prompt_ids(dream_model, [prompt])[0], **fields)
+  assert engine.stats().lanes == 0
+
+
+def test_engine_settings_are_checked(dream_model):
+  with pytest.raises(ValueError, match=r"max_batch=0 is invalid"):
+    Engine(dream_model, max_batch=0)
+  with pytest.raises(ValueError, match=r"canvas_length=4096 is invalid: .* the model holds"):
+    Engine(dream_model, canvas_length=4096)
