@@ -202,5 +202,7 @@ def test_bad_requests_are_refused_before_compiling(dream_model, fields, match):
 def test_engine_settings_are_checked(dream_model):
   with pytest.raises(ValueError, match=r"max_batch=0 is invalid"):
     Engine(dream_model, max_batch=0)
-  with pytest.raises(ValueError, match=r"canvas_length=4096 is invalid: .* the model holds"):
-    Engine(dream_model, canvas_length=4096)
+  too_long = dream_model.max_len + 1
+  with pytest.raises(ValueError,
+                     match=rf"canvas_length={too_long} is invalid: .*\(the model holds"):
+    Engine(dream_model, canvas_length=too_long)
