@@ -486,16 +486,21 @@ def notes(result: dict, args) -> str:
     per_row = b16["tick_s"] / 16
     parts.append(
         f"Gain over sequential (one request at a time, {rows[1]['tokens_per_s']} tokens/s, "
-        f"p50 {rows[1]['p50_s']} s of which {steps * b1['tick_s']:.3f} s are {steps} ticks): "
+        f"p50 {rows[1]['p50_s']} s; {steps} ticks of the {slots}-slot program with one row "
+        f"take {steps * b1['tick_s']:.3f} s engine alone): "
         f"{result['gain_over_sequential']}x. Its size is the slots, not the hardware: a tick "
         f"runs the lane's {slots}-slot program whatever rows are active, so a lone request "
         f"pays {b1['tick_s'] * 1e3:.1f} ms a step against {b16['tick_s'] * 1e3:.1f} ms for 16 "
-        f"rows. Batching as such gains little on this CPU: 16 rows cost "
-        f"{per_row * 1e3:.2f} ms a row a step against {one['tick_s'] * 1e3:.2f} ms for one "
-        f"row on a 1-slot lane ({one['tick_s'] / per_row:.2f}x; the matmuls of one "
-        f"{result['settings']['canvas_length']}-position row already keep the cores busy), so "
-        f"a server with a 1-slot program for a lone row would serve one request at a time at "
-        f"about {one['tokens_per_s']} tokens/s (engine alone).")
+        f"rows.")
+    saving = one["tick_s"] / per_row
+    parts.append(
+        f"Batching as such: 16 rows cost {per_row * 1e3:.2f} ms a row a step against "
+        f"{one['tick_s'] * 1e3:.2f} ms for one row on a 1-slot lane ({saving:.2f}x "
+        + ("per row: little or nothing saved, the step is compute-bound at one row already "
+           "on this CPU" if saving < 1.5 else "saved per row") +
+        f"), so a server that ran a lone row on a 1-slot program would serve one request at "
+        f"a time at about {one['tokens_per_s']} tokens/s (engine alone) instead of "
+        f"{rows[1]['tokens_per_s']}.")
   if 32 in rows and OFFLINE_PROMPTS in rows:
     parts.append(
         f"At 32 clients the {slots} slots are full and half the requests wait in the queue: "

@@ -27,7 +27,7 @@ ENGINE_FLAGS = ("max_batch", "max_queue", "canvas_length", "max_programs")
 
 
 def _parser() -> cli.Parser:
-  from mdjax.serve import requests
+  from mdjax.serve import fields
   parser = cli.Parser(NAME, prog="python -m mdjax.serve",
                       description="An OpenAI-compatible server over mdjax's serving engine.")
   parser.add_argument("--model", required=True, help="What mdjax.load reads: a train.py "
@@ -55,11 +55,11 @@ def _parser() -> cli.Parser:
                       help="uvicorn's log level.")
   parser.add_argument("--sampler", default=None, help="Sampler family (sample.py's "
                       "--sampler; default: the model's default sampler).")
-  for names, kind in ((requests.INT_KNOBS, int), (requests.FLOAT_KNOBS, float),
-                      (requests.STR_KNOBS, str)):
+  for names, kind in ((fields.INT_KNOBS, int), (fields.FLOAT_KNOBS, float),
+                      (fields.STR_KNOBS, str)):
     for name in names:
       parser.add_argument(f"--{name}", type=kind, default=None, help="Sampler knob (default).")
-  for name in requests.BOOL_KNOBS:
+  for name in fields.BOOL_KNOBS:
     parser.add_argument(f"--{name}", action="store_true", default=None,
                         help="Sampler knob (default).")
   return parser
@@ -67,8 +67,8 @@ def _parser() -> cli.Parser:
 
 def _defaults(args) -> dict:
   """The sampler flags given: the server's defaults."""
-  from mdjax.serve import requests
-  names = ("sampler",) + requests.KNOBS
+  from mdjax.serve import fields
+  names = ("sampler",) + fields.KNOBS
   return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
@@ -89,11 +89,11 @@ def main(argv=None) -> int:
   import uvicorn
 
   import mdjax
-  from mdjax.serve import requests, server
+  from mdjax.serve import fields, server
 
   defaults = _defaults(args)
   try:
-    requests.check_defaults(defaults)
+    fields.check_defaults(defaults)
     model = mdjax.load(args.model, step=args.step, dtype=args.dtype)
   except ValueError as error:
     _usage_error(error, defaults)

@@ -37,7 +37,7 @@ Shutdown (SIGTERM: uvicorn stops accepting and waits for the requests in flight)
 `engine.stop(drain=True)`.
 
 Here: the routes, the API-key gate, `create_app`. A request's fields and their checks:
-`mdjax.serve.requests`; running it and its responses (JSON, server-sent events):
+`mdjax.serve.fields`; running it and its responses (JSON, server-sent events):
 `mdjax.serve.streaming`; a server on a thread of this process: `mdjax.serve.server`.
 """
 
@@ -57,7 +57,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mdjax.serve import metrics as metrics_lib
 from mdjax.serve import streaming
-from mdjax.serve.requests import APIError, Call, bad, check_defaults
+from mdjax.serve.fields import APIError, Call, bad, check_defaults
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "page.html")
 
@@ -106,8 +106,8 @@ class _Gate:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
                                                                   key.encode()):
           error = APIError(401, "a valid API key is required: send the header "
-                           "'Authorization: Bearer KEY'.", None, "invalid_request_error",
-                           "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+                           "'Authorization: Bearer KEY'.", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
           return await error.response()(scope, receive, sending)
       return await self.app(scope, receive, sending)
     finally:
@@ -188,7 +188,7 @@ def create_app(engine, model, *, model_name: str, api_key: str | None = None,
   async def one_model(name: str):
     if name != model_name:
       raise APIError(404, f"model {name!r} is not served here; this server serves "
-                     f"{model_name!r}.", "model", "invalid_request_error", "model_not_found")
+                     f"{model_name!r}.", "model", code="model_not_found")
     return model_card()
 
   @app.get("/health")

@@ -430,8 +430,10 @@ def _named_sampler(model: Model, sampler: str, knobs: dict) -> ConfiguredSampler
   reference defaults (greedy for a published checkpoint) for knobs not given, its EOS."""
   if not isinstance(sampler, str):
     raise ValueError(f"sampler={sampler!r} is invalid: give a sampler family's name.")
+  known = sorted(sampling.families()) + ["left_to_right"]
+  if sampler not in known:
+    raise ValueError(f"sampler={sampler!r} is unknown; known: {', '.join(known)}.")
   named = ConfiguredSampler(family=sampler, eos_id=model.eos_id)
-  named.knobs  # an unknown family is a ValueError naming the known ones
   fields = set(named.knobs)
   defaults = {} if model.sampler is None else dict(model.sampler.spec_defaults)
   inherited = {k: v for k, v in defaults.items() if k in fields and k not in knobs}

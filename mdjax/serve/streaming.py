@@ -16,7 +16,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from mdjax.serve.requests import APIError, Call
+from mdjax.serve.fields import APIError, Call
 
 def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
   """The text before its first stop string, and whether one was found."""
@@ -99,7 +99,7 @@ class Pieces:
 
 
 def engine_error(message: str) -> APIError:
-  return APIError(500, f"the engine failed: {message}", None, "server_error")
+  return APIError(500, f"the engine failed: {message}", type_="server_error")
 
 
 class Run:
@@ -126,8 +126,8 @@ class Run:
     except QueueFull as error:
       retry = max(1, math.ceil(error.retry_after))
       raise APIError(429, f"the server's queue is full ({error}); retry after {retry} s.",
-                     None, "rate_limit_error", "queue_full",
-                     {"Retry-After": str(retry)}) from None
+                     type_="rate_limit_error", code="queue_full",
+                     headers={"Retry-After": str(retry)}) from None
 
   async def row_updates(self):
     """(row, update) for each update of a row not yet finished, until every row finished;

@@ -3,6 +3,9 @@ token for token; rows leave when done and their slots serve the next request; no
 recompiles while serving; bad requests are refused before anything compiles."""
 
 import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,7 @@ from tests.paths import REPO
 pytestmark = pytest.mark.xdist_group("serve_engine")
 
 LLADA = os.path.join(REPO, "tests", "fixtures", "pretrained", "llada")
+DREAM = os.path.join(REPO, "tests", "fixtures", "pretrained", "dream")
 
 
 class Listener:
@@ -184,7 +188,7 @@ def test_the_engine_thread_serves_and_drains_on_stop(dream_model):
     (dict(max_new_tokens=0), r"max_new_tokens=0 is invalid"),
     (dict(max_new_tokens=30), r"max_new_tokens=30 is too many: .* at most 22"),
     (dict(prompt="x" * 30), r"prompt has 30 tokens; the server's canvas holds 24"),
-    (dict(sampler="nope"), r"family='nope' is unknown"),
+    (dict(sampler="nope"), r"sampler='nope' is unknown; known: ancestral, "),
     (dict(knobs=dict(nope=1)), r"nope= does not apply"),
     (dict(knobs=dict(temperature=-1.0)), r"temperature=-1.0 must be a finite number >= 0"),
     (dict(sampler="ordered", knobs=dict(groups=((0,),))), r"names canvas positions"),
@@ -206,3 +210,35 @@ def test_engine_settings_are_checked(dream_model):
   with pytest.raises(ValueError,
                      match=rf"canvas_length={too_long} is invalid: .*\(the model holds"):
     Engine(dream_model, canvas_length=too_long)
+
+
+def test_rows_split_over_a_mesh_of_local_devices():
+  """Four simulated CPU devices: the model's parameters on the mesh, the lane's four slots
+  split over its 'data' axis, and the rows equal generate on one device."""
+  code = textwrap.dedent(f"""
+    import jax, numpy as np, mdjax
+    from mdjax import generation, mesh as mesh_lib
+    from mdjax.serve.engine import Engine
+    assert jax.device_count() == 4
+    one = mdjax.load({DREAM!r})
+    model = mdjax.load({DREAM!r}, mesh=mesh_lib.make_mesh())
+    engine = Engine(model, max_batch=4, canvas_length=24)
+    job = engine.prepare(generation.prompt_ids(model, ["Hi there"])[0], max_new_tokens=6,
+                         seed=7, n=4, knobs=dict(steps=3, temperature=1.0))
+    got = {{}}
+    handle = engine.submit(job, lambda u: got.__setitem__(u.choice, u.completion))
+    while not handle.done:
+      engine.run_once()
+    lane, = engine._lanes.values()
+    assert lane.rows.index.sharding.spec == jax.sharding.PartitionSpec("data")
+    want = mdjax.generate(one, ["Hi there"] * 4, max_new_tokens=6, key=jax.random.key(7),
+                          spec=job.spec)
+    for i in range(4):
+      np.testing.assert_array_equal(got[i].token_ids, want[i].token_ids)
+    print("MESH SERVE OK")
+  """)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
+      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip())
+  proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        timeout=300, cwd=REPO)
+  assert "MESH SERVE OK" in proc.stdout, proc.stderr[-3000:]
