@@ -19,6 +19,7 @@ def get_config():
                 "confidence_no_skip")
   c.num_blocks = 4  # the blocks sampler: confidence decoding in 4 semi-AR blocks
   c.family_steps = 16  # (i) every family at its defaults against its forward passes
+  c.families = None  # (i) and (iii) over these families; None: every registered one
   c.call_steps = 16  # (ii) sample() against the compiled program, batch 1
   c.step_batches = (1, 128)  # (iii) the step's own work with an embedding-lookup denoiser,
   c.step_length = 25  # at L = K = 25 (V = 15)

@@ -33,7 +33,14 @@ def evaluated_per_row(apply_fn, params, key, canvas_BxL, spec) -> float:
   return sum(sizes) / canvas_BxL.shape[0]
 
 
-def family_overheads(apply_fn, params, canvas_BxL, steps: int, repeats: int, key) -> list[dict]:
+def chosen_families(names=None) -> dict:
+  """The registered families by name, sorted: all of them, or those `names` lists."""
+  registered = sampling.families()
+  return {name: registered[name] for name in sorted(registered if names is None else names)}
+
+
+def family_overheads(apply_fn, params, canvas_BxL, steps: int, repeats: int, key,
+                     families=None) -> list[dict]:
   """(i) Every registered family at its `bench_spec` against the bare forward passes it makes.
 
   The floor is the time of one forward pass at this batch (K passes in one program, over
@@ -46,7 +53,7 @@ def family_overheads(apply_fn, params, canvas_BxL, steps: int, repeats: int, key
   forward = forward_only_program(apply_fn, steps)
   calls = {"forward": functools.partial(forward, params, canvas_BxL)}
   made = {}
-  for name, family in sorted(sampling.families().items()):
+  for name, family in chosen_families(families).items():
     spec = family.bench_spec(steps, length)
     compiled, args, _ = timed_compile(
         lambda: sampling.lower(apply_fn, params, key, canvas_BxL, spec))
@@ -96,7 +103,7 @@ def embedding_denoiser(table, tokens_BxL, t_B):
   return table[tokens_BxL]
 
 
-def step_costs(batches, length: int, repeats: int, key) -> list[dict]:
+def step_costs(batches, length: int, repeats: int, key, families=None) -> list[dict]:
   """(iii) The sampler's own time per step: each family's compiled program with a denoiser
   that is an embedding lookup (logits = table[token], V = 15), K = L steps, over K."""
   table = jax.random.normal(jax.random.key(0), (STEP_VOCAB + 1, STEP_VOCAB))
@@ -104,7 +111,7 @@ def step_costs(batches, length: int, repeats: int, key) -> list[dict]:
   for batch in batches:
     canvas_BxL = jnp.full((batch, length), STEP_VOCAB, jnp.int32)
     calls, steps = {}, {}
-    for name, family in sorted(sampling.families().items()):
+    for name, family in chosen_families(families).items():
       spec = family.bench_spec(length, length)
       compiled, args, _ = timed_compile(
           lambda: sampling.lower(embedding_denoiser, table, key, canvas_BxL, spec))

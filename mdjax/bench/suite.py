@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mdjax import loader, models
+from mdjax import loader, models, sampling
 from mdjax.model import WORKDIR_FAMILY
 from mdjax import train as train_lib
 from mdjax.bench.compute import train_and_flops
@@ -44,6 +44,12 @@ def check_config(config) -> None:
     value = config[name]
     if not (isinstance(value, int) and 2 <= value <= config.seq_len):
       raise ValueError(f"{name}={value!r} must be an integer in [2, seq_len={config.seq_len}].")
+  families = config.get("families")
+  if families is not None:
+    unknown = sorted(set(families) - set(sampling.families()))
+    if not families or unknown:
+      raise ValueError(f"families={list(families)!r} is invalid: give None (every family) or "
+                       f"registered names ({', '.join(sorted(sampling.families()))}).")
   batches = tuple(config.step_batches)
   if not batches or any(not isinstance(b, int) or b < 1 for b in batches):
     raise ValueError(f"step_batches={batches!r} must be a non-empty list of integers >= 1.")
@@ -84,10 +90,10 @@ def run(config, workdir: str | None = None, log=print) -> dict:
   rows = sweep(apply_fn, params, canvas_BxL, config, shape, key, log)
   train = train_and_flops(config, model_cfg, apply_fn, params, canvas_BxL, rows)
   families = family_overheads(apply_fn, params, canvas_BxL, config.family_steps,
-                              config.overhead_repeats, key)
+                              config.overhead_repeats, key, config.get("families"))
   calls = call_overheads(config, key, config.overhead_repeats)
   steps = step_costs(tuple(config.step_batches), config.step_length, config.overhead_repeats,
-                     key)
+                     key, config.get("families"))
   return dict(machine=machine_info(), model=model_cfg.__dict__ | {"params": num_params},
               settings=dict(repeats=config.repeats, overhead_repeats=config.overhead_repeats,
                             num_blocks=config.num_blocks,

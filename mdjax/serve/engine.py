@@ -5,8 +5,12 @@ tick is one compiled program that advances every active row of the lane one deno
 whatever step each row is at: the driver's own step (`sampling.driver`), vmapped over rows,
 each with its own step index and plan. A request's rows take free slots between ticks and
 leave as soon as their canvas is done (or they wrote EOS), so their slots serve the next
-request at the next tick. The shapes of a lane never change: nothing recompiles while
-serving (`EngineStats.compiles` counts the programs traced).
+request at the next tick. The active rows are kept packed at the front of the lane (a row
+that leaves is replaced by the last one), and a tick runs only the front `bucket` slots,
+the smallest power of two that holds them: a lone request pays for one row a step, not for
+`max_batch`. The shapes of a lane never change and each bucket's program compiles once, on
+first use: nothing recompiles while serving once each bucket has run
+(`EngineStats.compiles` counts the programs traced; `Engine.warm` compiles them ahead).
 
 Exactly the offline samples: a row is what `mdjax.generate` makes of its prompt alone,
 left-padded to the lane's canvas. Row i of a request keys its draws with
@@ -112,6 +116,7 @@ class EngineStats:
   rows_done: int
   compiles: int
   tokens_per_s: float
+  ticks_by_bucket: dict = dataclasses.field(default_factory=dict)  # {bucket: ticks run}
 
 
 class Handle:
@@ -183,6 +188,7 @@ class Engine:
     self._counts = collections.Counter()
     self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=10_000)
     self._first_trace = lane_programs.traces()
+    self._bucket_ticks = collections.Counter()
 
   # -- requests ---------------------------------------------------------------
 
@@ -246,6 +252,14 @@ class Engine:
       self._cv.notify()
     return handle
 
+  def warm(self, job: Job) -> None:
+    """Compiles the programs of `job`'s lane now (every bucket's tick), rather than at the
+    first requests that need each. Call it before `start` (the engine thread owns the
+    lanes); a lane with active rows is left as it is."""
+    lane = self._lane_for(job)
+    if lane is not None and not lane.active:
+      lane.warm()
+
   def _free_slots(self) -> int:
     """Slots that admit at the next tick without waiting (no lane yet: one lane's worth)."""
     free = sum(lane.owners.count(None) for lane in self._lanes.values())
@@ -306,10 +320,12 @@ class Engine:
           handle._close_rows(1)
       self._waiting = collections.deque(kept)
     for lane in self._lanes.values():
-      for slot, owner in enumerate(lane.owners):
-        if owner is not None and owner.handle.cancelled:
-          lane.owners[slot] = None  # its row keeps computing until overwritten, unread
-          owner.handle._close_rows(1)
+      cancelled = [slot for slot, owner in enumerate(lane.owners)
+                   if owner is not None and owner.handle.cancelled]
+      for slot in cancelled:
+        lane.owners[slot].handle._close_rows(1)
+      if cancelled:
+        lane.release(cancelled, idle=True)  # the last rows move into their slots
 
   def _lane_for(self, job: Job) -> Lane | None:
     lane = self._lanes.get(job.lane_key)
@@ -351,8 +367,9 @@ class Engine:
     handle._close_rows(1)
 
   def _tick(self, lane: Lane) -> None:
+    bucket = lane.bucket()
     try:
-      tokens_NxS, active_N, lengths_N, steps_N = lane.tick()
+      tokens_NxS, active_N, lengths_N, steps_N = lane.tick(bucket)
     except Exception as error:
       for slot, owner in enumerate(lane.owners):
         if owner is not None:
@@ -362,6 +379,15 @@ class Engine:
       return
     self._counts["ticks"] += 1
     self._counts["denoiser_calls"] += 1
+    self._bucket_ticks[bucket] += 1
+    left: list[int] = []
+    self._send_updates(lane, tokens_NxS, active_N, lengths_N, steps_N, left)
+    lane.release(left)  # the last active rows move into the finished rows' slots
+
+  def _send_updates(self, lane: Lane, tokens_NxS, active_N, lengths_N, steps_N,
+                    left: list[int]) -> None:
+    """Each active row's update after a tick; the slots of rows that finished go in `left`
+    (their owners stay until the lane releases them)."""
     for slot, owner in enumerate(lane.owners):
       if owner is None:
         continue
@@ -381,7 +407,7 @@ class Engine:
       owner.handle._send(RowUpdate(owner.choice, int(steps_N[slot]), job.num_steps,
                                    canvas_ids, masked, committed, completion))
       if finished:
-        lane.owners[slot] = None
+        left.append(slot)
         owner.handle._close_rows(1)
         self._counts["rows_done"] += 1
         self._counts["completion_tokens"] += len(completion.token_ids)
@@ -403,7 +429,8 @@ class Engine:
         ticks=self._counts["ticks"], denoiser_calls=self._counts["denoiser_calls"],
         completion_tokens=self._counts["completion_tokens"],
         rows_done=self._counts["rows_done"], compiles=lane_programs.traces() - self._first_trace,
-        tokens_per_s=sum(window) / 10.0)
+        tokens_per_s=sum(window) / 10.0,
+        ticks_by_bucket=dict(sorted(self._bucket_ticks.items())))
 
 
 # Families whose specs name canvas positions: a padded canvas would move them.

@@ -1,11 +1,19 @@
-"""A lane: the fixed slots of one sampler spec on one canvas length, and its three compiled
-programs: `empty` (the slots, idle), `admit` (a request's row started in a free slot) and
-`tick` (every active row one denoising step, each at its own step: the driver's step,
-vmapped over rows). Shapes never change within a lane, so nothing retraces while serving;
+"""A lane: the fixed slots of one sampler spec on one canvas length, and its compiled
+programs: `empty` (the slots, idle), `admit` (a request's row started in a free slot),
+`move` (a row copied from one slot to another, the vacated one idle) and `tick` (every
+active row one denoising step, each at its own step: the driver's step, vmapped over rows).
+
+A lane keeps its active rows packed at the front of its slots (`Lane.order`: the slots in
+the order they fill): a row that leaves is replaced by the last active row (`move`), so a
+tick advances only the first `bucket` slots, the smallest power of two that holds the active
+rows (capped at the slots). A lone request pays for a 1-row step, not for every slot. There
+is one `tick` program per bucket (compiled on first use; at most log2(slots) + 1 of them),
+and within a bucket shapes never change, so nothing retraces once each bucket has run;
 `traces()` counts the programs traced so far."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -105,12 +113,38 @@ def _admit(denoiser, params, rows, slot, key, tokens_1xS, valid_1xS, plan, **sta
   return _placed(rows, static["sharding"])
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("num_steps",),
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("rows",))
+def _move(rows, source, target, *, sharding, **static):
+  """The rows with slot `target` holding slot `source`'s row, and slot `source` idle (when
+  the two are one slot: that slot idle)."""
+  _count_trace()
+  rows = jax.tree.map(lambda leaf: leaf.at[target].set(leaf[source]), rows)
+  rows = rows.replace(active=rows.active.at[source].set(False))
+  return _placed(rows, sharding)
+
+
+def _front(leaf: Array, split: int, bucket: int) -> Array:
+  """The `bucket` slots a tick advances: the first bucket / split of each of the `split`
+  equal parts of the slots (the parts the 'data' axis puts on its devices; split 1: the
+  first `bucket` slots)."""
+  parts = leaf.reshape((split, leaf.shape[0] // split) + leaf.shape[1:])
+  return parts[:, :bucket // split].reshape((bucket,) + leaf.shape[1:])
+
+
+def _put_front(leaf: Array, front: Array, split: int) -> Array:
+  """`leaf` with its `_front` slots replaced by `front` (in place: the rows are donated)."""
+  parts = leaf.reshape((split, leaf.shape[0] // split) + leaf.shape[1:])
+  front = front.reshape((split, front.shape[0] // split) + front.shape[1:])
+  return jax.lax.dynamic_update_slice_in_dim(parts, front, 0, axis=1).reshape(leaf.shape)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("num_steps", "bucket", "split"),
                    donate_argnames=("rows",))
 def _tick(denoiser, params, rows, *, family, spec, mask_id, vocab_size, padded, sharding,
-          num_steps):
-  """One step for every active row (each at its own step): (rows, tokens_NxS, active_N,
-  generated_length_N)."""
+          num_steps, bucket, split=1):
+  """One step for every active row among the `bucket` front slots (`_front`; each row at
+  its own step): (rows, and of those slots, in `Lane.front` order: tokens_BxS, active_B,
+  generated_length_B, index_B). One program per bucket; the other slots are not read."""
   _count_trace()
   end = EndOfRow.of(spec)
 
@@ -128,11 +162,14 @@ def _tick(denoiser, params, rows, *, family, spec, mask_id, vocab_size, padded, 
                        index=keep(index + 1, row.index),
                        active=row.active & (index + 1 < num_steps) & still_open)
 
-  rows = _placed(jax.vmap(step)(rows), sharding)
-  tokens_NxS = rows.loop.core.tokens_BxL[:, 0]
-  lengths_N = jax.vmap(lambda r: end.generated_length(r.loop.core.tokens_BxL,
-                                                      r.ctx.editable_BxL, mask_id)[0])(rows)
-  return rows, tokens_NxS, rows.active, lengths_N
+  front = jax.tree.map(lambda leaf: _front(leaf, split, bucket), rows)
+  front = _placed(jax.vmap(step)(_placed(front, sharding)), sharding)
+  rows = _placed(jax.tree.map(lambda leaf, new: _put_front(leaf, new, split), rows, front),
+                 sharding)
+  tokens_BxS = front.loop.core.tokens_BxL[:, 0]
+  lengths_B = jax.vmap(lambda r: end.generated_length(r.loop.core.tokens_BxL,
+                                                      r.ctx.editable_BxL, mask_id)[0])(front)
+  return rows, tokens_BxS, front.active, lengths_B, front.index
 
 
 @dataclasses.dataclass
@@ -145,19 +182,33 @@ class Slot:
 
 
 class Lane:
-  """The slots of one (spec, canvas length): their device state and who holds each."""
+  """The slots of one (spec, canvas length): their device state and who holds each.
+
+  The active rows always hold the first `active` slots of `order`; `ticks_by_bucket`
+  counts the ticks run on each bucket's program."""
 
   def __init__(self, job, slots: int, padded: bool):
     """The lane of `job`'s spec and canvas (an `engine.Job`), its `slots` rows idle."""
     self.key = job.lane_key
     self.family = sampling.family_of(job.spec)
+    sharding = row_sharding(job.params, slots)
     self.static = dict(denoiser=job.denoiser, family=self.family, spec=job.spec,
                        mask_id=job.mask_id, vocab_size=job.vocab_size, padded=padded,
-                       sharding=row_sharding(job.params, slots))
+                       sharding=sharding)
     self.params, self.num_steps = job.params, job.num_steps
+    self.slots = slots
+    # Rows split over a 'data' axis of size d live in d equal parts, one a device. Slicing
+    # the first `bucket` slots would put every active row on the first device (and move
+    # them there each tick), so the front is the first bucket / d slots of each part
+    # (`_front`, a local slice on every device) and buckets are multiples of d: the active
+    # rows fill the parts in turn (`order`), so every device ticks an equal share.
+    self.split = _data_split(sharding, slots)
+    part = slots // self.split
+    self.order = [(i % self.split) * part + i // self.split for i in range(slots)]
     self.owners: list[Slot | None] = [None] * slots
     self.rows = _empty_lane(job.denoiser, job.params, jax.random.key(0), job.tokens_1xS,
                             job.valid_1xS, job.plan, slots=slots, **_lane_static(self.static))
+    self.ticks_by_bucket: collections.Counter[int] = collections.Counter()
     self.last_used = time.monotonic()
 
   @property
@@ -165,7 +216,20 @@ class Lane:
     return sum(owner is not None for owner in self.owners)
 
   def free_slot(self) -> int | None:
-    return next((i for i, owner in enumerate(self.owners) if owner is None), None)
+    active = self.active
+    return self.order[active] if active < self.slots else None
+
+  def bucket(self, active: int | None = None) -> int:
+    """The slots a tick advances for `active` rows (default: the lane's): the smallest
+    power of two >= them, rounded up to a multiple of the split, at most the slots."""
+    active = self.active if active is None else active
+    bucket = 1 << max(0, active - 1).bit_length()
+    return min(self.slots, -(-bucket // self.split) * self.split)
+
+  def front(self, bucket: int) -> list[int]:
+    """The slots a tick of `bucket` advances, in the order its outputs list them."""
+    part = self.slots // self.split
+    return [p * part + i for p in range(self.split) for i in range(bucket // self.split)]
 
   def admit(self, handle, choice: int) -> None:
     slot, job = self.free_slot(), handle.job
@@ -175,13 +239,51 @@ class Lane:
     self.owners[slot] = Slot(handle, choice, time.monotonic())
     self.last_used = time.monotonic()
 
-  def tick(self):
-    self.rows, tokens, active, lengths = _tick(
+  def release(self, slots, idle: bool = False) -> None:
+    """The rows of `slots` leave: the last active rows move into their slots, so the
+    active rows stay at the front. idle: their device rows may still be active (a
+    cancelled row), so mark them idle even where nothing moves."""
+    position = {slot: i for i, slot in enumerate(self.order)}
+    for slot in sorted(slots, key=position.__getitem__, reverse=True):
+      last = self.order[self.active - 1]
+      if last != slot or idle:
+        self.rows = _move(self.rows, np.int32(last), np.int32(slot),
+                          **_lane_static(self.static))
+      self.owners[slot], self.owners[last] = self.owners[last], None  # last == slot: None
+
+  def tick(self, bucket: int | None = None):
+    """One tick of the `bucket` program (default: the lane's bucket): (tokens_NxS,
+    active_N, lengths_N, steps_N) indexed by slot, filled for the ticked slots."""
+    bucket = self.bucket() if bucket is None else bucket
+    self.rows, tokens, active, lengths, steps = _tick(
         self.static["denoiser"], self.params, self.rows, num_steps=self.num_steps,
-        **{k: v for k, v in self.static.items() if k != "denoiser"})
+        bucket=bucket, split=self.split, **_lane_static(self.static))
+    self.ticks_by_bucket[bucket] += 1
     self.last_used = time.monotonic()
-    return (np.asarray(tokens), np.asarray(active), np.asarray(lengths),
-            np.asarray(self.rows.index))
+    front = self.front(bucket)
+    tokens, active = np.asarray(tokens), np.asarray(active)
+    full = lambda values: np.zeros((self.slots,) + values.shape[1:], values.dtype)
+    out = [full(tokens), full(active), full(np.asarray(lengths)), full(np.asarray(steps))]
+    for array, values in zip(out, (tokens, active, lengths, steps)):
+      array[front] = np.asarray(values)
+    return tuple(out)
+
+  def warm(self) -> None:
+    """Compiles every bucket's tick program now (an idle lane only: its rows are idle, so
+    those ticks change nothing)."""
+    if self.active:
+      raise RuntimeError("warm() runs on an idle lane only")
+    self.rows = _move(self.rows, np.int32(0), np.int32(0), **_lane_static(self.static))
+    for bucket in sorted({self.bucket(active) for active in range(1, self.slots + 1)}):
+      self.tick(bucket)
+      self.ticks_by_bucket[bucket] -= 1
+
+
+def _data_split(sharding, slots: int) -> int:
+  """The parts the rows are split into over the mesh's 'data' axis (1: not split)."""
+  if sharding is None or sharding.spec == jax.sharding.PartitionSpec(None):
+    return 1
+  return sharding.mesh.shape["data"]
 
 
 def _lane_static(static: dict) -> dict:

@@ -11,7 +11,7 @@ import pytest
 from configs.bench_cpu import get_config
 from mdjax import bench, sampling
 from tests import paths
-from mdjax.bench import compute, suite, throughput
+from mdjax.bench import compute, overhead, suite, throughput
 
 REPO = pathlib.Path(paths.REPO)
 
@@ -28,7 +28,23 @@ def _tiny_config():
   c.samplers = ("ancestral", "blocks")  # a flat and a blocked plan; the other rows repeat them
   c.family_steps, c.call_steps, c.step_batches, c.step_length = 4, 4, (2,), 8
   c.overhead_repeats = 5
+  # The overhead and step-cost sweeps compile every family's program three times (most of
+  # this test's time): a step-wise family and a composite one (speculative, whose rounds
+  # evaluate padded contexts) show every row kind. That the default sweeps every registered
+  # family is test_the_default_sweeps_every_family's.
+  c.families = ("ancestral", "speculative")
   return c
+
+
+def test_the_default_sweeps_every_family():
+  assert get_config().families is None
+  assert list(overhead.chosen_families()) == sorted(sampling.families())
+  assert list(overhead.chosen_families(("speculative", "ancestral"))) == [
+      "ancestral", "speculative"]
+  config = _tiny_config()
+  config.families = ("ancestral", "nope")
+  with pytest.raises(ValueError, match=r"families=\['ancestral', 'nope'\] is invalid"):
+    suite.check_config(config)
 
 
 def test_bench_schema_and_ratios(tmp_path):
@@ -58,7 +74,7 @@ def test_bench_schema_and_ratios(tmp_path):
     assert math.isfinite(train[name]) and train[name] > 0, name
   # The overhead measures: every registered family, both models, every family per batch.
   families = {r["sampler"]: r for r in data["families"]}
-  assert set(families) == set(sampling.families())
+  assert set(families) == set(config.families)
   for row in families.values():
     assert row["contexts"] >= row["nfe"] >= 1 and row["overhead_vs_forward"] > 0, row
     # Every counted context is a sequence the program evaluated; speculative rounds also
@@ -69,7 +85,7 @@ def test_bench_schema_and_ratios(tmp_path):
   assert [r["model"] for r in data["calls"]] == ["bench", "tiny"]
   assert all(r["sample_s"] > 0 and r["program_s"] > 0 for r in data["calls"])
   assert {(r["sampler"], r["batch"]) for r in data["steps"]} == {
-      (name, b) for name in sampling.families() for b in config.step_batches}
+      (name, b) for name in config.families for b in config.step_batches}
   assert all(r["us_per_step"] > 0 for r in data["steps"])
   text = (tmp_path / "bench.md").read_text()
   assert "| sampler | K |" in text and "sample() / program" in text and "µs / step, B=2" in text

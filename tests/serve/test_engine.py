@@ -242,3 +242,96 @@ def test_rows_split_over_a_mesh_of_local_devices():
   proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                         timeout=300, cwd=REPO)
   assert "MESH SERVE OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def _packed(lane):
+  """The lane's active rows hold the front of its slots (in fill order), no gaps."""
+  owned = [slot for slot, owner in enumerate(lane.owners) if owner is not None]
+  return sorted(owned) == sorted(lane.order[:len(owned)])
+
+
+def test_a_lone_request_ticks_the_one_row_program(dream_model):
+  """One request on a 16-slot lane: every tick runs the 1-row program (not the 16-slot
+  one), and the row still equals generate offline."""
+  engine = Engine(dream_model, max_batch=16, canvas_length=24)
+  job = engine.prepare(generation.prompt_ids(dream_model, ["Hi there"])[0], max_new_tokens=6,
+                       seed=3, knobs=dict(steps=4, temperature=1.0))
+  listener = Listener()
+  drive(engine, [engine.submit(job, listener)])
+  stats = engine.stats()
+  assert stats.ticks_by_bucket == {1: stats.ticks} and stats.ticks >= 1
+  lane, = engine._lanes.values()
+  assert lane.ticks_by_bucket == {1: stats.ticks}
+  np.testing.assert_array_equal(listener.completions[0].completion.token_ids,
+                                offline(dream_model, "Hi there", job)[0].token_ids)
+
+
+def test_rows_stay_packed_when_middle_rows_leave(dream_model):
+  """Rows leave from the front and the middle (finished, cancelled): the last active row
+  moves into the freed slot, the ticks shrink to the smallest bucket that holds the rows,
+  and every remaining row still equals generate offline; a second wave through the same
+  buckets compiles nothing."""
+  engine = Engine(dream_model, max_batch=8, max_queue=16, canvas_length=24)
+  knobs = dict(steps=5, temperature=1.0)
+  prompts = ["Hi", "Hello there", "A", "Once upon", "xyz"]
+
+  def wave(first_seed):
+    jobs = [engine.prepare(generation.prompt_ids(dream_model, [p])[0], max_new_tokens=6,
+                           seed=first_seed + i, knobs=knobs) for i, p in enumerate(prompts)]
+    listeners = [Listener() for _ in jobs]
+    submit = lambda i: engine.submit(jobs[i], listeners[i])
+    handles = [submit(0)]
+    engine.run_once()  # job 0 is a step ahead: it finishes first, from the front slot
+    handles += [submit(1), submit(2), submit(3), submit(4)]
+    engine.run_once()
+    lane, = engine._lanes.values()
+    assert lane.active == 5 and _packed(lane)
+    middle = lane.order[2]
+    assert lane.owners[middle].handle is handles[2]
+    handles[2].cancel()  # a middle row leaves: the last one (job 4) takes its slot
+    engine.run_once()
+    assert lane.owners[middle].handle is handles[4] and lane.active == 4 and _packed(lane)
+    while not all(h.done for h in handles):
+      assert _packed(lane)
+      before = dict(engine.stats().ticks_by_bucket)
+      active = lane.active
+      engine.run_once()
+      after = engine.stats().ticks_by_bucket
+      if active:  # the tick ran the smallest bucket that holds the active rows
+        bucket = {1: 1, 2: 2, 3: 4, 4: 4}[active]
+        assert after[bucket] == before.get(bucket, 0) + 1
+    assert lane.active == 0
+    for i, (prompt, job, listener) in enumerate(zip(prompts, jobs, listeners)):
+      if i == 2:
+        continue  # cancelled
+      np.testing.assert_array_equal(listener.completions[0].completion.token_ids,
+                                    offline(dream_model, prompt, job)[0].token_ids)
+    return set(engine.stats().ticks_by_bucket)
+
+  buckets = wave(0)
+  assert 8 in buckets and 1 in buckets
+  compiled = engine.stats().compiles
+  assert wave(50) == buckets
+  assert engine.stats().compiles == compiled
+
+
+def test_warm_compiles_every_bucket_ahead(dream_model):
+  """`Engine.warm`: every bucket's tick compiles before serving (changing nothing), and
+  serving then compiles nothing."""
+  engine = Engine(dream_model, max_batch=4, canvas_length=24)
+  prepare = lambda seed, n: engine.prepare(generation.prompt_ids(dream_model, ["Hi"])[0],
+                                           max_new_tokens=6, seed=seed, n=n,
+                                           knobs=dict(steps=3, temperature=1.0))
+  engine.warm(prepare(0, 1))
+  compiled = engine.stats().compiles
+  assert engine.stats().ticks == 0
+  jobs = [prepare(1, 1), prepare(2, 3)]
+  listeners = [Listener() for _ in jobs]
+  drive(engine, [engine.submit(job, listener) for job, listener in zip(jobs, listeners)])
+  assert engine.stats().compiles == compiled
+  assert set(engine.stats().ticks_by_bucket) == {4}  # 4 rows at once, then 3
+  for job, listener in zip(jobs, listeners):
+    want = offline(dream_model, "Hi", job)
+    for choice in range(job.n):
+      np.testing.assert_array_equal(listener.completions[choice].completion.token_ids,
+                                    want[choice].token_ids)
