@@ -258,7 +258,7 @@ class Engine:
     lanes); a lane with active rows is left as it is."""
     lane = self._lane_for(job)
     if lane is not None and not lane.active:
-      lane.warm()
+      lane.warm(job)
 
   def _free_slots(self) -> int:
     """Slots that admit at the next tick without waiting (no lane yet: one lane's worth)."""

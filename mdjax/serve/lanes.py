@@ -268,11 +268,14 @@ class Lane:
       array[front] = np.asarray(values)
     return tuple(out)
 
-  def warm(self) -> None:
-    """Compiles every bucket's tick program now (an idle lane only: its rows are idle, so
-    those ticks change nothing)."""
+  def warm(self, job) -> None:
+    """Compiles the lane's programs now: `admit` (a row of `job`, made idle again at once),
+    `move` and every bucket's tick (an idle lane only: its rows are idle, so those ticks
+    change nothing)."""
     if self.active:
       raise RuntimeError("warm() runs on an idle lane only")
+    self.rows = _admit(job.denoiser, self.params, self.rows, np.int32(0), jax.random.key(0),
+                       job.tokens_1xS, job.valid_1xS, job.plan, **_lane_static(self.static))
     self.rows = _move(self.rows, np.int32(0), np.int32(0), **_lane_static(self.static))
     for bucket in sorted({self.bucket(active) for active in range(1, self.slots + 1)}):
       self.tick(bucket)
