@@ -9,15 +9,12 @@ import json
 import math
 import re
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from fastapi.responses import JSONResponse
 
 from mdjax import generation
-
-if TYPE_CHECKING:
-  from mdjax.serve.app import State
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_SEED = 2**32 - 1  # the engine's seeds: jax.random.key's 32 bits (without x64)
@@ -260,7 +257,7 @@ class Call:
   """One request: its fields checked (a 400 `APIError` naming the first bad one), its prompt
   ids, and the engine's job (`engine.prepare`)."""
 
-  def __init__(self, state: "State", body: Any, route: str):
+  def __init__(self, state, body: Any, route: str):  # state: the app's `State`
     self.state, self.route = state, route
     self.chat = route == "chat"
     if not isinstance(body, dict):
