@@ -35,6 +35,9 @@ def _parser() -> cli.Parser:
   parser.add_argument("--step", type=int, default=None, help="A workdir's checkpoint step.")
   parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                       help="A published checkpoint's weights' dtype.")
+  parser.add_argument("--devices", type=int, default=None, help="Serve on a mesh of this "
+                      "many local devices (the weights sharded by the FSDP rule, a lane's "
+                      "rows split over them; default: one device).")
   parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default "
                       "127.0.0.1: this machine only).")
   parser.add_argument("--port", type=int, default=8000, help="Port (0: a free one).")
@@ -86,6 +89,7 @@ def main(argv=None) -> int:
     if value < low or (name == "port" and value > 65535):
       cli.fail(NAME, f"--{name}={value} is invalid: it must be >= {low}"
                + (" and <= 65535" if name == "port" else "") + ".", cli.USAGE)
+  import jax
   import uvicorn
 
   import mdjax
@@ -94,9 +98,16 @@ def main(argv=None) -> int:
   defaults = _defaults(args)
   try:
     fields.check_defaults(defaults)
-    model = mdjax.load(args.model, step=args.step, dtype=args.dtype)
+    mesh = None
+    if args.devices is not None:
+      from mdjax import mesh as mesh_lib
+      if not 1 <= args.devices <= len(jax.local_devices()):
+        raise ValueError(f"devices={args.devices} is invalid: it must be in [1, "
+                         f"{len(jax.local_devices())}] (the local devices).")
+      mesh = mesh_lib.make_mesh(args.devices)
+    model = mdjax.load(args.model, step=args.step, dtype=args.dtype, mesh=mesh)
   except ValueError as error:
-    _usage_error(error, defaults)
+    _usage_error(error, set(defaults) | {"devices"})
   except OSError as error:
     cli.fail(NAME, error, cli.RUNTIME)
   name = args.served_model_name or server.served_name(model, args.model)

@@ -5,6 +5,7 @@ token, alone or among concurrent requests."""
 
 import concurrent.futures
 import json
+import os
 import re
 import signal
 import subprocess
@@ -316,17 +317,21 @@ def test_full_queue_gets_429_and_a_client_that_leaves_cancels(dream_model):
 
 
 def test_python_m_serve_finishes_its_request_on_sigterm(tmp_path):
-  """The command line: its ready line, one-line usage errors, and SIGTERM mid-request: the
-  request completes, the process exits 0."""
-  bad = subprocess.run([sys.executable, "-m", "mdjax.serve", "--model", DREAM, "--port=x"],
-                       capture_output=True, text=True, cwd=REPO, timeout=60)
-  assert bad.returncode == 2 and bad.stderr.startswith("mdjax.serve: error: ")
+  """The command line on a mesh of two devices: its ready line, one-line usage errors, and
+  SIGTERM mid-request: the request completes, the process exits 0."""
+  # Two simulated CPU devices: the server runs on a mesh of them (--devices=2).
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
+      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip())
+  bad = subprocess.run([sys.executable, "-m", "mdjax.serve", "--model", DREAM, "--devices=3"],
+                       capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
+  assert bad.returncode == 2 and bad.stderr.startswith(
+      "mdjax.serve: error: --devices=3 is invalid: it must be in [1, 2]"), bad.stderr
   assert len(bad.stderr.strip().splitlines()) == 1
   process = subprocess.Popen(
       [sys.executable, "-m", "mdjax.serve", "--model", DREAM, "--port=0", "--canvas_length=96",
        "--max_batch=4", "--steps=8", "--temperature=1.0", "--log_level=warning",
-       "--served_model_name=tiny"],
-      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+       "--served_model_name=tiny", "--devices=2"],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
   try:
     line = process.stdout.readline()
     assert line.startswith("serving tiny on http://127.0.0.1:"), (line, process.stderr.read()
