@@ -4,6 +4,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 
 from mdjax import sampling, tasks
 from mdjax.tasks import scan_and_add as sa
@@ -26,6 +27,8 @@ def test_two_color_experiment_schema_and_theory(tmp_path):
   assert data["sequential_invalid_fraction"] == 0.0
 
 
+# With tests/tasks/test_tasks.py's total correlation test: the same oracle programs.
+@pytest.mark.xdist_group("scan_and_add_oracle")
 def test_scan_and_add_experiment_schema(tmp_path):
   scan_and_add_oracle = load_script("scan_and_add_oracle")
   specs = [("ancestral K=5", sampling.AncestralSpec(steps=5)),

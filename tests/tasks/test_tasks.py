@@ -166,6 +166,9 @@ def test_impossible_states_are_flagged_and_well_defined():
   np.testing.assert_allclose(probs[2, 20], probs[0, 20], atol=1e-6)
 
 
+# The command block's joint compiles the oracle at eight batch shapes (about 7 s); the
+# oracle experiment's schema test computes the same joint, so one worker compiles them once.
+@pytest.mark.xdist_group("scan_and_add_oracle")
 def test_all_masked_marginals_and_total_correlation():
   probs, _ = sa.exact_probs(sa.empty_canvas(1))
   probs = np.asarray(probs, np.float64)[0]

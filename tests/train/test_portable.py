@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from configs import corpus as corpus_config
-from mdjax import tasks, train
+from mdjax import plot, tasks, train
 from mdjax.prepare_data import prepare
 from mdjax.train import checkpoints, sft
 from tests.paths import REPO
@@ -54,6 +54,9 @@ def _saved_config(workdir):
 def test_a_corpus_run_resumes_under_any_spelling_of_its_corpus(corpora, tmp_path, monkeypatch):
   workdir = str(tmp_path / "run")
   monkeypatch.chdir(corpora)
+  # Four runs, each drawing curves.png at its end (about 1 s a draw): the curves are
+  # test_train's; here only what resumes counts.
+  monkeypatch.setattr(plot.Curves, "draw", lambda self, last=False: None)
   assert int(train.train(_config("corpus", 2), workdir, log=_quiet).step) == 2
   # The saved config names the corpus by its absolute path, whatever the spelling given.
   saved = _saved_config(workdir)
