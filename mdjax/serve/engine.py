@@ -189,6 +189,7 @@ class Engine:
     self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=10_000)
     self._first_trace = lane_programs.traces()
     self._bucket_ticks = collections.Counter()
+    self._chores: collections.deque = collections.deque()  # `warm` calls for the thread
 
   # -- requests ---------------------------------------------------------------
 
@@ -252,13 +253,41 @@ class Engine:
       self._cv.notify()
     return handle
 
-  def warm(self, job: Job) -> None:
-    """Compiles the programs of `job`'s lane now (every bucket's tick), rather than at the
-    first requests that need each. Call it before `start` (the engine thread owns the
-    lanes); a lane with active rows is left as it is."""
+  def warm(self, job: Job, timeout: float | None = None) -> None:
+    """Compiles the programs of `job`'s lane now (its admit, move and every bucket's tick),
+    rather than at the first requests that need each; returns when they are compiled.
+    Started, the engine thread does it (it owns the lanes) at its next round. A lane with
+    active rows is left as it is."""
+    if self._thread is None or not self._thread.is_alive():
+      self._warm(job)
+      return
+    chore = (job, threading.Event(), [])
+    with self._cv:
+      self._chores.append(chore)
+      self._cv.notify()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not chore[1].wait(0.5):
+      if not self._thread.is_alive():  # it stopped meanwhile: nobody else runs the lanes
+        self._run_chores()
+      elif deadline is not None and time.monotonic() > deadline:
+        raise TimeoutError(f"warm: the engine thread did not compile within {timeout} s")
+    if chore[2]:
+      raise chore[2][0]
+
+  def _warm(self, job: Job) -> None:
     lane = self._lane_for(job)
     if lane is not None and not lane.active:
       lane.warm(job)
+
+  def _run_chores(self) -> None:
+    with self._cv:
+      chores, self._chores = list(self._chores), collections.deque()
+    for job, done, errors in chores:
+      try:
+        self._warm(job)
+      except Exception as error:
+        errors.append(error)
+      done.set()
 
   def _free_slots(self) -> int:
     """Slots that admit at the next tick without waiting (no lane yet: one lane's worth)."""
@@ -295,7 +324,8 @@ class Engine:
   def _serve(self) -> None:
     while True:
       with self._cv:
-        busy = self._waiting or any(lane.active for lane in self._lanes.values())
+        busy = (self._waiting or self._chores
+                or any(lane.active for lane in self._lanes.values()))
         if not busy:
           if self._stopping:
             return
@@ -304,8 +334,10 @@ class Engine:
       self.run_once()
 
   def run_once(self) -> None:
-    """One round of the loop: drop cancelled rows, admit waiting ones, tick every lane
-    with active rows. (The thread calls it; a test or a benchmark may too, unstarted.)"""
+    """One round of the loop: compile what `warm` asked for, drop cancelled rows, admit
+    waiting ones, tick every lane with active rows (on its bucket's program). (The thread
+    calls it; a test or a benchmark may too, unstarted.)"""
+    self._run_chores()
     self._drop_cancelled()
     self._admit_waiting()
     for lane in list(self._lanes.values()):

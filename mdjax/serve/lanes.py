@@ -162,10 +162,13 @@ def _tick(denoiser, params, rows, *, family, spec, mask_id, vocab_size, padded, 
                        index=keep(index + 1, row.index),
                        active=row.active & (index + 1 < num_steps) & still_open)
 
-  front = jax.tree.map(lambda leaf: _front(leaf, split, bucket), rows)
-  front = _placed(jax.vmap(step)(_placed(front, sharding)), sharding)
-  rows = _placed(jax.tree.map(lambda leaf, new: _put_front(leaf, new, split), rows, front),
-                 sharding)
+  if bucket == rows.active.shape[0]:  # every slot: the rows as they are
+    rows = front = _placed(jax.vmap(step)(rows), sharding)
+  else:
+    front = jax.tree.map(lambda leaf: _front(leaf, split, bucket), rows)
+    front = _placed(jax.vmap(step)(_placed(front, sharding)), sharding)
+    rows = _placed(jax.tree.map(lambda leaf, new: _put_front(leaf, new, split), rows, front),
+                   sharding)
   tokens_BxS = front.loop.core.tokens_BxL[:, 0]
   lengths_B = jax.vmap(lambda r: end.generated_length(r.loop.core.tokens_BxL,
                                                       r.ctx.editable_BxL, mask_id)[0])(front)
@@ -277,9 +280,10 @@ class Lane:
     self.rows = _admit(job.denoiser, self.params, self.rows, np.int32(0), jax.random.key(0),
                        job.tokens_1xS, job.valid_1xS, job.plan, **_lane_static(self.static))
     self.rows = _move(self.rows, np.int32(0), np.int32(0), **_lane_static(self.static))
+    counted = self.ticks_by_bucket.copy()  # these ticks serve nobody: not counted
     for bucket in sorted({self.bucket(active) for active in range(1, self.slots + 1)}):
       self.tick(bucket)
-      self.ticks_by_bucket[bucket] -= 1
+    self.ticks_by_bucket = counted
 
 
 def _data_split(sharding, slots: int) -> int:

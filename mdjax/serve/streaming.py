@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from mdjax.serve.fields import APIError, Call
 
+
 def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
   """The text before its first stop string, and whether one was found."""
   first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)

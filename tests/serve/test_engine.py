@@ -335,3 +335,53 @@ def test_warm_compiles_every_bucket_ahead(dream_model):
     for choice in range(job.n):
       np.testing.assert_array_equal(listener.completions[choice].completion.token_ids,
                                     want[choice].token_ids)
+  # Started, the engine thread compiles (a new lane: another spec) and warm waits for it.
+  engine.start()
+  other = engine.prepare(generation.prompt_ids(dream_model, ["Hi"])[0], max_new_tokens=6,
+                         seed=0, knobs=dict(steps=2, temperature=1.0))
+  engine.warm(other, timeout=120)
+  assert engine.stats().lanes == 2 and engine.stats().compiles > compiled
+  engine.stop()
+
+
+def test_buckets_on_a_mesh_tick_an_equal_share_on_each_device():
+  """Eight slots split over four simulated devices: the buckets are multiples of four (a
+  row or two tick on the 4-slot program, one slot a device), rows fill the devices in turn
+  and stay packed as they leave, and every row equals generate on one device."""
+  code = textwrap.dedent(f"""
+    import jax, numpy as np, mdjax
+    from mdjax import generation, mesh as mesh_lib
+    from mdjax.serve.engine import Engine
+    one = mdjax.load({DREAM!r})
+    model = mdjax.load({DREAM!r}, mesh=mesh_lib.make_mesh())
+    engine = Engine(model, max_batch=8, canvas_length=24)
+    prompts = ["Hi there", "Hello"]
+    jobs = [engine.prepare(generation.prompt_ids(model, [p])[0], max_new_tokens=6,
+                           seed=7 + i, n=n, knobs=dict(steps=3, temperature=1.0))
+            for i, (p, n) in enumerate(zip(prompts, (2, 4)))]
+    got = [{{}}, {{}}]
+    listen = lambda i: lambda u: got[i].__setitem__(u.choice, u.completion)
+    first = engine.submit(jobs[0], listen(0))
+    engine.run_once()
+    lane, = engine._lanes.values()
+    assert lane.split == 4 and lane.order == [0, 2, 4, 6, 1, 3, 5, 7]
+    assert engine.stats().ticks_by_bucket == {{4: 1}}
+    second = engine.submit(jobs[1], listen(1))
+    while not (first.done and second.done):
+      engine.run_once()
+      owned = sorted(s for s, o in enumerate(lane.owners) if o is not None)
+      assert owned == sorted(lane.order[:len(owned)])
+    assert set(engine.stats().ticks_by_bucket) == {{4, 8}}
+    assert lane.rows.index.sharding.spec == jax.sharding.PartitionSpec("data")
+    for job, prompt, rows in zip(jobs, prompts, got):
+      want = mdjax.generate(one, [prompt] * job.n, max_new_tokens=6,
+                            key=jax.random.key(job.seed), spec=job.spec)
+      for i in range(job.n):
+        np.testing.assert_array_equal(rows[i].token_ids, want[i].token_ids)
+    print("MESH BUCKETS OK")
+  """)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
+      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip())
+  proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        timeout=300, cwd=REPO)
+  assert "MESH BUCKETS OK" in proc.stdout, proc.stderr[-3000:]
