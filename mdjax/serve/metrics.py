@@ -101,6 +101,11 @@ class Metrics:
           continue
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}",
                   f"{name} {_number(getattr(stats, field))}"]
+      lines += ["# HELP mdjax_bucket_ticks_total Ticks by bucket: the slots a tick ran (the "
+                "smallest power of two holding the active rows).",
+                "# TYPE mdjax_bucket_ticks_total counter"]
+      lines += [f'mdjax_bucket_ticks_total{{bucket="{bucket}"}} {count}'
+                for bucket, count in sorted(getattr(stats, "ticks_by_bucket", {}).items())]
     with self._lock:
       lines += ["# HELP mdjax_requests_total API requests answered, by HTTP status.",
                 "# TYPE mdjax_requests_total counter"]

@@ -263,6 +263,10 @@ def test_models_health_and_metrics(server):
                "mdjax_tokens_per_second", "mdjax_compiles_total"):
     assert name in samples and name in types, name
   assert samples["mdjax_ticks_total"] > 0 and samples["mdjax_completion_tokens_total"] > 0
+  # Every tick ran one bucket of slots: the counts by bucket add up to the ticks.
+  assert types["mdjax_bucket_ticks_total"] == "counter"
+  assert samples["mdjax_ticks_total"] == sum(
+      v for k, v in samples.items() if k.startswith("mdjax_bucket_ticks_total{bucket="))
   assert samples['mdjax_requests_total{status="200"}'] >= 1
   assert types["mdjax_request_latency_seconds"] == "histogram"
   buckets = [v for k, v in samples.items()
