@@ -184,7 +184,8 @@ class Engine:
     self._cv = threading.Condition()
     self._thread: threading.Thread | None = None
     self._stopping = False
-    self._finished: collections.deque[tuple[float, int]] = collections.deque()
+    # (seconds, tokens) of the rows finished lately: Retry-After is their median time.
+    self._finished: collections.deque[tuple[float, int]] = collections.deque(maxlen=256)
     self._counts = collections.Counter()
     self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=10_000)
     self._first_trace = lane_programs.traces()
