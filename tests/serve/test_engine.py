@@ -54,14 +54,16 @@ def test_rows_at_different_steps_equal_generate_offline(dream_model):
   mid-run: each row equals `generate` of its prompt alone, token for token."""
   model = dream_model
   engine = Engine(model, max_batch=3, max_queue=16, canvas_length=40)
-  requests = [  # (prompt, fields); sampling at temperature 1 so the keys decide the tokens
-      ("Hello", dict(max_new_tokens=8, seed=1, knobs=dict(steps=4, temperature=1.0))),
-      ("Hi there, you", dict(max_new_tokens=12, seed=2, n=2,
+  # (prompt, fields); sampling at temperature 1 so the keys decide the tokens. Prompt and
+  # max_new_tokens add up to 17 in every request, so the offline calls of one spec and n
+  # share a program; on the lane each row is padded to 40 as it comes.
+  requests = [
+      ("Hello", dict(max_new_tokens=12, seed=1, knobs=dict(steps=4, temperature=1.0))),
+      ("Hi there, you", dict(max_new_tokens=4, seed=2, n=2,
                              knobs=dict(steps=4, temperature=1.0))),
-      ("A", dict(max_new_tokens=8, seed=3, sampler="confidence",
+      ("A", dict(max_new_tokens=16, seed=3, sampler="confidence",
                  knobs=dict(steps=4, block_length=4, threshold=0.5, temperature=1.0))),
-      ("Once upon a time", dict(max_new_tokens=6, seed=4, knobs=dict(steps=4,
-                                                                     temperature=1.0))),
+      ("Once upon a", dict(max_new_tokens=6, seed=4, knobs=dict(steps=4, temperature=1.0))),
   ]
   jobs, listeners, handles = [], [], []
   for index, (prompt, fields) in enumerate(requests):
@@ -95,11 +97,11 @@ def test_a_model_with_absolute_positions_is_served_unpadded():
   jobs = [engine.prepare(generation.prompt_ids(model, [p])[0], max_new_tokens=8, seed=5,
                          knobs=knobs) for p in prompts]
   assert [job.canvas_length for job in jobs] == [len(j.prompt_ids) + 8 for j in jobs]
-  listeners = [Listener() for _ in jobs]
-  drive(engine, [engine.submit(job, listener) for job, listener in zip(jobs, listeners)])
-  for prompt, job, listener in zip(prompts, jobs, listeners):
-    np.testing.assert_array_equal(listener.completions[0].completion.token_ids,
-                                  offline(model, prompt, job)[0].token_ids)
+  assert jobs[0].lane_key != jobs[1].lane_key  # a lane per canvas length
+  listener = Listener()  # one runs (each lane compiles its own programs)
+  drive(engine, [engine.submit(jobs[1], listener)])
+  np.testing.assert_array_equal(listener.completions[0].completion.token_ids,
+                                offline(model, prompts[1], jobs[1])[0].token_ids)
 
 
 def test_slots_are_reused_and_nothing_recompiles(dream_model):
