@@ -2,8 +2,6 @@
 onto a mesh as docs/pretrained.md shows it, then sampled."""
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -12,6 +10,7 @@ import pytest
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
 from mdjax import mesh as mesh_lib
+from tests.devices import run_on_cpu_devices
 from tests.paths import REPO
 
 LLADA = os.path.join(REPO, "tests", "fixtures", "pretrained", "llada")
@@ -92,8 +91,4 @@ def test_documented_mesh_load_then_generate_on_four_devices():
     assert run(mdjax.load({LLADA!r}, mesh=mesh)) == run(mdjax.load({LLADA!r}))
     print("MESH LOAD OK")
   """)
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
-      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip())
-  proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                        timeout=300, cwd=REPO)
-  assert "MESH LOAD OK" in proc.stdout, proc.stderr[-3000:]
+  run_on_cpu_devices(code, 4, "MESH LOAD OK")

@@ -158,18 +158,14 @@ def offline_batch(model, prompts: Sequence[str], spec, max_tokens: int, seed: in
 
   import mdjax
 
-  call = lambda: mdjax.generate(model, list(prompts), max_new_tokens=max_tokens,
-                                key=jax.random.key(seed), spec=spec)
-  out = call()
-  seconds = []
-  for _ in range(repeats):
-    started = time.perf_counter()
-    out = call()
-    seconds.append(time.perf_counter() - started)
+  from mdjax.bench import timing
+
+  median, out = timing.median_run(
+      lambda: mdjax.generate(model, list(prompts), max_new_tokens=max_tokens,
+                             key=jax.random.key(seed), spec=spec), repeats)
   tokens = int(sum(len(c.token_ids) for c in out))
-  median = float(np.median(seconds))
-  return dict(tokens=tokens, seconds=[round(s, 4) for s in seconds], median_s=round(median, 4),
-              tokens_per_s=round(tokens / median, 2), nfe=int(out.nfe))
+  return dict(tokens=tokens, median_s=round(median, 4), tokens_per_s=round(tokens / median, 2),
+              nfe=int(out.nfe))
 
 
 def offline_equal(model, records: list[dict], spec_of: Callable[[dict], object],

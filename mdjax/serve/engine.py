@@ -111,7 +111,7 @@ class EngineStats:
   slots: int
   lanes: int
   ticks: int
-  denoiser_calls: int
+  denoiser_calls: int  # batched denoiser passes: one a tick
   completion_tokens: int
   rows_done: int
   compiles: int
@@ -184,10 +184,11 @@ class Engine:
     self._cv = threading.Condition()
     self._thread: threading.Thread | None = None
     self._stopping = False
-    # (seconds, tokens) of the rows finished lately: Retry-After is their median time.
-    self._finished: collections.deque[tuple[float, int]] = collections.deque(maxlen=256)
     self._counts = collections.Counter()
-    self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=10_000)
+    # (when it finished, seconds it took, tokens) of the rows finished lately: tokens/s over
+    # the last 10 s, and Retry-After (the median time of the last 256).
+    self._done_rows: collections.deque[tuple[float, float, int]] = collections.deque(
+        maxlen=10_000)
     self._first_trace = lane_programs.traces()
     self._bucket_ticks = collections.Counter()
     self._chores: collections.deque = collections.deque()  # `warm` calls for the thread
@@ -296,7 +297,7 @@ class Engine:
     return free + (self.max_batch if len(self._lanes) < self.max_programs else 0)
 
   def _retry_after(self) -> float:
-    recent = [seconds for seconds, _ in self._finished]
+    recent = [seconds for _, seconds, _ in list(self._done_rows)[-256:]]
     return 1.0 if not recent else max(1.0, round(float(np.median(recent)), 1))
 
   # -- the thread -------------------------------------------------------------
@@ -410,17 +411,15 @@ class Engine:
           lane.owners[slot] = None
       self._lanes.pop(lane.key, None)
       return
-    self._counts["ticks"] += 1
-    self._counts["denoiser_calls"] += 1
+    self._counts["ticks"] += 1  # one batched denoiser pass
     self._bucket_ticks[bucket] += 1
-    left: list[int] = []
-    self._send_updates(lane, tokens_NxS, active_N, lengths_N, steps_N, left)
-    lane.release(left)  # the last active rows move into the finished rows' slots
+    finished = self._send_updates(lane, tokens_NxS, active_N, lengths_N, steps_N)
+    lane.release(finished)  # the last active rows move into the finished rows' slots
 
-  def _send_updates(self, lane: Lane, tokens_NxS, active_N, lengths_N, steps_N,
-                    left: list[int]) -> None:
-    """Each active row's update after a tick; the slots of rows that finished go in `left`
+  def _send_updates(self, lane: Lane, tokens_NxS, active_N, lengths_N, steps_N) -> list[int]:
+    """Each active row's update after a tick; returns the slots of the rows that finished
     (their owners stay until the lane releases them)."""
+    left = []
     for slot, owner in enumerate(lane.owners):
       if owner is None:
         continue
@@ -445,21 +444,21 @@ class Engine:
         self._counts["rows_done"] += 1
         self._counts["completion_tokens"] += len(completion.token_ids)
         now = time.monotonic()
-        self._finished.append((now - owner.started, len(completion.token_ids)))
-        self._recent.append((now, len(completion.token_ids)))
+        self._done_rows.append((now, now - owner.started, len(completion.token_ids)))
+    return left
 
   # -- what it has done -------------------------------------------------------
 
   def stats(self) -> EngineStats:
     now = time.monotonic()
-    window = [tokens for at, tokens in list(self._recent) if now - at <= 10.0]
+    window = [tokens for at, _, tokens in list(self._done_rows) if now - at <= 10.0]
     with self._cv:
       queue_rows = len(self._waiting)
     lanes = list(self._lanes.values())
     return EngineStats(
         queue_rows=queue_rows, active_rows=sum(lane.active for lane in lanes),
         slots=self.max_batch * max(1, len(lanes)), lanes=len(lanes),
-        ticks=self._counts["ticks"], denoiser_calls=self._counts["denoiser_calls"],
+        ticks=self._counts["ticks"], denoiser_calls=self._counts["ticks"],
         completion_tokens=self._counts["completion_tokens"],
         rows_done=self._counts["rows_done"], compiles=lane_programs.traces() - self._first_trace,
         tokens_per_s=sum(window) / 10.0,

@@ -5,7 +5,6 @@ token, alone or among concurrent requests."""
 
 import concurrent.futures
 import json
-import os
 import re
 import signal
 import subprocess
@@ -19,6 +18,7 @@ import openai
 import pytest
 
 import mdjax
+from tests.devices import cpu_devices_env
 from tests.paths import REPO
 from tests.serve.conftest import DREAM, running_server
 
@@ -324,8 +324,7 @@ def test_python_m_serve_finishes_its_request_on_sigterm(tmp_path):
   """The command line on a mesh of two devices: its ready line, one-line usage errors, and
   SIGTERM mid-request: the request completes, the process exits 0."""
   # Two simulated CPU devices: the server runs on a mesh of them (--devices=2).
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
-      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip())
+  env = cpu_devices_env(2)
   bad = subprocess.run([sys.executable, "-m", "mdjax.serve", "--model", DREAM, "--devices=3"],
                        capture_output=True, text=True, cwd=REPO, timeout=120, env=env)
   assert bad.returncode == 2 and bad.stderr.startswith(

@@ -3,8 +3,6 @@ token for token; rows leave when done and their slots serve the next request; no
 recompiles while serving; bad requests are refused before anything compiles."""
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -16,6 +14,7 @@ import mdjax
 from mdjax import generation
 from mdjax.model import Model
 from mdjax.serve.engine import Engine, QueueFull
+from tests.devices import run_on_cpu_devices
 from tests.paths import REPO
 
 pytestmark = pytest.mark.xdist_group("serve_engine")
@@ -214,38 +213,6 @@ def test_engine_settings_are_checked(dream_model):
     Engine(dream_model, canvas_length=too_long)
 
 
-def test_rows_split_over_a_mesh_of_local_devices():
-  """Four simulated CPU devices: the model's parameters on the mesh, the lane's four slots
-  split over its 'data' axis, and the rows equal generate on one device."""
-  code = textwrap.dedent(f"""
-    import jax, numpy as np, mdjax
-    from mdjax import generation, mesh as mesh_lib
-    from mdjax.serve.engine import Engine
-    assert jax.device_count() == 4
-    one = mdjax.load({DREAM!r})
-    model = mdjax.load({DREAM!r}, mesh=mesh_lib.make_mesh())
-    engine = Engine(model, max_batch=4, canvas_length=24)
-    job = engine.prepare(generation.prompt_ids(model, ["Hi there"])[0], max_new_tokens=6,
-                         seed=7, n=4, knobs=dict(steps=3, temperature=1.0))
-    got = {{}}
-    handle = engine.submit(job, lambda u: got.__setitem__(u.choice, u.completion))
-    while not handle.done:
-      engine.run_once()
-    lane, = engine._lanes.values()
-    assert lane.rows.index.sharding.spec == jax.sharding.PartitionSpec("data")
-    want = mdjax.generate(one, ["Hi there"] * 4, max_new_tokens=6, key=jax.random.key(7),
-                          spec=job.spec)
-    for i in range(4):
-      np.testing.assert_array_equal(got[i].token_ids, want[i].token_ids)
-    print("MESH SERVE OK")
-  """)
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
-      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip())
-  proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                        timeout=300, cwd=REPO)
-  assert "MESH SERVE OK" in proc.stdout, proc.stderr[-3000:]
-
-
 def _packed(lane):
   """The lane's active rows hold the front of its slots (in fill order), no gaps."""
   owned = [slot for slot, owner in enumerate(lane.owners) if owner is not None]
@@ -382,8 +349,4 @@ def test_buckets_on_a_mesh_tick_an_equal_share_on_each_device():
         np.testing.assert_array_equal(rows[i].token_ids, want[i].token_ids)
     print("MESH BUCKETS OK")
   """)
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
-      os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip())
-  proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                        timeout=300, cwd=REPO)
-  assert "MESH BUCKETS OK" in proc.stdout, proc.stderr[-3000:]
+  run_on_cpu_devices(code, 4, "MESH BUCKETS OK")
