@@ -1,8 +1,14 @@
-"""The published diffusion LMs' Transformer (LLaDA: Llama-style; Dream: Qwen2-style), in JAX.
+"""The published diffusion LMs' Transformer, in JAX: LLaDA (Llama-style), Dream (Qwen2),
+SDAR (Qwen3: qk-norm), Fast-dLLM v2 (Qwen2.5) and LLaDA2 (Ling's mixture of experts).
 
 Bidirectional attention (no causal mask), RMSNorm (weight only), SwiGLU, half-split RoPE,
 grouped KV heads, optional q/k/v biases, untied output head, and Dream's one-position logit
-shift. With `causal=True` the same network is Hugging Face's LlamaForCausalLM /
+shift. `block_size` makes attention block-causal (SDAR, Fast-dLLM v2, LLaDA2: a query sees
+its own block and the blocks before), which makes the cache of finished blocks exact;
+`qk_norm` normalises each query and key head before RoPE, `rotary_dim` turns only the first
+dims of each head, and `moe` replaces the MLP of the layers from `moe.first_dense_layers` on
+by routed and shared experts (`mdjax.models.moe`). With `causal=True` the same network is
+Hugging Face's LlamaForCausalLM /
 Qwen2ForCausalLM (families "llama", "qwen2": the judges of generative perplexity): each query
 attends to the keys at its own position and before, no mask id, no shift (and Llama 3.1's
 RoPE frequencies where the checkpoint has them). Pure functions over a params pytree whose
@@ -10,12 +16,15 @@ layers are stacked (one `lax.scan` over layers keeps compile time flat in depth)
 
   params = {
     "embed": [V_embed, D],
-    "layers": {                      # every leaf has a leading [num_layers] axis
+    "layers": {                      # every leaf has a leading [num dense layers] axis
       "attn_norm": [N, D], "q": [N, D, H*K], "k": [N, D, G*K], "v": [N, D, G*K],
       "q_bias": [N, H*K], "k_bias": [N, G*K], "v_bias": [N, G*K],   # only with qkv_bias
+      "q_norm": [N, K], "k_norm": [N, K],                            # only with qk_norm
       "o": [N, H*K, D], "mlp_norm": [N, D],
       "gate": [N, D, F], "up": [N, D, F], "down": [N, F, D],
     },
+    "moe_layers": {...},             # only with moe: the attention leaves above and
+                                     # `moe.param_shapes`'s instead of gate/up/down
     "final_norm": [D],
     "head": [D, V_embed],
   }
@@ -39,6 +48,7 @@ code does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -46,11 +56,12 @@ import numpy as np
 from flax import struct
 
 from mdjax.denoiser import Denoiser
-from mdjax.models import checks, layers
+from mdjax.models import checks, layers, moe as moe_layer
+from mdjax.models.moe import MoEConfig
 
 Array = jax.Array
 
-FAMILIES = ("llada", "dream", "llama", "qwen2")
+FAMILIES = ("llada", "dream", "llama", "qwen2", "sdar", "fast_dllm_v2", "llada2")
 CAUSAL_FAMILIES = ("llama", "qwen2")
 DTYPES = ("float32", "bfloat16")
 
@@ -67,6 +78,13 @@ class PublishedConfig:
   rope_scaling: Llama 3.1's RoPE frequencies, (factor, low_freq_factor, high_freq_factor,
     original_max_position_embeddings); None: unscaled.
   dtype: the weights' and activations' dtype; norms, softmax and logits are float32.
+  qk_norm: a per-head RMSNorm of queries and keys before RoPE (Qwen3's, SDAR's, LLaDA2's).
+  rotary_dim: RoPE turns the first rotary_dim dims of each head only (LLaDA2's
+    partial_rotary_factor); None: the whole head.
+  block_size: block-causal attention (SDAR, Fast-dLLM v2, LLaDA2): a query sees the keys of
+    its own block and the blocks before, blocks counted from each row's first real token.
+  moe: the mixture of experts of the layers from `moe.first_dense_layers` on (LLaDA2);
+    None: every MLP is dense.
   """
 
   family: str
@@ -88,6 +106,10 @@ class PublishedConfig:
   dtype: str = "float32"
   causal: bool = False
   rope_scaling: tuple[float, float, float, int] | None = None
+  qk_norm: bool = False
+  rotary_dim: int | None = None
+  block_size: int | None = None
+  moe: MoEConfig | None = None
 
   def __post_init__(self):
     checks.check_common(self, FAMILIES, DTYPES,
@@ -110,6 +132,25 @@ class PublishedConfig:
       raise ValueError(f"rope_scaling={self.rope_scaling!r} must be None or (factor, "
                        "low_freq_factor, high_freq_factor, original_max_position_embeddings), "
                        "all > 0, high_freq_factor > low_freq_factor.")
+    for name in ("qk_norm",):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name}={getattr(self, name)!r} must be True or False.")
+    if self.rotary_dim is not None and not (
+        checks.is_int(self.rotary_dim) and 2 <= self.rotary_dim <= self.head_dim
+        and self.rotary_dim % 2 == 0):
+      raise ValueError(f"rotary_dim={self.rotary_dim!r} must be None or an even integer in "
+                       f"[2, head_dim={self.head_dim}].")
+    if self.block_size is not None:
+      checks.check_count("block_size", self.block_size)
+      if self.causal:
+        raise ValueError(f"block_size={self.block_size} with causal=True: a causal judge has "
+                         "one attention pattern.")
+    if self.moe is not None:
+      if not isinstance(self.moe, MoEConfig):
+        raise ValueError(f"moe={self.moe!r} must be None or a MoEConfig.")
+      if self.moe.first_dense_layers > self.num_layers:
+        raise ValueError(f"moe.first_dense_layers={self.moe.first_dense_layers} exceeds "
+                         f"num_layers={self.num_layers}.")
     if self.causal and (self.mask_id is not None or self.logit_shift):
       raise ValueError(f"mask_id={self.mask_id!r}, logit_shift={self.logit_shift!r}: a causal "
                        "model has no mask id and no shift (None and False).")
@@ -123,6 +164,17 @@ class PublishedConfig:
   @property
   def jnp_dtype(self):
     return jnp.dtype(self.dtype)
+
+  @property
+  def counts_positions(self) -> bool:
+    """Whether positions count from each row's first real token (Dream, the block-causal
+    networks) rather than 0..L-1 whatever the padding."""
+    return self.family == "dream" or self.block_size is not None
+
+  @property
+  def dense_layers(self) -> int:
+    """Layers with a dense MLP (params["layers"]); the rest are MoE layers."""
+    return self.num_layers if self.moe is None else self.moe.first_dense_layers
 
 
 @struct.dataclass
@@ -158,26 +210,34 @@ def _matmul(x: Array, w: Array) -> Array:
 
 def positions(config: PublishedConfig, valid_BxL: Array | None, length: int) -> Array:
   """Each position's RoPE position, B x L (1 x L without padding). Dream counts from each
-  row's first real token and puts padding at 1; the others always count 0..L-1."""
-  if valid_BxL is None or config.family != "dream":
+  row's first real token and puts padding at 1, the block-causal networks count the same
+  way with padding at 0; the others always count 0..L-1."""
+  if valid_BxL is None or not config.counts_positions:
     return jnp.arange(length, dtype=jnp.int32)[None]
-  return layers.counted_positions(valid_BxL, padding=1)
+  return layers.counted_positions(valid_BxL, padding=1 if config.family == "dream" else None)
 
 
 def _rope_cos_sin(config: PublishedConfig, positions_BxQ: Array) -> tuple[Array, Array]:
   """cos and sin of Llama's rotary angles, B x Q x K, in float32 (Llama 3.1's frequencies
   with `rope_scaling`)."""
-  inv_freq_K2 = layers.inverse_frequencies(config.head_dim, config.rope_theta)
+  inv_freq_K2 = layers.inverse_frequencies(config.rotary_dim or config.head_dim,
+                                           config.rope_theta)
   if config.rope_scaling is not None:
     inv_freq_K2 = layers.llama3_inverse_frequencies(inv_freq_K2, *config.rope_scaling)
   return layers.rotary_cos_sin(positions_BxQ, inv_freq_K2, full_width=True)
 
 
-def _rope(x_BxQxHxK: Array, cos_BxQxK: Array, sin_BxQxK: Array) -> Array:
+def _rope(x_BxQxHxK: Array, cos_BxQxC: Array, sin_BxQxC: Array) -> Array:
   """x * cos + rotate_half(x) * sin (Llama's half-split rotation), in float32 as LLaDA's
   code does it (HF Llama rotates in the compute dtype: the same up to bfloat16 rounding),
-  cast back."""
-  return layers.rotate(x_BxQxHxK, cos_BxQxK, sin_BxQxK, form="rotate_half", float32=True)
+  cast back. Tables narrower than the head (C < K: partial rotary) turn its first C dims
+  and pass the rest."""
+  rotary = cos_BxQxC.shape[-1]
+  if rotary == x_BxQxHxK.shape[-1]:
+    return layers.rotate(x_BxQxHxK, cos_BxQxC, sin_BxQxC, form="rotate_half", float32=True)
+  turned = layers.rotate(x_BxQxHxK[..., :rotary], cos_BxQxC, sin_BxQxC, form="rotate_half",
+                         float32=True)
+  return jnp.concatenate([turned, x_BxQxHxK[..., rotary:]], axis=-1)
 
 
 def _qkv(config: PublishedConfig, layer: dict, x_BxQxD: Array, cos_BxQxK: Array,
@@ -191,8 +251,12 @@ def _qkv(config: PublishedConfig, layer: dict, x_BxQxD: Array, cos_BxQxK: Array,
     q = q + layer["q_bias"].astype(q.dtype)
     kk = kk + layer["k_bias"].astype(kk.dtype)
     v = v + layer["v_bias"].astype(v.dtype)
-  q_BxQxHxK = _rope(q.reshape(batch, width, heads, k), cos_BxQxK, sin_BxQxK)
-  k_BxQxGxK = _rope(kk.reshape(batch, width, groups, k), cos_BxQxK, sin_BxQxK)
+  q_BxQxHxK, k_BxQxGxK = q.reshape(batch, width, heads, k), kk.reshape(batch, width, groups, k)
+  if config.qk_norm:  # per head, before RoPE
+    q_BxQxHxK = _rms_norm(q_BxQxHxK, layer["q_norm"], config.norm_eps)
+    k_BxQxGxK = _rms_norm(k_BxQxGxK, layer["k_norm"], config.norm_eps)
+  q_BxQxHxK = _rope(q_BxQxHxK, cos_BxQxK, sin_BxQxK)
+  k_BxQxGxK = _rope(k_BxQxGxK, cos_BxQxK, sin_BxQxK)
   v_BxQxGxK = v.reshape(batch, width, groups, k)
   q_BxQxGxRxK = q_BxQxHxK.reshape(batch, width, groups, heads // groups, k)
   return q_BxQxGxRxK, k_BxQxGxK.transpose(0, 2, 1, 3), v_BxQxGxK.transpose(0, 2, 1, 3)
@@ -206,12 +270,37 @@ def _attend(q_BxQxGxRxK: Array, parts: list[tuple[Array, Array, Array]]) -> Arra
 
 
 def _mlp_and_residuals(config: PublishedConfig, layer: dict, h_BxQxD: Array,
-                       attn_BxQxHK: Array) -> Array:
-  """The attention output's projection and residual, then the SwiGLU MLP and its residual."""
+                       attn_BxQxHK: Array, routed: bool) -> Array:
+  """The attention output's projection and residual, then the MLP (the SwiGLU, or the
+  experts of a `routed` layer) and its residual."""
   h_BxQxD = h_BxQxD + _matmul(attn_BxQxHK, layer["o"])
   x = _rms_norm(h_BxQxD, layer["mlp_norm"], config.norm_eps)
+  if routed:
+    return h_BxQxD + moe_layer.mlp(config.moe, layer, x)
   y = jax.nn.silu(_matmul(x, layer["gate"])) * _matmul(x, layer["up"])
   return h_BxQxD + _matmul(y, layer["down"])
+
+
+def _over_layers(config: PublishedConfig, params: dict, h_BxQxD: Array, layer_fn,
+                 cached: tuple[Array, Array] | None = None):
+  """`layer_fn(h, (layer, cached keys, cached values), routed) -> (h, (keys, values))` over
+  the dense layers, then the MoE layers: one `lax.scan` per kind; the keys and values come
+  back stacked over every layer (N x ...), in order."""
+  dense = config.dense_layers
+  stacks = [("layers", False, 0, dense)]
+  if config.moe is not None and config.num_layers > dense:
+    stacks.append(("moe_layers", True, dense, config.num_layers))
+  keys, values = [], []
+  for name, routed, first, last in stacks:
+    xs = params[name], None, None
+    if cached is not None:
+      xs = params[name], cached[0][first:last], cached[1][first:last]
+    h_BxQxD, (k, v) = jax.lax.scan(functools.partial(layer_fn, routed=routed), h_BxQxD, xs)
+    keys.append(k)
+    values.append(v)
+  if len(stacks) == 1:
+    return h_BxQxD, (keys[0], values[0])
+  return h_BxQxD, (jnp.concatenate(keys), jnp.concatenate(values))
 
 
 def _logits(config: PublishedConfig, params: dict, h_BxQxD: Array) -> Array:
@@ -236,21 +325,27 @@ def _full_pass(config: PublishedConfig, params: dict, tokens_BxL: Array,
   """Unshifted logits_BxLxV and every layer's keys and values (N x B x G x L x K)."""
   batch, length = tokens_BxL.shape
   layers.check_length(length, config.max_len)
-  cos_BxLxK, sin_BxLxK = _rope_cos_sin(config, positions(config, valid_BxL, length))
+  pos_BxL = positions(config, valid_BxL, length)
+  cos_BxLxK, sin_BxLxK = _rope_cos_sin(config, pos_BxL)
   visible_Bx1xL = (jnp.ones((1, 1, length), bool) if valid_BxL is None
                    else valid_BxL.astype(bool)[:, None, :])
   if config.causal:  # B x L x L: each query sees its own position and before
     visible_Bx1xL = visible_Bx1xL & layers.visible(np.arange(length), np.arange(length),
                                                    causal=True)[None]
+  if config.block_size is not None:  # B x L x L: blocks counted in each row's positions
+    visible_Bx1xL = visible_Bx1xL & layers.visible(pos_BxL, pos_BxL,
+                                                   block_size=config.block_size)
 
-  def layer_fn(h_BxLxD, layer):
+  def layer_fn(h_BxLxD, xs, routed):
+    layer = xs[0]
     x = _rms_norm(h_BxLxD, layer["attn_norm"], config.norm_eps)
     q, k_BxGxLxK, v_BxGxLxK = _qkv(config, layer, x, cos_BxLxK, sin_BxLxK)
     attn = _attend(q, [(k_BxGxLxK, v_BxGxLxK, visible_Bx1xL)])
-    return _mlp_and_residuals(config, layer, h_BxLxD, attn), (k_BxGxLxK, v_BxGxLxK)
+    return (_mlp_and_residuals(config, layer, h_BxLxD, attn, routed),
+            (k_BxGxLxK, v_BxGxLxK))
 
-  h_BxLxD, (keys, values) = jax.lax.scan(layer_fn, _embed(config, params, tokens_BxL),
-                                         params["layers"])
+  h_BxLxD, (keys, values) = _over_layers(config, params, _embed(config, params, tokens_BxL),
+                                         layer_fn)
   return _logits(config, params, h_BxLxD), keys, values
 
 
@@ -317,20 +412,25 @@ def decode(config: PublishedConfig, params: dict, cache: PublishedCache, tokens_
     pos_BxQ = jnp.concatenate(
         [jax.lax.dynamic_slice_in_dim(pos_BxL, before, 1, axis=1), pos_BxW], axis=1)
     extra = 1
+  if config.block_size is not None:  # B x Q x L and B x Q x W: the queries' blocks and before
+    outside_1x1xL = outside_1x1xL & layers.visible(pos_BxQ, pos_BxL,
+                                                   block_size=config.block_size)
+    own_Bx1xW = own_Bx1xW & layers.visible(pos_BxQ, pos_BxW, block_size=config.block_size)
   cos_BxQxK, sin_BxQxK = _rope_cos_sin(config, pos_BxQ)
 
-  def layer_fn(h_BxQxD, xs):
+  def layer_fn(h_BxQxD, xs, routed):
     layer, cached_keys_BxGxLxK, cached_values_BxGxLxK = xs
     x = _rms_norm(h_BxQxD, layer["attn_norm"], config.norm_eps)
     q, k_BxGxQxK, v_BxGxQxK = _qkv(config, layer, x, cos_BxQxK, sin_BxQxK)
     k_BxGxWxK, v_BxGxWxK = k_BxGxQxK[:, :, extra:], v_BxGxQxK[:, :, extra:]
     attn = _attend(q, [(cached_keys_BxGxLxK, cached_values_BxGxLxK, outside_1x1xL),
                        (k_BxGxWxK, v_BxGxWxK, own_Bx1xW)])
-    return _mlp_and_residuals(config, layer, h_BxQxD, attn), (k_BxGxWxK, v_BxGxWxK)
+    return (_mlp_and_residuals(config, layer, h_BxQxD, attn, routed),
+            (k_BxGxWxK, v_BxGxWxK))
 
-  h_BxQxD, (keys_NxBxGxWxK, values_NxBxGxWxK) = jax.lax.scan(
-      layer_fn, _embed(config, params, tokens_BxQ),
-      (params["layers"], cache.keys_NxBxGxLxK, cache.values_NxBxGxLxK))
+  h_BxQxD, (keys_NxBxGxWxK, values_NxBxGxWxK) = _over_layers(
+      config, params, _embed(config, params, tokens_BxQ), layer_fn,
+      cached=(cache.keys_NxBxGxLxK, cache.values_NxBxGxLxK))
   if config.logit_shift:  # window position j reads the output at query j (position start+j-1)
     first_Bx1xD = jnp.where(start > 0, h_BxQxD[:, :1], h_BxQxD[:, 1:2])
     h_BxQxD = jnp.concatenate([first_Bx1xD, h_BxQxD[:, 1:width]], axis=1)
@@ -361,10 +461,11 @@ def _decode(config, params, cache, tokens_BxW, start, t_B, valid_BxL=None):
 
 
 def denoiser(config: PublishedConfig) -> Denoiser:
-  """The model as a `Denoiser` (t_B ignored): apply, prefill and decode; no blocks. Its
-  functions are `layers.Bound`: equal for equal configs, so equal Denoisers share programs."""
+  """The model as a `Denoiser` (t_B ignored): apply, prefill and decode, and the block size
+  of a block-causal network. Its functions are `layers.Bound`: equal for equal configs, so
+  equal Denoisers share programs."""
   return Denoiser(apply=layers.bind(_apply, config), prefill=layers.bind(_prefill, config),
-                  decode=layers.bind(_decode, config))
+                  decode=layers.bind(_decode, config), block_size=config.block_size)
 
 
 # --- parameters ---------------------------------------------------------------------------
@@ -372,14 +473,28 @@ def denoiser(config: PublishedConfig) -> Denoiser:
 
 def param_shapes(config: PublishedConfig) -> dict:
   """The params pytree's shapes (the module docstring's layout)."""
-  n, d, v, f = config.num_layers, config.d_model, config.vocab_size, config.mlp_hidden
+  d, v, f = config.d_model, config.vocab_size, config.mlp_hidden
   hk, gk = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-  layers = {"attn_norm": (n, d), "q": (n, d, hk), "k": (n, d, gk), "v": (n, d, gk),
-            "o": (n, hk, d), "mlp_norm": (n, d), "gate": (n, d, f), "up": (n, d, f),
-            "down": (n, f, d)}
-  if config.qkv_bias:
-    layers.update(q_bias=(n, hk), k_bias=(n, gk), v_bias=(n, gk))
-  return {"embed": (v, d), "layers": layers, "final_norm": (d,), "head": (d, v)}
+
+  def attention(n):
+    shapes = {"attn_norm": (n, d), "q": (n, d, hk), "k": (n, d, gk), "v": (n, d, gk),
+              "o": (n, hk, d), "mlp_norm": (n, d)}
+    if config.qkv_bias:
+      shapes.update(q_bias=(n, hk), k_bias=(n, gk), v_bias=(n, gk))
+    if config.qk_norm:
+      shapes.update(q_norm=(n, config.head_dim), k_norm=(n, config.head_dim))
+    return shapes
+
+  dense = config.dense_layers
+  out = {"embed": (v, d),
+         "layers": {**attention(dense), "gate": (dense, d, f), "up": (dense, d, f),
+                    "down": (dense, f, d)},
+         "final_norm": (d,), "head": (d, v)}
+  if config.moe is not None and config.num_layers > dense:
+    routed = config.num_layers - dense
+    out["moe_layers"] = {**attention(routed),
+                         **moe_layer.param_shapes(config.moe, d, routed)}
+  return out
 
 
 def init_params(config: PublishedConfig, key: Array) -> dict:

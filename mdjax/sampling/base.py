@@ -378,7 +378,10 @@ class BoundDenoiser:
                                              ("context", self.context)) if value is not None}
     if not given:
       return given
-    repeats = num // jax.tree.leaves(given)[0].shape[0]
+    # The rows' count from the validity mask: a cache's leaves may lead with its layers.
+    batch = (self.valid_BxL if self.valid_BxL is not None
+             else jax.tree.leaves(self.context)[0]).shape[0]
+    repeats = num // batch
     if repeats == 1:
       return given
 

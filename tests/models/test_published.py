@@ -1,4 +1,6 @@
-"""Tests of the published checkpoints' Transformer (LLaDA, Dream) against a numpy reference."""
+"""Tests of the published checkpoints' Transformer (LLaDA, Dream; SDAR's qk-norm and
+block-causal attention, Fast-dLLM v2's blocks with the shift, LLaDA2's partial rotary and
+mixture of experts) against a numpy reference."""
 
 import dataclasses
 import functools
@@ -8,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mdjax.models import published
+from mdjax.models import moe, published
 
 V, L = 40, 12
 
@@ -61,25 +63,64 @@ def _reference(config, params, tokens_BxL, valid_BxL=None, stale=None):
   valid = np.ones((batch, length), bool) if valid_BxL is None else np.asarray(valid_BxL)
   if c.family == "dream" and valid_BxL is not None:
     pos = np.where(valid, np.cumsum(valid, -1) - 1, 1)
+  elif c.block_size is not None and valid_BxL is not None:  # counted, padding at 0
+    pos = np.maximum(np.cumsum(valid, -1) - 1, 0)
   else:
     pos = np.broadcast_to(np.arange(length), (batch, length))
-  inv_freq = 1.0 / c.rope_theta ** (np.arange(0, k, 2) / k)
+  rd = c.rotary_dim or k
+  inv_freq = 1.0 / c.rope_theta ** (np.arange(0, rd, 2) / rd)
 
   def norm(x, w):
     return w * x / np.sqrt(np.mean(x ** 2, -1, keepdims=True) + c.norm_eps)
 
-  def rope(x, b):  # x: L x K
+  def rope(x, b):  # x: L x K; the first rd dims turn, the rest pass
     freqs = pos[b][:, None] * inv_freq[None]
     emb = np.concatenate([freqs, freqs], -1)
-    rotated = np.concatenate([-x[:, k // 2:], x[:, :k // 2]], -1)
-    return x * np.cos(emb) + rotated * np.sin(emb)
+    x, rest = x[:, :rd], x[:, rd:]
+    rotated = np.concatenate([-x[:, rd // 2:], x[:, :rd // 2]], -1)
+    return np.concatenate([x * np.cos(emb) + rotated * np.sin(emb), rest], -1)
+
+  def head_norm(x, w):  # per head of K
+    shape = x.shape
+    return norm(x.reshape(*shape[:-1], -1, k), w).reshape(shape)
 
   def kqv(lay, h):
     x = norm(h, lay["attn_norm"])
     q, kk, v = x @ lay["q"], x @ lay["k"], x @ lay["v"]
     if c.qkv_bias:
       q, kk, v = q + lay["q_bias"], kk + lay["k_bias"], v + lay["v_bias"]
+    if c.qk_norm:
+      q, kk = head_norm(q, lay["q_norm"]), head_norm(kk, lay["k_norm"])
     return q, kk, v
+
+  def swiglu(x, gate, up, down):
+    g = x @ gate
+    return (g / (1 + np.exp(-g)) * (x @ up)) @ down
+
+  def experts(lay, x):  # LLaDA2MoeSparseMoeBlock, token by token
+    m, out = c.moe, np.zeros_like(x)
+    for b in range(batch):
+      for i in range(length):
+        logits = x[b, i] @ lay["router"]
+        scores = (1 / (1 + np.exp(-logits)) if m.score_function == "sigmoid"
+                  else np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum())
+        biased = scores + lay["expert_bias"]
+        groups_scores = np.sort(biased.reshape(m.n_group, -1), -1)[:, -2:].sum(-1)
+        kept = np.argsort(-groups_scores, kind="stable")[:m.topk_group]
+        allowed = np.repeat(np.isin(np.arange(m.n_group), kept), m.num_experts // m.n_group)
+        chosen = np.argsort(-np.where(allowed, biased, -np.inf), kind="stable")[
+            :m.experts_per_token]
+        weights = scores[chosen]
+        if m.norm_topk_prob and m.experts_per_token > 1:
+          weights = weights / (weights.sum() + 1e-20)
+        weights = weights * m.routed_scaling_factor
+        for e, w in zip(chosen, weights):
+          out[b, i] += w * swiglu(x[b, i], lay["experts_gate"][e], lay["experts_up"][e],
+                                  lay["experts_down"][e])
+        if m.num_shared_experts:
+          out[b, i] += swiglu(x[b, i], lay["shared_gate"], lay["shared_up"],
+                              lay["shared_down"])
+    return out
 
   def attention(q, kk, v):  # B x L x (heads * K), keys and values B x L x (groups * K)
     out = np.zeros((batch, length, heads * k))
@@ -89,6 +130,9 @@ def _reference(config, params, tokens_BxL, valid_BxL=None, stale=None):
         scores = rope(q[b, :, head * k:(head + 1) * k], b) @ rope(
             kk[b, :, g * k:(g + 1) * k], b).T / np.sqrt(k)
         scores[:, ~valid[b]] = -np.inf
+        if c.block_size is not None:  # block-causal, blocks of the row's positions
+          blocks = pos[b] // c.block_size
+          scores[blocks[None, :] > blocks[:, None]] = -np.inf
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         out[b, :, head * k:(head + 1) * k] = probs @ v[b, :, g * k:(g + 1) * k]
@@ -98,8 +142,11 @@ def _reference(config, params, tokens_BxL, valid_BxL=None, stale=None):
   hs = [p["embed"][np.asarray(tokens_BxL)]]
   if stale:
     hs.append(p["embed"][np.asarray(stale[0])])
+  dense = c.num_layers if c.moe is None else c.moe.first_dense_layers
   for n in range(c.num_layers):
-    lay = {name: w[n] for name, w in p["layers"].items()}
+    routed = n >= dense
+    lay = {name: w[n - dense if routed else n]
+           for name, w in p["moe_layers" if routed else "layers"].items()}
     projected = [kqv(lay, h) for h in hs]
     q, kk, v = projected[0]
     if stale:  # outside the window, the old canvas's keys and values
@@ -111,8 +158,8 @@ def _reference(config, params, tokens_BxL, valid_BxL=None, stale=None):
     hs = [h + out @ lay["o"] for h, out in zip(hs, outs)]
     for i, h in enumerate(hs):
       x = norm(h, lay["mlp_norm"])
-      gate = x @ lay["gate"]
-      hs[i] = h + (gate / (1 + np.exp(-gate)) * (x @ lay["up"])) @ lay["down"]
+      hs[i] = h + (experts(lay, x) if routed
+                   else swiglu(x, lay["gate"], lay["up"], lay["down"]))
   logits = norm(hs[0], p["final_norm"]) @ p["head"]
   logits[..., c.mask_id] = -np.inf
   if c.logit_shift:
@@ -298,3 +345,127 @@ def test_init_params_layout_and_count(family, dtype):
 def test_config_refusals_name_the_field(change, field):
   with pytest.raises(ValueError, match=field):
     _config(**{"family": "llada", **change})
+
+
+# --- the block-causal networks: SDAR, Fast-dLLM v2, LLaDA2 ---------------------------------
+
+BLOCK = 4
+BLOCK_NETWORKS = {
+    "sdar": dict(qk_norm=True),
+    "fast_dllm_v2": dict(qkv_bias=True, logit_shift=True),
+    "llada2": dict(qk_norm=True, rotary_dim=4, num_layers=3, moe=moe.MoEConfig(
+        num_experts=8, experts_per_token=2, expert_hidden=16, num_shared_experts=1,
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, first_dense_layers=1)),
+}
+
+
+def _block_config(family, **kw):
+  return _config(family, **{"block_size": BLOCK, **BLOCK_NETWORKS[family], **kw})
+
+
+@pytest.mark.parametrize("family", list(BLOCK_NETWORKS))
+@pytest.mark.parametrize("padded", [False, True])
+def test_block_networks_match_numpy_reference(family, padded):
+  config, tokens = _block_config(family), _tokens()
+  params, valid = _params(config), _left_padded() if padded else None
+  logits = _forward(config, params, tokens, valid)
+  expected = _reference(config, params, tokens, valid)
+  if padded:  # padded queries are nobody's output: compare the real positions
+    expected = np.where(valid[..., None], expected, 0)
+    logits = np.where(valid[..., None], logits, 0)
+  _close(logits, expected, 1e-4)
+
+
+@pytest.mark.parametrize("family", list(BLOCK_NETWORKS))
+def test_block_attention_hides_later_blocks_and_padding(family):
+  """Changing the tokens of a later block leaves every earlier block's logits as they were,
+  and a left-padded row gives the logits of the same row alone (blocks and positions count
+  from its first real token)."""
+  config, tokens, valid = _block_config(family), _tokens(), _left_padded()
+  params = _params(config)
+  logits = np.asarray(_forward(config, params, tokens))
+  changed = tokens.copy()
+  changed[:, 2 * BLOCK:] = (changed[:, 2 * BLOCK:] + 5) % config.mask_id
+  later = np.asarray(_forward(config, params, changed))
+  # With the shift, position 2 * BLOCK predicts from 2 * BLOCK - 1: still an earlier block.
+  seen = 2 * BLOCK + (1 if config.logit_shift else 0)
+  np.testing.assert_array_equal(later[:, :seen], logits[:, :seen])
+  finite = np.isfinite(logits[:, seen:])  # the mask id's -inf aside
+  assert np.abs(later[:, seen:][finite] - logits[:, seen:][finite]).max() > 1e-3
+  padded = np.asarray(_forward(config, params, tokens, valid))
+  for row in (1, 2):
+    pad = 2 * row
+    alone = np.asarray(_forward(config, params, tokens[row:row + 1, pad:]))[0]
+    first = pad + (1 if config.logit_shift else 0)  # the shifted first reads padding
+    _close(padded[row, first:], alone[first - pad:], 1e-5)
+
+
+@pytest.mark.parametrize("family", list(BLOCK_NETWORKS))
+def test_block_cache_is_exact(family):
+  """A pass over one block against the cache of a stale canvas gives the exact logits of the
+  new canvas on that block: no earlier position sees the block or what follows it, so the
+  cached keys before it are the exact ones (the block cache of `sample_blocks`)."""
+  config, tokens = _block_config(family), _tokens()
+  params, valid = _params(config), _left_padded()
+  prefilled, cache = _prefill(config, params, tokens, valid)
+  _close(prefilled, _forward(config, params, tokens, valid), 1e-5)
+  for start in (0, BLOCK, 2 * BLOCK):  # blocks of row 0 (rows 1, 2: counted from padding)
+    changed = tokens.copy()
+    changed[:, start:] = (tokens[:, start:] + 3) % config.mask_id
+    window, new_cache = _decode(config, params, cache, changed[:, start:start + BLOCK],
+                                jnp.int32(start), valid)
+    exact = np.asarray(_forward(config, params, changed, valid))
+    _close(np.asarray(window)[0], exact[0, start:start + BLOCK], 1e-5)
+    np.testing.assert_array_equal(new_cache.tokens_BxL[:, start:start + BLOCK],
+                                  changed[:, start:start + BLOCK])
+
+
+def test_moe_layers_layout_and_count():
+  config = _block_config("llada2")
+  params = jax.jit(published.init_params, static_argnums=0)(config, jax.random.key(0))
+  assert params["layers"]["gate"].shape == (1, config.d_model, config.mlp_hidden)
+  routed = params["moe_layers"]
+  assert routed["experts_gate"].shape == (2, 8, config.d_model, 16)
+  assert routed["shared_down"].shape == (2, 16, config.d_model)
+  assert routed["q_norm"].shape == (2, config.head_dim)
+  assert (routed["expert_bias"] == 0).all() and (routed["q_norm"] == 1).all()
+  assert published.num_params(config) == sum(x.size for x in jax.tree.leaves(params))
+  _, cache = _prefill(config, params, _tokens())
+  assert cache.keys_NxBxGxLxK.shape[0] == 3  # every layer, dense then routed
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(rotary_dim=3), "rotary_dim"), (dict(rotary_dim=10), "rotary_dim"),
+    (dict(block_size=0), "block_size"), (dict(qk_norm=1), "qk_norm"),
+    (dict(moe=dict(num_experts=6, n_group=4)), "n_group"),
+    (dict(moe=dict(topk_group=5)), "topk_group"),
+    (dict(moe=dict(experts_per_token=5, topk_group=2)), "experts_per_token"),
+    (dict(moe=dict(score_function="relu")), "score_function"),
+    (dict(moe=dict(first_dense_layers=4)), "first_dense_layers")])
+def test_block_network_refusals_name_the_field(change, field):
+  change = dict(change)
+  moe_fields = change.pop("moe", None)  # fields of the LLaDA2 test network's MoEConfig
+  with pytest.raises(ValueError, match=field):
+    if moe_fields is not None:
+      change["moe"] = dataclasses.replace(BLOCK_NETWORKS["llada2"]["moe"], **moe_fields)
+    _block_config("llada2", **change)
+
+
+@pytest.mark.parametrize("family", list(BLOCK_NETWORKS))
+def test_sample_blocks_with_the_block_cache_equals_recomputing(family):
+  """`sample_blocks` on the published block networks: the exact block cache gives the tokens
+  of recomputing every call over the canvas (a left-padded row included; LLaDA2's cache has
+  more layers than the batch has rows, which the per-row inputs must not mistake for rows)."""
+  from mdjax import sampling
+  config = _block_config(family)
+  params, den = _params(config), published.denoiser(config)
+  prompt = _tokens(batch=2, length=6) % config.mask_id
+  valid = np.ones_like(prompt, bool)
+  valid[1, :3] = False
+  spec = sampling.ConfidenceSpec(steps=2, temperature=0.0)
+  tokens = [np.asarray(sampling.sample_blocks(
+      den, params, jax.random.key(0), prompt, spec, length=2 * BLOCK, blocks_of=BLOCK,
+      window=3 * BLOCK, mask_id=config.mask_id, valid_BxP=valid, cached=cached).tokens_BxT)
+      for cached in (True, False)]
+  np.testing.assert_array_equal(tokens[0], tokens[1])
+  assert (tokens[0][:, 6:] != config.mask_id).all()
