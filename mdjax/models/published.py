@@ -32,7 +32,8 @@ layers are stacked (one `lax.scan` over layers keeps compile time flat in depth)
 (H heads, G key/value heads, K = head_dim, F = mlp_hidden; matrices are [in, out], the
 transpose of torch's Linear weight.)
 
-Entry points: `forward` (logits), `prefill` and `decode` (the cached contract of
+Entry points: `forward` (logits), `block_pair` (a block-causal network's training pass over
+[noisy; clean]), `prefill` and `decode` (the cached contract of
 `mdjax.denoiser`: a full pass that returns every layer's keys and values, and a pass over a
 window of W positions against them), `denoiser(config)` (the `Denoiser` value the samplers
 take; these models are time-free, so t_B is ignored), `init_params` and `num_params`.
@@ -323,10 +324,9 @@ def _embed(config: PublishedConfig, params: dict, tokens_BxQ: Array) -> Array:
 def _full_pass(config: PublishedConfig, params: dict, tokens_BxL: Array,
                valid_BxL: Array | None) -> tuple[Array, Array, Array]:
   """Unshifted logits_BxLxV and every layer's keys and values (N x B x G x L x K)."""
-  batch, length = tokens_BxL.shape
+  length = tokens_BxL.shape[1]
   layers.check_length(length, config.max_len)
   pos_BxL = positions(config, valid_BxL, length)
-  cos_BxLxK, sin_BxLxK = _rope_cos_sin(config, pos_BxL)
   visible_Bx1xL = (jnp.ones((1, 1, length), bool) if valid_BxL is None
                    else valid_BxL.astype(bool)[:, None, :])
   if config.causal:  # B x L x L: each query sees its own position and before
@@ -335,18 +335,54 @@ def _full_pass(config: PublishedConfig, params: dict, tokens_BxL: Array,
   if config.block_size is not None:  # B x L x L: blocks counted in each row's positions
     visible_Bx1xL = visible_Bx1xL & layers.visible(pos_BxL, pos_BxL,
                                                    block_size=config.block_size)
+  h_BxLxD, keys, values = _hidden(config, params, tokens_BxL, pos_BxL, visible_Bx1xL)
+  return _logits(config, params, h_BxLxD), keys, values
+
+
+def _hidden(config: PublishedConfig, params: dict, tokens_BxL: Array, pos_BxL: Array,
+            visible_BxLxL: Array) -> tuple[Array, Array, Array]:
+  """The last layer's hidden states of a full pass at RoPE positions `pos_BxL` where each
+  query sees the keys `visible_BxLxL` allows (B and the query axis may be 1), and every
+  layer's keys and values."""
+  cos_BxLxK, sin_BxLxK = _rope_cos_sin(config, pos_BxL)
 
   def layer_fn(h_BxLxD, xs, routed):
     layer = xs[0]
     x = _rms_norm(h_BxLxD, layer["attn_norm"], config.norm_eps)
     q, k_BxGxLxK, v_BxGxLxK = _qkv(config, layer, x, cos_BxLxK, sin_BxLxK)
-    attn = _attend(q, [(k_BxGxLxK, v_BxGxLxK, visible_Bx1xL)])
+    attn = _attend(q, [(k_BxGxLxK, v_BxGxLxK, visible_BxLxL)])
     return (_mlp_and_residuals(config, layer, h_BxLxD, attn, routed),
             (k_BxGxLxK, v_BxGxLxK))
 
   h_BxLxD, (keys, values) = _over_layers(config, params, _embed(config, params, tokens_BxL),
                                          layer_fn)
-  return _logits(config, params, h_BxLxD), keys, values
+  return h_BxLxD, keys, values
+
+
+def block_pair(config: PublishedConfig, params: dict, noisy_BxL: Array,
+               clean_BxL: Array) -> Array:
+  """The block-diffusion training pass of a block-causal network (`diffusion.
+  block_nelbo_loss`): one pass over [noisy; clean] at positions [0..L-1; 0..L-1], where a
+  noisy block sees itself and the clean blocks before it and a clean block sees the clean
+  blocks up to its own (`layers.block_pair_mask`): each noisy block's logits are those the
+  block-cached decoder computes with the clean blocks before it in the cache. With the shift
+  (Fast-dLLM v2) a block's first position reads the clean previous block's last output, as
+  the decoder's pass over the finished block predicts the next token. Returns the noisy
+  positions' logits_BxLxV (rows start at position 0: no padding)."""
+  if config.block_size is None:
+    raise ValueError("block_pair needs a block-causal network: config.block_size is None.")
+  noisy_BxL, clean_BxL = jnp.asarray(noisy_BxL, jnp.int32), jnp.asarray(clean_BxL, jnp.int32)
+  length = noisy_BxL.shape[1]
+  layers.check_length(length, config.max_len)
+  pos_1x2L = jnp.tile(jnp.arange(length, dtype=jnp.int32), 2)[None]
+  visible_1x2Lx2L = jnp.asarray(layers.block_pair_mask(length, config.block_size))[None]
+  h_Bx2LxD, _, _ = _hidden(config, params, jnp.concatenate([noisy_BxL, clean_BxL], 1),
+                           pos_1x2L, visible_1x2Lx2L)
+  noisy_BxLxD, clean_BxLxD = h_Bx2LxD[:, :length], h_Bx2LxD[:, length:]
+  if config.logit_shift:
+    first_L = (np.arange(length) % config.block_size == 0) & (np.arange(length) > 0)
+    noisy_BxLxD = jnp.where(first_L[None, :, None], _shift(clean_BxLxD), _shift(noisy_BxLxD))
+  return _logits(config, params, noisy_BxLxD)
 
 
 def _shift(logits_BxLxV: Array) -> Array:
@@ -460,12 +496,19 @@ def _decode(config, params, cache, tokens_BxW, start, t_B, valid_BxL=None):
   return decode(config, params, cache, tokens_BxW, start, valid_BxL)
 
 
+def _block_pair(config, params, noisy_BxL, clean_BxL, t_B):
+  del t_B
+  return block_pair(config, params, noisy_BxL, clean_BxL)
+
+
 def denoiser(config: PublishedConfig) -> Denoiser:
   """The model as a `Denoiser` (t_B ignored): apply, prefill and decode, and the block size
-  of a block-causal network. Its functions are `layers.Bound`: equal for equal configs, so
+  and training pass (`block_pair`) of a block-causal network. Its functions are `layers.Bound`: equal for equal configs, so
   equal Denoisers share programs."""
+  blocks = config.block_size is not None
   return Denoiser(apply=layers.bind(_apply, config), prefill=layers.bind(_prefill, config),
-                  decode=layers.bind(_decode, config), block_size=config.block_size)
+                  decode=layers.bind(_decode, config), block_size=config.block_size,
+                  block_pair=layers.bind(_block_pair, config) if blocks else None)
 
 
 # --- parameters ---------------------------------------------------------------------------

@@ -66,6 +66,14 @@ def _start_fields(start: str) -> tuple[dict, str, int | None]:
   return dict(saved.get("model") or {}), f"{where}'s checkpoint", None
 
 
+def _start_block_size(start: str) -> int | None:
+  """The block size of a published block-causal start point (None: none, or a workdir)."""
+  kind, where = sft_data.split_start(start)
+  if kind != "pretrained":
+    return None
+  return sft_data.published_config(where)[0].block_size
+
+
 def resolve_config(config):
   """`config` with its model fields filled from the start point (a copy), or `config` itself
   when it names no start point and no SFT task; ConfigError on a field that differs."""
@@ -104,6 +112,11 @@ def resolve_config(config):
     raise ConfigError("config field model.remat=True: the published models run without "
                       "rematerialization; leave it False.")
   length = resolved.task_kwargs.get("length")
+  block = _start_block_size(init_from)
+  if block is not None and isinstance(length, int) and length % block:
+    raise ConfigError(f"config field task_kwargs.length={length}: the start point is "
+                      f"block-causal with blocks of {block} ({where}); the rows' length must "
+                      "be a multiple of it.")
   if max_len is not None and isinstance(length, int) and length > max_len:
     raise ConfigError(f"config field task_kwargs.length={length}: the start point's model "
                       f"reads at most {max_len} positions ({where}).")
@@ -124,12 +137,27 @@ class PublishedView:
 
   config: object  # a PublishedConfig, its dtype the compute dtype
 
+  def _inner(self, params, tokens_BxL):
+    """The network's own ids (V is its mask id) and the params in the compute dtype."""
+    inner_BxL = jnp.where(tokens_BxL == self.config.vocab_size, self.config.mask_id, tokens_BxL)
+    return jax.tree.map(lambda p: p.astype(self.config.jnp_dtype), params), inner_BxL
+
   def __call__(self, params, tokens_BxL, t_B, valid_BxL=None):
     del t_B  # time-free
-    inner_BxL = jnp.where(tokens_BxL == self.config.vocab_size, self.config.mask_id, tokens_BxL)
-    dtype = self.config.jnp_dtype
-    params = jax.tree.map(lambda p: p.astype(dtype), params)
+    params, inner_BxL = self._inner(params, tokens_BxL)
     return published_model.forward(self.config, params, inner_BxL, valid_BxL)
+
+  def block_pair(self, params, noisy_BxL, clean_BxL, t_B):
+    """A block-causal network's training pass (`published.block_pair`)."""
+    del t_B
+    params, inner_BxL = self._inner(params, noisy_BxL)
+    return published_model.block_pair(self.config, params, inner_BxL, clean_BxL)
+
+  def denoiser(self) -> Denoiser:
+    """The view as a `Denoiser`: with a block-causal network's block size and block pair."""
+    blocks = self.config.block_size is not None
+    return Denoiser(self, block_size=self.config.block_size,
+                    block_pair=self.block_pair if blocks else None)
 
 
 def start_model(config, task):
@@ -147,7 +175,7 @@ def start_model(config, task):
       raise ValueError(f"start {where}: {model.vocab_size} ids, the task {task.vocab_size}.")
     params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), model.params)
     view = PublishedView(dataclasses.replace(model.config, dtype=config.model.dtype))
-    return None, params, Denoiser(view)
+    return None, params, view.denoiser()
   graphdef, fresh, apply_fn = models.init(model_config(config, task), seed=config.seed)
   fresh = nnx.to_pure_dict(fresh)
   start = checkpoints.load(where, log=lambda message: None)
@@ -165,14 +193,24 @@ def start_model(config, task):
 def loss_fn(config, apply_fn, task):
   """loss(params, key, rows_BxL) -> (loss, aux): the response-only NELBO in nats per response
   token (`diffusion.nelbo_loss` with maskable = response, per_token=True); aux's
-  bits_per_token is per response token over the batch."""
+  bits_per_token is per response token over the batch. A block-causal start (SDAR,
+  Fast-dLLM v2, LLaDA2) trains by the block NELBO (`diffusion.block_nelbo_loss`: each block
+  denoised after the clean blocks before it, as its decoder reads them), per response token
+  the same way."""
   schedule = objectives.masking_schedule(config)
+  block_size = Denoiser.of(apply_fn).block_size
 
   def loss(params, key, rows_BxL):
     tokens_BxL, maskable_BxL = sft_data.unpack_rows(rows_BxL)
-    return diffusion.nelbo_loss(apply_fn, params, key, tokens_BxL, schedule=schedule,
-                                mask_id=task.mask_id, maskable_BxL=maskable_BxL,
-                                per_token=True)
+    if block_size is None:
+      return diffusion.nelbo_loss(apply_fn, params, key, tokens_BxL, schedule=schedule,
+                                  mask_id=task.mask_id, maskable_BxL=maskable_BxL,
+                                  per_token=True)
+    _, aux = diffusion.block_nelbo_loss(apply_fn, params, key, tokens_BxL,
+                                        block_size=block_size, schedule=schedule,
+                                        mask_id=task.mask_id, maskable_BxL=maskable_BxL)
+    per_token_B = aux["nelbo_nats_B"] / jnp.maximum(maskable_BxL.sum(axis=-1), 1)
+    return per_token_B.mean(), aux
 
   return loss
 

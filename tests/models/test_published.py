@@ -469,3 +469,25 @@ def test_sample_blocks_with_the_block_cache_equals_recomputing(family):
       for cached in (True, False)]
   np.testing.assert_array_equal(tokens[0], tokens[1])
   assert (tokens[0][:, 6:] != config.mask_id).all()
+
+
+@pytest.mark.parametrize("family", list(BLOCK_NETWORKS))
+def test_block_pair_is_each_block_decoded_after_the_clean_ones(family):
+  """The training pass over [noisy; clean] gives each noisy block the logits of the canvas
+  with the clean blocks before it, the block itself noisy and anything after: what the
+  block-cached decoder computes (with the shift, a block's first position reads the clean
+  previous block's last output)."""
+  config = _block_config(family)
+  params = _params(config)
+  clean = _tokens()
+  noisy = np.where(np.random.default_rng(1).random(clean.shape) < 0.5, config.mask_id, clean)
+  pair = np.asarray(jax.jit(published.block_pair, static_argnums=0)(config, params, noisy,
+                                                                    clean))
+  assert pair.shape == (3, L, V)
+  for b in range(L // BLOCK):
+    block = slice(b * BLOCK, (b + 1) * BLOCK)
+    canvas = np.where(np.arange(L) < b * BLOCK, clean, noisy)
+    _close(pair[:, block], np.asarray(_forward(config, params, canvas))[:, block], 1e-5)
+  den = published.denoiser(config)
+  assert den.block_size == BLOCK and den.block_pair is not None
+  assert published.denoiser(_config("llada")).block_pair is None
