@@ -1,6 +1,7 @@
 """The published checkpoint families, one file each, and their one registry.
 
-A family's file (`llada`, `dream`, `mdlm`, `bd3lm`, `llama`, `qwen2`) holds all mdjax knows of
+A family's file (`llada`, `dream`, `sdar`, `fast_dllm_v2`, `llada2`, `mdlm`, `bd3lm`, `llama`,
+`qwen2`) holds all mdjax knows of
 it: config.json <-> its config (with what the params cannot express refused by key), its
 tensors <-> params, the denoiser, its special ids and length, save-time rules and its
 reference sampler (`Family.sampler`). A new family is its file and one line below.
@@ -11,6 +12,7 @@ from __future__ import annotations
 from mdjax.checkpoints.base import Family, Layout, Leaf
 from mdjax.checkpoints.bd3lm import BD3LM
 from mdjax.checkpoints.dream import Dream
+from mdjax.checkpoints.fast_dllm_v2 import FastDllmV2
 from mdjax.checkpoints.llada import LLaDA
 from mdjax.checkpoints.llama import Llama
 from mdjax.checkpoints.mdlm import MDLM
@@ -19,6 +21,7 @@ from mdjax.checkpoints.qwen2 import Qwen2
 FAMILIES: dict[str, Family] = {family.family: family for family in (
     LLaDA(),
     Dream(),
+    FastDllmV2(),
     MDLM(),
     BD3LM(),
     Llama(),

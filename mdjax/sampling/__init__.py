@@ -37,6 +37,7 @@ from mdjax.sampling.families.confidence import ConfidenceSpec
 from mdjax.sampling.families.defer import DeferSpec
 from mdjax.sampling.families.dream import DreamSpec
 from mdjax.sampling.families.entropy_bounded import EntropyBoundedSpec
+from mdjax.sampling.families.fast_dllm_v2 import FastDllmV2Spec
 from mdjax.sampling.families.field_order import FieldOrderSpec, parse_write_order
 from mdjax.sampling.families.local_remask import LocalRemaskSpec
 from mdjax.sampling.families.mdlm import MDLMSpec
@@ -53,7 +54,7 @@ __all__ = [
     "AncestralSpec", "BD3LMSpec", "BlocksResult", "BoundDenoiser", "Canvas", "ConfidenceSpec",
     "Counters",
     "DeferSpec", "Denoiser", "DreamSpec", "EndOfRow", "classifier_free",
-    "EntropyBoundedSpec", "Family", "FieldOrderSpec", "IDLE_FRACTION_TO_SKIP", "KV_CACHES", "LocalRemaskSpec", "MDLMSpec", "OrderedSpec",
+    "EntropyBoundedSpec", "Family", "FastDllmV2Spec", "FieldOrderSpec", "IDLE_FRACTION_TO_SKIP", "KV_CACHES", "LocalRemaskSpec", "MDLMSpec", "OrderedSpec",
     "RandomOrderSpec", "RemaskSpec",
     "RevisionSpec", "SCORES", "SampleResult", "SamplerSpec", "SpeculativeSpec", "families",
     "family_of", "lower", "make_spec", "num_steps", "offers_cache", "parse_groups", "parse_write_order",
