@@ -14,14 +14,18 @@ from mdjax.checkpoints.bd3lm import BD3LM
 from mdjax.checkpoints.dream import Dream
 from mdjax.checkpoints.fast_dllm_v2 import FastDllmV2
 from mdjax.checkpoints.llada import LLaDA
+from mdjax.checkpoints.llada2 import LLaDA2
 from mdjax.checkpoints.llama import Llama
 from mdjax.checkpoints.mdlm import MDLM
 from mdjax.checkpoints.qwen2 import Qwen2
+from mdjax.checkpoints.sdar import SDAR
 
 FAMILIES: dict[str, Family] = {family.family: family for family in (
     LLaDA(),
     Dream(),
+    SDAR(),
     FastDllmV2(),
+    LLaDA2(),
     MDLM(),
     BD3LM(),
     Llama(),

@@ -12,6 +12,7 @@ the key, never a silently wrong model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -32,23 +33,157 @@ class Leaf:
   """One params leaf and the HF tensor(s) it comes from.
 
   hf: the tensor name; a stacked leaf's has `{i}` for the layer. transpose: a torch Linear
-  weight ([out, in]) that the params hold as [in, out].
+  weight ([out, in]) that the params hold as [in, out]. layers: the (first, stop) layer
+  indices of a stacked leaf whose stack covers only some layers (LLaDA2's "layers" of dense
+  layers and "moe_layers" of the rest); None: all of them.
   """
 
   path: tuple[str, ...]
   hf: str
   transpose: bool = False
+  layers: tuple[int, int] | None = None
 
   @property
   def stacked(self) -> bool:
-    return self.path[0] in ("layers", "blocks")
+    return self.path[0] in STACKS
 
   @property
   def key(self) -> str:
     return "/".join(self.path)
 
   def hf_names(self, num_layers: int) -> list[str]:
-    return [self.hf.format(i=i) for i in range(num_layers)] if self.stacked else [self.hf]
+    if not self.stacked:
+      return [self.hf]
+    first, stop = (0, num_layers) if self.layers is None else self.layers
+    return [self.hf.format(i=i) for i in range(first, stop)]
+
+
+# The params subtrees whose leaves stack one entry per layer.
+STACKS = ("layers", "blocks", "moe_layers")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorView:
+  """A tensor the params read that a checkpoint stores otherwise, for the loader as if it
+  were stored (the name, path, dtype, shape and nbytes of a `tensors.TensorInfo`; `read`
+  gives its values): rows [begin, end) of one stored tensor (`rows`: a part of a fused
+  projection), or the stack of several (`parts`: per-expert matrices), each transposed
+  (`transpose_parts`: torch's [out, in] to the params' [in, out]) before stacking."""
+
+  name: str
+  parts: tuple[Any, ...]
+  rows: tuple[int, int] | None = None
+  transpose_parts: bool = False
+
+  @property
+  def path(self) -> str:
+    return self.parts[0].path
+
+  @property
+  def dtype(self) -> str:
+    return self.parts[0].dtype
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    first = tuple(self.parts[0].shape)
+    if self.rows is not None:
+      return (self.rows[1] - self.rows[0],) + first[1:]
+    return (len(self.parts),) + (first[::-1] if self.transpose_parts else first)
+
+  @property
+  def nbytes(self) -> int:
+    if self.rows is not None:
+      return self.parts[0].nbytes // max(self.parts[0].shape[0], 1) * self.shape[0]
+    return sum(p.nbytes for p in self.parts)
+
+  def read(self) -> np.ndarray:
+    from mdjax.pretrained import tensors as tensors_lib  # the loader's reader
+    if self.rows is not None:
+      return tensors_lib.read_tensor(self.parts[0])[self.rows[0]:self.rows[1]]
+    return np.stack([tensors_lib.read_tensor(p).T if self.transpose_parts
+                     else tensors_lib.read_tensor(p) for p in self.parts])
+
+
+def split_rows(infos: dict, name: str, parts: dict[str, int], where: str) -> dict:
+  """`infos` with the stored tensor `name` replaced by one `TensorView` per part, named
+  f"{name}[{label}]" and holding the next `rows` rows of it ({label: rows}, in order). A
+  tensor of another row count is a ValueError naming it (a missing one is left for the
+  loader's missing-tensor error, which names the part)."""
+  if name not in infos:
+    return infos
+  info = infos[name]
+  total = sum(parts.values())
+  if not info.shape or info.shape[0] != total:
+    raise ValueError(f"{where}: tensor {name!r} has shape {list(info.shape)}, expected "
+                     f"{total} rows ({' + '.join(f'{n} {k}' for k, n in parts.items())})")
+  out = {k: v for k, v in infos.items() if k != name}
+  begin = 0
+  for label, rows in parts.items():
+    out[f"{name}[{label}]"] = TensorView(f"{name}[{label}]", (info,), rows=(begin, begin + rows))
+    begin += rows
+  return out
+
+
+def stack_parts(infos: dict, name: str, part_names: list[str], where: str,
+                transpose: bool = False) -> dict:
+  """`infos` with the stored tensors `part_names` (all present, of one shape and dtype)
+  replaced by one `TensorView` named `name` stacking them. A missing part while others are
+  present, or parts that differ, is a ValueError naming the tensor."""
+  present = [n for n in part_names if n in infos]
+  if not present:
+    return infos
+  missing = [n for n in part_names if n not in infos]
+  if missing:
+    raise ValueError(f"{where}: missing tensor(s) {', '.join(missing[:5])}"
+                     f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}")
+  first = infos[part_names[0]]
+  for n in part_names[1:]:
+    if (tuple(infos[n].shape), infos[n].dtype) != (tuple(first.shape), first.dtype):
+      raise ValueError(f"{infos[n].path}: tensor {n!r} is {list(infos[n].shape)} "
+                       f"{infos[n].dtype}, not {list(first.shape)} {first.dtype} as "
+                       f"{part_names[0]!r}")
+  out = {k: v for k, v in infos.items() if k not in set(part_names)}
+  out[name] = TensorView(name, tuple(infos[n] for n in part_names), transpose_parts=transpose)
+  return out
+
+
+def fuse_rows(tensors: dict, name: str, labels: list[str]) -> dict:
+  """The inverse of `split_rows` on save: the tensors f"{name}[{label}]" (lazy or not)
+  concatenated along rows into one lazy tensor `name`."""
+  from mdjax.pretrained import tensors as tensors_lib
+  parts = [tensors[f"{name}[{label}]"] for label in labels]
+  shape = (sum(p.shape[0] for p in parts),) + tuple(parts[0].shape[1:])
+  out = {k: v for k, v in tensors.items() if k not in {f"{name}[{lb}]" for lb in labels}}
+  out[name] = tensors_lib.Lazy(shape, parts[0].dtype,
+                               lambda: np.concatenate([np.asarray(p) for p in parts]))
+  return out
+
+
+def unstack(tensors: dict, name: str, part_names: list[str], transpose: bool = False) -> dict:
+  """The inverse of `stack_parts` on save: the stacked tensor `name` written as the lazy
+  tensors `part_names`. The stack is computed once and dropped after its last part is
+  written (the writer asks for tensors in name order, so a layer's stacks are held at once
+  while their parts interleave)."""
+  from mdjax.pretrained import tensors as tensors_lib
+  stacked = tensors[name]
+  held: dict[str, Any] = {}
+  left = [len(part_names)]
+
+  def part(index: int):
+    if "value" not in held:
+      held["value"] = np.asarray(stacked)
+    value = held["value"][index]
+    left[0] -= 1
+    if not left[0]:
+      held.clear()
+    return np.ascontiguousarray(value.T if transpose else value)
+
+  shape = tuple(stacked.shape[1:])
+  shape = shape[::-1] if transpose else shape
+  out = {k: v for k, v in tensors.items() if k != name}
+  for index, n in enumerate(part_names):
+    out[n] = tensors_lib.Lazy(shape, stacked.dtype, functools.partial(part, index))
+  return out
 
 
 # --- shapes -------------------------------------------------------------------------------
@@ -235,6 +370,17 @@ class Family:
 
   def check_buffer(self, config, name: str, value: np.ndarray, where: str):
     pass
+
+  def tensor_view(self, infos: dict, raw: dict, where: str) -> dict:
+    """The checkpoint's tensors as the leaves name them ({name: TensorInfo or TensorView}):
+    a family that stores a leaf otherwise (a fused projection, per-expert matrices) maps its
+    stored tensors here, before anything is read; the others keep them as they are."""
+    return infos
+
+  def stored_tensors(self, tensors: dict, config) -> dict:
+    """The inverse of `tensor_view` on save: {leaf tensor name: array or Lazy} -> the
+    tensors the checkpoint stores."""
+    return tensors
 
   def saved_config(self, hf: dict, source: dict, config) -> dict:
     """config.json as `save` writes it: `hf` (ours) with the family's rules for keys of the

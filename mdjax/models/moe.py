@@ -4,6 +4,25 @@ over the experts, routed SwiGLU experts and shared experts.
 `MoEConfig` is the static part of `PublishedConfig.moe`; `param_shapes` the MoE leaves of a
 stacked `params["moe_layers"]`; `mlp` the layer's MLP output (routed plus shared), before
 the residual.
+
+Routing (LLaDA2MoeGate): router logits in float32, scores sigmoid(logits) (or a softmax),
+an expert bias added for the choice only; the experts split into n_group equal groups, a
+group's score the sum of its two best biased scores, the topk_group best groups kept and
+the experts_per_token best experts chosen among theirs; each chosen expert is weighted by
+its unbiased score, normalised over the chosen ones (norm_topk_prob, more than one chosen),
+times routed_scaling_factor. The weighted sum is taken in float32 and cast back.
+
+Dispatch: the T tokens' T * k (token, expert) assignments are sorted by expert and each
+expert's SwiGLU runs on its contiguous run of rows with `jax.lax.ragged_dot` (a grouped
+matmul: XLA's on GPU and TPU), so the largest intermediate is [T * k, expert_hidden]; no
+[tokens, experts, hidden] tensor is formed. Everything is jit-safe (static shapes; the
+group sizes are traced) and differentiable.
+
+Sharding: the expert leaves [N, E, D, F] / [N, E, F, D] are stacked matrices, so the FSDP
+rule of `mdjax.mesh` splits each along its largest dimension that the mesh axis divides
+(the layer axis never): LLaDA2.0-mini's [20, 256, 2048, 512] splits D; under jit the
+compiler gathers a layer's expert weights where the grouped matmul needs them, as for
+every other FSDP matrix.
 """
 
 from __future__ import annotations
@@ -26,11 +45,12 @@ class MoEConfig:
 
   num_experts routed experts of hidden size expert_hidden, experts_per_token chosen per
   token among the topk_group best of n_group groups (a group's score is the sum of its two
-  best experts' scores); score_function turns router logits into scores (an expert bias is
-  added for the choice only); the chosen scores, normalised when norm_topk_prob and more
-  than one is chosen, times routed_scaling_factor, weight the experts' outputs.
-  num_shared_experts (0: none) always-on experts form one SwiGLU of expert_hidden *
-  num_shared_experts.
+  best experts' biased scores; one expert's score when a group has one); score_function
+  turns router logits into scores (the expert bias is added for the choice only); the chosen
+  scores, normalised when norm_topk_prob and more than one is chosen, times
+  routed_scaling_factor, weight the experts' outputs. num_shared_experts (0: none) always-on
+  experts form one SwiGLU of expert_hidden * num_shared_experts. first_dense_layers: the
+  layers before it have a dense MLP.
   """
 
   num_experts: int
@@ -55,68 +75,97 @@ class MoEConfig:
     if self.topk_group > self.n_group:
       raise ValueError(f"topk_group={self.topk_group} must be at most n_group={self.n_group}.")
     if self.experts_per_token > self.topk_group * (self.num_experts // self.n_group):
-      raise ValueError(f"experts_per_token={self.experts_per_token} exceeds the experts of "
+      raise ValueError(f"experts_per_token={self.experts_per_token} exceeds the "
+                       f"{self.topk_group * (self.num_experts // self.n_group)} experts of "
                        f"topk_group={self.topk_group} groups of "
                        f"{self.num_experts // self.n_group}.")
     if self.score_function not in SCORE_FUNCTIONS:
       raise ValueError(f"score_function={self.score_function!r} must be one of "
                        f"{SCORE_FUNCTIONS}.")
-    if not (checks.is_number(self.routed_scaling_factor) and self.routed_scaling_factor > 0):
-      raise ValueError(f"routed_scaling_factor={self.routed_scaling_factor!r} must be > 0.")
+    if self.norm_topk_prob not in (True, False) or not isinstance(self.norm_topk_prob, bool):
+      raise ValueError(f"norm_topk_prob={self.norm_topk_prob!r} must be True or False.")
+    if not (checks.is_number(self.routed_scaling_factor) and 0 < self.routed_scaling_factor
+            < float("inf")):
+      raise ValueError(f"routed_scaling_factor={self.routed_scaling_factor!r} must be a "
+                       "finite number > 0.")
+
+  @property
+  def shared_hidden(self) -> int:
+    """The shared experts' one SwiGLU width (0: none)."""
+    return self.expert_hidden * self.num_shared_experts
 
 
 def param_shapes(moe: MoEConfig, d_model: int, num_layers: int) -> dict:
-  """The MoE leaves of params["moe_layers"] (each with a leading [num_layers])."""
+  """The MoE leaves of params["moe_layers"], each with a leading [num_layers]: router
+  [N, D, E] (a torch Linear's transpose), expert_bias [N, E] (the choice's bias; zeros when
+  initialised), the experts' gate / up [N, E, D, F] and down [N, E, F, D], and the shared
+  SwiGLU's shared_gate / shared_up [N, D, S], shared_down [N, S, D] (S = F *
+  num_shared_experts; absent without shared experts)."""
   n, d, e, f = num_layers, d_model, moe.num_experts, moe.expert_hidden
   shapes = {"router": (n, d, e), "expert_bias": (n, e), "experts_gate": (n, e, d, f),
             "experts_up": (n, e, d, f), "experts_down": (n, e, f, d)}
   if moe.num_shared_experts:
-    s = f * moe.num_shared_experts
+    s = moe.shared_hidden
     shapes.update(shared_gate=(n, d, s), shared_up=(n, d, s), shared_down=(n, s, d))
   return shapes
 
 
 def route(moe: MoEConfig, layer: dict, x_TxD: Array) -> tuple[Array, Array]:
-  """(chosen experts T x k, their weights T x k float32)."""
+  """The chosen experts (T x k int32) and their weights (T x k float32) of each token."""
+  tokens = x_TxD.shape[0]
   logits_TxE = jnp.einsum("td,de->te", x_TxD.astype(jnp.float32),
                           layer["router"].astype(jnp.float32))
   scores_TxE = (jax.nn.sigmoid(logits_TxE) if moe.score_function == "sigmoid"
                 else jax.nn.softmax(logits_TxE, axis=-1))
   biased_TxE = scores_TxE + layer["expert_bias"].astype(jnp.float32)
-  tokens = x_TxD.shape[0]
-  grouped = biased_TxE.reshape(tokens, moe.n_group, -1)
-  group_TxN = jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0].sum(-1)
-  _, best_groups = jax.lax.top_k(group_TxN, moe.topk_group)
-  keep_TxN = jnp.zeros_like(group_TxN, bool).at[jnp.arange(tokens)[:, None], best_groups].set(True)
-  keep_TxE = jnp.repeat(keep_TxN, moe.num_experts // moe.n_group, axis=-1)
-  _, experts_Txk = jax.lax.top_k(jnp.where(keep_TxE, biased_TxE, -jnp.inf),
+  per_group = moe.num_experts // moe.n_group
+  biased_TxNxP = biased_TxE.reshape(tokens, moe.n_group, per_group)
+  group_TxN = jax.lax.top_k(biased_TxNxP, min(2, per_group))[0].sum(-1)
+  _, groups_Txg = jax.lax.top_k(group_TxN, moe.topk_group)
+  kept_TxN = jnp.any(groups_Txg[:, :, None] == jnp.arange(moe.n_group), axis=1)
+  kept_TxE = jnp.repeat(kept_TxN, per_group, axis=-1)
+  _, experts_Txk = jax.lax.top_k(jnp.where(kept_TxE, biased_TxE, -jnp.inf),
                                  moe.experts_per_token)
   weights_Txk = jnp.take_along_axis(scores_TxE, experts_Txk, axis=-1)
   if moe.norm_topk_prob and moe.experts_per_token > 1:
     weights_Txk = weights_Txk / (weights_Txk.sum(-1, keepdims=True) + 1e-20)
-  return experts_Txk, weights_Txk * moe.routed_scaling_factor
+  return experts_Txk.astype(jnp.int32), weights_Txk * moe.routed_scaling_factor
 
 
-def _swiglu(x, gate, up, down):
+def _swiglu(x: Array, gate: Array, up: Array, down: Array) -> Array:
   dtype = x.dtype
   y = jax.nn.silu(x @ gate.astype(dtype)) * (x @ up.astype(dtype))
   return y @ down.astype(dtype)
 
 
+def routed(moe: MoEConfig, layer: dict, x_TxD: Array, experts_Txk: Array,
+           weights_Txk: Array) -> Array:
+  """The routed experts' weighted output, T x D: the T * k assignments sorted by expert,
+  each expert's SwiGLU over its run of rows (`jax.lax.ragged_dot`), unsorted, combined in
+  float32."""
+  tokens, d = x_TxD.shape
+  dtype = x_TxD.dtype
+  k = moe.experts_per_token
+  expert_A = experts_Txk.reshape(-1)  # A = T * k assignments, token-major
+  order_A = jnp.argsort(expert_A, stable=True)
+  rows_AxD = x_TxD[order_A // k]
+  sizes_E = jnp.bincount(expert_A, length=moe.num_experts).astype(jnp.int32)
+  gate_AxF = jax.lax.ragged_dot(rows_AxD, layer["experts_gate"].astype(dtype), sizes_E)
+  up_AxF = jax.lax.ragged_dot(rows_AxD, layer["experts_up"].astype(dtype), sizes_E)
+  out_AxD = jax.lax.ragged_dot(jax.nn.silu(gate_AxF) * up_AxF,
+                               layer["experts_down"].astype(dtype), sizes_E)
+  unsorted_AxD = jnp.zeros_like(out_AxD).at[order_A].set(out_AxD)
+  y_TxD = jnp.einsum("tkd,tk->td", unsorted_AxD.reshape(tokens, k, d).astype(jnp.float32),
+                     weights_Txk.astype(jnp.float32))
+  return y_TxD.astype(dtype)
+
+
 def mlp(moe: MoEConfig, layer: dict, x_BxQxD: Array) -> Array:
   """The MoE MLP's output (routed experts plus shared ones), B x Q x D."""
   batch, width, d = x_BxQxD.shape
-  x_TxD = x_BxQxD.reshape(-1, d)
+  x_TxD = jnp.asarray(x_BxQxD).reshape(-1, d)
   experts_Txk, weights_Txk = route(moe, layer, x_TxD)
-  dtype = x_TxD.dtype
-  # Every expert on every token, then the chosen ones combined (a correct, simple dispatch).
-  gate = jnp.einsum("td,edf->tef", x_TxD, layer["experts_gate"].astype(dtype))
-  up = jnp.einsum("td,edf->tef", x_TxD, layer["experts_up"].astype(dtype))
-  out_TxExD = jnp.einsum("tef,efd->ted", jax.nn.silu(gate) * up,
-                         layer["experts_down"].astype(dtype))
-  combine_TxE = jnp.zeros((x_TxD.shape[0], moe.num_experts), jnp.float32).at[
-      jnp.arange(x_TxD.shape[0])[:, None], experts_Txk].add(weights_Txk)
-  y_TxD = jnp.einsum("ted,te->td", out_TxExD.astype(jnp.float32), combine_TxE).astype(dtype)
+  y_TxD = routed(moe, layer, x_TxD, experts_Txk, weights_Txk)
   if moe.num_shared_experts:
     y_TxD = y_TxD + _swiglu(x_TxD, layer["shared_gate"], layer["shared_up"],
                             layer["shared_down"])

@@ -14,7 +14,6 @@ import string
 import time
 from typing import Sequence
 
-import jinja2
 from jinja2 import sandbox
 from jinja2.compiler import CodeGenerator
 from jinja2.utils import Namespace
@@ -283,12 +282,16 @@ def render_chat(model, messages: Sequence[dict[str, str]]) -> str:
   try:
     if len(model.chat_template) > MAX_TEMPLATE_CHARS:
       raise _TemplateLimit(f"is over {MAX_TEMPLATE_CHARS:,} characters long")
-    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+    # jinja2's default Undefined, as transformers renders: the Qwen templates test names a
+    # plain chat leaves out (`message.tool_calls`), which must read as false.
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     template = env.from_string(model.chat_template)
     out, size = [], 0
+    # tools and documents as transformers passes them when none are given.
     for chunk in template.generate(messages=list(messages), add_generation_prompt=True,
-                                   bos_token=bos_token, eos_token=eos_token):
+                                   bos_token=bos_token, eos_token=eos_token, tools=None,
+                                   documents=None):
       size += len(chunk)
       if size > MAX_TEMPLATE_CHARS:
         raise _TemplateLimit(f"renders over {MAX_TEMPLATE_CHARS:,} characters")

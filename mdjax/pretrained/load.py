@@ -243,6 +243,9 @@ def load(path: str, *, dtype: str | None = None, mesh: Mesh | None = None, confi
     infos = tensors_lib.read_checkpoint(folder)
   else:
     infos = lightning.state_tensors(lightning.read_ckpt(ckpt), ckpt, ema=ema)
+  # A family that stores a leaf otherwise (a fused projection, per-expert matrices) maps its
+  # stored tensors to the leaves' names here, before anything is read.
+  infos = layout.tensor_view(infos, raw, ckpt or folder)
   tied = layout.tied(raw)
 
   # The tensor names come from the config alone, so a first config (any dtype) finds them.
@@ -472,6 +475,7 @@ def save(model_or_params, path: str, *, family: str | None = None,
   for name, value in layout.buffers(config, source_raw).items():
     kept = (model.buffers or {}).get(name) if model else None
     tensors[name] = kept if kept is not None and kept.shape == value.shape else value
+  tensors = layout.stored_tensors(tensors, config)
   folder = os.fspath(path)
   os.makedirs(folder, exist_ok=True)
   written = tensors_lib.write_checkpoint(folder, tensors, max_shard_bytes=max_shard_bytes,

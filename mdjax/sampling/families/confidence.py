@@ -40,6 +40,21 @@ class ConfidenceSpec(SamplerSpec):
   n proposals ranked by score, the first rank i >= 1 scoring below 1 - factor / (i + 2)
   stops the commits at i, but a stop at the last rank n - 1, or none, commits all n;
   everything at the last step of a block, `steps` as the bound.
+  count_rule="even_block" splits the block's P positions instead (`block_length`, or the
+  canvas's length without blocks, as inside `sample_blocks`' block: written ones counted
+  too) as P // S a step, the remainder on the first steps, each step's count capped at the
+  positions still masked: SDAR's `get_num_transfer_tokens(block_length, steps)`, which does
+  not look at a prompt's fixed tokens inside the block.
+  `threshold_floor`: the least a threshold step commits. "one" (Fast-dLLM's): every proposal
+  scoring at least `threshold`, at least one; "count": at least the step's scheduled count
+  (`count_rule`'s), more when more proposals score at least the threshold (SDAR's
+  `low_confidence_dynamic`). Either way the last step of a block commits the rest.
+  `order="position"` commits the step's k leftmost masked positions instead of the k best
+  scoring (SDAR's `sequential`).
+  `score_transformed`: the score reads the distribution values are drawn from (the EOS
+  knobs, temperature, top-k, top-p: `transforms.transformed_probs`) rather than the
+  untransformed softmax (SDAR's x0_p); at temperature 0, where nothing is drawn, the
+  untransformed one.
   `banned_ids`: these ids' logits are -inf before the step reads them (draw and score).
   `score_excluded_ids`: these ids' logits are -inf only in the softmax the score reads, not
   in the draw: a proposal of one scores 0 and the other proposals' probabilities are
@@ -56,6 +71,9 @@ class ConfidenceSpec(SamplerSpec):
   factor: float | None = None
   banned_ids: tuple[int, ...] = ()
   score_excluded_ids: tuple[int, ...] = ()
+  threshold_floor: str = "one"
+  order: str = "score"
+  score_transformed: bool = False
 
   def __post_init__(self):
     super().__post_init__()
@@ -87,6 +105,18 @@ class ConfidenceSpec(SamplerSpec):
                                            and not isinstance(i, bool) and i >= 0 for i in ids),
             name, ids, "must be a tuple of token ids >= 0")
       object.__setattr__(self, name, tuple(int(i) for i in ids))
+    check(self.threshold_floor in THRESHOLD_FLOORS, "threshold_floor", self.threshold_floor,
+          f"must be one of {THRESHOLD_FLOORS}")
+    check(self.order in ORDERS, "order", self.order, f"must be one of {ORDERS}")
+    if self.order == "position":
+      check(not self.adaptive and self.gumbel_temperature == 0.0 and not self.eos_rank_last,
+            "order", self.order, "commits the scheduled count leftmost first: it takes no "
+            "threshold, factor, gumbel_temperature or eos_rank_last")
+    check(isinstance(self.score_transformed, bool), "score_transformed", self.score_transformed,
+          "must be True or False")
+    if self.score_transformed:
+      check(not self.score_excluded_ids, "score_transformed", self.score_transformed,
+            "with score_excluded_ids: set one (both say which softmax the score reads)")
 
   @property
   def adaptive(self) -> bool:
@@ -94,7 +124,9 @@ class ConfidenceSpec(SamplerSpec):
     return self.threshold is not None or self.factor is not None
 
 
-COUNT_RULES = ("schedule", "even")
+COUNT_RULES = ("schedule", "even", "even_block")
+THRESHOLD_FLOORS = ("one", "count")
+ORDERS = ("score", "position")
 
 
 @struct.dataclass
@@ -158,6 +190,12 @@ class Confidence(Family):
       j_J, per_block = plan.block_step[:plan.block_steps[0]], int(plan.block_steps[0])
       k_BxNxJ = n_BxN[..., None] // per_block + (j_J < n_BxN[..., None] % per_block)
       return float((k_BxNxJ <= 0).all(0).sum())
+    if spec.count_rule == "even_block":  # the scheduled counts, capped at what is left
+      per_block = int(plan.block_steps[0])
+      scheduled_J = _even_block_count(spec, canvas.length, np.arange(per_block), per_block)
+      before_J = np.concatenate([[0], np.cumsum(scheduled_J)[:-1]])
+      left_BxNxJ = np.maximum(n_BxN[..., None] - before_J, 0)
+      return float((np.minimum(scheduled_J, left_BxNxJ) <= 0).all(0).sum())
     remaining_NxJ = plan.remaining.reshape(num_blocks, -1).astype(np.float32)
     left_BxNxJ = np.floor(n_BxN[..., None] * remaining_NxJ + np.float32(scores.COUNT_EPS))
     before_BxNxJ = np.concatenate([n_BxN[..., None], left_BxNxJ[..., :-1]], axis=-1)
@@ -184,11 +222,14 @@ class Confidence(Family):
     if spec.score_excluded_ids:
       probs_BxLxV = jax.nn.softmax(
           _without(logits_BxLxV, spec.score_excluded_ids).astype(jnp.float32), axis=-1)
+    if spec.score_transformed and spec.temperature > 0:
+      probs_BxLxV = transforms.transformed_probs(logits_BxLxV, spec).astype(jnp.float32)
     score_BxL = scores.confidence_score(spec.score, probs_BxLxV, values_BxL, keys_B,
                                          step.shift_B)
     if spec.threshold is not None:
       above_B = (cand_BxL & (score_BxL >= spec.threshold)).sum(-1)
-      k_B = jnp.where(plan.last_in_block, cand_BxL.sum(-1), jnp.maximum(above_B, 1))
+      floor_B = jnp.ones_like(k_B) if spec.threshold_floor == "one" else k_B
+      k_B = jnp.where(plan.last_in_block, cand_BxL.sum(-1), jnp.maximum(above_B, floor_B))
     score_BxL = scores.eos_last(score_BxL, values_BxL, spec)
     if spec.factor is not None:
       k_B = jnp.where(plan.last_in_block, cand_BxL.sum(-1),
@@ -200,6 +241,8 @@ class Confidence(Family):
                    else jnp.log(jnp.maximum(score_BxL, 1e-30)))
       rank_score_BxL = scores.eos_last(log_score + plan.choice_temperature * gumbel_BxL,
                                        values_BxL, spec)
+    if spec.order == "position":  # equal scores: the top k are the leftmost k
+      rank_score_BxL = jnp.zeros_like(score_BxL)
     write_BxL = scores.select_top_k(rank_score_BxL, cand_BxL, k_B)
     core = core.commit(write_BxL, values_BxL, conf_BxL, step.index)
     return core, aux.replace(block_count_B=block_count_B)
@@ -211,11 +254,22 @@ def _scheduled_counts(spec: ConfidenceSpec, cand_BxL: Array, aux: ConfidenceCarr
   its first step."""
   num_masked_B = cand_BxL.sum(-1)
   block_count_B = jnp.where(plan.block_start, num_masked_B, aux.block_count_B)
+  if spec.count_rule == "even_block":
+    scheduled = _even_block_count(spec, cand_BxL.shape[-1], plan.block_step, plan.block_steps)
+    return jnp.minimum(scheduled.astype(jnp.int32), num_masked_B), block_count_B
   if spec.count_rule == "even":
     k_B = (block_count_B // plan.block_steps
            + (plan.block_step < block_count_B % plan.block_steps).astype(jnp.int32))
     return jnp.minimum(k_B, num_masked_B), block_count_B
   return scores.commit_counts(block_count_B, num_masked_B, plan.remaining), block_count_B
+
+
+def _even_block_count(spec: ConfidenceSpec, canvas_length: int, step_j, steps_s):
+  """count_rule="even_block"'s scheduled count at step j of a block of S steps (numpy or
+  traced): the block's P positions as P // S each, the remainder one more each on the first
+  steps."""
+  positions = spec.block_length or canvas_length
+  return positions // steps_s + (step_j < positions % steps_s)
 
 
 def _without(logits_BxLxV: Array, ids: tuple[int, ...]) -> Array:
