@@ -170,7 +170,7 @@ def split_start(start: str) -> tuple[str, str]:
     folder = start[len(PRETRAINED_PREFIX):]
     if not os.path.isfile(os.path.join(folder, "config.json")):
       raise ValueError(f"start={start!r}: {folder!r} is not a folder with config.json (a "
-                       "published LLaDA or Dream checkpoint).")
+                       "published diffusion LM checkpoint).")
     return "pretrained", folder
   if not os.path.isdir(os.path.join(start, "checkpoints")):
     raise ValueError(f"start={start!r} is not an mdjax workdir (it has no checkpoints/); a "

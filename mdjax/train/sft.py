@@ -3,8 +3,9 @@ export back. Its rows (the examples, their encoding and packing) are the task's,
 `mdjax.tasks.sft`.
 
 A run of `configs/sft.py` (task 'sft', objective 'sft') starts from `train.init_from`: an mdjax
-workdir (its newest checkpoint) or "pretrained:DIR", a published LLaDA / Dream folder read by
-`mdjax.pretrained.load`. This module registers the objective 'sft' (`objectives.Objective`),
+workdir (its newest checkpoint) or "pretrained:DIR", a published diffusion LM folder read by
+`mdjax.pretrained.load` (LLaDA, Dream, or a block-causal SDAR, Fast-dLLM v2, LLaDA2). This
+module registers the objective 'sft' (`objectives.Objective`),
 whose hooks the train state and loop call:
 
   resolve_config(config)  before the config checks: the model fields the config leaves unset
@@ -14,7 +15,8 @@ whose hooks the train state and loop call:
                           start point (a published model behind mdjax's denoiser contract).
   loss_fn(config, apply_fn, task)  `diffusion.nelbo_loss` on the task's packed rows: only the
                           response (its EOS padding included) is maskable, the prompt always
-                          visible, each row's NELBO divided by its response length (LLaDA).
+                          visible, each row's NELBO divided by its response length (LLaDA);
+                          a block-causal start's block NELBO the same way.
                           The held-out evaluation reports it too.
   export(config, state, workdir)  at the final step, a published start's fine-tuned weights
                           as a folder of its layout, WORKDIR/pretrained, which
