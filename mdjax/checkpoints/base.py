@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from mdjax.denoiser import Denoiser
+from mdjax.lazy import Lazy
 from mdjax.models.checks import check_count
 from mdjax.models import dit, published
 from mdjax.models.dit import DiTConfig
@@ -96,12 +97,12 @@ class TensorView:
       return self.parts[0].nbytes // max(self.parts[0].shape[0], 1) * self.shape[0]
     return sum(p.nbytes for p in self.parts)
 
-  def read(self) -> np.ndarray:
-    from mdjax.pretrained import tensors as tensors_lib  # the loader's reader
+  def read(self, read_part) -> np.ndarray:
+    """Its values, each stored part read by `read_part(info)` (the loader's reader)."""
     if self.rows is not None:
-      return tensors_lib.read_tensor(self.parts[0])[self.rows[0]:self.rows[1]]
-    return np.stack([tensors_lib.read_tensor(p).T if self.transpose_parts
-                     else tensors_lib.read_tensor(p) for p in self.parts])
+      return read_part(self.parts[0])[self.rows[0]:self.rows[1]]
+    return np.stack([read_part(p).T if self.transpose_parts else read_part(p)
+                     for p in self.parts])
 
 
 def split_rows(infos: dict, name: str, parts: dict[str, int], where: str) -> dict:
@@ -150,12 +151,11 @@ def stack_parts(infos: dict, name: str, part_names: list[str], where: str,
 def fuse_rows(tensors: dict, name: str, labels: list[str]) -> dict:
   """The inverse of `split_rows` on save: the tensors f"{name}[{label}]" (lazy or not)
   concatenated along rows into one lazy tensor `name`."""
-  from mdjax.pretrained import tensors as tensors_lib
   parts = [tensors[f"{name}[{label}]"] for label in labels]
   shape = (sum(p.shape[0] for p in parts),) + tuple(parts[0].shape[1:])
   out = {k: v for k, v in tensors.items() if k not in {f"{name}[{lb}]" for lb in labels}}
-  out[name] = tensors_lib.Lazy(shape, parts[0].dtype,
-                               lambda: np.concatenate([np.asarray(p) for p in parts]))
+  out[name] = Lazy(shape, parts[0].dtype,
+                   lambda: np.concatenate([np.asarray(p) for p in parts]))
   return out
 
 
@@ -164,7 +164,6 @@ def unstack(tensors: dict, name: str, part_names: list[str], transpose: bool = F
   tensors `part_names`. The stack is computed once and dropped after its last part is
   written (the writer asks for tensors in name order, so a layer's stacks are held at once
   while their parts interleave)."""
-  from mdjax.pretrained import tensors as tensors_lib
   stacked = tensors[name]
   held: dict[str, Any] = {}
   left = [len(part_names)]
@@ -182,7 +181,7 @@ def unstack(tensors: dict, name: str, part_names: list[str], transpose: bool = F
   shape = shape[::-1] if transpose else shape
   out = {k: v for k, v in tensors.items() if k != name}
   for index, n in enumerate(part_names):
-    out[n] = tensors_lib.Lazy(shape, stacked.dtype, functools.partial(part, index))
+    out[n] = Lazy(shape, stacked.dtype, functools.partial(part, index))
   return out
 
 

@@ -37,6 +37,7 @@ from mdjax import checkpoints
 from mdjax import files as files_lib
 from mdjax.mesh import auto_axes, partition_spec
 from mdjax.checkpoints import base as family_base
+from mdjax.lazy import Lazy
 from mdjax.model import Model
 from mdjax.models.dit import DiTConfig
 from mdjax.models.published import DTYPES, PublishedConfig
@@ -199,7 +200,10 @@ def _raw_config(config, folder: str, where: str) -> dict:
 
 
 def _read(info) -> np.ndarray:
-  # A .ckpt's StoredTensor reads itself; a safetensors TensorInfo is memory-mapped here.
+  # A family's TensorView reads its stored parts with this reader; a .ckpt's StoredTensor
+  # reads itself; a safetensors TensorInfo is memory-mapped here.
+  if isinstance(info, family_base.TensorView):
+    return info.read(_read)
   return info.read() if hasattr(info, "read") else tensors_lib.read_tensor(info)
 
 
@@ -469,7 +473,7 @@ def save(model_or_params, path: str, *, family: str | None = None,
     shape = family_base.hf_shape(config, leaf)
     for i, n in enumerate(leaf.hf_names(family_base.depth(config))):
       fn = functools.partial(_to_host, x, i if leaf.stacked else None, leaf.transpose, out_dtype)
-      tensors[n] = tensors_lib.Lazy(shape, out_dtype, fn)
+      tensors[n] = Lazy(shape, out_dtype, fn)
   # The buffers the reference code reads strictly (MDLM / BD3-LM: the rotary table).
   source_raw = dict(model.hf_config) if model and model.hf_config else {}
   for name, value in layout.buffers(config, source_raw).items():

@@ -22,7 +22,7 @@ import json
 import math
 import os
 import re
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -224,33 +224,14 @@ def read_checkpoint(folder: str) -> dict[str, TensorInfo]:
 # ----------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Lazy:
-  """A tensor whose shape and dtype are known up front and whose bytes come from `fn()`.
-
-  The writer builds the header from shapes and dtypes and then asks each tensor for its bytes
-  in turn, so at most one tensor is on the host at a time.
-  """
-
-  shape: tuple[int, ...]
-  dtype: Any
-  fn: Callable[[], Any]
-
-  def __array__(self, dtype=None, copy=None):
-    x = np.asarray(self.fn())
-    if x.shape != tuple(self.shape) or x.dtype != np.dtype(self.dtype):
-      raise ValueError(f"a lazy tensor promised {tuple(self.shape)} {np.dtype(self.dtype)} "
-                       f"and gave {x.shape} {x.dtype}")
-    return x if dtype is None else x.astype(dtype)
-
-
 def _nbytes(x) -> int:
   return math.prod(x.shape) * np.dtype(x.dtype).itemsize
 
 
 def write_file(path: str, tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None
                ) -> int:
-  """Writes tensors (arrays, jax arrays or `Lazy`) to one file atomically; returns its bytes.
+  """Writes tensors (arrays, jax arrays or `mdjax.lazy.Lazy`) to one file atomically; returns
+  its bytes.
 
   The data go to a temporary file in the same folder that replaces `path` once complete, so a
   reader never sees a half-written file. Tensors are laid out in name order.
