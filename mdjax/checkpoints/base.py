@@ -256,6 +256,27 @@ def _bool(raw: dict, key: str, family: str, default: bool) -> bool:
   return value
 
 
+def _qwen_hf(config: PublishedConfig) -> dict:
+  """The config.json keys the Qwen-style published configs (Dream, SDAR, Fast-dLLM v2) share:
+  a dense SwiGLU network of `config`, unscaled full attention, untied head."""
+  return {
+      "attention_dropout": 0.0, "hidden_act": "silu", "hidden_size": config.d_model,
+      "initializer_range": 0.02, "intermediate_size": config.mlp_hidden,
+      "max_position_embeddings": config.max_len, "max_window_layers": config.num_layers,
+      "num_attention_heads": config.num_heads, "num_hidden_layers": config.num_layers,
+      "num_key_value_heads": config.num_kv_heads, "rms_norm_eps": config.norm_eps,
+      "rope_scaling": None, "rope_theta": config.rope_theta, "sliding_window": None,
+      "tie_word_embeddings": False, "torch_dtype": TORCH_DTYPES[config.dtype],
+      "use_sliding_window": False, "vocab_size": config.vocab_size}
+
+
+def _refuse_keys(raw: dict, family: str, keys: tuple[str, ...], why: str):
+  """Another network's architecture keys in this family's config.json, named if set."""
+  for key in keys:
+    if raw.get(key) not in (None, False):
+      raise ValueError(f"{family} config.json: {key}={raw[key]!r} is not supported ({why})")
+
+
 def _with_ids(raw: dict, config: PublishedConfig) -> dict:
   """config.json's special ids (the pad id is EOS, as the published configs have it)."""
   if config.eos_id is not None:

@@ -10,8 +10,8 @@ diffusion_generate` runs it on ids.
 from __future__ import annotations
 
 from mdjax import sampling
-from mdjax.checkpoints.base import (TORCH_DTYPES, TransformersFamily, _first_id, _get,
-                                    _head_dim, _published, _refuse, _with_ids, check_choice,
+from mdjax.checkpoints.base import (TransformersFamily, _first_id, _get, _head_dim,
+                                    _published, _qwen_hf, _refuse, _with_ids, check_choice,
                                     check_flag, check_int, check_number)
 from mdjax.denoiser import Denoiser
 from mdjax.model import SamplerPlan
@@ -91,16 +91,6 @@ class Dream(TransformersFamily):
       raise ValueError(f"config.qkv_bias={config.qkv_bias}, logit_shift={config.logit_shift} "
                        f"cannot be written as {self.family} (its code has q/k/v biases and "
                        "shifts logits)")
-    raw = {
-        "architectures": list(self.architectures), "model_type": self.model_types[0],
-        "attention_dropout": 0.0,
-        "hidden_act": "silu", "hidden_size": config.d_model, "initializer_range": 0.02,
-        "intermediate_size": config.mlp_hidden, "mask_token_id": config.mask_id,
-        "max_position_embeddings": config.max_len, "max_window_layers": config.num_layers,
-        "num_attention_heads": config.num_heads, "num_hidden_layers": config.num_layers,
-        "num_key_value_heads": config.num_kv_heads, "rms_norm_eps": config.norm_eps,
-        "rope_scaling": None, "rope_theta": config.rope_theta, "sliding_window": None,
-        "tie_word_embeddings": False, "torch_dtype": TORCH_DTYPES[config.dtype],
-        "use_cache": False, "use_sliding_window": False, "vocab_size": config.vocab_size,
-    }
+    raw = {"architectures": list(self.architectures), "model_type": self.model_types[0],
+           **_qwen_hf(config), "mask_token_id": config.mask_id, "use_cache": False}
     return _with_ids(raw, config)

@@ -14,9 +14,9 @@ the code's 151665 (|<MASK>|) unless `mask_token_id` is given.
 
 from __future__ import annotations
 
-from mdjax.checkpoints.base import (TORCH_DTYPES, TransformersFamily, _first_id, _get,
-                                    _head_dim, _published, _refuse, _with_ids, check_int,
-                                    check_number)
+from mdjax.checkpoints.base import (TransformersFamily, _first_id, _get, _head_dim,
+                                    _published, _qwen_hf, _refuse, _refuse_keys, _with_ids,
+                                    check_int, check_number)
 from mdjax.denoiser import Denoiser
 from mdjax.model import SamplerPlan
 from mdjax.models.published import PublishedConfig
@@ -89,11 +89,8 @@ class FastDllmV2(TransformersFamily):
     _refuse(raw, f, "hidden_act", ("silu",), "the MLP is silu(gate) * up")
     _refuse(raw, f, "rope_scaling", (None,), "RoPE is unscaled")
     _refuse(raw, f, "use_sliding_window", (False,), "attention is over whole blocks")
-    for key in FOREIGN_KEYS:  # another family's architecture in this folder's config.json
-      if raw.get(key) not in (None, False):
-        raise ValueError(f"{f} config.json: {key}={raw[key]!r} is not supported (a "
-                         "Fast-dLLM v2 network is dense Qwen2.5 with no q/k norm and RoPE "
-                         "over the whole head)")
+    _refuse_keys(raw, f, FOREIGN_KEYS, "a Fast-dLLM v2 network is dense Qwen2.5 with no q/k "
+                 "norm and RoPE over the whole head")
     layer_types = raw.get("layer_types")
     if layer_types is not None and (not isinstance(layer_types, list)
                                     or any(t != "full_attention" for t in layer_types)):
@@ -133,19 +130,12 @@ class FastDllmV2(TransformersFamily):
                        "(its code has q/k/v biases, shifted predictions and blocks)")
     raw = {
         "architectures": list(self.architectures), "model_type": self.model_types[0],
-        "attention_dropout": 0.0,
+        **_qwen_hf(config),
         "auto_map": {"AutoConfig": "configuration.Fast_dLLM_QwenConfig",
                      "AutoModel": "modeling.Fast_dLLM_QwenModel",
                      "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM"},
-        "bd_size": config.block_size, "hidden_act": "silu", "hidden_size": config.d_model,
-        "initializer_range": 0.02, "intermediate_size": config.mlp_hidden,
-        "layer_types": ["full_attention"] * config.num_layers,
-        "max_position_embeddings": config.max_len, "max_window_layers": config.num_layers,
-        "num_attention_heads": config.num_heads, "num_hidden_layers": config.num_layers,
-        "num_key_value_heads": config.num_kv_heads, "rms_norm_eps": config.norm_eps,
-        "rope_scaling": None, "rope_theta": config.rope_theta, "sliding_window": None,
-        "tie_word_embeddings": False, "torch_dtype": TORCH_DTYPES[config.dtype],
-        "use_cache": True, "use_sliding_window": False, "vocab_size": config.vocab_size,
+        "bd_size": config.block_size, "layer_types": ["full_attention"] * config.num_layers,
+        "use_cache": True,
     }
     if config.mask_id != FAST_DLLM_V2_MASK_ID:
       raw["mask_token_id"] = config.mask_id

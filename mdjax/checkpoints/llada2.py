@@ -35,6 +35,7 @@ from mdjax.checkpoints.base import (
   _get,
   _published,
   _refuse,
+  _refuse_keys,
   _with_ids,
   check_int,
   check_number,
@@ -131,11 +132,8 @@ class LLaDA2(Family):
 
   def config_from_hf(self, raw: dict, dtype: str) -> PublishedConfig:
     f = self.family
-    for key in FOREIGN_KEYS:  # another family's architecture in this folder's config.json
-      if raw.get(key) not in (None, False):
-        raise ValueError(f"{f} config.json: {key}={raw[key]!r} is not supported (another "
-                         "network's key: LLaDA2's blocks are generate's block_length, its "
-                         "projections have no bias)")
+    _refuse_keys(raw, f, FOREIGN_KEYS, "another network's key: LLaDA2's blocks are "
+                 "generate's block_length, its projections have no bias")
     _refuse(raw, f, "hidden_act", ("silu",), "the MLPs are silu(gate) * up")
     _refuse(raw, f, "rope_scaling", (None,), "RoPE is unscaled")
     _refuse(raw, f, "use_bias", (False,), "the attention's output projection has no bias "

@@ -21,8 +21,8 @@ from __future__ import annotations
 import dataclasses
 
 from mdjax import sampling
-from mdjax.checkpoints.base import (TORCH_DTYPES, Leaf, TransformersFamily, _first_id, _get,
-                                    _published, _refuse, _with_ids, check_choice, check_int,
+from mdjax.checkpoints.base import (Leaf, TransformersFamily, _first_id, _get, _published,
+                                    _qwen_hf, _refuse, _with_ids, check_choice, check_int,
                                     check_number)
 from mdjax.checkpoints.llama import LLAMA3_KEYS, _rope
 from mdjax.model import SamplerPlan
@@ -157,17 +157,10 @@ class SDAR(TransformersFamily):
         "rope_type": "llama3", **dict(zip(LLAMA3_KEYS, config.rope_scaling))}
     raw = {
         "architectures": list(self.architectures), "model_type": self.model_types[0],
-        "attention_bias": False, "attention_dropout": 0.0, "block_size": config.block_size,
+        **_qwen_hf(config), "attention_bias": False, "block_size": config.block_size,
         "fuse_cross_entropy": True,  # SDARForCausalLM.forward reads it, also at inference
-        "head_dim": config.head_dim, "hidden_act": "silu", "hidden_size": config.d_model,
-        "initializer_range": 0.02, "intermediate_size": config.mlp_hidden,
-        "mask_token_id": config.mask_id, "max_position_embeddings": config.max_len,
-        "max_window_layers": config.num_layers, "num_attention_heads": config.num_heads,
-        "num_hidden_layers": config.num_layers, "num_key_value_heads": config.num_kv_heads,
-        "rms_norm_eps": config.norm_eps, "rope_scaling": scaling,
-        "rope_theta": config.rope_theta, "sliding_window": None, "tie_word_embeddings": False,
-        "torch_dtype": TORCH_DTYPES[config.dtype], "use_cache": False,
-        "use_sliding_window": False, "vocab_size": config.vocab_size,
+        "head_dim": config.head_dim, "mask_token_id": config.mask_id, "rope_scaling": scaling,
+        "use_cache": False,
     }
     raw = _with_ids(raw, config)
     if config.eos_id is not None:
