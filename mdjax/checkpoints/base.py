@@ -256,6 +256,20 @@ def _bool(raw: dict, key: str, family: str, default: bool) -> bool:
   return value
 
 
+def _qwen_fields(raw: dict, family: str) -> dict:
+  """The PublishedConfig fields of a Qwen2-style config.json (Dream, Fast-dLLM v2): its
+  sizes, heads (head_dim = hidden / heads), RoPE base and norm epsilon."""
+  d = _get(raw, "hidden_size", int, family)
+  heads = _get(raw, "num_attention_heads", int, family)
+  return dict(vocab_size=_get(raw, "vocab_size", int, family), d_model=d,
+              num_layers=_get(raw, "num_hidden_layers", int, family), num_heads=heads,
+              num_kv_heads=_get(raw, "num_key_value_heads", int, family, heads),
+              head_dim=_head_dim(d, heads, family, "num_attention_heads"),
+              mlp_hidden=_get(raw, "intermediate_size", int, family),
+              rope_theta=_get(raw, "rope_theta", float, family, 10000.0),
+              norm_eps=_get(raw, "rms_norm_eps", float, family, 1e-6))
+
+
 def _qwen_hf(config: PublishedConfig) -> dict:
   """The config.json keys the Qwen-style published configs (Dream, SDAR, Fast-dLLM v2) share:
   a dense SwiGLU network of `config`, unscaled full attention, untied head."""

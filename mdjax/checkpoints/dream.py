@@ -10,8 +10,8 @@ diffusion_generate` runs it on ids.
 from __future__ import annotations
 
 from mdjax import sampling
-from mdjax.checkpoints.base import (TransformersFamily, _first_id, _get, _head_dim,
-                                    _published, _qwen_hf, _refuse, _with_ids, check_choice,
+from mdjax.checkpoints.base import (TransformersFamily, _first_id, _get, _published,
+                                    _qwen_fields, _qwen_hf, _refuse, _with_ids, check_choice,
                                     check_flag, check_int, check_number)
 from mdjax.denoiser import Denoiser
 from mdjax.model import SamplerPlan
@@ -71,16 +71,8 @@ class Dream(TransformersFamily):
     _refuse(raw, f, "hidden_act", ("silu",), "the MLP is silu(gate) * up")
     _refuse(raw, f, "rope_scaling", (None,), "RoPE is unscaled")
     _refuse(raw, f, "use_sliding_window", (False,), "attention is over the whole sequence")
-    d = _get(raw, "hidden_size", int, f)
-    heads = _get(raw, "num_attention_heads", int, f)
     return _published(
-        self.network, vocab_size=_get(raw, "vocab_size", int, f), d_model=d,
-        num_layers=_get(raw, "num_hidden_layers", int, f), num_heads=heads,
-        num_kv_heads=_get(raw, "num_key_value_heads", int, f, heads),
-        head_dim=_head_dim(d, heads, f, "num_attention_heads"),
-        mlp_hidden=_get(raw, "intermediate_size", int, f),
-        rope_theta=_get(raw, "rope_theta", float, f, 10000.0),
-        norm_eps=_get(raw, "rms_norm_eps", float, f, 1e-6), qkv_bias=True, logit_shift=True,
+        self.network, **_qwen_fields(raw, f), qkv_bias=True, logit_shift=True,
         mask_id=_get(raw, "mask_token_id", int, f, DREAM_MASK_ID),
         eos_id=_first_id(raw, "eos_token_id", f), eot_id=_first_id(raw, "eot_token_id", f),
         max_len=_get(raw, "max_position_embeddings", int, f, 32768), dtype=dtype)

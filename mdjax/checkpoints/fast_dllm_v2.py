@@ -14,8 +14,8 @@ the code's 151665 (|<MASK>|) unless `mask_token_id` is given.
 
 from __future__ import annotations
 
-from mdjax.checkpoints.base import (TransformersFamily, _first_id, _get, _head_dim,
-                                    _published, _qwen_hf, _refuse, _refuse_keys, _with_ids,
+from mdjax.checkpoints.base import (TransformersFamily, _first_id, _get, _published,
+                                    _qwen_fields, _qwen_hf, _refuse, _refuse_keys, _with_ids,
                                     check_int, check_number)
 from mdjax.denoiser import Denoiser
 from mdjax.model import SamplerPlan
@@ -104,20 +104,12 @@ class FastDllmV2(TransformersFamily):
     block = _get(raw, "bd_size", int, f, FAST_DLLM_V2_BLOCK)
     if block < 1:
       raise ValueError(f"{f} config.json: bd_size={block} must be >= 1")
-    d = _get(raw, "hidden_size", int, f)
-    heads = _get(raw, "num_attention_heads", int, f)
     max_len = _get(raw, "max_position_embeddings", int, f, 32768)
     if max_len % block or max_len < 2 * block:
       raise ValueError(f"{f} config.json: max_position_embeddings={max_len} must be a "
                        f"multiple of bd_size={block} holding at least two blocks")
     return _published(
-        self.network, vocab_size=_get(raw, "vocab_size", int, f), d_model=d,
-        num_layers=_get(raw, "num_hidden_layers", int, f), num_heads=heads,
-        num_kv_heads=_get(raw, "num_key_value_heads", int, f, heads),
-        head_dim=_head_dim(d, heads, f, "num_attention_heads"),
-        mlp_hidden=_get(raw, "intermediate_size", int, f),
-        rope_theta=_get(raw, "rope_theta", float, f, 10000.0),
-        norm_eps=_get(raw, "rms_norm_eps", float, f, 1e-6), qkv_bias=True, logit_shift=True,
+        self.network, **_qwen_fields(raw, f), qkv_bias=True, logit_shift=True,
         mask_id=_get(raw, "mask_token_id", int, f, FAST_DLLM_V2_MASK_ID),
         eos_id=_first_id(raw, "eos_token_id", f), max_len=max_len, dtype=dtype,
         block_size=block)
