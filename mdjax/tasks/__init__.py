@@ -10,11 +10,22 @@ and, where the task has them, `checks`, `exact_denoiser` (the synthetic tasks), 
 import inspect
 import os
 
-from mdjax.tasks import corpus, scan_and_add, sft, text, two_color
+from mdjax.tasks import (
+  corpus,
+  lists,
+  permutation,
+  scan_and_add,
+  sft,
+  sudoku4,
+  text,
+  two_color,
+)
 from mdjax.tasks.base import Task
 
 TASKS = {"two_color": two_color, "scan_and_add": scan_and_add, "text": text, "corpus": corpus,
-         "sft": sft}
+         "sft": sft, "permutation": permutation, "sudoku4": sudoku4,
+         "list_copy": lists.copy_task, "list_replace": lists.replace_task,
+         "list_shuffle": lists.shuffle_task}
 # The parameters that name files or folders: saved absolute, compared once normalised.
 PATH_KWARGS = {"text": ("text_path",), "corpus": ("data_dir",),
                "sft": ("path", "validation_path", "start")}
@@ -73,4 +84,5 @@ def from_config(config, metadata: dict | None = None) -> Task:
 
 
 __all__ = ["PATH_KWARGS", "TASKS", "Task", "check", "corpus", "from_config", "get", "kwargs_of",
-           "resolve_paths", "scan_and_add", "sft", "text", "two_color"]
+           "lists", "permutation", "resolve_paths", "scan_and_add", "sft", "sudoku4", "text",
+           "two_color"]
