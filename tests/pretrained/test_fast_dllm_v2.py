@@ -146,3 +146,40 @@ def test_bad_sampler_knobs(tmp_path):
     mdjax.generate(m, [[5, 6, 7]], max_new_tokens=8, key=jax.random.key(0), block_length=3)
   with pytest.raises(ValueError, match="threshold"):
     mdjax.generate(m, [[5, 6, 7]], max_new_tokens=8, key=jax.random.key(0), threshold=1.5)
+
+
+def parity_figures() -> dict:
+  """What the logits and generation tests above assert, as figures (mdjax/bench/families.py):
+  the largest |mdjax - reference| of the full and the cached pass's finite logits, absolute
+  and relative to the largest reference logit (the tests' tolerance is 1e-4 of it), and per
+  generations.json case whether every row's tokens (and stop) equal the reference's."""
+  m, ref = model(), reference()
+
+  def gap(got, expected):
+    finite = np.isfinite(expected)
+    diff = float(np.abs(np.asarray(got)[finite] - expected[finite]).max())
+    return diff, diff / max(1.0, float(np.abs(expected[finite]).max()))
+
+  full = gap(jax.jit(published.forward, static_argnums=0)(m.config, m.params, ref["tokens_BxL"]),
+             ref["logits_BxLxV"])
+  prefix, block = ref["cached_prefix_BxP"], ref["cached_block_BxW"]
+  canvas = np.concatenate([prefix, np.full_like(block, m.mask_id)], 1)
+  _, cache = jax.jit(published.prefill, static_argnums=0)(m.config, m.params, canvas)
+  got, _ = jax.jit(published.decode, static_argnums=0)(m.config, m.params, cache, block,
+                                                       prefix.shape[1])
+  cached = gap(got, ref["cached_logits_BxWxV"])
+  equal = {}
+  for case in cases():
+    out = mdjax.generate(m, case["prompts"], max_new_tokens=24, key=jax.random.key(0),
+                         block_length=case["small_block_size"], threshold=case["threshold"])
+    same = True
+    for completion, expected in zip(out, case["generated"]):
+      stopped = expected[-1] == case["stop_token"]
+      expected = expected[:-1] if stopped else expected[:24]
+      same &= completion.token_ids[:len(expected)].tolist() == expected
+      if stopped:
+        same &= len(completion.token_ids) == len(expected) and completion.finish_reason == "stop"
+    equal[case["name"]] = bool(same)
+  return {"full_logits_max_abs": full[0], "full_logits_rel": full[1],
+          "cached_logits_max_abs": cached[0], "cached_logits_rel": cached[1],
+          "tolerance_rel": 1e-4, "tokens_equal": equal}

@@ -229,3 +229,48 @@ def test_bad_sampler_knobs():
     generate(max_new_tokens=8, threshold=1.5)
   with pytest.raises(ValueError, match="max_len=512"):
     generate(max_new_tokens=500)
+
+
+def parity_figures() -> dict:
+  """What the logits and generation tests above assert, as figures (mdjax/bench/families.py):
+  the largest |mdjax - reference| of the full and the cached pass's finite logits, absolute
+  and relative to the largest reference logit (the tests' tolerance is 1e-4 of it), and per
+  generations.json case whether every row's tokens (and stop) equal the reference's."""
+  m, ref = model(), reference()
+
+  def gap(got, expected):
+    finite = np.isfinite(expected)
+    diff = float(np.abs(np.asarray(got)[finite] - expected[finite]).max())
+    return diff, diff / max(1.0, float(np.abs(expected[finite]).max()))
+
+  config = dataclasses.replace(m.config, block_size=int(ref["block_size"]))
+  full = gap(jax.jit(published.forward, static_argnums=0)(
+      config, m.params, ref["tokens_BxL"], ref["valid_BxL"]), ref["logits_BxLxV"])
+  row, start = int(ref["cached_row"]), int(ref["cached_from"])
+  tokens = ref["tokens_BxL"][row:row + 1]
+  canvas = tokens.copy()
+  canvas[:, start:] = m.mask_id
+  _, cache = jax.jit(published.prefill, static_argnums=0)(config, m.params, canvas)
+  got, _ = jax.jit(published.decode, static_argnums=0)(config, m.params, cache,
+                                                       tokens[:, start:], start)
+  cached = gap(got, ref["cached_logits_BxWxV"])
+  equal = {}
+  for case in cases():
+    knobs = dict(case["kwargs"])
+    new = knobs.pop("gen_length")
+    if case["name"] == "defaults":
+      knobs = {}
+    out = mdjax.generate(m, [r["prompt"] for r in case["rows"]], max_new_tokens=new,
+                         key=jax.random.key(0), **knobs)
+    same = True
+    for completion, r in zip(out, case["rows"]):
+      expected = r["generated"]
+      if expected[-1] == EOS_ID:
+        same &= (completion.token_ids.tolist() == expected[:-1]
+                 and completion.finish_reason == "stop")
+      else:
+        same &= completion.token_ids.tolist() == expected
+    equal[case["name"]] = bool(same)
+  return {"full_logits_max_abs": full[0], "full_logits_rel": full[1],
+          "cached_logits_max_abs": cached[0], "cached_logits_rel": cached[1],
+          "tolerance_rel": 1e-4, "tokens_equal": equal}

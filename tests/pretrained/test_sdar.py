@@ -403,3 +403,43 @@ def test_blocks_that_do_not_divide_the_models_are_refused():
   with pytest.raises(ValueError, match=r"blocks_of=6 is invalid: must be a multiple of the "
                                        r"model's block size 4"):
     mdjax.generate(model(), ["Hi"], max_new_tokens=12, key=jax.random.key(0), blocks_of=6)
+
+
+def parity_figures() -> dict:
+  """What the logits and generation tests above assert, as figures (mdjax/bench/families.py):
+  the largest |mdjax - reference| of the full and the cached passes' finite logits, absolute
+  and relative to the largest reference logit (the tests' tolerance is 1e-5 of it), and per
+  generations.json case whether every row's tokens equal the reference's."""
+  m, ref = model(), reference()
+
+  def gap(got, expected):
+    finite = np.isfinite(expected)
+    diff = float(np.abs(np.asarray(got)[finite] - expected[finite]).max())
+    return diff, diff / max(1.0, float(np.abs(expected[finite]).max()))
+
+  full, full_rel = gap(jax.jit(published.forward, static_argnums=0)(
+      m.config, m.params, ref["tokens_BxL"], ref["valid_BxL"]), ref["logits_BxLxV"])
+  prefix, block, final, nxt = (ref[k] for k in ("prefix_1xP", "block_1xW", "block_final_1xW",
+                                                "next_1xW"))
+  start, width = prefix.shape[1], block.shape[1]
+  canvas = np.concatenate([prefix, np.full((1, 2 * width), m.mask_id, np.int32)], 1)
+  decode = jax.jit(published.decode, static_argnums=0)
+  _, cache = jax.jit(published.prefill, static_argnums=0)(m.config, m.params, canvas)
+  block_logits, _ = decode(m.config, m.params, cache, block, start)
+  _, cache = decode(m.config, m.params, cache, final, start)
+  next_logits, _ = decode(m.config, m.params, cache, nxt, start + width)
+  cached = [gap(block_logits, ref["block_logits_1xWxV"]), gap(next_logits,
+                                                              ref["next_logits_1xWxV"])]
+  equal = {}
+  for case in GENERATIONS["cases"]:
+    knobs = dict(case["kwargs"])
+    new = knobs.pop("gen_length")
+    ids, _, _, _ = generation.generate_ids(
+        m, [np.asarray(p) for p in case["prompts"]], max_new_tokens=new,
+        key=jax.random.key(0), temperature=0.0, **knobs)
+    equal[case["name"]] = all(got.tolist() == expected
+                              for got, expected in zip(ids, case["until_stop"]))
+  return {"full_logits_max_abs": full, "full_logits_rel": full_rel,
+          "cached_logits_max_abs": max(c[0] for c in cached),
+          "cached_logits_rel": max(c[1] for c in cached), "tolerance_rel": 1e-5,
+          "tokens_equal": equal}

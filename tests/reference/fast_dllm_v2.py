@@ -487,6 +487,65 @@ def make_case(model, name: str, base_seed: int, tries: int = 300) -> dict:
   raise RuntimeError(f"{name}: no seed in [{base_seed}, {base_seed + tries}) clears {MARGIN}")
 
 
+# --- the published loop on another checkpoint (mdjax/bench/families.py) ---------------------
+
+
+def bench_loop(folder, modeling_git: pathlib.Path = MODELING_GIT,
+               generation_git: pathlib.Path = GENERATION_GIT):
+  """`batch_sample` (as the fixtures call it: greedy, use_block_cache=False) on the
+  Fast_dLLM_QwenForCausalLM in `folder` (mdjax's `pretrained.save` layout, loaded strictly),
+  as (prompt_BxP numpy, new) -> (new tokens B x new numpy, forward calls). The knobs are
+  mdjax's default plan: block_size config.json's bd_size, small_block_size 8, threshold 0.9,
+  temperature 0, config.json's EOS as the stop token; the rows of a batch (prompts of one
+  length) run together, as batch_sample runs them. A row that stopped is padded with the
+  stop token after it."""
+  folder = pathlib.Path(folder)
+  raw = json.loads((folder / "config.json").read_text())
+  mask_id, stop_id, block = raw["mask_token_id"], raw["eos_token_id"], raw["bd_size"]
+  with published(modeling_git, generation_git) as (modeling, configuration, generation):
+    keys = {k: v for k, v in raw.items() if k not in ("architectures", "auto_map", "model_type")}
+    config = configuration.Fast_dLLM_QwenConfig(**keys)
+    config._attn_implementation = "sdpa"
+    model = modeling.Fast_dLLM_QwenForCausalLM(config).eval()
+    state = {}
+    for file in sorted(folder.glob("*.safetensors")):
+      state.update(safetensors.torch.load_file(str(file)))
+    model.load_state_dict(state, strict=True)
+    batch_sample = types.MethodType(generation.Fast_dLLM_QwenForCausalLM.batch_sample, model)
+
+  def no_mask(module, args, output):  # as load_model's hook, with this checkpoint's mask id
+    output[..., mask_id] = -torch.inf
+    return output
+
+  model.lm_head.register_forward_hook(no_mask)
+  calls, forward = [0], model.forward
+
+  def counted_forward(*args, **kwargs):  # batch_sample calls self.forward, past any hook
+    calls[0] += 1
+    return forward(*args, **kwargs)
+
+  model.forward = counted_forward
+
+  def run(prompt_BxP: np.ndarray, new: int):
+    prompt_BxP = np.asarray(prompt_BxP)
+    batch, length = prompt_BxP.shape
+    calls[0] = 0
+    with torch.no_grad():
+      out = batch_sample(torch.from_numpy(prompt_BxP.astype(np.int64)),
+                         tokenizer=types.SimpleNamespace(pad_token_id=stop_id),
+                         block_size=block, max_new_tokens=new, small_block_size=8,
+                         min_len=length, seq_len=torch.full((batch,), length),
+                         mask_id=mask_id, threshold=0.9, stop_token=stop_id,
+                         use_block_cache=False, top_p=0.95, temperature=0.0)
+    rows = np.full((batch, new), stop_id, np.int32)
+    for i in range(batch):
+      generated = out[i][length:length + new].numpy()
+      rows[i, :len(generated)] = generated
+    return rows, calls[0]
+
+  return run
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT)

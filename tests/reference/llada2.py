@@ -563,6 +563,54 @@ def make_row(kwargs: dict, prompt_len: int, must: str, model, base_seed: int,
                      f"{kwargs} with {must!r}")
 
 
+# --- the published loop on another checkpoint (mdjax/bench/families.py) ---------------------
+
+BENCH_SOURCE = ("/work/.mirror/yks23+Information-Gain-Sampler/repo@"
+                "f1cb636fcd5666afa1c16c4cb12944ecb614eaf2:dllm/dllm/pipelines/llada2/models")
+
+
+def bench_loop(folder, source: str = BENCH_SOURCE):
+  """`llada2_generate` (the fixtures' transcription of LLaDA2MoeModelLM.generate, greedy) on
+  the LLaDA2MoeModelLM in `folder` (mdjax's `pretrained.save` layout, loaded strictly), as
+  (prompt_BxP numpy, new) -> (new tokens B x new numpy, forward calls). The knobs are mdjax's
+  default plan: block_length config.json's block_size, steps 32, threshold 0.95,
+  minimal_topk 1, config.json's EOS. The loop takes batch 1: the rows run one by one (their
+  calls summed); a row that stopped is padded with EOS after it. `forward` sets the module's
+  MASK_ID column to -inf: it is this checkpoint's mask id while a run lasts."""
+  folder = pathlib.Path(folder)
+  raw = json.loads((folder / "config.json").read_text())
+  mask_id, eos_id, block = raw["mask_token_id"], raw["eos_token_id"], raw["block_size"]
+  with published_modules(source) as (configuration, modeling):
+    keys = {k: v for k, v in raw.items() if k not in ("architectures", "auto_map", "model_type")}
+    config = configuration.LLaDA2MoeConfig(**keys)
+    config._attn_implementation = "sdpa"
+    model = modeling.LLaDA2MoeModelLM(config).eval()
+    state = {}
+    for file in sorted(folder.glob("*.safetensors")):
+      state.update(safetensors.torch.load_file(str(file)))
+    model.load_state_dict(state, strict=True)
+  calls = [0]
+  model.register_forward_pre_hook(lambda module, args: calls.__setitem__(0, calls[0] + 1))
+
+  def run(prompt_BxP: np.ndarray, new: int):
+    global MASK_ID
+    calls[0] = 0
+    rows = np.full((len(prompt_BxP), new), eos_id, np.int32)
+    saved, MASK_ID = MASK_ID, mask_id
+    try:
+      with torch.no_grad():
+        for i, prompt in enumerate(np.asarray(prompt_BxP)):
+          out = llada2_generate(model, torch.from_numpy(prompt[None].astype(np.int64)),
+                                temperature=0.0, block_length=block, steps=32, gen_length=new,
+                                minimal_topk=1, threshold=0.95, eos_id=eos_id, mask_id=mask_id)
+          rows[i, :out.shape[1]] = out[0, :new].numpy()
+    finally:
+      MASK_ID = saved
+    return rows, calls[0]
+
+  return run
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--source", required=True,

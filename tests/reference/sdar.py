@@ -672,6 +672,69 @@ def entropy_bounded_as_published(code, wrapped: Wrapped) -> str:
   return "no error"
 
 
+# --- the published loop on another checkpoint (mdjax/bench/families.py) ---------------------
+
+BENCH_SOURCE = pathlib.Path("/work/.mirror/JetAstra+SDAR/repo")  # a git directory of SDAR
+
+
+class _Counted:
+  """A published model called as block_diffusion_generate calls it, counting the forward
+  calls, the checkpoint's mask id's logit set to -inf (as Wrapped does with the fixtures')."""
+
+  def __init__(self, model, mask_id: int):
+    self.model, self.mask_id, self.calls = model, mask_id, 0
+    self.device = torch.device("cpu")
+
+  def eval(self):
+    return self
+
+  @torch.no_grad()
+  def __call__(self, input_ids, **kwargs):
+    self.calls += 1
+    out = self.model(input_ids, **kwargs)
+    out.logits[..., self.mask_id] = -torch.inf
+    return out
+
+
+def bench_loop(folder, source: pathlib.Path = BENCH_SOURCE):
+  """`block_diffusion_generate` of the greedy copy (the fixtures' patched loop) on the
+  SDARForCausalLM in `folder` (mdjax's `pretrained.save` layout, every tensor loaded
+  strictly), as (prompt_BxP numpy, new) -> (new tokens B x new numpy, forward calls). The
+  knobs are mdjax's default plan at temperature 0: block_length and denoising_steps the
+  config's block_size, low_confidence_dynamic at 0.85, temperature 1 through the greedy draw
+  (argmax, the plain softmax's confidence), config.json's EOS as the stop id. The loop takes
+  batch 1: the rows run one by one (their calls summed); a row that stopped is padded with its
+  canvas' mask ids after the block holding EOS."""
+  folder = pathlib.Path(folder)
+  raw = json.loads((folder / "config.json").read_text())
+  mask_id, eos_id, block = raw["mask_token_id"], raw["eos_token_id"], raw["block_size"]
+  with published_modules(pathlib.Path(source)) as code:
+    config = code.configuration.SDARConfig(**raw)
+    if not hasattr(config, "pad_token_id"):  # transformers 4's PretrainedConfig default
+      config.pad_token_id = None
+    network = code.modeling.SDARForCausalLM(config).eval()
+    state = {}
+    for file in sorted(folder.glob("*.safetensors")):
+      state.update(safetensors.torch.load_file(str(file)))
+    network.load_state_dict(state, strict=True)
+    generate = code.greedy.block_diffusion_generate
+  model = _Counted(network, mask_id)
+
+  def run(prompt_BxP: np.ndarray, new: int):
+    model.calls = 0
+    rows = []
+    for prompt in np.asarray(prompt_BxP):
+      x = generate(model, {"input_ids": torch.from_numpy(prompt[None].astype(np.int64))},
+                   mask_id, gen_length=new, block_length=block, denoising_steps=block,
+                   temperature=1.0, top_k=0, top_p=1.0,
+                   remasking_strategy="low_confidence_dynamic", confidence_threshold=0.85,
+                   stopping_criteria_idx=[eos_id])
+      rows.append(x[0, len(prompt):len(prompt) + new].numpy())
+    return np.stack(rows).astype(np.int32), model.calls
+
+  return run
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--sdar", type=pathlib.Path, required=True,
