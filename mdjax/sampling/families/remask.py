@@ -88,7 +88,7 @@ class Remask(Family):
       s_K = _loop_time(s_K, spec.loop_t_on, spec.loop_t_off)
     interval = reveal.intervals(spec.schedule, t_K, s_K)
     alpha_t = 1.0 - interval["oma_t"]
-    with np.errstate(divide="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore"):  # 0 / 0 where alpha_t = 0: not taken
       sigma_max = np.where(alpha_t > 0, np.minimum(1.0, interval["oma_s"] / alpha_t), 1.0)
     if spec.sigma == "cap":
       sigma = np.minimum(spec.eta, sigma_max)
