@@ -82,6 +82,7 @@ FAMILY_FLAGS = {
     "dream": ["--steps=10", "--temperature=0"],
     "entropy_bounded": ["--steps=10", "--gamma=0.3", "--block_length=5", "--kv_cache=dual",
                         "--refresh_every=2"],
+    "fast_dllm_v2": ["--steps=10", "--threshold=0.9"],
     "field_order": ["--order=[VOA][v×9]o×10[ht1]"],
     "local_remask": ["--steps=5", "--refill_steps=3", "--rounds=1", "--window=1"],
     "mdlm": ["--steps=10", "--eps=0.01"],
