@@ -58,22 +58,16 @@ def _published_fields(config) -> dict:
               time_conditioning=False, causal=False, block_size=None)
 
 
-def _start_fields(start: str) -> tuple[dict, str, int | None]:
-  """(model fields, where they were read, the longest sequence or None) of a start point."""
+def _start_fields(start: str) -> tuple[dict, str, int | None, int | None]:
+  """(model fields, where they were read, the longest sequence or None, the block size of a
+  block-causal published start or None) of a start point."""
   kind, where = sft_data.split_start(start)
   if kind == "pretrained":
     config, _ = sft_data.published_config(where)
-    return (_published_fields(config), os.path.join(where, "config.json"), config.max_len)
+    return (_published_fields(config), os.path.join(where, "config.json"), config.max_len,
+            config.block_size)
   saved, _ = saved_config(where)
-  return dict(saved.get("model") or {}), f"{where}'s checkpoint", None
-
-
-def _start_block_size(start: str) -> int | None:
-  """The block size of a published block-causal start point (None: none, or a workdir)."""
-  kind, where = sft_data.split_start(start)
-  if kind != "pretrained":
-    return None
-  return sft_data.published_config(where)[0].block_size
+  return dict(saved.get("model") or {}), f"{where}'s checkpoint", None, None
 
 
 def resolve_config(config):
@@ -87,7 +81,7 @@ def resolve_config(config):
                       f"{config.get('objective')!r}: fine-tuning from train.init_from runs "
                       "task='sft' with objective='sft' (configs/sft.py).")
   try:
-    fields, where, max_len = _start_fields(init_from)
+    fields, where, max_len, block = _start_fields(init_from)
   except ValueError as error:
     raise ConfigError(f"config field train.init_from: {error}") from None
   resolved = ml_collections.ConfigDict(config.to_dict())
@@ -114,7 +108,6 @@ def resolve_config(config):
     raise ConfigError("config field model.remat=True: the published models run without "
                       "rematerialization; leave it False.")
   length = resolved.task_kwargs.get("length")
-  block = _start_block_size(init_from)
   if block is not None and isinstance(length, int) and length % block:
     raise ConfigError(f"config field task_kwargs.length={length}: the start point is "
                       f"block-causal with blocks of {block} ({where}); the rows' length must "

@@ -5,7 +5,6 @@ a block-causal start by the block NELBO and exports it back to its layout.
 
 Each family's own parity with its published code is tests/pretrained/test_<family>.py."""
 
-import functools
 import importlib
 import json
 import os
@@ -20,15 +19,14 @@ from mdjax.tasks import sft as sft_data
 from mdjax.train import sft
 from mdjax.train.loop import make_eval_loss
 from tests.paths import REPO
+from tests.pretrained import family_fixtures
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
 FAMILIES = ("sdar", "fast_dllm_v2", "llada2")
 CHAT = os.path.join(FIXTURES, "sft", "chat.jsonl")
 
 
-@functools.cache
-def model(family):
-  return mdjax.load(os.path.join(FIXTURES, family))
+model = family_fixtures.model  # each fixture loaded once per worker
 
 
 @pytest.mark.parametrize("family", FAMILIES)

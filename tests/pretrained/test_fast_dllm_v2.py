@@ -4,7 +4,6 @@ token through the default sampler, save -> load bit for bit, and bad folders."""
 
 import functools
 import json
-import pathlib
 import shutil
 
 import jax
@@ -14,29 +13,20 @@ import pytest
 import mdjax
 from mdjax import pretrained
 from mdjax.models import published
-from tests.paths import REPO
+from tests.pretrained import family_fixtures
 
-FOLDER = pathlib.Path(REPO) / "tests" / "fixtures" / "fast_dllm_v2"
-
-
-@functools.cache
-def model():
-  return mdjax.load(FOLDER)
+FOLDER = family_fixtures.folder("fast_dllm_v2")
 
 
-@functools.cache
-def reference():
-  return dict(np.load(FOLDER / "reference.npz"))
-
-
-def cases():
-  return json.loads((FOLDER / "generations.json").read_text())
+model = functools.partial(family_fixtures.model, "fast_dllm_v2")
+reference = functools.partial(family_fixtures.reference, "fast_dllm_v2")
+cases = functools.partial(family_fixtures.cases, "fast_dllm_v2")
 
 
 def _tolerance(expected: np.ndarray) -> float:
   # float32 (eps 1.2e-7) through 2 layers of d_model 64 sums and a 320-way head: a few
   # hundred roundings of values of the logits' size, so ~1e-4 of the largest logit.
-  return 1e-4 * max(1.0, float(np.abs(expected[np.isfinite(expected)]).max()))
+  return family_fixtures.tolerance(expected, 1e-4)
 
 
 def test_config_and_tokenizer():

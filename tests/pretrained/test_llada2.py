@@ -6,7 +6,6 @@ token for token through the default sampler, save -> load bit for bit, and bad i
 import dataclasses
 import functools
 import json
-import pathlib
 import shutil
 
 import jax
@@ -17,24 +16,15 @@ import mdjax
 from mdjax import pretrained
 from mdjax.checkpoints import llada2
 from mdjax.models import published
-from tests.paths import REPO
+from tests.pretrained import family_fixtures
 
-FOLDER = pathlib.Path(REPO) / "tests" / "fixtures" / "llada2"
+FOLDER = family_fixtures.folder("llada2")
 EOS_ID = 290
 
 
-@functools.cache
-def model():
-  return mdjax.load(FOLDER)
-
-
-@functools.cache
-def reference():
-  return dict(np.load(FOLDER / "reference.npz"))
-
-
-def cases():
-  return json.loads((FOLDER / "generations.json").read_text())
+model = functools.partial(family_fixtures.model, "llada2")
+reference = functools.partial(family_fixtures.reference, "llada2")
+cases = functools.partial(family_fixtures.cases, "llada2")
 
 
 def _tolerance(expected: np.ndarray) -> float:
@@ -42,7 +32,7 @@ def _tolerance(expected: np.ndarray) -> float:
   # 320-way head: a few hundred roundings of values of the logits' size, ~1e-4 of the
   # largest logit. The routing choices the fixture took clear a 1e-4 relative margin, so
   # none flips on rounding (a flip would move logits by O(1)).
-  return 1e-4 * max(1.0, float(np.abs(expected[np.isfinite(expected)]).max()))
+  return family_fixtures.tolerance(expected, 1e-4)
 
 
 def test_config_and_tokenizer():

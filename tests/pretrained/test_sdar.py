@@ -22,8 +22,9 @@ from mdjax.models import published
 from mdjax.pretrained import tensors
 from mdjax.sampling import transforms
 from tests.paths import REPO
+from tests.pretrained import family_fixtures
 
-FOLDER = pathlib.Path(REPO) / "tests" / "fixtures" / "sdar"
+FOLDER = family_fixtures.folder("sdar")
 # The law settings of tests/reference/sdar.py (LAW_*), as generate.py's knobs.
 LAW_STATIC = {"temperature": 0.7, "top_k": 0, "top_p": 1.0}
 LAW_DYNAMIC = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
@@ -31,22 +32,17 @@ LAW_FILTERED = {"temperature": 0.7, "top_k": 20, "top_p": 0.9}
 GENERATIONS = json.loads((FOLDER / "generations.json").read_text())
 
 
-@functools.cache
-def model():
-  return mdjax.load(FOLDER)
+model = functools.partial(family_fixtures.model, "sdar")
 
 
-@functools.cache
-def reference():
-  with np.load(FOLDER / "reference.npz") as z:
-    return dict(z)
+reference = functools.partial(family_fixtures.reference, "sdar")
 
 
 def _tolerance(expected: np.ndarray) -> float:
   # float32 (eps 1.2e-7) through 3 layers of sums over 64-128 terms, attention sharpened by
   # q/k norm weights of 3 and a 320-way head: a few hundred roundings of values of the
   # logits' size, so ~1e-5 of the largest logit (measured: 2.0e-6 of it).
-  return 1e-5 * max(1.0, float(np.abs(expected[np.isfinite(expected)]).max()))
+  return family_fixtures.tolerance(expected, 1e-5)
 
 
 def test_config_and_tokenizer():
