@@ -161,12 +161,13 @@ def train(config, workdir: str, log=print) -> TrainState:
     os.makedirs(workdir, exist_ok=True)
   except OSError as error:
     raise PermissionError(f"workdir={workdir!r} cannot be created: {error}") from error
+  run = objectives.get(config.objective).run or _train  # an objective's own loop (RL)
   if jax.process_index() != 0:  # process 0 locks, logs and writes; the others compute
     with Interrupts() as interrupts:
-      return _train(config, workdir, lambda *args, **kwargs: None, interrupts)
+      return run(config, workdir, lambda *args, **kwargs: None, interrupts)
   with WorkdirLock(workdir, log), Interrupts() as interrupts:
     try:
-      return _train(config, workdir, log, interrupts)
+      return run(config, workdir, log, interrupts)
     except BaseException:
       if created:  # removed under the lock: no other run can be using it
         _remove_if_untrained(workdir)

@@ -40,6 +40,9 @@ class Objective:
   checkpoints (process 0, at the final step); `workdir_folders` are the folders it writes
   there, allowed in a workdir by the entry check.
   samples: the evaluation draws unconditional samples (`num_eval_samples`): a diffusion model.
+  run(config, workdir, log, interrupts) -> final state: a loop of its own (RL: rollouts,
+  rewards, inner updates), run by `loop.train` in place of the supervised loop, after the
+  config checks and under the workdir's lock and signal handlers. None: the supervised loop.
   """
 
   name: str
@@ -50,6 +53,7 @@ class Objective:
   export: Callable[..., str | None] | None = None
   workdir_folders: tuple[str, ...] = ()
   samples: bool = True
+  run: Callable[..., Any] | None = None
 
 
 OBJECTIVES: dict[str, Objective] = {}

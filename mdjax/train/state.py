@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -108,9 +109,12 @@ def train_step(state: TrainState, x_BxL: Array, *, loss_fn, optimizer, ema_decay
                grad_accum_steps: int = 1) -> tuple[TrainState, dict]:
   """value_and_grad of the loss (over `grad_accum_steps` micro-batches: see
   `accumulated_value_and_grad`) -> optax -> metrics (with `learning_rate`, its value as
-  `lr`). Pure."""
+  `lr`). A loss with `takes_step` set (an attribute of the function) is called with
+  step=state.step (a traced scalar: a schedule over training). Pure."""
   noise_key = jax.random.fold_in(jax.random.key(seed), streams.RowStream.TRAIN_NOISE)
   key = jax.random.fold_in(noise_key, state.step)
+  if getattr(loss_fn, "takes_step", False):  # a loss that changes over training (annealing)
+    loss_fn = functools.partial(loss_fn, step=state.step)
   if grad_accum_steps == 1:
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, key, x_BxL)
   else:
