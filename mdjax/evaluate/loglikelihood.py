@@ -32,6 +32,7 @@ import numpy as np
 
 from mdjax.denoiser import Denoiser
 from mdjax.models.checks import check_count
+from mdjax.sampling.guidance import guided_logits
 
 Array = jax.Array
 
@@ -96,7 +97,7 @@ def _logits(apply_fn, params, noisy_NxL, t_N, valid_NxL, num_ctx: int, mask_id: 
   both = call(jnp.concatenate([noisy_NxL, bare_NxL]), jnp.concatenate([t_N, t_N]),
               None if valid_NxL is None else jnp.concatenate([valid_NxL, valid_NxL]))
   cond, bare = jnp.split(both.astype(jnp.float32), 2)
-  return bare + (cfg_scale + 1.0) * (cond - bare)
+  return guided_logits(cond, bare, cfg_scale)  # the mask id's -inf stays -inf, not NaN
 
 
 def _valid_of(context_valid_BxC, length: int):

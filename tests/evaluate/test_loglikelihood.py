@@ -70,3 +70,17 @@ def test_bad_input(change, message):
   args.update(change)
   with pytest.raises(ValueError, match=message):
     evaluate.loglikelihood(_stub, None, **args)
+
+
+def test_guidance_keeps_the_mask_logit_out():
+  """A model that sets its mask logit to -inf (the stub's last column) gives finite guided
+  estimates: the guidance rule's -inf - -inf is NaN unless that column stays -inf."""
+
+  def masked_out(table_VxV, tokens_BxL, t_B):
+    return _stub(table_VxV, tokens_BxL, t_B).at[..., -1].set(-jnp.inf)
+
+  table = jax.random.normal(jax.random.key(0), (5, 5))
+  out = evaluate.loglikelihood(masked_out, table, np.array([[0, 1]]), np.array([[2, 3]]),
+                               estimator="stratified", num_samples=4, batch_size=4,
+                               key=jax.random.key(1), mask_id=4, cfg_scale=0.5)
+  assert np.all(np.isfinite(out.estimate_B)) and np.all(out.estimate_B < 0)
