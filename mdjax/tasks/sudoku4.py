@@ -197,14 +197,14 @@ def from_d1(puzzle: str, solution: str | None = None) -> np.ndarray:
 
 
 def d1_reward(puzzle: str, solution: str, answer: str) -> float:
-  """The fraction of the puzzle's blank cells that `answer` (its first 16 digits) fills
-  with the solution's digit; 0 for an answer of fewer digits."""
-  digits = [ch for ch in answer if ch.isdigit()][:CELLS]
+  """d1's rule (reward_func.py `validate_sudoku_solution`): the fraction of the puzzle's
+  blank cells that `answer`'s digits (cut to 16, padded with 0 to 16) fill with the
+  solution's digit; 0 for an answer without digits or a puzzle without blanks."""
+  digits = "".join(ch for ch in answer if ch.isdigit())[:CELLS]
   blanks = [i for i, ch in enumerate(puzzle) if ch == "0"]
-  if len(digits) < CELLS:
+  if not digits or not blanks:
     return 0.0
-  if not blanks:
-    return 1.0
+  digits = digits.ljust(CELLS, "0")
   return sum(digits[i] == solution[i] for i in blanks) / len(blanks)
 
 

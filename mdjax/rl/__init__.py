@@ -1,0 +1,19 @@
+"""Reinforcement learning with verifiable rewards for masked diffusion LMs.
+
+  logps_BxC = mdjax.rl.per_token_logps(model, ids_BxL, prompt_length, key=key)
+  advantages_B = mdjax.rl.group_advantages(rewards_B, group_size)
+  loss, metrics = mdjax.rl.grpo_loss(logps, old_logps, ref_logps, advantages, mask,
+                                     epsilon=0.2, beta=0.04)
+
+`per_token_logps_fn` / `elbo_logps_fn` are the functional forms a trainer jits (params an
+argument); `grpo_loss` is d1's diffu-GRPO, `wd1_loss` wd1's weighted likelihood;
+`mdjax.rl.rewards` is the registry of reward functions (text -> float).
+"""
+
+from mdjax.rl import prompts, rewards
+from mdjax.rl.logps import elbo_logps_fn, per_token_logps, per_token_logps_fn
+from mdjax.rl.losses import completion_mask, group_advantages, grpo_loss, wd1_loss
+from mdjax.rl.rewards import RewardError
+
+__all__ = ["RewardError", "completion_mask", "elbo_logps_fn", "group_advantages", "grpo_loss",
+           "per_token_logps", "per_token_logps_fn", "prompts", "rewards", "wd1_loss"]
