@@ -37,7 +37,15 @@ def base_config() -> ml_collections.ConfigDict:
       grad_accum_steps=1,
       # MFU's peak FLOP/s per device: None takes the device's known bf16 figure, or a
       # measured matmul when measure_peak_flops (else no MFU is logged).
-      peak_flops=config_dict.placeholder(float), measure_peak_flops=False))
+      peak_flops=config_dict.placeholder(float), measure_peak_flops=False,
+      # LoRA (mdjax.lora): adapters of this rank on the targets (q, k, v, o, gate, up, down;
+      # groups attention, mlp), scaled by alpha / rank; only they train. rank 0: off.
+      # dropout must stay 0 (the adapters are merged into the weights).
+      lora=ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets=("q", "k", "v", "o"),
+                                          dropout=0.0)),
+      # Layer-wise learning rates: {name: multiplier of lr}, names as lora's targets and
+      # groups plus embed, head, norm (e.g. attention=1.0, mlp=0.1); 0 freezes.
+      lr_scales=ml_collections.ConfigDict()))
   c.checkpoint = ml_collections.ConfigDict(dict(every=500, keep=3))
   c.sampler = ml_collections.ConfigDict(dict(family="ancestral", steps=32))
   return c

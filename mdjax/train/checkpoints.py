@@ -23,6 +23,7 @@ import ml_collections
 import orbax.checkpoint as ocp
 from absl import logging
 
+from mdjax import lora
 from mdjax import model as model_lib
 from mdjax import tasks
 from mdjax.tasks import sft as sft_data
@@ -115,6 +116,10 @@ def save(manager: ocp.CheckpointManager, state: TrainState, config, task: tasks.
     manager.wait_until_finished()
 
 
+def _as_dict(value) -> dict | None:
+  return value.to_dict() if hasattr(value, "to_dict") else value
+
+
 def _check_model_matches(saved: dict, config, step: int, saved_inputs: str | None = None,
                          inputs: str | None = None) -> None:
   """CheckpointMismatch unless the saved model and task are the config's. Paths are compared
@@ -136,8 +141,20 @@ def _check_model_matches(saved: dict, config, step: int, saved_inputs: str | Non
       diffs["task_kwargs." + "/".join(sorted(at or saved_at))] = (
           f"{saved_at} (inputs sha256 {saved_inputs[:12]}...)",
           f"{at} (inputs sha256 {inputs[:12]}...)")
+  # LoRA decides the parameters (adapters on the base, their scale): rank, alpha, targets;
+  # the leaves lr_scales freezes, the optimizer state's structure (other scales may change).
+  saved_train, train = saved.get("train") or {}, config.get("train") or {}
+  saved_lora, wanted_lora = (lora.config_of(ml_collections.ConfigDict(saved)),
+                             lora.config_of(config))
+  saved_frozen = lora.lr_state_key(saved_train.get("lr_scales"))
+  frozen = lora.lr_state_key(_as_dict(train.get("lr_scales")))
+  if saved_frozen != frozen:
+    diffs["train.lr_scales"] = (
+        f"{saved_train.get('lr_scales') or {}} (frozen: {saved_frozen})",
+        f"{_as_dict(train.get('lr_scales')) or {}} (frozen: {frozen})")
   for name, saved_value, value in (("task", saved.get("task"), config.task),
-                                   ("task_kwargs", saved_kwargs, kwargs)):
+                                   ("task_kwargs", saved_kwargs, kwargs),
+                                   ("train.lora", saved_lora, wanted_lora)):
     if saved_value != value:
       diffs[name] = (saved_value, value)
   if diffs:
@@ -412,7 +429,8 @@ def _check_inputs(workdir: str, step: int, config) -> None:
 def load(workdir: str, step: int | None = None, log: Callable[[str], None] = _warn) -> Model:
   """The trained model of a workdir (a `mdjax.Model`, family "mdjax", its `task` and
   `config` the saved ones, its default sampler `config.sampler`): its newest readable
-  checkpoint, or `step`.
+  checkpoint, or `step`. A LoRA run's (`train.lora`) is its adapters merged into the base
+  (`lora.merged`): plain params of the base layout, the base denoiser.
 
   Reads only (a read-only workdir is fine); an unreadable newest checkpoint is reported in
   one line through `log` and the previous one is used. Orbax's own warnings are silenced.
@@ -446,10 +464,14 @@ def load(workdir: str, step: int | None = None, log: Callable[[str], None] = _wa
   step, _, _, state = found
   params = state.ema_params if state.ema_params is not None else state.params
   config = built["config"]
+  # A LoRA run's model is its adapters merged into the base: plain params of the base
+  # layout and the base denoiser (what an export or another run's start point reads).
+  params = lora.merged(config, params)
+  apply_fn = lora.unadapted(built["apply_fn"])
   settings = {k: v for k, v in config.sampler.to_dict().items() if k != "family"}
   sampler = model_lib.ConfiguredSampler(config.sampler.family, tuple(sorted(settings.items())),
                                         eos_id=built["task"].eos_id)
-  return model_lib.task_model(built["task"], built["apply_fn"], params, sampler=sampler,
+  return model_lib.task_model(built["task"], apply_fn, params, sampler=sampler,
                               config=config, step=step, source=workdir)
 
 

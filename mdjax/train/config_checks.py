@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from mdjax import sampling, tasks
+from mdjax import lora, sampling, tasks
 from mdjax.train import objectives
 
 
@@ -42,10 +42,15 @@ CONFIG_RANGES = (
     ("train.grad_clip", _number(lambda v: v > 0, "> 0")),
     ("train.ema_decay", _number(lambda v: 0 <= v < 1, "in [0, 1)")),
     ("train.grad_accum_steps", _integer(1)),
+    ("train.lora.rank", _integer(0)), ("train.lora.alpha", _number(lambda v: v > 0, "> 0")),
+    ("train.lora.dropout", _number(lambda v: v == 0, "equal to 0 (the adapters are merged "
+                                   "into the weights, W + scale * A @ B, which cannot drop an "
+                                   "adapter's input per token)")),
     ("checkpoint.every", _integer(1)), ("checkpoint.keep", _integer(1)),
     ("block_nelbo.t_min", _number(lambda v: 0 <= v < 1, "in [0, 1)")),
     ("block_nelbo.t_max", _number(lambda v: 0 < v <= 1, "in (0, 1]")),
 )
+
 # The objectives' names, live: those registered on import (`objectives.register`) join it.
 OBJECTIVES = objectives.OBJECTIVES.keys()
 
@@ -127,6 +132,22 @@ def check_config(config) -> None:
   if accum is not _ABSENT and config.batch_size % accum:
     refuse("train.grad_accum_steps", accum, f"must divide batch_size={config.batch_size} (the "
            "batch is split into that many equal micro-batches)")
+  targets = _field(config, "train.lora.targets")
+  if targets is not _ABSENT:
+    allowed = lora.TARGETS + tuple(lora.GROUPS)
+    if not (isinstance(targets, (tuple, list)) and targets
+            and all(isinstance(t, str) and t in allowed for t in targets)
+            and len(set(targets)) == len(targets)):
+      refuse("train.lora.targets", targets, f"must be a non-empty tuple of distinct names from "
+             f"{allowed}")
+  scales = _field(config, "train.lr_scales")
+  if scales is not _ABSENT and scales is not None:
+    for name, value in scales.items():
+      if name not in lora.LR_NAMES:
+        refuse(f"train.lr_scales.{name}", value, f"unknown name; allowed: {lora.LR_NAMES}")
+      if not _number(lambda v: v >= 0, ">= 0")[0](value):
+        refuse(f"train.lr_scales.{name}", value, "must be a finite number >= 0 (a multiplier "
+               "of train.lr; 0 freezes)")
   for path in ("model.remat", "train.measure_peak_flops"):
     value = _field(config, path)
     if value is not _ABSENT and not isinstance(value, bool):

@@ -8,8 +8,9 @@ ask the table and name no objective.
 
 Built in here: 'nelbo' (MD4's NELBO; the block NELBO for `model.block_size` models), 'mlm'
 (BERT-style corruption) and 'causal' (next-token cross-entropy). An objective elsewhere
-registers itself on import (`register`), as `mdjax.train.sft` does for 'sft'; importing
-`mdjax.train` imports it, like the sampler families of `mdjax.sampling`.
+registers itself on import (`register`), as `mdjax.train.sft` does for 'sft' (and gives
+'nelbo' its start points), `mdjax.train.a2d` for 'a2d' and `mdjax.rl` for 'grpo' and 'wd1';
+importing `mdjax.train` imports the first two, like the sampler families of `mdjax.sampling`.
 """
 
 from __future__ import annotations

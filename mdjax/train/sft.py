@@ -1,6 +1,8 @@
 """Supervised fine-tuning, the training side: start points, the response-only NELBO and the
 export back. Its rows (the examples, their encoding and packing) are the task's,
-`mdjax.tasks.sft`.
+`mdjax.tasks.sft`. The start points serve other objectives too: 'nelbo' and 'a2d'
+(`objectives`) start from "pretrained:DIR" on a text or corpus task whose tokenizer is the
+start's (a corpus prepared with `--tokenizer=DIR/tokenizer.json`), and export alike.
 
 A run of `configs/sft.py` (task 'sft', objective 'sft') starts from `train.init_from`: an mdjax
 workdir (its newest checkpoint) or "pretrained:DIR", a published diffusion LM folder read by
@@ -26,6 +28,7 @@ whose hooks the train state and loop call:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 
@@ -35,7 +38,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from mdjax import diffusion, models, pretrained
+from mdjax import diffusion, lora, models, pretrained
 from mdjax.denoiser import Denoiser
 from mdjax.models import published as published_model
 from mdjax import checkpoints as families
@@ -51,37 +54,51 @@ EXPORT_DIR = "pretrained"  # WORKDIR/pretrained: a published start's fine-tuned 
 COMPUTE_FIELDS = ("dtype", "remat")
 
 
-def _published_fields(config) -> dict:
-  """A published architecture as the fields of `config.model`."""
+# The objectives that start from `train.init_from` (the start points of this module).
+START_OBJECTIVES = ("sft", "nelbo", "a2d")
+
+
+def _published_fields(config, objective: str) -> dict:
+  """A published architecture as the fields of `config.model`: a block-causal start's block
+  size is model.block_size for 'nelbo' (whose block NELBO reads it there); 'sft' and 'a2d'
+  read it from the start's denoiser."""
   return dict(d_model=config.d_model, num_layers=config.num_layers, num_heads=config.num_heads,
               d_ff=config.mlp_hidden, positions="rope", norm="rms", mlp="swiglu",
-              time_conditioning=False, causal=False, block_size=None)
+              time_conditioning=False, causal=False,
+              block_size=config.block_size if objective == "nelbo" else None)
 
 
-def _start_fields(start: str) -> tuple[dict, str, int | None, int | None]:
+def _start_fields(start: str, objective: str = "sft"
+                  ) -> tuple[dict, str, int | None, int | None]:
   """(model fields, where they were read, the longest sequence or None, the block size of a
   block-causal published start or None) of a start point."""
   kind, where = sft_data.split_start(start)
   if kind == "pretrained":
     config, _ = sft_data.published_config(where)
-    return (_published_fields(config), os.path.join(where, "config.json"), config.max_len,
-            config.block_size)
+    return (_published_fields(config, objective), os.path.join(where, "config.json"),
+            config.max_len, config.block_size)
   saved, _ = saved_config(where)
   return dict(saved.get("model") or {}), f"{where}'s checkpoint", None, None
 
 
 def resolve_config(config):
   """`config` with its model fields filled from the start point (a copy), or `config` itself
-  when it names no start point and no SFT task; ConfigError on a field that differs."""
+  when it names no start point and no SFT task; ConfigError on a field that differs, or on an
+  objective that does not start from `train.init_from` (START_OBJECTIVES)."""
   init_from = config.get("train", {}).get("init_from")
-  if not init_from and config.get("task") != "sft":
+  task, objective = config.get("task"), config.get("objective")
+  if not init_from and task != "sft":
     return config
-  if config.get("task") != "sft" or config.get("objective") != "sft":
-    raise ConfigError(f"config fields task={config.get('task')!r}, objective="
-                      f"{config.get('objective')!r}: fine-tuning from train.init_from runs "
-                      "task='sft' with objective='sft' (configs/sft.py).")
+  own = objectives.OBJECTIVES.get(objective)
+  if own is not None and objective not in START_OBJECTIVES and own.start_model is not None:
+    return config  # an objective with start points of its own (RL: 'grpo', 'wd1')
+  if (task == "sft") != (objective == "sft") or objective not in START_OBJECTIVES:
+    raise ConfigError(f"config fields task={task!r}, objective={objective!r}: fine-tuning "
+                      "from train.init_from runs task='sft' with objective='sft' "
+                      "(configs/sft.py), or objective 'nelbo' or 'a2d' on a text or corpus "
+                      "task (configs/a2d_masked.py).")
   try:
-    fields, where, max_len, block = _start_fields(init_from)
+    fields, where, max_len, block = _start_fields(init_from, objective)
   except ValueError as error:
     raise ConfigError(f"config field train.init_from: {error}") from None
   resolved = ml_collections.ConfigDict(config.to_dict())
@@ -125,34 +142,77 @@ def resolve_config(config):
 
 @dataclasses.dataclass(frozen=True)
 class PublishedView:
-  """A published model under mdjax's denoiser contract: the mask id is V (the checkpoint's
-  own mask id, inside its vocabulary, is what the network reads), and float32 parameters run
-  in `config.dtype` (float32 master weights). Equal configs give equal values (one compiled
-  program)."""
+  """A published model under mdjax's denoiser contract: the mask id is `vocab` (the
+  checkpoint's own mask id, inside its vocabulary, is what the network reads), the logits are
+  those of ids [0, vocab), and float32 parameters run in `config.dtype` (float32 master
+  weights). vocab None: the checkpoint's vocabulary (a task of a tokenizer with fewer ids
+  than the embedding has rows reads and predicts its own ids only). Equal configs give equal
+  values (one compiled program)."""
 
   config: object  # a PublishedConfig, its dtype the compute dtype
+  vocab: int | None = None
+
+  @property
+  def vocab_size(self) -> int:
+    return self.config.vocab_size if self.vocab is None else self.vocab
 
   def _inner(self, params, tokens_BxL):
-    """The network's own ids (V is its mask id) and the params in the compute dtype."""
-    inner_BxL = jnp.where(tokens_BxL == self.config.vocab_size, self.config.mask_id, tokens_BxL)
+    """The network's own ids (the view's mask id is its mask id) and the params in the
+    compute dtype."""
+    inner_BxL = jnp.where(tokens_BxL == self.vocab_size, self.config.mask_id, tokens_BxL)
     return jax.tree.map(lambda p: p.astype(self.config.jnp_dtype), params), inner_BxL
 
-  def __call__(self, params, tokens_BxL, t_B, valid_BxL=None):
+  def _ours(self, logits_BxLxV):
+    return logits_BxLxV if self.vocab is None else logits_BxLxV[..., :self.vocab]
+
+  def __call__(self, params, tokens_BxL, t_B, valid_BxL=None, anneal=None):
     del t_B  # time-free
     params, inner_BxL = self._inner(params, tokens_BxL)
-    return published_model.forward(self.config, params, inner_BxL, valid_BxL)
+    return self._ours(published_model.forward(self.config, params, inner_BxL, valid_BxL,
+                                              anneal=anneal))
 
-  def block_pair(self, params, noisy_BxL, clean_BxL, t_B):
+  def block_pair(self, params, noisy_BxL, clean_BxL, t_B, anneal=None):
     """A block-causal network's training pass (`published.block_pair`)."""
     del t_B
     params, inner_BxL = self._inner(params, noisy_BxL)
-    return published_model.block_pair(self.config, params, inner_BxL, clean_BxL)
+    return self._ours(published_model.block_pair(self.config, params, inner_BxL, clean_BxL,
+                                                 anneal=anneal))
 
   def denoiser(self) -> Denoiser:
     """The view as a `Denoiser`: with a block-causal network's block size and block pair."""
     blocks = self.config.block_size is not None
     return Denoiser(self, block_size=self.config.block_size,
                     block_pair=self.block_pair if blocks else None)
+
+  def annealed(self, fraction, key) -> Denoiser:
+    """The denoiser with attention annealed towards causal (`published.anneal_visible`:
+    fraction 0 causal, 1 the network's own pattern; one draw of `key`)."""
+    anneal = (fraction, key)
+    blocks = self.config.block_size is not None
+    return Denoiser(functools.partial(self.__call__, anneal=anneal),
+                    block_size=self.config.block_size,
+                    block_pair=functools.partial(self.block_pair, anneal=anneal)
+                    if blocks else None)
+
+  def with_block_size(self, block_size: int) -> "PublishedView":
+    """The view of the same network block-causal in blocks of `block_size` (a block-size
+    schedule's other sizes)."""
+    return dataclasses.replace(self, config=dataclasses.replace(self.config,
+                                                                block_size=block_size))
+
+
+def _same_tokenizer(model, task, where: str) -> None:
+  """A text / corpus task must read the start's ids: its tokenizer is the start's."""
+  ours = getattr(getattr(task, "tokenizer", None), "_tok", None)
+  theirs = model.tokenizer
+  if theirs is None:
+    raise ValueError(f"start {where}: no tokenizer.json; a text or corpus task needs the "
+                     "start's tokenizer.")
+  if ours is None or ours.get_vocab(with_added_tokens=True) != theirs.get_vocab(
+      with_added_tokens=True):
+    raise ValueError(f"start {where}: the task's tokenizer ({task.description}) is not the "
+                     "start's; prepare the corpus with --tokenizer="
+                     f"{os.path.join(where, 'tokenizer.json')}.")
 
 
 def start_model(config, task):
@@ -166,10 +226,16 @@ def start_model(config, task):
   kind, where = sft_data.split_start(config.train.init_from)
   if kind == "pretrained":
     model = pretrained.load(where)
-    if model.vocab_size != task.vocab_size:
+    vocab = None
+    if config.task != "sft":  # a text / corpus task: the start's tokenizer, maybe fewer ids
+      _same_tokenizer(model, task, where)
+      if task.vocab_size > model.vocab_size:
+        raise ValueError(f"start {where}: {model.vocab_size} ids, the task {task.vocab_size}.")
+      vocab = None if task.vocab_size == model.vocab_size else task.vocab_size
+    elif model.vocab_size != task.vocab_size:
       raise ValueError(f"start {where}: {model.vocab_size} ids, the task {task.vocab_size}.")
     params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), model.params)
-    view = PublishedView(dataclasses.replace(model.config, dtype=config.model.dtype))
+    view = PublishedView(dataclasses.replace(model.config, dtype=config.model.dtype), vocab)
     return None, params, view.denoiser()
   graphdef, fresh, apply_fn = models.init(model_config(config, task), seed=config.seed)
   fresh = nnx.to_pure_dict(fresh)
@@ -241,7 +307,7 @@ def _remove(path: str) -> None:
 
 
 def export(config, state, workdir: str, log=print) -> str | None:
-  """A published start's fine-tuned parameters (the EMA ones when kept) written in its layout
+  """A published start's trained parameters (the EMA ones when kept) written in its layout
   to WORKDIR/pretrained, in the start checkpoint's dtype, its tokenizer files copied; the
   folder path, or None for a workdir start (the workdir is the result)."""
   init_from = config.train.get("init_from")
@@ -254,6 +320,7 @@ def export(config, state, workdir: str, log=print) -> str | None:
   dtype = _native_dtype(folder)
   published = families.detect(raw, folder).config_from_hf(raw, dtype)
   params = state.ema_params if state.ema_params is not None else state.params
+  params = lora.merged(config, params)  # LoRA's adapters folded into the weights (or as is)
   model = pretrained.PretrainedModel(
       apply_fn=None, params=jax.tree.map(_on_host, params), config=published,
       family=published.family, source=os.path.abspath(folder), hf_config=raw)
@@ -263,11 +330,16 @@ def export(config, state, workdir: str, log=print) -> str | None:
   pretrained.save(model, partial, dtype=dtype)
   _remove(out)
   os.rename(partial, out)  # a complete folder or none
-  log(f"fine-tuned {published.family} folder: {out} (step {int(state.step)}; "
+  log(f"trained {published.family} folder: {out} (step {int(state.step)}; "
       f"pretrained.load or sample.py --pretrained={out})")
   return out
 
 
+EXPORT_FOLDERS = (EXPORT_DIR, EXPORT_DIR + ".partial")
+
 objectives.register(objectives.Objective(
     "sft", loss_fn, resolve_config=resolve_config, start_model=start_model, export=export,
-    workdir_folders=(EXPORT_DIR, EXPORT_DIR + ".partial")))
+    workdir_folders=EXPORT_FOLDERS))
+# 'nelbo' starts from train.init_from too (a converted or published folder) and exports alike.
+objectives.register(dataclasses.replace(objectives.get("nelbo"), start_model=start_model,
+                                        export=export, workdir_folders=EXPORT_FOLDERS))

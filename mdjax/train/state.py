@@ -11,7 +11,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mdjax import diffusion, models, streams, tasks
+from mdjax import diffusion, lora, models, streams, tasks
 from mdjax.mesh import auto_axes, make_mesh, param_sharding  # noqa: F401  (train's names too)
 from mdjax.train import objectives
 from mdjax.train.config_checks import ConfigError
@@ -53,11 +53,21 @@ def learning_rate_schedule(cfg) -> optax.Schedule:
 
 
 def make_optimizer(cfg) -> optax.GradientTransformation:
-  """AdamW on `learning_rate_schedule`, clipping."""
-  return optax.chain(
+  """AdamW on `learning_rate_schedule`, clipping (the config's `train` section). With
+  `lora` on, on the adapters only (`lora.optimizer`: no state for the base); with
+  `lr_scales` ({name: multiplier}, `lora.LR_NAMES`), each leaf's rate times its name's
+  multiplier, 0 freezing it (`lora.lr_scaled`)."""
+  optimizer = optax.chain(
       optax.clip_by_global_norm(cfg.grad_clip),
       optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2,
                   weight_decay=cfg.weight_decay))
+  if lora.config_of(cfg) is not None:
+    optimizer = lora.optimizer(optimizer)
+  scales = cfg.get("lr_scales")
+  if scales:
+    optimizer = lora.lr_scaled(optimizer, scales.to_dict() if hasattr(scales, "to_dict")
+                               else dict(scales))
+  return optimizer
 
 
 def make_loss_fn(config, apply_fn, task: tasks.Task) -> Callable:
@@ -108,18 +118,27 @@ def train_step(state: TrainState, x_BxL: Array, *, loss_fn, optimizer, ema_decay
                seed: int, learning_rate: optax.Schedule | None = None,
                grad_accum_steps: int = 1) -> tuple[TrainState, dict]:
   """value_and_grad of the loss (over `grad_accum_steps` micro-batches: see
-  `accumulated_value_and_grad`) -> optax -> metrics (with `learning_rate`, its value as
+  `accumulated_value_and_grad`; of a LoRA model's adapters only) -> optax -> metrics (with `learning_rate`, its value as
   `lr`). A loss with `takes_step` set (an attribute of the function) is called with
   step=state.step (a traced scalar: a schedule over training). Pure."""
   noise_key = jax.random.fold_in(jax.random.key(seed), streams.RowStream.TRAIN_NOISE)
   key = jax.random.fold_in(noise_key, state.step)
   if getattr(loss_fn, "takes_step", False):  # a loss that changes over training (annealing)
     loss_fn = functools.partial(loss_fn, step=state.step)
+  trained, grad_loss_fn = state.params, loss_fn
+  if lora.is_adapted(state.params):
+    # LoRA: differentiate the adapters only; the frozen base's gradient (zeros) is never
+    # formed, nor carried through gradient accumulation's loop.
+    base = state.params["base"]
+    trained = state.params["lora"]
+    grad_loss_fn = lambda adapters, *args: loss_fn({"base": base, "lora": adapters}, *args)
   if grad_accum_steps == 1:
-    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, key, x_BxL)
+    (loss, aux), grads = jax.value_and_grad(grad_loss_fn, has_aux=True)(trained, key, x_BxL)
   else:
-    (loss, aux), grads = accumulated_value_and_grad(loss_fn, state.params, key, x_BxL,
+    (loss, aux), grads = accumulated_value_and_grad(grad_loss_fn, trained, key, x_BxL,
                                                     grad_accum_steps)
+  if trained is not state.params:
+    grads = {"base": jax.tree.map(jnp.zeros_like, state.params["base"]), "lora": grads}
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
   ema = state.ema_params
@@ -137,13 +156,24 @@ def train_step(state: TrainState, x_BxL: Array, *, loss_fn, optimizer, ema_decay
 def init_state(config, mesh: Mesh, task: tasks.Task):
   """Fresh state, sharded on the mesh; returns (state, graphdef, apply_fn, shardings). The
   model and parameters are the objective's start model where it has one (SFT with
-  `train.init_from`: the start point's), else a fresh model."""
+  `train.init_from`: the start point's), else a fresh model. With `train.lora` on, the
+  params are {"base": the model's, "lora": adapters} and apply_fn the adapted denoiser
+  (`mdjax.lora`); graphdef stays the base model's."""
   start = objectives.start_model(config, task)
   if start is not None:
     graphdef, params, apply_fn = start
   else:
     graphdef, params, apply_fn = models.init(model_config(config, task), seed=config.seed)
     params = nnx.to_pure_dict(params)
+  lora_config = lora.config_of(config)
+  if lora_config is not None:
+    key = jax.random.fold_in(jax.random.key(config.seed), lora.LORA_INIT)
+    try:
+      adapters = lora.init(params, lora_config, key)
+    except ValueError as error:  # a target the model has no matrix for
+      raise ConfigError(f"config field train.lora.{error}") from None
+    params = {"base": params, "lora": adapters}
+    apply_fn = lora.adapt(apply_fn, lora_config)
   optimizer = make_optimizer(config.train)
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
                      opt_state=optimizer.init(params),
