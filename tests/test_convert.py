@@ -34,8 +34,7 @@ def reference():
 
 @functools.cache
 def conversion(family):
-  """(Plan, converted params) of a judge fixture's masked conversion, in memory (the Llama
-  fixture's RoPE scaling has no layout to be written in, but the network is the same)."""
+  """(Plan, converted params) of a judge fixture's masked conversion, in memory."""
   chosen, params, _ = convert.converted(os.path.join(JUDGE, family), to="masked",
                                         written=False)
   return chosen, params
@@ -258,3 +257,18 @@ def test_masked_without_shift_is_written_in_llada_layout(tmp_path):
   model = pretrained.load(out)
   assert model.family == "llada" and not model.config.logit_shift and model.config.qkv_bias
   assert model.mask_id == 300 and model.tokenizer.id_to_token(300) == a2d.MASK_TOKEN
+
+
+def test_llama_with_rope_scaling_is_written_as_dream(tmp_path):
+  """Llama 3.1's RoPE frequencies are written as Dream's rope_scaling (its rotary module reads
+  transformers' "llama3"), and the folder loads to the network converted in memory."""
+  out = convert.convert(os.path.join(JUDGE, "llama"), str(tmp_path / "out"), to="masked",
+                        log=lambda m: None)
+  model = pretrained.load(out)
+  chosen, params = conversion("llama")
+  assert model.family == "dream" and chosen.causal.rope_scaling is not None
+  assert model.config.rope_scaling == chosen.causal.rope_scaling
+  tokens = reference()["llama_tokens"]
+  ours = np.asarray(jax.jit(lambda p: published.forward(model.config, p, tokens))(model.params))
+  want = np.asarray(jax.jit(lambda p: published.forward(chosen.config, p, tokens))(params))
+  np.testing.assert_allclose(ours, want, rtol=0, atol=1e-5)

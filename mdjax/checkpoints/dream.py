@@ -13,6 +13,7 @@ from mdjax import sampling
 from mdjax.checkpoints.base import (TransformersFamily, _first_id, _get, _published,
                                     _qwen_fields, _qwen_hf, _refuse, _with_ids, check_choice,
                                     check_flag, check_int, check_number)
+from mdjax.checkpoints.llama import LLAMA3_KEYS, _rope
 from mdjax.denoiser import Denoiser
 from mdjax.model import SamplerPlan
 from mdjax.models.published import PublishedConfig
@@ -69,10 +70,13 @@ class Dream(TransformersFamily):
   def config_from_hf(self, raw: dict, dtype: str) -> PublishedConfig:
     f = self.family
     _refuse(raw, f, "hidden_act", ("silu",), "the MLP is silu(gate) * up")
-    _refuse(raw, f, "rope_scaling", (None,), "RoPE is unscaled")
+    # Dream's rotary module reads transformers' rope_scaling (ROPE_INIT_FUNCTIONS): Llama
+    # 3.1's "llama3" is expressed (a converted Llama 3), others refused.
+    theta, scaling = _rope(raw, f)
     _refuse(raw, f, "use_sliding_window", (False,), "attention is over the whole sequence")
     return _published(
-        self.network, **_qwen_fields(raw, f), qkv_bias=True, logit_shift=True,
+        self.network, **{**_qwen_fields(raw, f), "rope_theta": theta}, rope_scaling=scaling,
+        qkv_bias=True, logit_shift=True,
         mask_id=_get(raw, "mask_token_id", int, f, DREAM_MASK_ID),
         eos_id=_first_id(raw, "eos_token_id", f), eot_id=_first_id(raw, "eot_token_id", f),
         max_len=_get(raw, "max_position_embeddings", int, f, 32768), dtype=dtype)
@@ -85,4 +89,6 @@ class Dream(TransformersFamily):
                        "shifts logits)")
     raw = {"architectures": list(self.architectures), "model_type": self.model_types[0],
            **_qwen_hf(config), "mask_token_id": config.mask_id, "use_cache": False}
+    if config.rope_scaling is not None:
+      raw["rope_scaling"] = {"rope_type": "llama3", **dict(zip(LLAMA3_KEYS, config.rope_scaling))}
     return _with_ids(raw, config)
