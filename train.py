@@ -182,7 +182,8 @@ def main(argv):
     distributed.initialize(cluster, _INIT_TIMEOUT.value, _HEARTBEAT_TIMEOUT.value)
   except (ValueError, RuntimeError) as error:
     _fail(error, RUNTIME)
-  from mdjax import train
+  from mdjax import rl, train  # rl: registers the objectives 'grpo' and 'wd1'
+  del rl
   try:
     train.train(_CONFIG.value, _WORKDIR.value)
   except train.ConfigError as error:

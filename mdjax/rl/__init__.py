@@ -7,13 +7,16 @@
 
 `per_token_logps_fn` / `elbo_logps_fn` are the functional forms a trainer jits (params an
 argument); `grpo_loss` is d1's diffu-GRPO, `wd1_loss` wd1's weighted likelihood;
-`mdjax.rl.rewards` is the registry of reward functions (text -> float).
+`mdjax.rl.rewards` is the registry of reward functions (text -> float). Importing `mdjax.rl`
+registers the training objectives 'grpo' and 'wd1' (`mdjax.rl.trainer`: `train.py
+--config=configs/grpo.py`).
 """
 
 from mdjax.rl import prompts, rewards
 from mdjax.rl.logps import elbo_logps_fn, per_token_logps, per_token_logps_fn
 from mdjax.rl.losses import completion_mask, group_advantages, grpo_loss, wd1_loss
 from mdjax.rl.rewards import RewardError
+from mdjax.rl import trainer  # registers the objectives 'grpo' and 'wd1'
 
 __all__ = ["RewardError", "completion_mask", "elbo_logps_fn", "group_advantages", "grpo_loss",
-           "per_token_logps", "per_token_logps_fn", "prompts", "rewards", "wd1_loss"]
+           "per_token_logps", "per_token_logps_fn", "prompts", "rewards", "trainer", "wd1_loss"]

@@ -343,3 +343,26 @@ objectives.register(objectives.Objective(
 # 'nelbo' starts from train.init_from too (a converted or published folder) and exports alike.
 objectives.register(dataclasses.replace(objectives.get("nelbo"), start_model=start_model,
                                         export=export, workdir_folders=EXPORT_FOLDERS))
+
+
+# The RL objectives (`mdjax.rl`, which registers them whole on import): their models are start
+# points, so a workdir of theirs loads (`mdjax.load`) without the RL code; their loop is
+# mdjax.rl's.
+RL_OBJECTIVES = ("grpo", "wd1")
+
+
+def _needs_rl(config, *args, **kwargs):
+  raise ConfigError(f"objective={config.objective!r} runs the RL loop of mdjax.rl: import "
+                    "mdjax.rl first (train.py does).")
+
+
+def _rl_unresolved(config):
+  if config.get("objective") in RL_OBJECTIVES:
+    _needs_rl(config)
+  return config
+
+
+for _name in RL_OBJECTIVES:
+  objectives.register(objectives.Objective(_name, _needs_rl, resolve_config=_rl_unresolved,
+                                           start_model=start_model, run=_needs_rl,
+                                           samples=False))

@@ -1,0 +1,51 @@
+"""RL on Sudoku 4x4 (d1's diffu-GRPO, or wd1) from a trained workdir: set train.init_from.
+
+  python train.py --config=configs/grpo.py --workdir=/tmp/sudoku_grpo \
+      --config.train.init_from=/tmp/sudoku4   # a workdir trained on task sudoku4
+
+Per step: batch_size / rl.num_generations puzzles, G completions each by `sampler` (one
+compiled call), rewards (rl.rewards: 'sudoku4_solved', the exact check; 'sudoku', d1's rule),
+group advantages, rl.num_iterations inner updates (mdjax.rl.trainer). --config.objective=wd1
+trains wd1's weighted likelihood instead; rl.estimator="elbo" reads the MC-ELBO instead of
+d1's one-step log-probabilities. The model fields come from the start point.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+from configs.base import base_config
+
+
+def get_config():
+  c = base_config()
+  c.task = "sudoku4"
+  c.objective = "grpo"  # or "wd1"
+  c.batch_size = 64  # completions per step: 8 puzzles x num_generations
+  c.log_every = 1
+  c.num_eval_samples = 0
+  c.train.update(init_from="", num_steps=40, lr=3e-4, lr_floor=1.0, warmup_steps=0,
+                 b1=0.9, b2=0.99, weight_decay=0.0, grad_clip=1.0)
+  c.checkpoint.update(every=10, keep=3)
+  c.rl = dict(
+      num_generations=8,
+      num_iterations=4,  # inner updates per rollout batch (d1: 12 on LLaDA-8B)
+      epsilon=0.5,  # d1's train.yaml
+      beta=0.04,
+      p_mask_prompt=0.15,
+      cfg_scale=0.0,
+      estimator="one_step",  # or "elbo"
+      elbo_samples=4,
+      scale_by_std=False,
+      rewards=["sudoku4_solved"],  # the exact check; "sudoku": d1's fraction of blanks right
+      reward_weights=None,
+  )
+  # d1's rollouts: LLaDA's low-confidence decoding (the drawn token's probability, LLaDA's
+  # even counts), at temperature 1 here; 4 steps for the 16 cells.
+  c.sampler.update(family="confidence", steps=4, score="prob", count_rule="even",
+                   temperature=1.0)
+  # Every model field is the start point's unless set (then it must match; dtype and remat
+  # are compute knobs, free to differ).
+  c.model = ml_collections.ConfigDict({
+      name: config_dict.placeholder(type(value) if value is not None else int)
+      for name, value in c.model.items()})
+  return c

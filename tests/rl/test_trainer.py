@@ -1,0 +1,208 @@
+"""The RL trainer (`mdjax.rl.trainer`, objectives 'grpo' and 'wd1') through `train.train`: a
+2-step run on a tiny Sudoku 4x4 model, its metrics, a resume after SIGTERM, the refusals,
+a reward that raises, and `mdjax.load` of the result. Tiny shapes: every run of the module
+shares one set of compiled programs (`trainer._programs`, the sampler's)."""
+
+import json
+import os
+import shutil
+import signal
+
+import jax
+import numpy as np
+import pytest
+
+import mdjax
+from configs import grpo as grpo_config
+from configs.base import base_config
+from mdjax import sampling, train
+from mdjax.rl import rewards, trainer
+from mdjax.tasks import sudoku4
+from mdjax.train import objectives
+from mdjax.train.config_checks import ConfigError
+
+RAISES = "test_trainer_raises_at_row_3"
+
+
+def _raises(prompt, completion, target):
+  """Raises at its 4th call: `rewards.compute` scores rows in order, so at row 3."""
+  del prompt, completion, target
+  _raises.calls += 1
+  if _raises.calls == 4:
+    raise ZeroDivisionError("row three")
+  return 0.0
+
+
+_raises.calls = 0
+if RAISES not in rewards.names():
+  rewards.register(RAISES)(_raises)
+
+
+def _quiet(*args, **kwargs):
+  del args, kwargs
+
+
+@pytest.fixture(scope="module")
+def start(tmp_path_factory):
+  """A sudoku4 workdir trained 2 steps by the existing loop (the NELBO)."""
+  workdir = str(tmp_path_factory.mktemp("rl") / "start")
+  c = base_config()
+  c.task = "sudoku4"
+  c.batch_size = 8
+  c.model.update(d_model=16, num_layers=1, num_heads=2, d_ff=32)
+  c.train.update(num_steps=2, warmup_steps=0)
+  c.checkpoint.every = 2
+  c.log_every = 2
+  c.eval_batches = 1
+  c.num_eval_samples = 0
+  train.train(c, workdir, log=_quiet)
+  return workdir
+
+
+def _config(start, steps=2, **rl):
+  c = grpo_config.get_config()
+  c.train.update(init_from=start, num_steps=steps, lr=3e-2)
+  c.batch_size = 4  # 2 prompts x G = 2
+  c.checkpoint.every = 10
+  # d1's Sudoku reward (the fraction of blank cells right): an untrained model's completions
+  # differ in it, so the advantages, and the updates, are not zero.
+  c.rl.update(num_generations=2, num_iterations=2, beta=0.04, rewards=["sudoku"])
+  c.rl.update(**rl)
+  c.sampler.update(steps=2)
+  return c
+
+
+def _rows(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def runs(start, tmp_path_factory):
+  """An uninterrupted 2-step run, and one stopped by SIGTERM during step 1, then resumed by
+  the same command."""
+  root = tmp_path_factory.mktemp("rl_runs")
+  whole, resumed = str(root / "whole"), str(root / "resumed")
+  final = train.train(_config(start), whole, log=_quiet)
+  real_score = trainer.score
+  calls = []
+
+  def score_then_signal(*args, **kwargs):  # SIGTERM arrives while step 1 runs
+    calls.append(1)
+    if len(calls) == 1:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return real_score(*args, **kwargs)
+
+  patch = pytest.MonkeyPatch()
+  patch.setattr(trainer, "score", score_then_signal)
+  stopped = train.train(_config(start), resumed, log=_quiet)
+  patch.undo()
+  stopped_rows = _rows(resumed)
+  again = train.train(_config(start), resumed, log=_quiet)
+  return dict(whole=whole, resumed=resumed, final=final, stopped=stopped,
+              stopped_rows=stopped_rows, again=again)
+
+
+def test_run_logs_the_metrics_of_every_step(runs):
+  rows = _rows(runs["whole"])
+  assert [r["step"] for r in rows] == [1, 2]
+  for row in rows:
+    for name in ("reward_mean", "reward_std", "kl", "clip_ratio", "completion_length",
+                 "rollout_seconds", "update_seconds", "rollout_fraction", "loss"):
+      assert np.isfinite(row[name]), (name, row)
+    assert row["completion_length"] == 16  # no EOS in Sudoku: every cell counts
+    assert 0 <= row["reward_mean"] <= 1 and 0 < row["rollout_fraction"] < 1
+  # The reference is the start: the policy moved away from it by step 2 (lr 3e-2).
+  assert rows[1]["kl"] > 0
+  assert int(runs["final"].step) == 2
+
+
+def test_sigterm_saves_and_the_same_command_resumes_bitwise(runs):
+  assert int(runs["stopped"].step) == 1
+  assert [r["step"] for r in runs["stopped_rows"]] == [1]
+  assert [r["step"] for r in _rows(runs["resumed"])] == [1, 2]
+  # Every draw of a step is a function of (seed, step) and the programs are the same:
+  # the resumed run's parameters equal the uninterrupted run's bit for bit.
+  for a, b in zip(jax.tree.leaves(runs["final"].params), jax.tree.leaves(runs["again"].params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  whole, resumed = _rows(runs["whole"]), _rows(runs["resumed"])
+  assert whole[1]["reward_mean"] == resumed[1]["reward_mean"]
+  assert whole[1]["loss"] == resumed[1]["loss"]
+
+
+def test_load_of_the_result_samples(runs):
+  model = mdjax.load(runs["whole"], log=_quiet)
+  assert model.step == 2
+  for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(runs["final"].params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  rows = np.asarray(sudoku4.sample_data(jax.random.key(1), 4))
+  canvas = rows.copy()
+  canvas[:, 16:] = sudoku4.MASK_ID
+  spec = trainer.sampler_spec(model.config, sudoku4.LENGTH)  # the rollouts' program
+  fixed = np.zeros(canvas.shape, bool)
+  fixed[:, :16] = True
+  out = np.asarray(sampling.sample(model.apply_fn, model.params, jax.random.key(2), canvas,
+                                   spec, fixed, mask_id=sudoku4.MASK_ID).tokens_BxL)
+  np.testing.assert_array_equal(out[:, :16], rows[:, :16])
+  assert ((out[:, 16:] >= 0) & (out[:, 16:] < sudoku4.MASK_ID)).all()  # every cell written
+
+
+def test_one_generation_is_refused(start, tmp_path):
+  with pytest.raises(ConfigError, match="rl.num_generations=1"):
+    train.train(_config(start, num_generations=1), str(tmp_path / "g1"), log=_quiet)
+  assert not os.path.exists(tmp_path / "g1")
+
+
+def test_a_raising_reward_names_it_and_the_row_and_keeps_the_checkpoint(start, runs, tmp_path):
+  workdir = str(tmp_path / "raises")
+  shutil.copytree(runs["whole"], workdir)
+  _raises.calls = 0
+  with pytest.raises(rewards.RewardError, match=f"{RAISES}.*row 3"):
+    train.train(_config(start, steps=3, rewards=[RAISES]), workdir, log=_quiet)
+  model = mdjax.load(workdir, log=_quiet)
+  assert model.step == 2
+  assert [r["step"] for r in _rows(workdir)] == [1, 2]
+
+
+LLADA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "pretrained", "llada")
+
+
+def test_text_prompts_for_a_published_chat_model(tmp_path):
+  """One step on the tiny LLaDA fixture: JSONL prompts through its chat template, left
+  padded, d1's GSM8K rewards; the result loads."""
+  path = tmp_path / "gsm.jsonl"
+  with open(path, "w", encoding="utf-8") as f:
+    for question, answer in (("What is 2+3?", "5"), ("What is 7-4?", "3")):
+      f.write(json.dumps({"prompt": question, "response": f"<answer>{answer}</answer>",
+                          "answer": answer}) + "\n")
+  c = grpo_config.get_config()
+  c.task = "sft"
+  c.task_kwargs = dict(path=str(path))
+  c.train.update(init_from=f"pretrained:{LLADA}", num_steps=1)
+  c.batch_size = 4
+  c.rl.update(num_generations=2, num_iterations=1, beta=0.0, max_prompt_length=40,
+              max_completion_length=8, rewards=["gsm8k_xmlcount", "gsm8k_correctness"])
+  c.sampler.update(steps=4, block_length=4)
+  workdir = str(tmp_path / "w")
+  train.train(c, workdir, log=_quiet)
+  (row,) = _rows(workdir)
+  assert 1 <= row["completion_length"] <= 8  # up to and including the first EOS
+  assert np.isfinite(row["loss"]) and "reward_gsm8k_correctness" in row
+  model = mdjax.load(workdir, log=_quiet)  # its sampling: test_load_of_the_result_samples
+  assert model.step == 1 and model.tokenizer is not None
+
+
+def test_the_gpu_config_resolves_on_a_published_start(tmp_path):
+  """configs/grpo_gsm8k_gpu.py (d1's LLaDA-8B settings) passes the config checks on the tiny
+  LLaDA fixture standing in for LLaDA-8B-Instruct: its knobs, LoRA and text prompts fit."""
+  from configs import grpo_gsm8k_gpu
+  path = tmp_path / "gsm.jsonl"
+  path.write_text(json.dumps({"prompt": "What is 2+3?", "response": "5", "answer": "5"}) + "\n")
+  c = grpo_gsm8k_gpu.get_config()
+  c.train.init_from = f"pretrained:{LLADA}"
+  c.task_kwargs.path = str(path)
+  resolved = objectives.resolve_config(c)
+  train.check_config(resolved)
+  assert resolved.train.lora.rank > 0 and resolved.rl.num_generations >= 2
+  assert resolved.task_kwargs.length == (resolved.rl.max_prompt_length
+                                         + resolved.rl.max_completion_length)
