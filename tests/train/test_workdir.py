@@ -249,8 +249,8 @@ def test_train_cli_names_a_misspelt_field_and_a_missing_config(tmp_path):
   assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
   assert proc.stderr.startswith(
       "train.py: error: --config='configs/shakespeare-bpe.py' is not a file; did you mean "
-      "--config=configs/shakespeare_bpe.py? the configs: configs/corpus.py, "
-      "configs/quickstart.py,"), proc.stderr
+      "--config=configs/shakespeare_bpe.py? the configs: configs/a2d_block.py, "
+      "configs/a2d_masked.py, configs/corpus.py,"), proc.stderr
   assert not os.path.exists(tmp_path / "run")
 
 
