@@ -13,7 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mdjax import data, models, plot, sampling, tasks
+from mdjax import data, lora, models, plot, sampling, tasks
 from mdjax.data.pipeline import batch_for_step
 from mdjax.train import distributed, objectives
 from mdjax.train.checkpoints import (CORRUPT_DIR, checkpoint_manager, load_for_sampling,
@@ -255,7 +255,10 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
   source = data.batch_source(config, task, process_index=jax.process_index(),
                              process_count=jax.process_count(), batch_fn=batch_for_step)
   state, graphdef, apply_fn, shardings = init_state(config, mesh, task)
-  log(f"model: {models.count_params(state.params):,} parameters; devices: {mesh.shape['data']}")
+  trained = ("" if not lora.is_adapted(state.params) else
+             f" ({models.count_params(state.params['lora']):,} trained: LoRA adapters)")
+  log(f"model: {models.count_params(state.params):,} parameters{trained}; devices: "
+      f"{mesh.shape['data']}")
   manager = checkpoint_manager(workdir, config)
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
   distributed.barrier("mdjax:restore")  # every process lists the same steps
