@@ -14,8 +14,12 @@ estimator (`mdjax.evaluate.loglikelihood`, LLaDA's): num_samples draws whose mas
 evenly cover 1..C, each weighted C / count; a lower bound on log p(completion | prompt),
 tight in expectation for an exact denoiser, differentiable in the params.
 
-Both are functional (params an argument, `prompt_length` and the settings static) for a
-trainer to jit and differentiate; `per_token_logps` is the same for a `mdjax.Model`.
+`trajectory_logps_fn`: the rollout's own trajectory, each completion token scored under the
+canvas of the sampler step that wrote it (`SampleResult.write_step_BxL`): one pass a step, the
+log-probability of the parallel decode the sampler actually ran.
+
+All three are functional (params an argument, `prompt_length` and the settings static) for a
+trainer to jit and differentiate; `per_token_logps` is the first for a `mdjax.Model`.
 """
 
 from __future__ import annotations
@@ -118,6 +122,39 @@ def _per_token_logps(denoiser, params, ids_BxL, key, valid_BxL, *, prompt_length
   return per_token_logps_fn(denoiser, params, ids_BxL, prompt_length, key, mask_id=mask_id,
                             p_mask_prompt=p_mask_prompt, cfg_scale=cfg_scale,
                             valid_BxL=valid_BxL)
+
+
+def trajectory_logps_fn(denoiser, params, ids_BxL, write_step_BxL, prompt_length: int, *,
+                        mask_id: int, num_steps: int, valid_BxL=None) -> Array:
+  """log p(token | the canvas its sampler step read) per completion position, float32 [B, C]:
+  the log-probability of the rollout's own trajectory. Step s's canvas shows the positions
+  written before it (`write_step_BxL` < s: the prompt, -1, and earlier steps) and masks the
+  rest; each position is scored at the step that wrote it (`SampleResult.write_step_BxL`),
+  one denoiser pass per step (`num_steps`, static: the sampler's). For a sampler that writes
+  each position once the sum over a row is the log-probability of its tokens given the order
+  the sampler chose (with an exact denoiser and one position a step, log p(completion |
+  prompt) by the chain rule); the choice of positions itself is not scored. A remasked
+  position is scored at its last write. The time a step reads is its masked fraction of
+  the completion.
+  """
+  _check(ids_BxL, prompt_length, mask_id)
+  check_count("num_steps", num_steps, 1)
+  denoiser = Denoiser.of(denoiser)
+  ids_BxL = jnp.asarray(ids_BxL, jnp.int32)
+  write_BxL = jnp.asarray(write_step_BxL, jnp.int32)
+  valid = None if valid_BxL is None else jnp.asarray(valid_BxL, bool)
+  target_BxC = ids_BxL[:, prompt_length:]
+
+  def step_logps(step):
+    hidden_BxL = write_BxL >= step
+    noisy_BxL = jnp.where(hidden_BxL, mask_id, ids_BxL)
+    t_B = hidden_BxL[:, prompt_length:].mean(-1).astype(jnp.float32)
+    logits_BxLxV = _logits(denoiser, params, noisy_BxL, t_B, valid, prompt_length, mask_id, 0.0)
+    logp_BxCxV = jax.nn.log_softmax(_no_mask(logits_BxLxV[:, prompt_length:], mask_id), -1)
+    logp_BxC = jnp.take_along_axis(logp_BxCxV, target_BxC[..., None], -1)[..., 0]
+    return jnp.where(write_BxL[:, prompt_length:] == step, logp_BxC, 0.0)
+
+  return jax.lax.map(step_logps, jnp.arange(num_steps)).sum(0)
 
 
 def per_token_logps(model, ids_BxL, prompt_length: int, *, key: Array,

@@ -58,7 +58,7 @@ from mdjax.train.state import TrainState, init_state, make_mesh, make_optimizer
 from mdjax.train.workdir import MetricsLog, TrainClock, keep_metrics_through, run_summary
 
 OBJECTIVE_NAMES = sft.RL_OBJECTIVES  # declared there (a workdir loads without this module)
-ESTIMATORS = ("one_step", "elbo")
+ESTIMATORS = ("one_step", "elbo", "trajectory")
 
 # config.rl's fields and their defaults (d1's diffu-GRPO config where it has one).
 DEFAULTS = dict(
@@ -125,6 +125,11 @@ def rl_options(config) -> dict:
     refuse("cfg_scale", "must be a finite number >= 0")
   if opts["estimator"] not in ESTIMATORS:
     refuse("estimator", f"must be one of {ESTIMATORS}")
+  steps = config.get("sampler", {}).get("steps")
+  if opts["estimator"] == "trajectory" and not (integer(steps) and steps >= 1):
+    refuse("estimator", f"'trajectory' scores each sampler step: sampler.steps={steps!r} must "
+           "be an integer >= 1")
+  opts["sampler_steps"] = steps  # the trajectory's passes
   names = opts["rewards"]
   if isinstance(names, str) or not names or not all(isinstance(n, str) for n in names):
     refuse("rewards", "must be a non-empty list of reward names")
@@ -380,13 +385,18 @@ def completion_mask(completion_BxC: np.ndarray, eos_id: int | None) -> np.ndarra
 
 
 def _logps_fn(opts: dict, denoiser, prompt_length: int, mask_id: int):
-  """(params, ids_BxL, valid_BxL or None, key) -> log-probabilities: B x C per token
-  ("one_step"), or B x 1, the completion's MC-ELBO as one log-probability ("elbo")."""
+  """(params, ids_BxL, valid_BxL or None, key, write_step_BxL) -> log-probabilities: B x C per
+  token ("one_step"; "trajectory": each token under the canvas of the rollout step that wrote
+  it), or B x 1, the completion's MC-ELBO as one log-probability ("elbo")."""
   if opts["estimator"] == "one_step":
-    return lambda params, ids_BxL, valid_BxL, key: logps_lib.per_token_logps_fn(
+    return lambda params, ids_BxL, valid_BxL, key, write_BxL: logps_lib.per_token_logps_fn(
         denoiser, params, ids_BxL, prompt_length, key, mask_id=mask_id,
         p_mask_prompt=opts["p_mask_prompt"], cfg_scale=opts["cfg_scale"], valid_BxL=valid_BxL)
-  return lambda params, ids_BxL, valid_BxL, key: logps_lib.elbo_logps_fn(
+  if opts["estimator"] == "trajectory":
+    return lambda params, ids_BxL, valid_BxL, key, write_BxL: logps_lib.trajectory_logps_fn(
+        denoiser, params, ids_BxL, write_BxL, prompt_length, mask_id=mask_id,
+        num_steps=opts["sampler_steps"], valid_BxL=valid_BxL)
+  return lambda params, ids_BxL, valid_BxL, key, write_BxL: logps_lib.elbo_logps_fn(
       denoiser, params, ids_BxL, prompt_length, key, mask_id=mask_id,
       num_samples=opts["elbo_samples"])[:, None]
 
@@ -411,8 +421,9 @@ def needs_reference(config, opts: dict) -> bool:
 class Programs:
   """The jitted functions of a run (compiled once: parameters are arguments)."""
 
-  all_logps: object  # (params, ids, mask keys N) -> N x B x C
-  update: object  # (params, opt_state, ids, valid, key, old, ref, adv, mask) -> (p, o, metrics)
+  all_logps: object  # (params, ids, valid, mask keys N, write steps) -> N x B x C
+  update: object  # (params, opt_state, ids, valid, key, old, ref, adv, mask, write steps)
+  #                 -> (params, opt_state, metrics)
 
 
 def build_programs(config, opts: dict, apply_fn, ref_apply_fn, train_cfg, prompt_length: int,
@@ -433,16 +444,17 @@ def _programs(objective: str, opts_items: tuple, apply_fn, ref_apply_fn, train_j
   policy = _logps_fn(opts, apply_fn, prompt_length, mask_id)
   reference = _logps_fn(opts, ref_apply_fn, prompt_length, mask_id)
 
-  def all_logps(fn, params, ids_BxL, valid_BxL, keys_N):
-    return jax.lax.map(lambda key: fn(params, ids_BxL, valid_BxL, key), keys_N)
+  def all_logps(fn, params, ids_BxL, valid_BxL, keys_N, write_BxL):
+    return jax.lax.map(lambda key: fn(params, ids_BxL, valid_BxL, key, write_BxL), keys_N)
 
-  def loss(params, ids_BxL, valid_BxL, key, old, ref, advantages_B, mask):
-    logps = policy(params, ids_BxL, valid_BxL, key)
+  def loss(params, ids_BxL, valid_BxL, key, old, ref, advantages_B, mask, write_BxL):
+    logps = policy(params, ids_BxL, valid_BxL, key, write_BxL)
     return _loss(objective, opts, logps, old, ref, advantages_B, mask)
 
-  def update(params, opt_state, ids_BxL, valid_BxL, key, old, ref, advantages_B, mask):
+  def update(params, opt_state, ids_BxL, valid_BxL, key, old, ref, advantages_B, mask,
+             write_BxL):
     (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(
-        params, ids_BxL, valid_BxL, key, old, ref, advantages_B, mask)
+        params, ids_BxL, valid_BxL, key, old, ref, advantages_B, mask, write_BxL)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics = {k: v for k, v in metrics.items() if jnp.ndim(v) == 0}
@@ -465,7 +477,8 @@ def sampler_spec(config, length: int):
 
 def rollout(apply_fn, params, key, prompts: Prompts, group: int, completion_length: int,
             spec, mask_id: int):
-  """G completions of each prompt (rows p0 x G, p1 x G, ...): (ids_BxL numpy, seconds)."""
+  """G completions of each prompt (rows p0 x G, p1 x G, ...): (ids_BxL, the step that wrote
+  each position (-1: the prompt), seconds); numpy."""
   ids = np.repeat(prompts.ids_PxLp, group, axis=0)
   canvas = np.concatenate([ids, np.full((len(ids), completion_length), mask_id, np.int32)], 1)
   valid = None
@@ -478,7 +491,7 @@ def rollout(apply_fn, params, key, prompts: Prompts, group: int, completion_leng
   out = sampling.sample(apply_fn, params, key, canvas, spec, fixed, mask_id=mask_id,
                         **({} if valid is None else {"valid_BxL": valid}))
   tokens = np.asarray(out.tokens_BxL)  # waits for the program
-  return tokens, time.perf_counter() - start
+  return tokens, np.asarray(out.write_step_BxL), time.perf_counter() - start
 
 
 def score(source, names, weights, prompts: Prompts, group: int, ids_BxL, mask_BxC):
@@ -566,10 +579,14 @@ def run(config, workdir: str, log, interrupts):
     while step < num_steps and interrupts.signal_name is None:
       key = step_key(config, step)
       prompts = source.draw(jax.random.fold_in(key, Stream.PROMPTS), num_prompts)
-      ids_BxL, rollout_seconds = rollout(
+      ids_BxL, write_BxL, rollout_seconds = rollout(
           apply_fn, params, jax.random.fold_in(key, Stream.ROLLOUT), prompts, group,
           source.completion_length, spec, source.mask_id)
       mask_BxC = completion_mask(ids_BxL[:, source.prompt_length:], source.eos_id)
+      if opts["estimator"] == "trajectory" and write_BxL.max() >= opts["sampler_steps"]:
+        raise ValueError(f"rl.estimator='trajectory': the sampler wrote at step "
+                         f"{int(write_BxL.max())}, past sampler.steps={opts['sampler_steps']} "
+                         "(its steps count per block?); set sampler.steps to the total.")
       try:
         rewards_B, reward_means = score(source, opts["rewards"], opts["reward_weights"],
                                         prompts, group, ids_BxL, mask_BxC)
@@ -586,17 +603,18 @@ def run(config, workdir: str, log, interrupts):
       valid = None if prompts.valid_PxLp is None else jnp.asarray(np.concatenate(
           [np.repeat(prompts.valid_PxLp, group, axis=0),
            np.ones((len(ids_BxL), source.completion_length), bool)], 1))
-      mask = jnp.asarray(mask_BxC if opts["estimator"] == "one_step"
+      mask = jnp.asarray(mask_BxC if opts["estimator"] != "elbo"
                          else np.ones((len(ids_BxL), 1), np.float32))
-      old_all = (programs.all_logps["policy"](params, ids, valid, mask_keys)
+      write = jnp.asarray(write_BxL)
+      old_all = (programs.all_logps["policy"](params, ids, valid, mask_keys, write)
                  if needs_old(config, opts) else None)
-      ref_all = (programs.all_logps["reference"](ref_of(params), ids, valid, mask_keys)
+      ref_all = (programs.all_logps["reference"](ref_of(params), ids, valid, mask_keys, write)
                  if needs_reference(config, opts) else None)
       inner = []
       for i in range(opts["num_iterations"]):
         params, opt_state, m = programs.update(
             params, opt_state, ids, valid, mask_keys[i], None if old_all is None else old_all[i],
-            None if ref_all is None else ref_all[i], advantages_B, mask)
+            None if ref_all is None else ref_all[i], advantages_B, mask, write)
         inner.append(m)
       host = [{k: float(v) for k, v in jax.device_get(m).items()} for m in inner]
       update_seconds = time.perf_counter() - start

@@ -206,3 +206,17 @@ def test_the_gpu_config_resolves_on_a_published_start(tmp_path):
   assert resolved.train.lora.rank > 0 and resolved.rl.num_generations >= 2
   assert resolved.task_kwargs.length == (resolved.rl.max_prompt_length
                                          + resolved.rl.max_completion_length)
+
+
+def test_the_trajectory_estimator_scores_the_rollouts_own_steps(start, tmp_path):
+  """rl.estimator='trajectory': one pass per sampler step (mdjax.rl.trajectory_logps_fn,
+  checked on the oracle in test_losses.py) inside the same loop; a sampler whose steps are
+  not set is refused by name."""
+  workdir = str(tmp_path / "w")
+  train.train(_config(start, steps=1, estimator="trajectory"), workdir, log=_quiet)
+  (row,) = _rows(workdir)
+  assert np.isfinite(row["loss"]) and np.isfinite(row["kl"]) and row["kl"] >= 0
+  bad = _config(start, steps=1, estimator="trajectory")
+  bad.sampler.steps = None
+  with pytest.raises(ConfigError, match=r"rl.estimator='trajectory'.*sampler.steps=None"):
+    train.train(bad, str(tmp_path / "bad"), log=_quiet)
