@@ -6,7 +6,9 @@ A small model is trained here by the existing loop (the NELBO) on Sudoku 4x4 (ea
 with probability 0.7) to a modest solve rate when it decodes the 16 cells in 4 steps (d1's
 sampler: low-confidence, 4 cells a step, temperature 1). diffu-GRPO (d1's loss) and wd1 then
 fine-tune it for the same fixed budget (`configs/grpo.py`'s recipe, reward: the exact check
-'sudoku4_solved'), each with d1's one-step log-probabilities and with the MC-ELBO. Each model, the exact oracle under the same sampler and the optimum (1.0:
+the exact check 'sudoku4_solved'), each with d1's one-step log-probabilities, with the
+MC-ELBO, and with the rollout's own trajectory (each token under the canvas of the step that
+wrote it). Each model, the exact oracle under the same sampler and the optimum (1.0:
 every puzzle has a solution, and a policy may put all its mass on one) are scored on the same
 EVAL_PUZZLES fresh puzzles (drawn from a key no training step reads); stderr is binomial,
 sqrt(p (1 - p) / n). Writes results/rl.json (`rows`) and results/rl.png (reward per RL step).
@@ -51,7 +53,10 @@ RL = dict(batch_size=64, lr=2e-4, num_generations=8, num_iterations=4, beta=0.04
 RUNS = (("grpo", "one_step", RL_STEPS), ("grpo", "elbo", RL_STEPS), ("wd1", "one_step", RL_STEPS),
         ("wd1", "elbo", RL_STEPS),
         # The one that gained within the budget, run 3x as long (its own workdir).
-        ("grpo", "elbo", 3 * RL_STEPS))
+        ("grpo", "elbo", 3 * RL_STEPS),
+        # Each completion token scored under the canvas of the rollout step that wrote it:
+        # the log-probability of the 4-step parallel decode itself (one pass a step).
+        ("grpo", "trajectory", RL_STEPS), ("wd1", "trajectory", RL_STEPS))
 
 
 def pretrain_config():
@@ -80,7 +85,7 @@ def rl_config(objective: str, estimator: str, start: str, steps: int):
   c.train.update(init_from=start, num_steps=steps, lr=RL["lr"])
   c.checkpoint.update(every=steps, keep=1)
   c.rl.update(num_generations=RL["num_generations"], num_iterations=RL["num_iterations"],
-              beta=RL["beta"] if estimator == "one_step" else 0.0, epsilon=RL["epsilon"],
+              beta=RL["beta"] if estimator != "elbo" else 0.0, epsilon=RL["epsilon"],
               p_mask_prompt=RL["p_mask_prompt"], estimator=estimator,
               elbo_samples=RL["elbo_samples"])
   c.sampler = SAMPLER
