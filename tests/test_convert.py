@@ -16,7 +16,7 @@ import pytest
 from mdjax import convert, pretrained
 from mdjax.convert import __main__ as convert_main
 from mdjax.convert import a2d
-from mdjax.models import published
+from mdjax.models import layers, published
 from mdjax.pretrained import tensors
 from tests.paths import REPO
 
@@ -111,17 +111,17 @@ def test_qwen3_converts_to_sdar_and_step_0_is_causal(tmp_path):
 
 def test_anneal_visibility_is_causal_plus_a_fraction_of_later_keys():
   length, p = 32, 0.3
-  visible = np.asarray(published.anneal_visible((p, jax.random.key(3)), length))
+  visible = np.asarray(layers.anneal_visible((p, jax.random.key(3)), length))
   lower = np.tril(np.ones((length, length), bool))
   assert visible[lower].all()
   # Each of the 496 later keys is visible with probability p, independently: the count is
   # Binomial(496, 0.3), mean 148.8, sd sqrt(496 * 0.3 * 0.7) = 10.2; 5 sd is 51.
   upper = int(visible[~lower].sum())
   assert abs(upper - 496 * p) < 51, upper
-  np.testing.assert_array_equal(np.asarray(published.anneal_visible((0, None), length)), lower)
-  assert np.asarray(published.anneal_visible((1, None), length)).all()
+  np.testing.assert_array_equal(np.asarray(layers.anneal_visible((0, None), length)), lower)
+  assert np.asarray(layers.anneal_visible((1, None), length)).all()
   with pytest.raises(ValueError, match="anneal=\\(0.5, None\\)"):
-    published.anneal_visible((0.5, None), length)
+    layers.anneal_visible((0.5, None), length)
 
 
 # ----------------------------------------------------------------------------

@@ -6,7 +6,7 @@ What changes, and nothing else (every weight of the causal network is kept):
 
   attention   bidirectional (to="masked") or block-causal in blocks of `block_size`
               (to="block"); training anneals it from the causal pattern (objective 'a2d',
-              `published.anneal_visible`), or switches at once.
+              `layers.anneal_visible`), or switches at once.
   the shift   kept (Dream's, Fast-dLLM v2's: the output at i - 1 predicts token i, so the
               causal head keeps predicting the next token) or dropped (LLaDA's, SDAR's).
   mask id     mask_id=None appends a new id V (the embedding and head grow by one row: the

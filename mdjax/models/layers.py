@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mdjax.models import checks
+
 Array = jax.Array
 
 # A masked attention score: finite, so a query whose every key is masked gets a uniform
@@ -238,3 +240,26 @@ class Bound:
 def bind(fn: Callable, *args) -> Bound:
   """`fn` with `args` bound first (see `Bound`)."""
   return Bound(fn, args)
+
+
+def anneal_visible(anneal, length: int) -> jax.Array | None:
+  """The L x L keys a query may see under attention-mask annealing (DiffuLLaMA's
+  `get_anneal_attn_mask`): its own position and before, and each later key with probability
+  `fraction`, one draw from `key` shared by the batch and the layers (a training step's).
+  `anneal` is (fraction, key): fraction 0 is causal attention, 1 the network's own pattern
+  (the result is intersected with it); key may be None only for a Python fraction 0 or 1.
+  None: no annealing."""
+  if anneal is None:
+    return None
+  if not (isinstance(anneal, tuple) and len(anneal) == 2):
+    raise ValueError(f"anneal={anneal!r} must be None or (fraction, key).")
+  fraction, key = anneal
+  causal_LxL = np.arange(length)[None, :] <= np.arange(length)[:, None]
+  if key is None:
+    if not (checks.is_number(fraction) and fraction in (0, 1)):
+      raise ValueError(f"anneal=({fraction!r}, None): a fraction other than 0 or 1 draws its "
+                       "later keys from a PRNG key; pass (fraction, key).")
+    return jnp.asarray(causal_LxL | (fraction == 1))
+  # uniform < 0 is never true and uniform < 1 always (uniform lies in [0, 1)).
+  drawn_LxL = jax.random.uniform(key, (length, length)) < jnp.asarray(fraction, jnp.float32)
+  return jnp.asarray(causal_LxL) | drawn_LxL

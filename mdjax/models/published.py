@@ -7,7 +7,7 @@ shift. `block_size` makes attention block-causal (SDAR, Fast-dLLM v2, LLaDA2: a 
 its own block and the blocks before), which makes the cache of finished blocks exact;
 `anneal=(fraction, key)` (forward, prefill, block_pair) narrows a diffusion network's own
 pattern towards causal attention, DiffuLLaMA's attention-mask annealing for a network
-converted from a causal LM (`anneal_visible`);
+converted from a causal LM (`layers.anneal_visible`);
 `qk_norm` normalises each query and key head before RoPE, `rotary_dim` turns only the first
 dims of each head, and `moe` replaces the MLP of the layers from `moe.first_dense_layers` on
 by routed and shared experts (`mdjax.models.moe`). With `causal=True` the same network is
@@ -324,29 +324,6 @@ def _embed(config: PublishedConfig, params: dict, tokens_BxQ: Array) -> Array:
 # --- the passes --------------------------------------------------------------------------
 
 
-def anneal_visible(anneal, length: int) -> Array | None:
-  """The L x L keys a query may see under attention-mask annealing (DiffuLLaMA's
-  `get_anneal_attn_mask`): its own position and before, and each later key with probability
-  `fraction`, one draw from `key` shared by the batch and the layers (a training step's).
-  `anneal` is (fraction, key): fraction 0 is causal attention, 1 the network's own pattern
-  (the result is intersected with it); key may be None only for a Python fraction 0 or 1.
-  None: no annealing."""
-  if anneal is None:
-    return None
-  if not (isinstance(anneal, tuple) and len(anneal) == 2):
-    raise ValueError(f"anneal={anneal!r} must be None or (fraction, key).")
-  fraction, key = anneal
-  causal_LxL = np.arange(length)[None, :] <= np.arange(length)[:, None]
-  if key is None:
-    if not (checks.is_number(fraction) and fraction in (0, 1)):
-      raise ValueError(f"anneal=({fraction!r}, None): a fraction other than 0 or 1 draws its "
-                       "later keys from a PRNG key; pass (fraction, key).")
-    return jnp.asarray(causal_LxL | (fraction == 1))
-  # uniform < 0 is never true and uniform < 1 always (uniform lies in [0, 1)).
-  drawn_LxL = jax.random.uniform(key, (length, length)) < jnp.asarray(fraction, jnp.float32)
-  return jnp.asarray(causal_LxL) | drawn_LxL
-
-
 def _full_pass(config: PublishedConfig, params: dict, tokens_BxL: Array,
                valid_BxL: Array | None, anneal=None) -> tuple[Array, Array, Array]:
   """Unshifted logits_BxLxV and every layer's keys and values (N x B x G x L x K)."""
@@ -361,7 +338,7 @@ def _full_pass(config: PublishedConfig, params: dict, tokens_BxL: Array,
   if config.block_size is not None:  # B x L x L: blocks counted in each row's positions
     visible_Bx1xL = visible_Bx1xL & layers.visible(pos_BxL, pos_BxL,
                                                    block_size=config.block_size)
-  annealed_LxL = anneal_visible(anneal, length)
+  annealed_LxL = layers.anneal_visible(anneal, length)
   if annealed_LxL is not None:  # B x L x L: later keys only where the draw shows them
     visible_Bx1xL = visible_Bx1xL & annealed_LxL[None]
   h_BxLxD, keys, values = _hidden(config, params, tokens_BxL, pos_BxL, visible_Bx1xL)
@@ -397,7 +374,7 @@ def block_pair(config: PublishedConfig, params: dict, noisy_BxL: Array,
   block-cached decoder computes with the clean blocks before it in the cache. With the shift
   (Fast-dLLM v2) a block's first position reads the clean previous block's last output, as
   the decoder's pass over the finished block predicts the next token. Returns the noisy
-  positions' logits_BxLxV (rows start at position 0: no padding). `anneal` (`anneal_visible`)
+  positions' logits_BxLxV (rows start at position 0: no padding). `anneal` (`layers.anneal_visible`)
   narrows both halves alike: a key at a later position than the query's is seen only where
   the draw shows it, so at fraction 0 every query sees the causal prefix of its half's
   sequence (the noisy block's after the clean blocks before it)."""
@@ -408,7 +385,7 @@ def block_pair(config: PublishedConfig, params: dict, noisy_BxL: Array,
   layers.check_length(length, config.max_len)
   pos_1x2L = jnp.tile(jnp.arange(length, dtype=jnp.int32), 2)[None]
   visible_1x2Lx2L = jnp.asarray(layers.block_pair_mask(length, config.block_size))[None]
-  annealed_LxL = anneal_visible(anneal, length)
+  annealed_LxL = layers.anneal_visible(anneal, length)
   if annealed_LxL is not None:  # the same draw over each half's positions
     visible_1x2Lx2L = visible_1x2Lx2L & jnp.tile(annealed_LxL, (2, 2))[None]
   h_Bx2LxD, _, _ = _hidden(config, params, jnp.concatenate([noisy_BxL, clean_BxL], 1),
@@ -429,7 +406,7 @@ def _shift(logits_BxLxV: Array) -> Array:
 def forward(config: PublishedConfig, params: dict, tokens_BxL: Array,
             valid_BxL: Array | None = None, anneal=None) -> Array:
   """logits_BxLxV (float32) of the whole canvas; `valid_BxL` False on padding; `anneal`
-  (fraction, key) narrows the attention towards causal (`anneal_visible`)."""
+  (fraction, key) narrows the attention towards causal (`layers.anneal_visible`)."""
   return prefill(config, params, tokens_BxL, valid_BxL, anneal=anneal)[0]
 
 

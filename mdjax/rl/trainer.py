@@ -5,7 +5,7 @@
   1. prompts: `batch_size / rl.num_generations` of them, a function of (seed, step) (a
      resumed run sees what an uninterrupted one would): an id task's prompt cells (Sudoku
      4x4: positions 0-15), or, for a published chat model (task 'sft'), lines of a JSONL
-     (`JsonlSource`: its tokenizer and chat template, left padded to
+     (`sources.JsonlSource`: its tokenizer and chat template, left padded to
      `rl.max_prompt_length`);
   2. rollouts: G = `rl.num_generations` completions of each prompt by `config.sampler` (any
      mdjax sampler spec; d1's: LLaDA's semi-autoregressive low-confidence decoding), one
@@ -50,6 +50,7 @@ from mdjax import lora, models, sampling, tasks
 from mdjax.rl import logps as logps_lib
 from mdjax.rl import losses
 from mdjax.rl import rewards as rewards_lib
+from mdjax.rl import sources
 from mdjax.saved_run import saved_config
 from mdjax.tasks import sft as sft_data
 from mdjax.train import checkpoints, objectives, sft
@@ -73,7 +74,7 @@ DEFAULTS = dict(
     scale_by_std=False,  # advantages divided by the group's std (d1: False)
     rewards=("sudoku4_solved",),  # `mdjax.rl.rewards` names, summed with `reward_weights`
     reward_weights=None,  # None: 1 each
-    prompts=None,  # text prompts: a JSONL (`JsonlSource`); None: task 'sft''s own file
+    prompts=None,  # text prompts: a JSONL (`sources.JsonlSource`); None: task 'sft''s own file
     max_prompt_length=200,  # text prompts: left padded (or cut from the left) to this
     max_completion_length=256,  # text prompts: the completion's length
     chat=True,  # text prompts: through the model's chat template
@@ -263,123 +264,6 @@ def _unused_loss_fn(config, apply_fn, task):
 
 
 # ----------------------------------------------------------------------------
-# Prompt sources.
-# ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Prompts:
-  """A step's prompts: their ids (P x Lp, left padded), valid flags (None: no padding), the
-  texts the rewards read and the answers they check."""
-
-  ids_PxLp: np.ndarray
-  valid_PxLp: np.ndarray | None
-  texts: list
-  targets: list
-
-
-class IdTaskSource:
-  """Prompts of an id task whose rows are a prompt then its answer (Sudoku 4x4: 16 + 16
-  cells): fresh draws of the task's law, a function of the key. The rewards read the
-  task's decoding of the prompt ids, the completion as d1's answer text
-  ("<answer>DIGITS</answer>") and the target {"puzzle", "solution"} (d1's CSV strings)."""
-
-  PROMPT_LENGTHS = {"sudoku4": 16}
-
-  def __init__(self, task: tasks.Task):
-    if task.name not in self.PROMPT_LENGTHS:
-      raise ConfigError(f"config field task={task.name!r}: RL prompts come from "
-                        f"{sorted(self.PROMPT_LENGTHS)} or rl.prompts (a JSONL file).")
-    self.task = task
-    self.prompt_length = self.PROMPT_LENGTHS[task.name]
-    self.completion_length = task.length - self.prompt_length
-    self.mask_id = task.mask_id
-    self.eos_id = None
-
-  def draw(self, key: jax.Array, count: int) -> Prompts:
-    from mdjax.tasks import sudoku4
-    rows = np.asarray(self.task.sample_data(key, count))
-    prompt_ids = rows[:, :self.prompt_length]
-    return Prompts(ids_PxLp=prompt_ids, valid_PxLp=None,
-                   texts=[self.task.decode(row) for row in prompt_ids],
-                   targets=[{"puzzle": r["Puzzle"], "solution": r["Solution"]}
-                            for r in sudoku4.to_d1(rows)])
-
-  def completion_texts(self, ids_BxL: np.ndarray, completion_mask_BxC) -> list[str]:
-    del completion_mask_BxC
-    from mdjax.tasks import sudoku4
-    return [f"<answer>{r['Solution']}</answer>" for r in sudoku4.to_d1(ids_BxL)]
-
-
-class JsonlSource:
-  """Text prompts for a published chat model: the lines of a JSONL file (`rl.prompts`, by
-  default the SFT task's `task_kwargs.path`) with "prompt" and "response" (the reference,
-  e.g. GSM8K's worked answer) or "messages" (`mdjax.tasks.sft`'s format), and optionally
-  "answer" (what the rewards check; default the response). A step draws its prompts
-  uniformly (with replacement) by its key; each goes through the start's chat template
-  (`chat`), keeps its last `max_prompt_length` ids (d1) and is left padded with EOS,
-  padding invalid to the denoiser."""
-
-  def __init__(self, path: str, start: str, opts: dict):
-    self.vocab = sft_data.vocabulary(start)
-    self.examples, self.targets = [], []
-    with open(path, encoding="utf-8") as f:
-      for number, line in enumerate(f, 1):
-        if not line.strip():
-          continue
-        obj = json.loads(line)
-        example = sft_data.parse_example(obj, f"{path}:{number}")
-        self.examples.append(example)
-        self.targets.append(obj.get("answer", example.response))
-    if not self.examples:
-      raise ValueError(f"rl.prompts={path!r} holds no prompt.")
-    self.chat = opts["chat"]
-    self.prompt_length = opts["max_prompt_length"]
-    self.completion_length = opts["max_completion_length"]
-    self.mask_id = self.vocab.vocab_size  # mdjax's mask id: the view maps it to the model's
-    self.eos_id = self.vocab.eos_id
-
-  def _text(self, example) -> str:
-    if self.chat and self.vocab.chat is not None:
-      turns = ([{"role": "user", "content": example.prompt}] if isinstance(example.prompt, str)
-               else list(example.prompt))
-      return self.vocab.chat(turns)
-    if not isinstance(example.prompt, str):
-      raise ValueError(f"{example.where}: 'messages' need the start's chat template.")
-    return example.prompt
-
-  def draw(self, key: jax.Array, count: int) -> Prompts:
-    picks = np.asarray(jax.random.randint(key, (count,), 0, len(self.examples)))
-    ids_PxLp = np.full((count, self.prompt_length), self.eos_id, np.int32)
-    valid_PxLp = np.zeros((count, self.prompt_length), bool)
-    for row, i in enumerate(picks):
-      ids = np.asarray(self.vocab.encode(self._text(self.examples[i])), np.int32)
-      ids = ids[-self.prompt_length:]  # d1 keeps the prompt's end
-      ids_PxLp[row, self.prompt_length - len(ids):] = ids
-      valid_PxLp[row, self.prompt_length - len(ids):] = True
-    prompts = [self.examples[i].prompt for i in picks]
-    return Prompts(ids_PxLp=ids_PxLp, valid_PxLp=valid_PxLp,
-                   texts=[p if isinstance(p, str) else p[-1]["content"] for p in prompts],
-                   targets=[self.targets[i] for i in picks])
-
-  def completion_texts(self, ids_BxL: np.ndarray, completion_mask_BxC) -> list[str]:
-    out = []
-    for row, mask in zip(ids_BxL[:, self.prompt_length:], np.asarray(completion_mask_BxC)):
-      out.append(self.vocab.decode([int(t) for t, m in zip(row, mask)
-                                    if m and t != self.eos_id]))
-    return out
-
-
-def completion_mask(completion_BxC: np.ndarray, eos_id: int | None) -> np.ndarray:
-  """1 up to and including the first EOS (d1), all ones without an EOS id (float32)."""
-  if eos_id is None:
-    return np.ones(completion_BxC.shape, np.float32)
-  is_eos = completion_BxC == eos_id
-  first = np.where(is_eos.any(1), is_eos.argmax(1), completion_BxC.shape[1])
-  return (np.arange(completion_BxC.shape[1])[None] <= first[:, None]).astype(np.float32)
-
-
-# ----------------------------------------------------------------------------
 # The compiled pieces.
 # ----------------------------------------------------------------------------
 
@@ -475,8 +359,8 @@ def sampler_spec(config, length: int):
   return sampling.make_spec(config.sampler.family, length=length, **knobs)
 
 
-def rollout(apply_fn, params, key, prompts: Prompts, group: int, completion_length: int,
-            spec, mask_id: int):
+def rollout(apply_fn, params, key, prompts: sources.Prompts, group: int,
+            completion_length: int, spec, mask_id: int):
   """G completions of each prompt (rows p0 x G, p1 x G, ...): (ids_BxL, the step that wrote
   each position (-1: the prompt), seconds); numpy."""
   ids = np.repeat(prompts.ids_PxLp, group, axis=0)
@@ -494,7 +378,7 @@ def rollout(apply_fn, params, key, prompts: Prompts, group: int, completion_leng
   return tokens, np.asarray(out.write_step_BxL), time.perf_counter() - start
 
 
-def score(source, names, weights, prompts: Prompts, group: int, ids_BxL, mask_BxC):
+def score(source, names, weights, prompts: sources.Prompts, group: int, ids_BxL, mask_BxC):
   """(rewards_B, {reward_NAME: mean}) of the rows (`rewards.compute`: the weighted sum of
   each function's); a function that raises or returns NaN raises `rewards.RewardError`
   naming it and the row."""
@@ -515,16 +399,6 @@ def step_key(config, step: int) -> jax.Array:
   from mdjax import streams
   return jax.random.fold_in(jax.random.fold_in(jax.random.key(config.seed),
                                                streams.RowStream.TRAIN_NOISE), step)
-
-
-def make_source(config, task):
-  """The run's prompts: an id task's (Sudoku 4x4), or a JSONL's for a published start (task
-  'sft': `rl.prompts`, by default its `task_kwargs.path`)."""
-  opts = rl_options(config)
-  if config.task == "sft" or opts["prompts"] is not None:
-    path = opts["prompts"] or config.task_kwargs.get("path")
-    return JsonlSource(path, config.train.init_from, opts)
-  return IdTaskSource(task)
 
 
 def _lora_parts(config, apply_fn):
@@ -559,7 +433,7 @@ def run(config, workdir: str, log, interrupts):
     state = jax.device_put(restored, shardings)
     log(f"resumed from step {int(state.step)}")
   num_steps = config.train.num_steps
-  source = make_source(config, task)
+  source = sources.make_source(config, task, opts)
   group = opts["num_generations"]
   num_prompts = config.batch_size // group
   spec = sampler_spec(config, source.prompt_length + source.completion_length)
@@ -582,7 +456,9 @@ def run(config, workdir: str, log, interrupts):
       ids_BxL, write_BxL, rollout_seconds = rollout(
           apply_fn, params, jax.random.fold_in(key, Stream.ROLLOUT), prompts, group,
           source.completion_length, spec, source.mask_id)
-      mask_BxC = completion_mask(ids_BxL[:, source.prompt_length:], source.eos_id)
+      mask_BxC = np.asarray(losses.completion_mask(
+          ids_BxL[:, source.prompt_length:], () if source.eos_id is None else source.eos_id),
+          np.float32)
       if opts["estimator"] == "trajectory" and write_BxL.max() >= opts["sampler_steps"]:
         raise ValueError(f"rl.estimator='trajectory': the sampler wrote at step "
                          f"{int(write_BxL.max())}, past sampler.steps={opts['sampler_steps']} "

@@ -60,11 +60,13 @@ START_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_t
 @dataclasses.dataclass(frozen=True)
 class Example:
   """One line of the file: `prompt` (a text, or a tuple of {"role", "content"} turns), the
-  response text, and `where` ("file:line") for messages about it."""
+  response text, `where` ("file:line") for messages about it, and the line's optional
+  "answer" (what an RL reward checks, `mdjax.rl`; None: none given)."""
 
   prompt: Any
   response: str
   where: str
+  answer: Any = None
 
 
 LINE_FORM = ("a JSON object with 'prompt' and 'response' texts, or with 'messages' (turns "
@@ -105,7 +107,7 @@ def parse_example(obj, where: str) -> Example:
   if not isinstance(response, str) or not response.strip():
     raise ValueError(f"{where}: no response: the response {response!r} is not a non-empty "
                      "string.")
-  return Example(prompt=prompt, response=response, where=where)
+  return Example(prompt=prompt, response=response, where=where, answer=obj.get("answer"))
 
 
 def read_jsonl(path: str) -> list[Example]:
@@ -273,7 +275,9 @@ def unpack_rows(rows_BxL):
   return xp.where(maskable_BxL, rows_BxL, -1 - rows_BxL), maskable_BxL
 
 
-def _prompt_text(example: Example, vocab: Vocabulary, chat: bool) -> str:
+def prompt_text(example: Example, vocab: Vocabulary, chat: bool) -> str:
+  """The prompt as the model reads it: through the start's chat template when `chat` and it
+  has one, else the prompt text itself."""
   if chat and vocab.chat is not None:
     turns = ([{"role": "user", "content": example.prompt}] if isinstance(example.prompt, str)
              else list(example.prompt))
@@ -312,7 +316,7 @@ def encode_examples(examples: Sequence[Example], vocab: Vocabulary, length: int,
   tokens_NxL = np.full((len(examples), length), vocab.eos_id, np.int32)
   prompt_lengths_N = np.zeros(len(examples), np.int32)
   for n, example in enumerate(examples):
-    prompt = _ids(vocab, _prompt_text(example, vocab, chat), example.where, "prompt")
+    prompt = _ids(vocab, prompt_text(example, vocab, chat), example.where, "prompt")
     response = _ids(vocab, example.response, example.where, "response")
     if len(prompt) >= length:
       raise ValueError(f"{example.where}: the prompt is {len(prompt)} tokens, which leaves no "

@@ -185,7 +185,7 @@ class PublishedView:
                     block_pair=self.block_pair if blocks else None)
 
   def annealed(self, fraction, key) -> Denoiser:
-    """The denoiser with attention annealed towards causal (`published.anneal_visible`:
+    """The denoiser with attention annealed towards causal (`layers.anneal_visible`:
     fraction 0 causal, 1 the network's own pattern; one draw of `key`)."""
     anneal = (fraction, key)
     blocks = self.config.block_size is not None

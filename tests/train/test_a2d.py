@@ -32,12 +32,7 @@ def _config(name, **overrides):
   config.update(log_every=1, eval_batches=1)
   config.checkpoint.update(every=1)
   config.data.update(threads=1, prefetch=1)
-  for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
+  config.update_from_flattened_dict(overrides)  # dotted paths: "a2d.anneal_steps"
   return config
 
 

@@ -21,12 +21,7 @@ from mdjax.train import state as train_state
 def _tiny(**changes):
   config = two_color.get_config()
   config.batch_size = 8
-  for path, value in changes.items():  # dotted paths: "model.remat"
-    *parents, name = path.split(".")
-    node = config
-    for part in parents:
-      node = node[part]
-    node[name] = value
+  config.update_from_flattened_dict(changes)  # dotted paths: "model.remat"
   return config
 
 

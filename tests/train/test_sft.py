@@ -44,12 +44,7 @@ def _sft_config(workdir_or_dir, **overrides):
   config.train.update(num_steps=8, lr=3e-3, warmup_steps=0)
   config.update(log_every=4, eval_batches=1)
   config.checkpoint.update(every=8)
-  for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
+  config.update_from_flattened_dict(overrides)  # dotted paths: "train.lr"
   return config
 
 
