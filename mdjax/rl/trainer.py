@@ -228,15 +228,8 @@ def start_model(config, task):
   """(graphdef, float32 params, apply_fn) of `train.init_from`: a workdir's newest checkpoint
   (its EMA parameters when kept) or a published folder behind mdjax's denoiser contract."""
   kind, where = sft_data.split_start(config.train.init_from)
-  if kind == "pretrained":
-    from mdjax import pretrained
-    from mdjax.train.sft import PublishedView
-    model = pretrained.load(where)
-    if model.vocab_size != task.vocab_size:
-      raise ValueError(f"start {where}: {model.vocab_size} ids, the task {task.vocab_size}.")
-    params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), model.params)
-    view = PublishedView(dataclasses.replace(model.config, dtype=config.model.dtype))
-    return None, params, view.denoiser()
+  if kind == "pretrained":  # as SFT starts from one
+    return sft.start_model(config, task)
   start = checkpoints.load(where, log=lambda message: None)
   if start.task.vocab_size != task.vocab_size or start.task.length != task.length:
     raise ValueError(f"start={where!r}: its task has {start.task.vocab_size} ids and length "
