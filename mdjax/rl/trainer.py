@@ -417,8 +417,12 @@ def run(config, workdir: str, log, interrupts):
   if lora_parts is None:  # the start point, frozen (a copy: the updates donate the state)
     ref_apply, ref_params = apply_fn, jax.tree.map(jnp.copy, state.params)
     ref_of = lambda params: ref_params  # noqa: E731
+    sample_apply, sampled = apply_fn, lambda params: params  # noqa: E731
   else:
     ref_apply, ref_of = lora_parts
+    # Rollouts read the adapters merged once per step, not at every sampler step.
+    sample_apply = ref_apply
+    sampled = jax.jit(functools.partial(lora.merge, lora_config=lora.config_of(config)))
   manager = checkpoints.checkpoint_manager(workdir, config)
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
   restored = checkpoints.restore_latest(manager, abstract, config, task, log)
@@ -447,7 +451,7 @@ def run(config, workdir: str, log, interrupts):
       key = step_key(config, step)
       prompts = source.draw(jax.random.fold_in(key, Stream.PROMPTS), num_prompts)
       ids_BxL, write_BxL, rollout_seconds = rollout(
-          apply_fn, params, jax.random.fold_in(key, Stream.ROLLOUT), prompts, group,
+          sample_apply, sampled(params), jax.random.fold_in(key, Stream.ROLLOUT), prompts, group,
           source.completion_length, spec, source.mask_id)
       mask_BxC = np.asarray(losses.completion_mask(
           ids_BxL[:, source.prompt_length:], () if source.eos_id is None else source.eos_id),

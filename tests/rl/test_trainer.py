@@ -15,8 +15,8 @@ import pytest
 import mdjax
 from configs import grpo as grpo_config
 from configs.base import base_config
-from mdjax import sampling, train
-from mdjax.rl import rewards, trainer
+from mdjax import lora, sampling, train
+from mdjax.rl import rewards, sources, trainer
 from mdjax.tasks import sudoku4
 from mdjax.train import objectives
 from mdjax.train.config_checks import ConfigError
@@ -220,3 +220,27 @@ def test_the_trajectory_estimator_scores_the_rollouts_own_steps(start, tmp_path)
   bad.sampler.steps = None
   with pytest.raises(ConfigError, match=r"rl.estimator='trajectory'.*sampler.steps=None"):
     train.train(bad, str(tmp_path / "bad"), log=_quiet)
+
+
+def test_a_lora_run_trains_the_adapters_and_rolls_out_on_merged_weights(start, tmp_path):
+  """With LoRA the base stays the start's, the adapters move, and a rollout on the weights
+  merged once per step draws the tokens the adapted denoiser draws (the same weights, W +
+  scale A B, computed by the same code)."""
+  c = _config(start, steps=1)
+  c.train.lora.rank = 2
+  final = train.train(c, str(tmp_path / "w"), log=_quiet)
+  begin = mdjax.load(start, log=_quiet)
+  for a, b in zip(jax.tree.leaves(begin.params), jax.tree.leaves(final.params["base"])):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b))
+  assert any(np.abs(np.asarray(b)).max() > 0
+             for path, b in jax.tree_util.tree_leaves_with_path(final.params["lora"])
+             if jax.tree_util.keystr(path).endswith("['b']"))
+  lora_config = lora.config_of(c)
+  prompts = sources.IdTaskSource(begin.task).draw(jax.random.key(5), 2)
+  spec = trainer.sampler_spec(c, sudoku4.LENGTH)
+  key = jax.random.key(6)
+  adapted, *_ = trainer.rollout(lora.adapt(begin.apply_fn, lora_config), final.params, key,
+                                prompts, 2, 16, spec, sudoku4.MASK_ID)
+  merged, *_ = trainer.rollout(begin.apply_fn, lora.merge(final.params, lora_config), key,
+                               prompts, 2, 16, spec, sudoku4.MASK_ID)
+  np.testing.assert_array_equal(adapted, merged)
