@@ -16,14 +16,17 @@ block against a KV cache (`sampling.kv_cache`). Block-by-block generation
 (`sampling.block_generation.sample_blocks`, block diffusion) runs any family one block at a
 time after a sliding window: exact cache on a block-causal model, any length.
 `sampling.classifier_free` wraps any denoiser with classifier-free guidance
-(`sampling.guidance`). `sampling.base` defines the family protocol.
+(`sampling.guidance`). `sampling.base` defines the family protocol; `sampling.prepare` and
+`Stepper` (`sampling.stepping`) are the public door for stepping a sampler by hand.
 """
 
 from mdjax.denoiser import Denoiser
 from mdjax.sampling.base import (KV_CACHES, BoundDenoiser, Canvas, Counters, Family,
                                  SamplerSpec, families, family_of, make_spec, register)
-from mdjax.sampling.driver import (IDLE_FRACTION_TO_SKIP, SampleResult, lower, num_steps,
-                                   row_keys, sample, sample_python_loop)
+from mdjax.sampling.stepping import (IDLE_FRACTION_TO_SKIP, Carry, SampleResult, Stepper,
+                                     row_keys)
+from mdjax.sampling.driver import (Prepared, lower, num_steps, prepare, sample,
+                                   sample_python_loop)
 from mdjax.sampling.end_of_row import EndOfRow
 from mdjax.sampling.kv_cache import offers_cache, recompute_cache
 from mdjax.sampling.block_generation import BlocksResult, sample_blocks
@@ -51,8 +54,8 @@ from mdjax.sampling.families.speculative import SpeculativeSpec
 from mdjax.sampling.base import families  # noqa: E402,F811
 
 __all__ = [
-    "AncestralSpec", "BD3LMSpec", "BlocksResult", "BoundDenoiser", "Canvas", "ConfidenceSpec",
-    "Counters",
+    "AncestralSpec", "BD3LMSpec", "BlocksResult", "BoundDenoiser", "Canvas", "Carry",
+    "ConfidenceSpec", "Counters", "Prepared", "Stepper", "prepare",
     "DeferSpec", "Denoiser", "DreamSpec", "EndOfRow", "classifier_free",
     "EntropyBoundedSpec", "Family", "FastDllmV2Spec", "FieldOrderSpec", "IDLE_FRACTION_TO_SKIP", "KV_CACHES", "LocalRemaskSpec", "MDLMSpec", "OrderedSpec",
     "RandomOrderSpec", "RemaskSpec",

@@ -38,7 +38,6 @@ The whole generation is one `lax.scan` over blocks, one compiled program.
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any
 
 import jax
@@ -47,7 +46,7 @@ import numpy as np
 from flax import struct
 
 from mdjax.denoiser import Denoiser
-from mdjax.sampling import driver, kv_cache
+from mdjax.sampling import driver, kv_cache, stepping
 from mdjax.sampling.base import BoundDenoiser, Canvas, CountedView, Counters, check, family_of
 from mdjax.sampling.end_of_row import EndOfRow
 
@@ -151,12 +150,12 @@ def _check(denoiser: Denoiser, params, prompt: np.ndarray, spec, *, length, bloc
                   fixed=np.zeros((batch, blocks_of), bool), vocab_size=vocab_size)
   family.validate(spec, canvas)
   plan = family.plan(spec, canvas)
-  return family, plan, driver.skips_idle_steps(family, spec, canvas, plan), vocab_size
+  return family, plan, stepping.skips_idle_steps(family, spec, canvas, plan), vocab_size
 
 
 def sample_blocks(apply_fn, params: Any, key: Array, prompt_BxP, spec, *, length: int,
-                  blocks_of: int | None = None, window: int, mask_id: int, valid_BxP=None,
-                  cached: bool = True, block_length: int | None = None) -> BlocksResult:
+                  blocks_of: int, window: int, mask_id: int, valid_BxP=None,
+                  cached: bool = True) -> BlocksResult:
   """Generates `length` positions after each prompt, `blocks_of` at a time.
 
   Args:
@@ -170,8 +169,6 @@ def sample_blocks(apply_fn, params: Any, key: Array, prompt_BxP, spec, *, length
       `block_length` (if any) splits the block further. `spec.kv_cache` must be "none".
     length: positions to generate (a multiple of blocks_of; any number of windows).
     blocks_of: positions per block (a multiple of the model's block size when cached).
-      (`block_length=`, its earlier name, is accepted for one release: in `spec` that name
-      means semi-autoregressive blocks inside the canvas.)
     window: positions of context before each block (>= blocks_of); window +
       blocks_of should be the length the model was trained on.
     mask_id: the mask id: V (the denoiser's logits per position) or an id inside the
@@ -180,15 +177,6 @@ def sample_blocks(apply_fn, params: Any, key: Array, prompt_BxP, spec, *, length
     cached: keep the canvas's keys and values (exact on a block-causal model) and run the
       family's calls on the block only.
   """
-  if block_length is not None:
-    if blocks_of is not None:
-      raise ValueError(f"give blocks_of={blocks_of} alone; block_length={block_length} is its "
-                       "earlier name.")
-    warnings.warn("sample_blocks(block_length=...) is now blocks_of=...", DeprecationWarning,
-                  stacklevel=2)
-    blocks_of = block_length
-  if blocks_of is None:
-    raise ValueError("blocks_of is required: the positions of each generated block.")
   prompt = np.asarray(prompt_BxP)
   valid = None if valid_BxP is None else np.asarray(valid_BxP).astype(bool)
   denoiser = Denoiser.of(apply_fn)
@@ -197,13 +185,12 @@ def sample_blocks(apply_fn, params: Any, key: Array, prompt_BxP, spec, *, length
                                           valid=valid, cached=cached)
   mask_id = int(mask_id)
   batch = prompt.shape[0]
-  driver._check_key_rows(key, batch)
   valid = np.ones(prompt.shape, bool) if valid is None else valid
   prompt = prompt.astype(np.int32)
   whole_BxP, tail_BxR = prompt, np.zeros((batch, 0), np.int32)
   if denoiser.block_size is not None:  # blocks start where the model's blocks do
     whole_BxP, valid, tail_BxR = split_tails(prompt, valid, denoiser.block_size, mask_id)
-  return _program(denoiser, params, driver.row_keys(key, batch), prompt, whole_BxP, valid,
+  return _program(denoiser, params, stepping.row_keys(key, batch), prompt, whole_BxP, valid,
                   tail_BxR, plan, spec=spec, mask_id=mask_id, vocab_size=vocab_size,
                   length=length,
                   blocks_of=blocks_of, window=window, cached=cached, skip=skip)
@@ -321,11 +308,11 @@ def _program(denoiser, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_Bx
       cache = refreshed(n, cache, fits, offset, tokens_BxC, valid_BxC)
     context = cache if cached else tokens_BxC
     block_BxW = jax.lax.dynamic_slice_in_dim(tokens_BxC, offset, blocks_of, axis=1)
-    core, ctx = driver._start(jax.vmap(jax.random.fold_in, (0, None))(keys_B, n), block_BxW,
-                              None, mask_id, vocab_size=vocab_size)
+    core, ctx = stepping.start_canvas(jax.vmap(jax.random.fold_in, (0, None))(keys_B, n),
+                                      block_BxW, None, mask_id, vocab_size=vocab_size)
     block = BoundDenoiser(_block_denoiser(denoiser, offset, cached), params, valid_BxL=valid_BxC,
                           context=context, mask_in_vocab=ctx.mask_in_vocab)
-    core, _, _ = driver.run(spec, block, core, ctx, plan, skip)
+    core, _, _ = stepping.run(spec, block, core, ctx, plan, skip)
     return core.tokens_BxL, core.counters.add(nfe=int(cached)), cache
 
   def body(state: _BlocksState, n):

@@ -49,6 +49,10 @@ class EndOfRow:
     """Whether some row is not finished (once none is, no step calls the denoiser)."""
     return True
 
+  def open_rows(self, tokens_BxL: Array, ctx: Context) -> Array:
+    """Per row: not finished (no row is, without an EOS id)."""
+    return jnp.ones(tokens_BxL.shape[:1], bool)
+
   def generated_length(self, tokens_BxL: Array, editable_BxL: Array, mask_id: int) -> Array:
     """Editable positions of each row before its first EOS (all of them without one)."""
     return editable_BxL.sum(-1, dtype=jnp.int32)
@@ -104,6 +108,9 @@ class EndAtEos(EndOfRow):
 
   def any_open(self, tokens_BxL, ctx):
     return ~self.state(tokens_BxL, ctx.editable_BxL, ctx.mask_id)[1].all()
+
+  def open_rows(self, tokens_BxL, ctx):
+    return ~self.state(tokens_BxL, ctx.editable_BxL, ctx.mask_id)[1]
 
   def generated_length(self, tokens_BxL, editable_BxL, mask_id):
     first_B, _ = self.state(tokens_BxL, editable_BxL, mask_id)

@@ -2,8 +2,8 @@
 
 A `Lane` is a fixed number of rows (slots) of one sampler spec on one canvas length. Each
 tick is one compiled program that advances every active row of the lane one denoising step,
-whatever step each row is at: the driver's own step (`sampling.driver`), vmapped over rows,
-each with its own step index and plan. A request's rows take free slots between ticks and
+whatever step each row is at: the public stepping door (`sampling.Stepper.step`), vmapped
+over rows, each with its own step index and plan. A request's rows take free slots between ticks and
 leave as soon as their canvas is done (or they wrote EOS), so their slots serve the next
 request at the next tick. The active rows are kept packed at the front of the lane (a row
 that leaves is replaced by the last one), and a tick runs only the front `bucket` slots,
@@ -36,7 +36,6 @@ import numpy as np
 
 from mdjax import generation, sampling
 from mdjax.model import ConfiguredSampler, Model
-from mdjax.sampling import driver
 from mdjax.serve import lanes as lane_programs
 from mdjax.serve.lanes import Lane
 
@@ -75,31 +74,40 @@ class Job:
 
   spec: the sampler spec run (`generate(..., spec=job.spec)` reproduces it offline).
   tokens_1xS / valid_1xS: the row's canvas (left padding, prompt, max_new_tokens masks).
-  plan: the family's per-step plan for that canvas (leading axis num_steps).
+  stepper, plan: what `sampling.prepare` made of it: the spec on the canvas's ids, and the
+  family's per-step plan (leading axis num_steps).
   """
 
   prompt_ids: np.ndarray
   max_new_tokens: int
   seed: int
   n: int
-  spec: Any
-  num_steps: int
   denoiser: Any
   params: Any
   tokens_1xS: np.ndarray
   valid_1xS: np.ndarray
+  stepper: sampling.Stepper
   plan: Any
-  mask_id: int
-  vocab_size: int
+
+  @property
+  def spec(self):
+    return self.stepper.spec
+
+  @property
+  def mask_id(self) -> int:
+    return self.stepper.mask_id
 
   @property
   def canvas_length(self) -> int:
     return self.tokens_1xS.shape[1]
 
   @property
+  def num_steps(self) -> int:
+    return self.stepper.num_steps(self.canvas_length)
+
+  @property
   def lane_key(self) -> tuple:
-    return (self.denoiser, id(self.params), self.spec, self.canvas_length, self.mask_id,
-            self.vocab_size)
+    return (self.denoiser, id(self.params), self.stepper, self.canvas_length)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,12 +241,11 @@ class Engine:
     tokens, valid, _ = generation.left_padded([ids], length, model.mask_id, pad_id=model.pad_id,
                                               start=length - max_new_tokens)
     params = model.params if run.params is None else run.params
-    _, args, static = driver._prepare(run.denoiser, params, jax.random.key(seed)[None], tokens,
-                                      run.spec, None, model.mask_id)
+    prepared = sampling.prepare(run.denoiser, params, jax.random.key(seed)[None], tokens,
+                                run.spec, mask_id=model.mask_id)
     return Job(prompt_ids=ids, max_new_tokens=int(max_new_tokens), seed=seed, n=n,
-               spec=run.spec, num_steps=family.num_steps(run.spec, length),
-               denoiser=run.denoiser, params=params, tokens_1xS=tokens, valid_1xS=valid,
-               plan=args[4], mask_id=static["mask_id"], vocab_size=static["vocab_size"])
+               denoiser=prepared.denoiser, params=params, tokens_1xS=tokens, valid_1xS=valid,
+               stepper=prepared.stepper, plan=prepared.plan)
 
   def submit(self, job: Job, on_update: Callable[[RowUpdate], None]) -> Handle:
     """Queues the job's rows; `on_update` hears of each row after every tick (from the

@@ -1,7 +1,8 @@
 """A lane: the fixed slots of one sampler spec on one canvas length, and its compiled
 programs: `empty` (the slots, idle), `admit` (a request's row started in a free slot),
 `move` (a row copied from one slot to another, the vacated one idle) and `tick` (every
-active row one denoising step, each at its own step: the driver's step, vmapped over rows).
+active row one denoising step, each at its own step: `sampling.Stepper.step`, vmapped over
+rows).
 
 A lane keeps its active rows packed at the front of its slots (`Lane.order`: the slots in
 the order they fill): a row that leaves is replaced by the last active row (`move`), so a
@@ -25,9 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from mdjax import sampling
-from mdjax.sampling import driver
-from mdjax.sampling.base import BoundDenoiser, Context
+from mdjax.sampling import Carry, Stepper
 from mdjax.sampling.end_of_row import EndOfRow
 
 Array = jax.Array
@@ -48,17 +47,16 @@ def traces() -> int:
 
 @struct.dataclass
 class RowState:
-  """One slot: the driver's loop state of a one-row run, its constants, its plan, its step."""
+  """One slot: the stepping carry of a one-row run, its plan, its step."""
 
-  loop: driver.LoopState
-  ctx: Context
+  carry: Carry
   plan: Any
   valid_1xS: Array
   index: Array  # the next step
   active: Array
 
 
-_STATIC = ("denoiser", "family", "spec", "mask_id", "vocab_size", "padded", "sharding")
+_STATIC = ("denoiser", "stepper", "padded", "sharding")
 
 
 def _placed(rows: RowState, sharding) -> RowState:
@@ -80,18 +78,12 @@ def row_sharding(params, slots: int):
   return None
 
 
-def _bound(denoiser, params, row_ctx: Context, valid_1xS, padded: bool) -> BoundDenoiser:
-  return BoundDenoiser(denoiser, params, valid_1xS if padded else None,
-                       mask_in_vocab=row_ctx.mask_in_vocab)
-
-
-def _start_row(denoiser, params, key, tokens_1xS, valid_1xS, plan, *, family, spec, mask_id,
-               vocab_size, padded, sharding=None) -> RowState:
-  core, ctx = driver._start(key[None], tokens_1xS, None, mask_id,
-                            valid_1xS if padded else None, vocab_size)
-  loop = driver._init(family, spec, _bound(denoiser, params, ctx, valid_1xS, padded), core,
-                      ctx, cached=False)
-  return RowState(loop=loop, ctx=ctx, plan=plan, valid_1xS=valid_1xS, index=jnp.int32(0),
+def _start_row(denoiser, params, key, tokens_1xS, valid_1xS, plan, *, stepper: Stepper,
+               padded: bool, sharding=None) -> RowState:
+  valid = valid_1xS if padded else None
+  carry = stepper.start(stepper.bind(denoiser, params, valid), key[None], tokens_1xS,
+                        valid_BxL=valid)
+  return RowState(carry=carry, plan=plan, valid_1xS=valid_1xS, index=jnp.int32(0),
                   active=jnp.bool_(True))
 
 
@@ -140,27 +132,22 @@ def _put_front(leaf: Array, front: Array, split: int) -> Array:
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("num_steps", "bucket", "split"),
                    donate_argnames=("rows",))
-def _tick(denoiser, params, rows, *, family, spec, mask_id, vocab_size, padded, sharding,
-          num_steps, bucket, split=1):
+def _tick(denoiser, params, rows, *, stepper: Stepper, padded, sharding, num_steps, bucket,
+          split=1):
   """One step for every active row among the `bucket` front slots (`_front`; each row at
   its own step): (rows, and of those slots, in `Lane.front` order: tokens_BxS, active_B,
   generated_length_B, index_B). One program per bucket; the other slots are not read."""
   _count_trace()
-  end = EndOfRow.of(spec)
+  end = EndOfRow.of(stepper.spec)
 
   def step(row: RowState) -> RowState:
     index = jnp.minimum(row.index, num_steps - 1)
-    inputs = driver.StepInputs(index=index, plan=driver._at(row.plan, index), kv_plan=None)
-    bound = _bound(denoiser, params, row.ctx, row.valid_1xS, padded)
-    loop = driver._step(family, spec, bound, row.ctx, row.loop, inputs)
-    tokens_1xS = loop.core.tokens_BxL
-    still_open = jnp.asarray(end.any_open(tokens_1xS, row.ctx))
-    if not family.rewrites:  # a filled canvas no step changes: the row is done
-      still_open &= row.ctx.masked(tokens_1xS).any()
+    bound = stepper.bind(denoiser, params, row.valid_1xS if padded else None)
+    carry = stepper.step(bound, row.carry, index, row.plan)
     keep = lambda new, old: jnp.where(row.active, new, old)
-    return row.replace(loop=jax.tree.map(keep, loop, row.loop),
+    return row.replace(carry=jax.tree.map(keep, carry, row.carry),
                        index=keep(index + 1, row.index),
-                       active=row.active & (index + 1 < num_steps) & still_open)
+                       active=row.active & ~stepper.done(carry, index + 1)[0])
 
   if bucket == rows.active.shape[0]:  # every slot: the rows as they are
     rows = front = _placed(jax.vmap(step)(rows), sharding)
@@ -169,9 +156,9 @@ def _tick(denoiser, params, rows, *, family, spec, mask_id, vocab_size, padded, 
     front = _placed(jax.vmap(step)(_placed(front, sharding)), sharding)
     rows = _placed(jax.tree.map(lambda leaf, new: _put_front(leaf, new, split), rows, front),
                    sharding)
-  tokens_BxS = front.loop.core.tokens_BxL[:, 0]
-  lengths_B = jax.vmap(lambda r: end.generated_length(r.loop.core.tokens_BxL,
-                                                      r.ctx.editable_BxL, mask_id)[0])(front)
+  tokens_BxS = front.carry.tokens_BxL[:, 0]
+  lengths_B = jax.vmap(lambda r: end.generated_length(
+      r.carry.tokens_BxL, r.carry.ctx.editable_BxL, stepper.mask_id)[0])(front)
   return rows, tokens_BxS, front.active, lengths_B, front.index
 
 
@@ -193,10 +180,9 @@ class Lane:
   def __init__(self, job, slots: int, padded: bool):
     """The lane of `job`'s spec and canvas (an `engine.Job`), its `slots` rows idle."""
     self.key = job.lane_key
-    self.family = sampling.family_of(job.spec)
+    self.family = job.stepper.family
     sharding = row_sharding(job.params, slots)
-    self.static = dict(denoiser=job.denoiser, family=self.family, spec=job.spec,
-                       mask_id=job.mask_id, vocab_size=job.vocab_size, padded=padded,
+    self.static = dict(denoiser=job.denoiser, stepper=job.stepper, padded=padded,
                        sharding=sharding)
     self.params, self.num_steps = job.params, job.num_steps
     self.slots = slots

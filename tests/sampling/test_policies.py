@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mdjax import sampling
-from mdjax.sampling import driver
+from mdjax.sampling import stepping
 from mdjax.sampling.base import Context, Core
 from mdjax.sampling.end_of_row import EndAtEos, EndOfRow
 
@@ -64,8 +64,8 @@ def test_counters_add_and_a_sub_run_is_absorbed():
 
 def test_the_idle_step_rule_inside_a_composite_family():
   families = sampling.families()
-  assert driver.skips_idle_steps(families["ancestral"], sampling.AncestralSpec(steps=4))
-  assert not driver.skips_idle_steps(families["revision"], sampling.RevisionSpec(steps=4))
-  assert driver.skips_idle_steps(families["revision"], sampling.RevisionSpec(steps=4, eos_id=0))
-  assert not driver.skips_idle_steps(families["ancestral"],
+  assert stepping.skips_idle_steps(families["ancestral"], sampling.AncestralSpec(steps=4))
+  assert not stepping.skips_idle_steps(families["revision"], sampling.RevisionSpec(steps=4))
+  assert stepping.skips_idle_steps(families["revision"], sampling.RevisionSpec(steps=4, eos_id=0))
+  assert not stepping.skips_idle_steps(families["ancestral"],
                                      sampling.AncestralSpec(steps=4, skip_idle_steps=False))

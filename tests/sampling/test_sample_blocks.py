@@ -195,10 +195,6 @@ def test_bad_input(block_model):
   _, bidi_params, bidi = models.init(_cfg(block_size=None), seed=0)
   with pytest.raises(ValueError, match="cached=True needs a block-causal denoiser"):
     call(model=(bidi, bidi_params))
-  with pytest.warns(DeprecationWarning, match="now blocks_of"), \
-      pytest.raises(ValueError, match="length=10 is invalid"):
-    sampling.sample_blocks(*block_model, jax.random.key(0), _prompt(), spec, length=10,
-                           block_length=BLOCK, window=WINDOW, mask_id=V)  # its earlier name
   with pytest.raises(ValueError, match="exceeds max_len"):
     call(window=12)  # 16 positions on a 12-position model
   del params, apply_fn

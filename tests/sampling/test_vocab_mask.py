@@ -13,7 +13,7 @@ import pytest
 from jax.experimental import checkify
 
 from mdjax import sampling
-from mdjax.sampling import driver, scores, transforms
+from mdjax.sampling import scores, stepping, transforms
 from mdjax.sampling.base import Context
 
 # One worker: the tests share the programs compiled for the stub.
@@ -109,7 +109,7 @@ def test_ids_are_checked_against_the_vocabulary_and_the_mask_id():
   # Inside the caller's jit the ids are counted instead (ids above the mask id are tokens).
   bad = np.where(_canvas() == 11, 12, _canvas())
   ctx = Context(mask_id=MASK, editable_BxL=jnp.asarray(bad == MASK), keys_B=None, vocab_size=V)
-  np.testing.assert_array_equal(driver._invalid_input(jnp.asarray(bad), ctx),
+  np.testing.assert_array_equal(stepping.invalid_input(jnp.asarray(bad), ctx),
                                 (bad == 12).sum(-1))
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from mdjax.sampling import contexts, driver, scores, transforms
+from mdjax.sampling import contexts, scores, stepping, transforms
 from mdjax.sampling.base import (Canvas, Context, Core, Family, SamplerSpec, check,
                                  family_of, make_spec, register)
 from mdjax.sampling.end_of_row import EndOfRow
@@ -139,7 +139,7 @@ class LocalRemask(Family):
                eos_rank_last=spec.eos_rank_last)
     base_spec, refill_spec = (dataclasses.replace(s, **eos) for s in (spec.base, spec.refill))
     end = EndOfRow.of(spec)
-    core, _, _ = driver.run(base_spec, denoiser, core, ctx, plan.base)
+    core, _, _ = stepping.run(base_spec, denoiser, core, ctx, plan.base)
     base_steps = family_of(spec.base).num_steps(spec.base, length)
     refill_steps = family_of(spec.refill).num_steps(spec.refill, length)
     evaluate = lambda tokens_NxL: denoiser(tokens_NxL, 1.0 / spec.score_groups)
@@ -160,7 +160,7 @@ class LocalRemask(Family):
       remask_BxL = choose_remask(spec, choice_keys_B, open_BxL, core.write_conf_BxL,
                                  conf_now_BxL, ctx.shift_B)
       refill_ctx = ctx.replace(editable_BxL=remask_BxL, keys_B=round_keys_B)
-      refill, _, _ = driver.run(
+      refill, _, _ = stepping.run(
           refill_spec, denoiser,
           Core.start(jnp.where(remask_BxL, ctx.mask_id, core.tokens_BxL)), refill_ctx,
           plan.refill)
