@@ -37,7 +37,8 @@ sys.path.insert(0, ROOT)
 
 from configs import shakespeare_block, shakespeare_causal, shakespeare_char  # noqa: E402
 import mdjax  # noqa: E402
-from mdjax import likelihood, report, sampling, train  # noqa: E402
+from mdjax import report, sampling, train  # noqa: E402
+from mdjax.evaluate import elbo  # noqa: E402
 
 STEPS = 1000  # every model's training budget
 BLOCKS = (1, 4, 16, 64)
@@ -74,7 +75,7 @@ def nelbo_rows(models, windows, seed) -> list[dict]:
   rows = []
   for block in BLOCKS:
     model = models[f"block{block}"]
-    est = likelihood.nelbo_estimate(
+    est = elbo.nelbo_estimate(
         model.apply_fn, model.params, windows, schedule=train.masking_schedule(model.config),
         mask_id=model.task.mask_id, time_samples=NELBO_TIME_SAMPLES, seed=seed,
         block_size=None if block == LENGTH else block)
@@ -97,7 +98,7 @@ def _timed(call):
 
 
 def _scores(tokens_NxL, causal, task) -> dict:
-  bits_N = likelihood.causal_bits(causal.apply_fn, causal.params, tokens_NxL,
+  bits_N = elbo.causal_bits(causal.apply_fn, causal.params, tokens_NxL,
                                   start_id=task.mask_id)
   return {"gen_bits_per_char": float(bits_N.mean() / tokens_NxL.shape[1]),
           "word_validity": task.sample_metrics(tokens_NxL)["word_validity"]}
@@ -158,7 +159,7 @@ def run(n: int, workdir: str = "/tmp/models", seed: str = "0") -> dict:
   task = models["causal1000"].task
   windows = task.validation_windows(NELBO_WINDOWS)
   causal = models["causal1000"]
-  causal_bits = likelihood.causal_bits(causal.apply_fn, causal.params, windows,
+  causal_bits = elbo.causal_bits(causal.apply_fn, causal.params, windows,
                                        start_id=task.mask_id)
   samples, examples = sample_rows(models, n, seed)
   long, long_example = long_rows(models, n, seed)

@@ -10,7 +10,7 @@ Trains (or reuses) the three models with a fixed seed: the character denoiser
 
 - bits per character of both denoisers on the held-out plays: the NELBO summed over fixed
   held-out windows, in bits, over the characters those windows code (an EOS codes the blank
-  line it replaced: `text.characters_of`);
+  line it replaced: `tokenizers.characters_of`);
 - generation from held-out prompts (prefixes of held-out speeches, several lengths in one
   left-padded batch): generated length, generative bits per character of the completion under
   the causal reference (re-encoded in characters), output tokens per second counted up to EOS,
@@ -37,8 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from configs import shakespeare_bpe, shakespeare_causal, shakespeare_char  # noqa: E402
-from mdjax import generation, likelihood, sampling, train  # noqa: E402
-from mdjax.tasks import text  # noqa: E402
+from mdjax import generation, sampling, tokenizers, train  # noqa: E402
+from mdjax.evaluate import elbo  # noqa: E402
 
 _CHAR = flags.DEFINE_string("char_workdir", "/tmp/models/char", "Character denoiser workdir.")
 _BPE = flags.DEFINE_string("bpe_workdir", "/tmp/models/bpe", "BPE denoiser workdir.")
@@ -77,17 +77,17 @@ def models():
 
 def bits_per_char(model) -> float:
   windows = model.task.validation_windows(NELBO_WINDOWS)
-  est = likelihood.nelbo_estimate(model.apply_fn, model.params, windows,
+  est = elbo.nelbo_estimate(model.apply_fn, model.params, windows,
                                   schedule=train.masking_schedule(model.config),
                                   mask_id=model.task.mask_id, seed=_SEED.value)
   total_bits = est["bits_per_token"] * windows.size
-  chars = sum(text.characters_of(model.task.tokenizer, w) for w in windows)
+  chars = sum(tokenizers.characters_of(model.task.tokenizer, w) for w in windows)
   return total_bits / chars
 
 
 def held_out_prompts(task) -> list[np.ndarray]:
   """Prefixes of held-out speeches longer than 64 tokens, of the lengths PROMPT_TOKENS."""
-  speeches = [s for s in task.corpus.validation_text.split(text.DOCUMENT_SEPARATOR)
+  speeches = [s for s in task.corpus.validation_text.split(tokenizers.DOCUMENT_SEPARATOR)
               if len(s) > 400]
   picks = np.linspace(0, len(speeches) - 1, len(PROMPT_TOKENS)).astype(int)
   return [task.encode(speeches[i])[:n] for i, n in zip(picks, PROMPT_TOKENS)]

@@ -28,7 +28,8 @@ import jax
 import numpy as np
 
 from configs import scan_and_add_cpu, shakespeare_causal, shakespeare_char
-from mdjax import likelihood, report, sampling, tasks, train
+from mdjax import report, sampling, tasks, train
+from mdjax.evaluate import elbo
 from mdjax.tasks import scan_and_add
 
 CHAR_STEPS = 3000  # the Shakespeare denoiser's training budget (the config's is 7,000)
@@ -99,7 +100,7 @@ def text_rows(model, reference, n: int, seed: int) -> list[dict]:
                                   ("confidence", "ancestral")):
     same = (runs["dual"] == runs["none"]).all(-1).mean()
     for impl, tokens in runs.items():
-      bits_N = likelihood.causal_bits(ref_apply, ref_params, tokens, start_id=task.mask_id)
+      bits_N = elbo.causal_bits(ref_apply, ref_params, tokens, start_id=task.mask_id)
       per_char_N = bits_N / task.length
       rows.append(dict(task="shakespeare_char", sampler=name, K=steps, L=task.length,
                        block=TEXT_BLOCK, kv_cache=impl, gen_bits_per_char=float(per_char_N.mean()),

@@ -27,7 +27,8 @@ import jax
 import numpy as np
 
 from configs import shakespeare_causal, shakespeare_char
-from mdjax import likelihood, report, sampling, tasks, train
+from mdjax import report, sampling, tasks, train
+from mdjax.evaluate import elbo
 
 STEPS = (4, 8, 16, 32, 64)
 BLOCK_LENGTH = 16  # "blocks": confidence decoding inside 4 left-to-right blocks of 16
@@ -46,7 +47,7 @@ METRIC_KEYS = ("gen_bits_per_char", "gen_bits_per_char_se", "word_validity", "di
 def scores(task, texts_tokens: np.ndarray, reference) -> dict:
   """The text measures of a sample set; gen bits per char under the causal reference."""
   ref_apply, ref_params = reference
-  bits_N = likelihood.causal_bits(ref_apply, ref_params, texts_tokens, start_id=task.mask_id)
+  bits_N = elbo.causal_bits(ref_apply, ref_params, texts_tokens, start_id=task.mask_id)
   per_char_N = bits_N / task.length
   measures = task.sample_metrics(texts_tokens)
   return {"gen_bits_per_char": float(per_char_N.mean()),
@@ -82,15 +83,15 @@ def run(n: int, workdir: str = "/tmp/text_quality", seed: int = 0) -> dict:
   task, models = trained_models(workdir)
   apply_fn, params = models["char"]
   held_out = task.validation_windows(NELBO_WINDOWS)
-  nelbo = likelihood.nelbo_estimate(
+  nelbo = elbo.nelbo_estimate(
       apply_fn, params, held_out, schedule=train.masking_schedule(char_config),
       mask_id=task.mask_id, time_samples=NELBO_TIME_SAMPLES, seed=seed)
-  reference_bits = likelihood.causal_bits(*models["causal"], held_out, start_id=task.mask_id)
+  reference_bits = elbo.causal_bits(*models["causal"], held_out, start_id=task.mask_id)
   print(f"validation NELBO {nelbo['bits_per_token']:.4f} ± {nelbo['se']:.4f} bits/char; "
         f"causal reference {reference_bits.mean() / task.length:.4f} bits/char", flush=True)
 
   data_tokens = task.validation_windows(n)
-  causal_tokens = np.asarray(likelihood.causal_sample(
+  causal_tokens = np.asarray(elbo.causal_sample(
       models["causal"][0], models["causal"][1], jax.random.key(seed + 1), batch=n,
       length=task.length, start_id=task.mask_id))
   references = [{"sampler": "held-out text", "n": n, **scores(task, data_tokens, models["causal"])},

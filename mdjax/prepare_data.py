@@ -38,7 +38,7 @@ from typing import Iterator
 from mdjax import cli, jsonl
 from mdjax import files as files_lib
 from mdjax.data import shards
-from mdjax.tasks.text import BpeTokenizer, CharTokenizer
+from mdjax.tokenizers import BpeTokenizer, CharTokenizer
 
 DOCUMENTS = ("file", "paragraph")
 # The validation split is called small below this many windows of configs/corpus.py's length.

@@ -8,13 +8,10 @@ import sys
 import pytest
 
 from mdjax import tokenizers
-from mdjax.tasks import text
 from tests.paths import REPO
 
 
-def test_the_text_task_names_the_same_tokenizers():
-  assert (text.CharTokenizer, text.BpeTokenizer, text.characters_of) == (
-      tokenizers.CharTokenizer, tokenizers.BpeTokenizer, tokenizers.characters_of)
+def test_characters_of_counts_a_document_separator():
   tok = tokenizers.CharTokenizer.from_text("ab\n", eos=True)
   assert tokenizers.characters_of(tok, [0, tok.eos_id, 1]) == 2 + len(
       tokenizers.DOCUMENT_SEPARATOR)

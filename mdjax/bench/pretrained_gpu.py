@@ -23,6 +23,7 @@ import numpy as np
 from mdjax import pretrained
 from mdjax.bench import timing
 from mdjax.models import published
+from mdjax.pretrained import record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "pretrained")  # run from a checkout
@@ -53,8 +54,7 @@ def one_billion(repeats: int = 3) -> list[dict]:
       qkv_bias=False, logit_shift=False, mask_id=32000, eos_id=31999, eot_id=32001,
       dtype="bfloat16")
   params = published.init_params(config, jax.random.key(0))
-  model = pretrained.PretrainedModel(apply_fn=published.denoiser(config), params=params,
-                                     config=config, family="llada")
+  model = record.published_model(params=params, config=config, family="llada")
   prompt_BxP = np.random.default_rng(0).integers(0, 31000, (8, 128))
   rows = []
   for kv_cache in ("none", "dual"):

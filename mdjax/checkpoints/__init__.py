@@ -9,7 +9,7 @@ reference sampler (`Family.sampler`). A new family is its file and one line belo
 
 from __future__ import annotations
 
-from mdjax.checkpoints.base import Family, Layout, Leaf
+from mdjax.checkpoints.base import Family, Leaf
 from mdjax.checkpoints.bd3lm import BD3LM
 from mdjax.checkpoints.dream import Dream
 from mdjax.checkpoints.fast_dllm_v2 import FastDllmV2
@@ -55,4 +55,4 @@ def get(name: str) -> Family:
   return FAMILIES[name]
 
 
-__all__ = ["FAMILIES", "Family", "Layout", "Leaf", "detect", "get", "supported"]
+__all__ = ["FAMILIES", "Family", "Leaf", "detect", "get", "supported"]

@@ -1,7 +1,7 @@
 """What every published family shares: `Leaf` (one params leaf and its Hugging Face tensors),
 `Family` (a family's whole knowledge, filled in by its own file), the config.json readers
-(`_get`, `_first_id`, `_refuse`, `_bool`) and the shape helpers (`depth`, `leaf_shape`,
-`hf_shape`).
+(`config_value`, `config_token_id`, `config_bool`, `refuse_value`, ...) and the shape helpers
+(`depth`, `leaf_shape`, `hf_shape`).
 
 A torch Linear weight is [out, in] and is transposed to the params' [in, out]; a stacked leaf
 ("layers" or "blocks") [N, ...] is built from the N per-layer tensors `...{i}...`. A config
@@ -211,7 +211,7 @@ def hf_shape(config, leaf: Leaf) -> tuple[int, ...]:
 # --- config.json readers ------------------------------------------------------------------
 
 
-def _get(raw: dict, key: str, kind, family: str, default: Any = ...):
+def config_value(raw: dict, key: str, kind, family: str, default: Any = ...):
   """raw[key] checked to be of `kind` (a missing key takes `default`, or is an error)."""
   if key not in raw or raw[key] is None:
     if default is ...:
@@ -228,7 +228,7 @@ def _get(raw: dict, key: str, kind, family: str, default: Any = ...):
   return kind(value)
 
 
-def _first_id(raw: dict, key: str, family: str):
+def config_token_id(raw: dict, key: str, family: str):
   """A token id that some configs give as a list (the first is the canonical one)."""
   value = raw.get(key)
   if isinstance(value, list):
@@ -240,14 +240,15 @@ def _first_id(raw: dict, key: str, family: str):
   return value
 
 
-def _refuse(raw: dict, family: str, key: str, allowed: tuple, why: str):
+def refuse_value(raw: dict, family: str, key: str, allowed: tuple, why: str):
   """A present key whose value the params cannot express is an error naming it."""
   if key in raw and raw[key] not in allowed:
     raise ValueError(f"{family} config.json: {key}={raw[key]!r} is not supported ({why}; "
                      f"supported: {', '.join(repr(a) for a in allowed)})")
 
 
-def _bool(raw: dict, key: str, family: str, default: bool) -> bool:
+def config_bool(raw: dict, key: str, family: str, default: bool) -> bool:
+  """raw[key] checked to be a bool (missing or null: `default`)."""
   value = raw.get(key, default)
   if value is None:
     return default
@@ -256,21 +257,21 @@ def _bool(raw: dict, key: str, family: str, default: bool) -> bool:
   return value
 
 
-def _qwen_fields(raw: dict, family: str) -> dict:
+def qwen_config_fields(raw: dict, family: str) -> dict:
   """The PublishedConfig fields of a Qwen2-style config.json (Dream, Fast-dLLM v2): its
   sizes, heads (head_dim = hidden / heads), RoPE base and norm epsilon."""
-  d = _get(raw, "hidden_size", int, family)
-  heads = _get(raw, "num_attention_heads", int, family)
-  return dict(vocab_size=_get(raw, "vocab_size", int, family), d_model=d,
-              num_layers=_get(raw, "num_hidden_layers", int, family), num_heads=heads,
-              num_kv_heads=_get(raw, "num_key_value_heads", int, family, heads),
-              head_dim=_head_dim(d, heads, family, "num_attention_heads"),
-              mlp_hidden=_get(raw, "intermediate_size", int, family),
-              rope_theta=_get(raw, "rope_theta", float, family, 10000.0),
-              norm_eps=_get(raw, "rms_norm_eps", float, family, 1e-6))
+  d = config_value(raw, "hidden_size", int, family)
+  heads = config_value(raw, "num_attention_heads", int, family)
+  return dict(vocab_size=config_value(raw, "vocab_size", int, family), d_model=d,
+              num_layers=config_value(raw, "num_hidden_layers", int, family), num_heads=heads,
+              num_kv_heads=config_value(raw, "num_key_value_heads", int, family, heads),
+              head_dim=config_head_dim(d, heads, family, "num_attention_heads"),
+              mlp_hidden=config_value(raw, "intermediate_size", int, family),
+              rope_theta=config_value(raw, "rope_theta", float, family, 10000.0),
+              norm_eps=config_value(raw, "rms_norm_eps", float, family, 1e-6))
 
 
-def _qwen_hf(config: PublishedConfig) -> dict:
+def qwen_config_json(config: PublishedConfig) -> dict:
   """The config.json keys the Qwen-style published configs (Dream, SDAR, Fast-dLLM v2) share:
   a dense SwiGLU network of `config`, unscaled full attention, untied head."""
   return {
@@ -284,14 +285,14 @@ def _qwen_hf(config: PublishedConfig) -> dict:
       "use_sliding_window": False, "vocab_size": config.vocab_size}
 
 
-def _refuse_keys(raw: dict, family: str, keys: tuple[str, ...], why: str):
+def refuse_keys(raw: dict, family: str, keys: tuple[str, ...], why: str):
   """Another network's architecture keys in this family's config.json, named if set."""
   for key in keys:
     if raw.get(key) not in (None, False):
       raise ValueError(f"{family} config.json: {key}={raw[key]!r} is not supported ({why})")
 
 
-def _with_ids(raw: dict, config: PublishedConfig) -> dict:
+def with_special_ids(raw: dict, config: PublishedConfig) -> dict:
   """config.json's special ids (the pad id is EOS, as the published configs have it)."""
   if config.eos_id is not None:
     raw["eos_token_id"] = raw["pad_token_id"] = config.eos_id
@@ -300,7 +301,7 @@ def _with_ids(raw: dict, config: PublishedConfig) -> dict:
   return raw
 
 
-def _published(family: str, **fields) -> PublishedConfig:
+def build_published_config(family: str, **fields) -> PublishedConfig:
   """PublishedConfig(**fields) of the network `family`; what it refuses is named as
   config.json's."""
   try:
@@ -309,7 +310,8 @@ def _published(family: str, **fields) -> PublishedConfig:
     raise ValueError(f"{family} config.json: {e}") from None
 
 
-def _head_dim(d_model: int, heads: int, family: str, key: str) -> int:
+def config_head_dim(d_model: int, heads: int, family: str, key: str) -> int:
+  """d_model / heads, checked to divide (`key`: the config.json key that gave `heads`)."""
   if heads < 1:
     raise ValueError(f"{family} config.json: {key}={heads} must be >= 1")
   if d_model % heads:
@@ -444,9 +446,6 @@ class Family:
       raise ValueError(f"head_dim={config.head_dim} * num_heads={config.num_heads} != "
                        f"d_model={config.d_model}: the {self.family} config has no head_dim key "
                        "(its code takes d_model / num_heads)")
-
-
-Layout = Family  # its earlier name
 
 
 class TransformersFamily(Family):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from mdjax import sampling
-from mdjax.checkpoints.base import _bool, _get
+from mdjax.checkpoints.base import config_bool, config_value
 from mdjax.checkpoints.dit import DiTFamily, check_count, sampled_parts
 from mdjax.model import SamplerPlan
 from mdjax.models.dit import DiTConfig
@@ -68,9 +68,9 @@ class BD3LM(DiTFamily):
 
   def _block_size(self, raw: dict, model_length: int) -> int | None:
     f = self.family
-    if not _bool(raw, "cross_attn", f, True):
+    if not config_bool(raw, "cross_attn", f, True):
       return None
-    size = _get(raw, "block_size", int, f, 1)
+    size = config_value(raw, "block_size", int, f, 1)
     if size < 1 or model_length % size:
       raise ValueError(f"{f} config.json: block_size={size} does not divide "
                        f"model_length={model_length}")
@@ -87,7 +87,7 @@ class BD3LM(DiTFamily):
 
   def buffers(self, config: DiTConfig, raw: dict) -> dict[str, np.ndarray]:
     out = super().buffers(config, raw)
-    if _bool(raw, "var_min", self.family, True):  # BD3LM registers them with var_min
+    if config_bool(raw, "var_min", self.family, True):  # BD3LM registers them with var_min
       for key, default in (("sampling_eps_min", 1e-3), ("sampling_eps_max", 0.999)):
-        out[key] = np.asarray(_get(raw, key, float, self.family, default), np.float32)
+        out[key] = np.asarray(config_value(raw, key, float, self.family, default), np.float32)
     return out

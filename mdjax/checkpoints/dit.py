@@ -12,8 +12,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from mdjax.checkpoints.base import (TORCH_DTYPES, Family, Leaf, _bool, _first_id, _get,
-                                    _refuse, leaf_shape)
+from mdjax.checkpoints.base import (TORCH_DTYPES, Family, Leaf, config_bool, config_token_id,
+                                    config_value, leaf_shape, refuse_value)
 from mdjax.denoiser import Denoiser
 from mdjax.models.checks import check_count  # noqa: F401  (mdlm, bd3lm)
 from mdjax.models import dit
@@ -76,37 +76,38 @@ class DiTFamily(Family):
     return False
 
   def leaf_options(self, raw: dict) -> dict:
-    return {"adaln": _bool(raw, "adaln", self.family, True)}
+    return {"adaln": config_bool(raw, "adaln", self.family, True)}
 
   def _block_size(self, raw: dict, model_length: int) -> int | None:
     return None
 
   def config_from_hf(self, raw: dict, dtype: str) -> DiTConfig:
     f = self.family
-    _refuse(raw, f, "causal", (False, None), "the DiT's attention is bidirectional or "
-            "block-causal; causal is the autoregressive baseline")
-    _refuse(raw, f, "mlp_ratio", (4, None), "the reference's MLP is 4 x hidden_dim")
+    refuse_value(raw, f, "causal", (False, None), "the DiT's attention is bidirectional or "
+                 "block-causal; causal is the autoregressive baseline")
+    refuse_value(raw, f, "mlp_ratio", (4, None), "the reference's MLP is 4 x hidden_dim")
     backend = raw.get("attn_backend")
     if backend is not None and backend not in ATTN_BACKENDS:
       raise ValueError(f"{f} config.json: attn_backend={backend!r} is not one of the "
                        f"reference's ({', '.join(map(repr, ATTN_BACKENDS))})")
-    vocab = _get(raw, "vocab_size", int, f)
+    vocab = config_value(raw, "vocab_size", int, f)
     if vocab < 2:
       raise ValueError(f"{f} config.json: vocab_size={vocab} must count the V real ids and "
                        "the mask id (>= 2)")
-    hidden = _get(raw, "hidden_dim", int, f)
-    heads = _get(raw, "n_heads", int, f)
+    hidden = config_value(raw, "hidden_dim", int, f)
+    heads = config_value(raw, "n_heads", int, f)
     if heads < 1 or hidden % heads:
       raise ValueError(f"{f} config.json: hidden_dim={hidden} is not divisible by "
                        f"n_heads={heads}")
-    length = _get(raw, "model_length", int, f)
+    length = config_value(raw, "model_length", int, f)
     block_size = self._block_size(raw, length)
     try:
       return DiTConfig(
           family=self.network, vocab_size=vocab - 1, hidden_dim=hidden,
-          cond_dim=_get(raw, "cond_dim", int, f), n_blocks=_get(raw, "n_blocks", int, f),
+          cond_dim=config_value(raw, "cond_dim", int, f),
+          n_blocks=config_value(raw, "n_blocks", int, f),
           n_heads=heads, model_length=length, block_size=block_size,
-          time_conditioning=_bool(raw, "time_conditioning", f, False), dtype=dtype)
+          time_conditioning=config_bool(raw, "time_conditioning", f, False), dtype=dtype)
     except ValueError as e:
       raise ValueError(f"{f} config.json: {e}") from e
 
@@ -200,7 +201,7 @@ class DiTFamily(Family):
 
   def special_ids(self, config: DiTConfig, hf_config: dict | None):
     """The mask id V; EOS where config.json names it (GPT-2's 50256); no end of turn."""
-    eos = _first_id(hf_config or {}, "eos_token_id", self.family)
+    eos = config_token_id(hf_config or {}, "eos_token_id", self.family)
     return config.mask_id, eos, None, 0 if eos is None else eos
 
   def max_len(self, config: DiTConfig) -> int:

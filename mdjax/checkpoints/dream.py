@@ -10,10 +10,11 @@ diffusion_generate` runs it on ids.
 from __future__ import annotations
 
 from mdjax import sampling
-from mdjax.checkpoints.base import (TransformersFamily, _first_id, _get, _published,
-                                    _qwen_fields, _qwen_hf, _refuse, _with_ids, check_choice,
-                                    check_flag, check_int, check_number)
-from mdjax.checkpoints.llama import LLAMA3_KEYS, _rope
+from mdjax.checkpoints.base import (TransformersFamily, build_published_config, check_choice,
+                                    check_flag, check_int, check_number, config_token_id,
+                                    config_value, qwen_config_fields, qwen_config_json,
+                                    refuse_value, with_special_ids)
+from mdjax.checkpoints.llama import LLAMA3_KEYS, rope_config
 from mdjax.denoiser import Denoiser
 from mdjax.model import SamplerPlan
 from mdjax.models.published import PublishedConfig
@@ -69,17 +70,18 @@ class Dream(TransformersFamily):
 
   def config_from_hf(self, raw: dict, dtype: str) -> PublishedConfig:
     f = self.family
-    _refuse(raw, f, "hidden_act", ("silu",), "the MLP is silu(gate) * up")
+    refuse_value(raw, f, "hidden_act", ("silu",), "the MLP is silu(gate) * up")
     # Dream's rotary module reads transformers' rope_scaling (ROPE_INIT_FUNCTIONS): Llama
     # 3.1's "llama3" is expressed (a converted Llama 3), others refused.
-    theta, scaling = _rope(raw, f)
-    _refuse(raw, f, "use_sliding_window", (False,), "attention is over the whole sequence")
-    return _published(
-        self.network, **{**_qwen_fields(raw, f), "rope_theta": theta}, rope_scaling=scaling,
+    theta, scaling = rope_config(raw, f)
+    refuse_value(raw, f, "use_sliding_window", (False,), "attention is over the whole sequence")
+    return build_published_config(
+        self.network, **{**qwen_config_fields(raw, f), "rope_theta": theta}, rope_scaling=scaling,
         qkv_bias=True, logit_shift=True,
-        mask_id=_get(raw, "mask_token_id", int, f, DREAM_MASK_ID),
-        eos_id=_first_id(raw, "eos_token_id", f), eot_id=_first_id(raw, "eot_token_id", f),
-        max_len=_get(raw, "max_position_embeddings", int, f, 32768), dtype=dtype)
+        mask_id=config_value(raw, "mask_token_id", int, f, DREAM_MASK_ID),
+        eos_id=config_token_id(raw, "eos_token_id", f),
+        eot_id=config_token_id(raw, "eot_token_id", f),
+        max_len=config_value(raw, "max_position_embeddings", int, f, 32768), dtype=dtype)
 
   def config_to_hf(self, config: PublishedConfig) -> dict:
     self._check_writable(config)
@@ -88,7 +90,7 @@ class Dream(TransformersFamily):
                        f"cannot be written as {self.family} (its code has q/k/v biases and "
                        "shifts logits)")
     raw = {"architectures": list(self.architectures), "model_type": self.model_types[0],
-           **_qwen_hf(config), "mask_token_id": config.mask_id, "use_cache": False}
+           **qwen_config_json(config), "mask_token_id": config.mask_id, "use_cache": False}
     if config.rope_scaling is not None:
       raw["rope_scaling"] = {"rope_type": "llama3", **dict(zip(LLAMA3_KEYS, config.rope_scaling))}
-    return _with_ids(raw, config)
+    return with_special_ids(raw, config)

@@ -14,9 +14,9 @@ the code's 151665 (|<MASK>|) unless `mask_token_id` is given.
 
 from __future__ import annotations
 
-from mdjax.checkpoints.base import (TransformersFamily, _first_id, _get, _published,
-                                    _qwen_fields, _qwen_hf, _refuse, _refuse_keys, _with_ids,
-                                    check_int, check_number)
+from mdjax.checkpoints.base import (TransformersFamily, build_published_config, check_int,
+                                    check_number, config_token_id, config_value, qwen_config_fields,
+                                    qwen_config_json, refuse_keys, refuse_value, with_special_ids)
 from mdjax.denoiser import Denoiser
 from mdjax.model import SamplerPlan
 from mdjax.models.published import PublishedConfig
@@ -86,32 +86,33 @@ class FastDllmV2(TransformersFamily):
 
   def config_from_hf(self, raw: dict, dtype: str) -> PublishedConfig:
     f = self.family
-    _refuse(raw, f, "hidden_act", ("silu",), "the MLP is silu(gate) * up")
-    _refuse(raw, f, "rope_scaling", (None,), "RoPE is unscaled")
-    _refuse(raw, f, "use_sliding_window", (False,), "attention is over whole blocks")
-    _refuse_keys(raw, f, FOREIGN_KEYS, "a Fast-dLLM v2 network is dense Qwen2.5 with no q/k "
-                 "norm and RoPE over the whole head")
+    refuse_value(raw, f, "hidden_act", ("silu",), "the MLP is silu(gate) * up")
+    refuse_value(raw, f, "rope_scaling", (None,), "RoPE is unscaled")
+    refuse_value(raw, f, "use_sliding_window", (False,), "attention is over whole blocks")
+    refuse_keys(raw, f, FOREIGN_KEYS, "a Fast-dLLM v2 network is dense Qwen2.5 with no q/k "
+                "norm and RoPE over the whole head")
     layer_types = raw.get("layer_types")
     if layer_types is not None and (not isinstance(layer_types, list)
                                     or any(t != "full_attention" for t in layer_types)):
       raise ValueError(f"{f} config.json: layer_types={layer_types!r} is not supported "
                        "(every layer attends to whole blocks: 'full_attention')")
     if "head_dim" in raw and raw["head_dim"] is not None:
-      d, heads = _get(raw, "hidden_size", int, f), _get(raw, "num_attention_heads", int, f)
-      if _get(raw, "head_dim", int, f) * heads != d:
+      d = config_value(raw, "hidden_size", int, f)
+      heads = config_value(raw, "num_attention_heads", int, f)
+      if config_value(raw, "head_dim", int, f) * heads != d:
         raise ValueError(f"{f} config.json: head_dim={raw['head_dim']!r} is not supported "
                          "(the projections are hidden_size / num_attention_heads wide)")
-    block = _get(raw, "bd_size", int, f, FAST_DLLM_V2_BLOCK)
+    block = config_value(raw, "bd_size", int, f, FAST_DLLM_V2_BLOCK)
     if block < 1:
       raise ValueError(f"{f} config.json: bd_size={block} must be >= 1")
-    max_len = _get(raw, "max_position_embeddings", int, f, 32768)
+    max_len = config_value(raw, "max_position_embeddings", int, f, 32768)
     if max_len % block or max_len < 2 * block:
       raise ValueError(f"{f} config.json: max_position_embeddings={max_len} must be a "
                        f"multiple of bd_size={block} holding at least two blocks")
-    return _published(
-        self.network, **_qwen_fields(raw, f), qkv_bias=True, logit_shift=True,
-        mask_id=_get(raw, "mask_token_id", int, f, FAST_DLLM_V2_MASK_ID),
-        eos_id=_first_id(raw, "eos_token_id", f), max_len=max_len, dtype=dtype,
+    return build_published_config(
+        self.network, **qwen_config_fields(raw, f), qkv_bias=True, logit_shift=True,
+        mask_id=config_value(raw, "mask_token_id", int, f, FAST_DLLM_V2_MASK_ID),
+        eos_id=config_token_id(raw, "eos_token_id", f), max_len=max_len, dtype=dtype,
         block_size=block)
 
   def config_to_hf(self, config: PublishedConfig) -> dict:
@@ -122,7 +123,7 @@ class FastDllmV2(TransformersFamily):
                        "(its code has q/k/v biases, shifted predictions and blocks)")
     raw = {
         "architectures": list(self.architectures), "model_type": self.model_types[0],
-        **_qwen_hf(config),
+        **qwen_config_json(config),
         "auto_map": {"AutoConfig": "configuration.Fast_dLLM_QwenConfig",
                      "AutoModel": "modeling.Fast_dLLM_QwenModel",
                      "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM"},
@@ -131,7 +132,7 @@ class FastDllmV2(TransformersFamily):
     }
     if config.mask_id != FAST_DLLM_V2_MASK_ID:
       raw["mask_token_id"] = config.mask_id
-    return _with_ids(raw, config)
+    return with_special_ids(raw, config)
 
   def saved_config(self, hf: dict, source: dict, config) -> dict:
     """The source's bos / pad ids and its training keys stand."""

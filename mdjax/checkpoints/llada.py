@@ -9,9 +9,10 @@ confident proposals (`sampling.ConfidenceSpec`); `mdjax.pretrained.generate` run
 from __future__ import annotations
 
 from mdjax import sampling
-from mdjax.checkpoints.base import (TORCH_DTYPES, Family, Leaf, _first_id, _get, _head_dim,
-                                    _published, _refuse, _with_ids, check_choice, check_flag,
-                                    check_int, check_number)
+from mdjax.checkpoints.base import (TORCH_DTYPES, Family, Leaf, build_published_config,
+                                    check_choice, check_flag, check_int, check_number,
+                                    config_head_dim, config_token_id, config_value, refuse_value,
+                                    with_special_ids)
 from mdjax.checkpoints.prefix_cache import prefix_cache
 from mdjax.denoiser import Denoiser
 from mdjax.model import SamplerPlan
@@ -134,43 +135,44 @@ class LLaDA(Family):
 
   def config_from_hf(self, raw: dict, dtype: str) -> PublishedConfig:
     f = self.family
-    _refuse(raw, f, "block_type", ("llama",), "only the llama block has separate q/k/v and "
-            "gate/up projections")
-    _refuse(raw, f, "block_group_size", (1,), "grouped blocks are named block_groups")
-    _refuse(raw, f, "layer_norm_type", ("rms",), "the norms are RMSNorm")
-    _refuse(raw, f, "layer_norm_with_affine", (True,), "the norms have weights")
-    _refuse(raw, f, "activation_type", ("silu",), "the MLP is silu(gate) * up")
-    _refuse(raw, f, "rope", (True,), "positions are RoPE")
-    _refuse(raw, f, "alibi", (False,), "positions are RoPE")
-    _refuse(raw, f, "attention_layer_norm", (False,), "there is no q/k norm")
-    _refuse(raw, f, "input_emb_norm", (False,), "the embedding is not normed")
-    _refuse(raw, f, "scale_logits", (False,), "the logits are not scaled")
-    _refuse(raw, f, "include_bias", (False, None), "only q/k/v biases (include_qkv_bias)")
-    _refuse(raw, f, "bias_for_layer_norm", (False, None), "the norms have no bias")
-    _refuse(raw, f, "rope_scaling", (None,), "RoPE is unscaled")
-    d = _get(raw, "d_model", int, f)
-    heads = _get(raw, "n_heads", int, f)
+    refuse_value(raw, f, "block_type", ("llama",), "only the llama block has separate q/k/v and "
+                 "gate/up projections")
+    refuse_value(raw, f, "block_group_size", (1,), "grouped blocks are named block_groups")
+    refuse_value(raw, f, "layer_norm_type", ("rms",), "the norms are RMSNorm")
+    refuse_value(raw, f, "layer_norm_with_affine", (True,), "the norms have weights")
+    refuse_value(raw, f, "activation_type", ("silu",), "the MLP is silu(gate) * up")
+    refuse_value(raw, f, "rope", (True,), "positions are RoPE")
+    refuse_value(raw, f, "alibi", (False,), "positions are RoPE")
+    refuse_value(raw, f, "attention_layer_norm", (False,), "there is no q/k norm")
+    refuse_value(raw, f, "input_emb_norm", (False,), "the embedding is not normed")
+    refuse_value(raw, f, "scale_logits", (False,), "the logits are not scaled")
+    refuse_value(raw, f, "include_bias", (False, None), "only q/k/v biases (include_qkv_bias)")
+    refuse_value(raw, f, "bias_for_layer_norm", (False, None), "the norms have no bias")
+    refuse_value(raw, f, "rope_scaling", (None,), "RoPE is unscaled")
+    d = config_value(raw, "d_model", int, f)
+    heads = config_value(raw, "n_heads", int, f)
     kv = raw.get("n_kv_heads")
     if kv is None:  # ModelConfig.effective_n_kv_heads
       kv = 1 if raw.get("multi_query_attention") is True else heads
     else:
-      kv = _get(raw, "n_kv_heads", int, f)
+      kv = config_value(raw, "n_kv_heads", int, f)
     mlp = raw.get("mlp_hidden_size")
-    mlp = (_get(raw, "mlp_ratio", int, f, 4) * d if mlp is None
-           else _get(raw, "mlp_hidden_size", int, f))
-    vocab = _get(raw, "embedding_size", int, f, None) or _get(raw, "vocab_size", int, f)
-    eot = _first_id(raw, "eot_token_id", f)
+    mlp = (config_value(raw, "mlp_ratio", int, f, 4) * d if mlp is None
+           else config_value(raw, "mlp_hidden_size", int, f))
+    vocab = (config_value(raw, "embedding_size", int, f, None)
+             or config_value(raw, "vocab_size", int, f))
+    eot = config_token_id(raw, "eot_token_id", f)
     if eot is None and vocab == LLADA_VOCAB:
       eot = LLADA_EOT_ID
-    return _published(
-        self.network, vocab_size=vocab, d_model=d, num_layers=_get(raw, "n_layers", int, f),
-        num_heads=heads, num_kv_heads=kv, head_dim=_head_dim(d, heads, f, "n_heads"),
-        mlp_hidden=mlp, rope_theta=_get(raw, "rope_theta", float, f, 10000.0),
-        norm_eps=_get(raw, "rms_norm_eps", float, f, 1e-5),
+    return build_published_config(
+        self.network, vocab_size=vocab, d_model=d, num_layers=config_value(raw, "n_layers", int, f),
+        num_heads=heads, num_kv_heads=kv, head_dim=config_head_dim(d, heads, f, "n_heads"),
+        mlp_hidden=mlp, rope_theta=config_value(raw, "rope_theta", float, f, 10000.0),
+        norm_eps=config_value(raw, "rms_norm_eps", float, f, 1e-5),
         qkv_bias=bool(raw.get("include_qkv_bias") or False), logit_shift=False,
-        mask_id=_get(raw, "mask_token_id", int, f, LLADA_MASK_ID),
-        eos_id=_first_id(raw, "eos_token_id", f), eot_id=eot,
-        max_len=_get(raw, "max_sequence_length", int, f, 1024), dtype=dtype)
+        mask_id=config_value(raw, "mask_token_id", int, f, LLADA_MASK_ID),
+        eos_id=config_token_id(raw, "eos_token_id", f), eot_id=eot,
+        max_len=config_value(raw, "max_sequence_length", int, f, 1024), dtype=dtype)
 
   def config_to_hf(self, config: PublishedConfig) -> dict:
     self._check_writable(config)
@@ -196,7 +198,7 @@ class LLaDA(Family):
         "scale_logits": False, "torch_dtype": TORCH_DTYPES[config.dtype], "use_cache": False,
         "vocab_size": config.vocab_size, "weight_tying": False,
     }
-    return _with_ids(raw, config)
+    return with_special_ids(raw, config)
 
   def leaves(self, config: PublishedConfig, tied: bool = False) -> list[Leaf]:
     t, b = "model.transformer", "model.transformer.blocks.{i}"

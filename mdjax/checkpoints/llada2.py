@@ -30,13 +30,13 @@ from mdjax.checkpoints.base import (
   TORCH_DTYPES,
   Family,
   Leaf,
-  _bool,
-  _first_id,
-  _get,
-  _published,
-  _refuse,
-  _refuse_keys,
-  _with_ids,
+  config_bool,
+  config_token_id,
+  config_value,
+  build_published_config,
+  refuse_value,
+  refuse_keys,
+  with_special_ids,
   check_int,
   check_number,
   fuse_rows,
@@ -128,58 +128,60 @@ class LLaDA2(Family):
   padding_invariant = True  # positions count from the first real token (block-causal)
 
   def tied(self, raw: dict) -> bool:
-    return _bool(raw, "tie_word_embeddings", self.family, False)
+    return config_bool(raw, "tie_word_embeddings", self.family, False)
 
   def config_from_hf(self, raw: dict, dtype: str) -> PublishedConfig:
     f = self.family
-    _refuse_keys(raw, f, FOREIGN_KEYS, "another network's key: LLaDA2's blocks are "
-                 "generate's block_length, its projections have no bias")
-    _refuse(raw, f, "hidden_act", ("silu",), "the MLPs are silu(gate) * up")
-    _refuse(raw, f, "rope_scaling", (None,), "RoPE is unscaled")
-    _refuse(raw, f, "use_bias", (False,), "the attention's output projection has no bias "
-            "(the configuration's default is True: the published checkpoints set false)")
-    _refuse(raw, f, "use_sliding_window", (False,), "attention is over whole blocks")
-    _refuse(raw, f, "use_linear_attention", (False,), "every layer is softmax attention")
+    refuse_keys(raw, f, FOREIGN_KEYS, "another network's key: LLaDA2's blocks are "
+                "generate's block_length, its projections have no bias")
+    refuse_value(raw, f, "hidden_act", ("silu",), "the MLPs are silu(gate) * up")
+    refuse_value(raw, f, "rope_scaling", (None,), "RoPE is unscaled")
+    refuse_value(raw, f, "use_bias", (False,), "the attention's output projection has no bias "
+                 "(the configuration's default is True: the published checkpoints set false)")
+    refuse_value(raw, f, "use_sliding_window", (False,), "attention is over whole blocks")
+    refuse_value(raw, f, "use_linear_attention", (False,), "every layer is softmax attention")
     # The published code reads neither key: sigmoid scores, weights normalised over the
     # chosen experts whenever more than one is chosen. Another value would be a model that
     # code does not run.
-    _refuse(raw, f, "score_function", ("sigmoid",), "the published router computes sigmoid "
-            "scores whatever this key says")
-    _refuse(raw, f, "norm_topk_prob", (True,), "the published router normalises the chosen "
-            "experts' weights whatever this key says")
-    d = _get(raw, "hidden_size", int, f)
-    heads = _get(raw, "num_attention_heads", int, f)
-    kv = _get(raw, "num_key_value_heads", int, f, heads)
+    refuse_value(raw, f, "score_function", ("sigmoid",), "the published router computes sigmoid "
+                 "scores whatever this key says")
+    refuse_value(raw, f, "norm_topk_prob", (True,), "the published router normalises the chosen "
+                 "experts' weights whatever this key says")
+    d = config_value(raw, "hidden_size", int, f)
+    heads = config_value(raw, "num_attention_heads", int, f)
+    kv = config_value(raw, "num_key_value_heads", int, f, heads)
     if kv < 1:
       raise ValueError(f"{f} config.json: num_key_value_heads={kv} must be >= 1 (the "
                        "published attention divides by it)")
     if heads < 1 or d % heads and "head_dim" not in raw:
       raise ValueError(f"{f} config.json: num_attention_heads={heads} must divide "
                        f"hidden_size={d} when there is no head_dim")
-    head_dim = _get(raw, "head_dim", int, f, d // heads)
-    factor = _get(raw, "partial_rotary_factor", float, f, 0.5)  # the configuration's default
+    head_dim = config_value(raw, "head_dim", int, f, d // heads)
+    # the configuration's default
+    factor = config_value(raw, "partial_rotary_factor", float, f, 0.5)
     rotary = int(head_dim * factor)
     if not (2 <= rotary <= head_dim and rotary % 2 == 0):
       raise ValueError(f"{f} config.json: partial_rotary_factor={factor!r} turns "
                        f"int({head_dim} * {factor}) = {rotary} dims of each head: RoPE needs "
                        f"an even count in [2, head_dim={head_dim}]")
-    num_layers = _get(raw, "num_hidden_layers", int, f)
+    num_layers = config_value(raw, "num_hidden_layers", int, f)
     experts = raw.get("num_experts")
     moe = None
     if experts is not None:
       shared = raw.get("num_shared_experts")
-      if shared is not None and _get(raw, "num_shared_experts", int, f) < 1:
+      if shared is not None and config_value(raw, "num_shared_experts", int, f) < 1:
         raise ValueError(f"{f} config.json: num_shared_experts={shared!r} is not supported "
                          "(None: no shared experts; the code makes 0 a zero-width MLP)")
-      first_dense = _get(raw, "first_k_dense_replace", int, f, 0)
+      first_dense = config_value(raw, "first_k_dense_replace", int, f, 0)
       try:
         moe = MoEConfig(
-            num_experts=_get(raw, "num_experts", int, f),
-            experts_per_token=_get(raw, "num_experts_per_tok", int, f, 2),
-            expert_hidden=_get(raw, "moe_intermediate_size", int, f),
+            num_experts=config_value(raw, "num_experts", int, f),
+            experts_per_token=config_value(raw, "num_experts_per_tok", int, f, 2),
+            expert_hidden=config_value(raw, "moe_intermediate_size", int, f),
             num_shared_experts=0 if shared is None else int(shared),
-            n_group=_get(raw, "n_group", int, f, 8), topk_group=_get(raw, "topk_group", int, f, 4),
-            routed_scaling_factor=_get(raw, "routed_scaling_factor", float, f, 2.5),
+            n_group=config_value(raw, "n_group", int, f, 8),
+            topk_group=config_value(raw, "topk_group", int, f, 4),
+            routed_scaling_factor=config_value(raw, "routed_scaling_factor", float, f, 2.5),
             score_function="sigmoid", norm_topk_prob=True,
             first_dense_layers=min(max(first_dense, 0), num_layers))
       except ValueError as e:  # MoEConfig names its field; config.json's key is said here
@@ -189,26 +191,27 @@ class LLaDA2(Family):
         raise ValueError(f"{f} config.json: n_group={moe.n_group} leaves one expert a group; "
                          "the published router takes each group's two best scores")
     dense = num_layers if moe is None else moe.first_dense_layers
-    mlp_hidden = (_get(raw, "intermediate_size", int, f) if dense
-                  else _get(raw, "intermediate_size", int, f, None) or moe.expert_hidden)
-    vocab = _get(raw, "vocab_size", int, f)
+    mlp_hidden = (config_value(raw, "intermediate_size", int, f) if dense
+                  else config_value(raw, "intermediate_size", int, f, None) or moe.expert_hidden)
+    vocab = config_value(raw, "vocab_size", int, f)
     published_ids = vocab == LLADA2_VOCAB
-    mask = _get(raw, "mask_token_id", int, f, LLADA2_MASK_ID if published_ids else None)
+    mask = config_value(raw, "mask_token_id", int, f, LLADA2_MASK_ID if published_ids else None)
     if mask is None:
       raise ValueError(f"{f} config.json: no mask_token_id (and vocab_size={vocab} is not the "
                        f"published {LLADA2_VOCAB}, whose mask id {LLADA2_MASK_ID} is known)")
-    eos = _first_id(raw, "eos_token_id", f)
+    eos = config_token_id(raw, "eos_token_id", f)
     if eos is None and published_ids:
       eos = LLADA2_EOS_ID
-    block = _get(raw, "block_size", int, f, LLADA2_BLOCK)
-    return _published(
+    block = config_value(raw, "block_size", int, f, LLADA2_BLOCK)
+    return build_published_config(
         self.network, vocab_size=vocab, d_model=d, num_layers=num_layers, num_heads=heads,
         num_kv_heads=kv, head_dim=head_dim, mlp_hidden=mlp_hidden,
-        rope_theta=_get(raw, "rope_theta", float, f, 10000.0),
-        norm_eps=_get(raw, "rms_norm_eps", float, f, 1e-5),
-        qkv_bias=_bool(raw, "use_qkv_bias", f, False), logit_shift=False, mask_id=mask,
-        eos_id=eos, max_len=_get(raw, "max_position_embeddings", int, f, 16384), dtype=dtype,
-        qk_norm=_bool(raw, "use_qk_norm", f, True),
+        rope_theta=config_value(raw, "rope_theta", float, f, 10000.0),
+        norm_eps=config_value(raw, "rms_norm_eps", float, f, 1e-5),
+        qkv_bias=config_bool(raw, "use_qkv_bias", f, False), logit_shift=False, mask_id=mask,
+        eos_id=eos, max_len=config_value(raw, "max_position_embeddings", int, f, 16384),
+        dtype=dtype,
+        qk_norm=config_bool(raw, "use_qk_norm", f, True),
         rotary_dim=None if rotary == head_dim else rotary, block_size=block, moe=moe)
 
   def config_to_hf(self, config: PublishedConfig) -> dict:
@@ -256,7 +259,7 @@ class LLaDA2(Family):
           "num_shared_experts": moe.num_shared_experts or None,
           "routed_scaling_factor": moe.routed_scaling_factor, "score_function": "sigmoid",
           "topk_group": moe.topk_group})
-    return _with_ids(raw, config)
+    return with_special_ids(raw, config)
 
   def leaves(self, config: PublishedConfig, tied: bool = False) -> list[Leaf]:
     b = "model.layers.{i}"

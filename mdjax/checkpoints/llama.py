@@ -7,15 +7,15 @@ hidden_size / heads.
 
 from __future__ import annotations
 
-from mdjax.checkpoints.base import (TORCH_DTYPES, TransformersFamily, _first_id, _get,
-                                    _head_dim, _published, _refuse)
+from mdjax.checkpoints.base import (TORCH_DTYPES, TransformersFamily, build_published_config,
+                                    config_head_dim, config_token_id, config_value, refuse_value)
 from mdjax.models.published import PublishedConfig
 
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings")
 
 
-def _rope(raw: dict, family: str) -> tuple[float, tuple | None]:
+def rope_config(raw: dict, family: str) -> tuple[float, tuple | None]:
   """(rope_theta, rope_scaling) of a transformers config: rope_theta at the top level and a
   rope_scaling dict (transformers 4), or both in rope_parameters (transformers 5). The only
   scaling expressed is Llama 3.1's "llama3" (PublishedConfig.rope_scaling); others are refused."""
@@ -26,14 +26,14 @@ def _rope(raw: dict, family: str) -> tuple[float, tuple | None]:
       raw = {**raw, "rope_theta": params["rope_theta"]}
     if params.get("rope_type", "default") != "default":
       scaling = params
-  theta = _get(raw, "rope_theta", float, family, 10000.0)
+  theta = config_value(raw, "rope_theta", float, family, 10000.0)
   if scaling is None:
     return theta, None
   kind = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
   if kind != "llama3":
     raise ValueError(f"{family} config.json: RoPE scaling {scaling!r} is not supported (only "
                      "rope_type 'llama3', Llama 3.1's)")
-  return theta, tuple(_get(scaling, k, int if k.startswith("original") else float, family)
+  return theta, tuple(config_value(scaling, k, int if k.startswith("original") else float, family)
                       for k in LLAMA3_KEYS)
 
 
@@ -49,26 +49,27 @@ class Llama(TransformersFamily):
 
   def config_from_hf(self, raw: dict, dtype: str) -> PublishedConfig:
     f = self.family
-    _refuse(raw, f, "hidden_act", ("silu",), "the MLP is silu(gate) * up")
-    _refuse(raw, f, "use_sliding_window", (False,), "attention is over the whole sequence")
-    _refuse(raw, f, "attention_bias", (False,), "only q/k/v biases, never o_proj's")
-    theta, scaling = _rope(raw, f)
-    _refuse(raw, f, "mlp_bias", (False,), "the MLP has no biases")
-    d = _get(raw, "hidden_size", int, f)
-    heads = _get(raw, "num_attention_heads", int, f)
+    refuse_value(raw, f, "hidden_act", ("silu",), "the MLP is silu(gate) * up")
+    refuse_value(raw, f, "use_sliding_window", (False,), "attention is over the whole sequence")
+    refuse_value(raw, f, "attention_bias", (False,), "only q/k/v biases, never o_proj's")
+    theta, scaling = rope_config(raw, f)
+    refuse_value(raw, f, "mlp_bias", (False,), "the MLP has no biases")
+    d = config_value(raw, "hidden_size", int, f)
+    heads = config_value(raw, "num_attention_heads", int, f)
     head_dim = raw.get("head_dim")
-    head_dim = (_head_dim(d, heads, f, "num_attention_heads") if head_dim is None
-                else _get(raw, "head_dim", int, f))
-    return _published(
-        self.network, vocab_size=_get(raw, "vocab_size", int, f), d_model=d,
-        num_layers=_get(raw, "num_hidden_layers", int, f), num_heads=heads,
-        num_kv_heads=_get(raw, "num_key_value_heads", int, f, heads), head_dim=head_dim,
-        mlp_hidden=_get(raw, "intermediate_size", int, f), rope_theta=theta,
+    head_dim = (config_head_dim(d, heads, f, "num_attention_heads") if head_dim is None
+                else config_value(raw, "head_dim", int, f))
+    return build_published_config(
+        self.network, vocab_size=config_value(raw, "vocab_size", int, f), d_model=d,
+        num_layers=config_value(raw, "num_hidden_layers", int, f), num_heads=heads,
+        num_kv_heads=config_value(raw, "num_key_value_heads", int, f, heads), head_dim=head_dim,
+        mlp_hidden=config_value(raw, "intermediate_size", int, f), rope_theta=theta,
         rope_scaling=scaling,
-        norm_eps=_get(raw, "rms_norm_eps", float, f, self.default_eps),
+        norm_eps=config_value(raw, "rms_norm_eps", float, f, self.default_eps),
         qkv_bias=self.qkv_bias, logit_shift=False, mask_id=None, causal=True,
-        eos_id=_first_id(raw, "eos_token_id", f),
-        max_len=_get(raw, "max_position_embeddings", int, f, self.default_max_len), dtype=dtype)
+        eos_id=config_token_id(raw, "eos_token_id", f),
+        max_len=config_value(raw, "max_position_embeddings", int, f, self.default_max_len),
+        dtype=dtype)
 
   def config_to_hf(self, config: PublishedConfig) -> dict:
     if config.family != self.network:

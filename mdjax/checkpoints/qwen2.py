@@ -5,7 +5,7 @@ Llama's mapping otherwise (`mdjax.checkpoints.llama`).
 
 from __future__ import annotations
 
-from mdjax.checkpoints.base import _refuse
+from mdjax.checkpoints.base import refuse_value
 from mdjax.checkpoints.llama import Llama
 from mdjax.models.published import PublishedConfig
 
@@ -21,8 +21,8 @@ class Qwen2(Llama):
   default_eps, default_max_len = 1e-6, 32768
 
   def config_from_hf(self, raw: dict, dtype: str) -> PublishedConfig:
-    _refuse(raw, self.family, "attention_bias", (True, None),
-            "Qwen2's q/k/v projections always have biases")
+    refuse_value(raw, self.family, "attention_bias", (True, None),
+                 "Qwen2's q/k/v projections always have biases")
     raw = {k: v for k, v in raw.items() if k not in ("attention_bias", "mlp_bias")}
     return super().config_from_hf(raw, dtype)
 

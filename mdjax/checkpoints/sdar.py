@@ -21,10 +21,10 @@ from __future__ import annotations
 import dataclasses
 
 from mdjax import sampling
-from mdjax.checkpoints.base import (Leaf, TransformersFamily, _first_id, _get, _published,
-                                    _qwen_hf, _refuse, _with_ids, check_choice, check_int,
-                                    check_number)
-from mdjax.checkpoints.llama import LLAMA3_KEYS, _rope
+from mdjax.checkpoints.base import (Leaf, TransformersFamily, build_published_config, check_choice,
+                                    check_int, check_number, config_token_id, config_value,
+                                    qwen_config_json, refuse_value, with_special_ids)
+from mdjax.checkpoints.llama import LLAMA3_KEYS, rope_config
 from mdjax.model import SamplerPlan
 from mdjax.models import published
 from mdjax.models.published import PublishedConfig
@@ -113,36 +113,37 @@ class SDAR(TransformersFamily):
 
   def config_from_hf(self, raw: dict, dtype: str) -> PublishedConfig:
     f = self.family
-    _refuse(raw, f, "hidden_act", ("silu",), "the MLP is silu(gate) * up")
-    _refuse(raw, f, "attention_bias", (False, None), "SDAR's attention_bias puts biases on q, k, "
-            "v and o_proj; the network has none on o_proj")
-    _refuse(raw, f, "use_sliding_window", (False, None), "SDAR's attention never applies a "
-            "sliding window")
-    theta, scaling = _rope(raw, f)
-    d = _get(raw, "hidden_size", int, f)
-    heads = _get(raw, "num_attention_heads", int, f)
+    refuse_value(raw, f, "hidden_act", ("silu",), "the MLP is silu(gate) * up")
+    refuse_value(raw, f, "attention_bias", (False, None), "SDAR's attention_bias puts biases on "
+                 "q, k, v and o_proj; the network has none on o_proj")
+    refuse_value(raw, f, "use_sliding_window", (False, None), "SDAR's attention never applies a "
+                 "sliding window")
+    theta, scaling = rope_config(raw, f)
+    d = config_value(raw, "hidden_size", int, f)
+    heads = config_value(raw, "num_attention_heads", int, f)
     # SDARConfig's defaults: head_dim 128, 32 KV heads when the key is absent (heads when
     # it is null), rope_theta 10000, eps 1e-6; the published configs give them all.
-    kv = _get(raw, "num_key_value_heads", int, f, 32 if "num_key_value_heads" not in raw
-              else heads)
-    block = _get(raw, "block_size", int, f, 4)
+    kv = config_value(raw, "num_key_value_heads", int, f, 32 if "num_key_value_heads" not in raw
+                      else heads)
+    block = config_value(raw, "block_size", int, f, 4)
     if block < 1:
       raise ValueError(f"{f} config.json: block_size={block} must be >= 1 (the attention's "
                        "blocks)")
-    vocab = _get(raw, "vocab_size", int, f)
-    eot = _first_id(raw, "eot_token_id", f)
+    vocab = config_value(raw, "vocab_size", int, f)
+    eot = config_token_id(raw, "eot_token_id", f)
     if eot is None and vocab == QWEN3_VOCAB:
       eot = IM_END_ID
-    return _published(
+    return build_published_config(
         self.network, vocab_size=vocab, d_model=d,
-        num_layers=_get(raw, "num_hidden_layers", int, f), num_heads=heads, num_kv_heads=kv,
-        head_dim=_get(raw, "head_dim", int, f, 128),
-        mlp_hidden=_get(raw, "intermediate_size", int, f), rope_theta=theta,
-        rope_scaling=scaling, norm_eps=_get(raw, "rms_norm_eps", float, f, 1e-6),
+        num_layers=config_value(raw, "num_hidden_layers", int, f), num_heads=heads, num_kv_heads=kv,
+        head_dim=config_value(raw, "head_dim", int, f, 128),
+        mlp_hidden=config_value(raw, "intermediate_size", int, f), rope_theta=theta,
+        rope_scaling=scaling, norm_eps=config_value(raw, "rms_norm_eps", float, f, 1e-6),
         qkv_bias=False, logit_shift=False, qk_norm=True, block_size=block,
-        mask_id=_get(raw, "mask_token_id", int, f, SDAR_MASK_ID if vocab == QWEN3_VOCAB else ...),
-        eos_id=_first_id(raw, "eos_token_id", f), eot_id=eot,
-        max_len=_get(raw, "max_position_embeddings", int, f, 32768), dtype=dtype)
+        mask_id=config_value(raw, "mask_token_id", int, f,
+                             SDAR_MASK_ID if vocab == QWEN3_VOCAB else ...),
+        eos_id=config_token_id(raw, "eos_token_id", f), eot_id=eot,
+        max_len=config_value(raw, "max_position_embeddings", int, f, 32768), dtype=dtype)
 
   def config_to_hf(self, config: PublishedConfig) -> dict:
     if not isinstance(config, PublishedConfig) or config.family != self.network:
@@ -157,12 +158,12 @@ class SDAR(TransformersFamily):
         "rope_type": "llama3", **dict(zip(LLAMA3_KEYS, config.rope_scaling))}
     raw = {
         "architectures": list(self.architectures), "model_type": self.model_types[0],
-        **_qwen_hf(config), "attention_bias": False, "block_size": config.block_size,
+        **qwen_config_json(config), "attention_bias": False, "block_size": config.block_size,
         "fuse_cross_entropy": True,  # SDARForCausalLM.forward reads it, also at inference
         "head_dim": config.head_dim, "mask_token_id": config.mask_id, "rope_scaling": scaling,
         "use_cache": False,
     }
-    raw = _with_ids(raw, config)
+    raw = with_special_ids(raw, config)
     if config.eos_id is not None:
       raw["bos_token_id"] = config.eos_id  # as the published configs have it
     return raw

@@ -115,7 +115,7 @@ def _reading_raw(raw: dict) -> dict:
   uses (the EOS, a token every tokenizer check finds)."""
   if raw["model_type"] != "qwen3":
     return raw
-  eos = checkpoints.base._first_id(raw, "eos_token_id", "qwen3")
+  eos = checkpoints.base.config_token_id(raw, "eos_token_id", "qwen3")
   return {**raw, "model_type": "sdar", "architectures": ["SDARForCausalLM"], "block_size": 1,
           "mask_token_id": 0 if eos is None else eos}
 
@@ -224,8 +224,8 @@ def plan(input_dir: str, *, to: str = "masked", block_size: int | None = None,
       raise ValueError(f"mask_id={mask_id} is the tokenizer's token {token!r}: no room for a "
                        f"mask there (the tokenizer has {size} ids of the {vocab} rows); leave "
                        f"mask_id unset to append the new id {vocab}.")
-    if mask_id in (causal.eos_id, checkpoints.base._first_id(raw, "bos_token_id", "input"),
-                   checkpoints.base._first_id(raw, "pad_token_id", "input")):
+    if mask_id in (causal.eos_id, checkpoints.base.config_token_id(raw, "bos_token_id", "input"),
+                   checkpoints.base.config_token_id(raw, "pad_token_id", "input")):
       raise ValueError(f"mask_id={mask_id} is the input's EOS, BOS or pad id.")
   fields = dict(family=name, vocab_size=vocab + appended, mask_id=mask_id, causal=False,
                 logit_shift=keep_shift, block_size=block_size if to == "block" else None,

@@ -24,7 +24,7 @@ import numpy as np
 
 from mdjax import cli
 from mdjax.pretrained import lightning
-from mdjax.pretrained.load import CONFIG_FILE, _raw_config, load, save
+from mdjax.pretrained.load import CONFIG_FILE, read_config_json, load, save
 from mdjax.pretrained import tensors as tensors_lib
 
 # What the converted folder keeps of a state dict: the network and the reference's buffers.
@@ -67,7 +67,7 @@ def convert(path: str, out_dir: str, config, *, ema: bool = True, dtype: str | N
     weights = {n: np.array(t.read()) for n, t in
                lightning.state_tensors(lightning.read_ckpt(path), path, ema=ema).items()}
   kept = {n: v for n, v in weights.items() if n.startswith(_KEEP_PREFIX) or n in _KEEP_NAMES}
-  raw = _raw_config(config, os.path.dirname(os.path.abspath(path)), path)
+  raw = read_config_json(config, os.path.dirname(os.path.abspath(path)), path)
   with tempfile.TemporaryDirectory() as tmp:
     tensors_lib.write_checkpoint(tmp, kept, metadata={"format": "pt"})
     tensors_lib.write_json(os.path.join(tmp, CONFIG_FILE), raw)

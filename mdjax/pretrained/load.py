@@ -44,8 +44,8 @@ from mdjax.models.published import DTYPES, PublishedConfig
 from mdjax.pretrained import lightning
 from mdjax.pretrained import tensors as tensors_lib
 from mdjax.pretrained.chat_template import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE
-from mdjax.pretrained.record import PretrainedModel  # noqa: F401  (its earlier home)
-from mdjax.pretrained.record import TOKENIZER_FILE, published_model, tokenizer_failure  # noqa: F401
+from mdjax.pretrained.record import published_model
+from mdjax.tokenizers import TOKENIZER_FILE
 from mdjax.tokenizers import load_hf_tokenizer as _load_tokenizer
 
 CONFIG_FILE = "config.json"
@@ -123,7 +123,7 @@ def check_tokenizer(tokenizer, config, raw: dict, path: str) -> None:
   size = tokenizer.get_vocab_size(with_added_tokens=True)
   if isinstance(config, DiTConfig):  # logits over V ids and the mask id V
     rows = config.vocab_size + 1
-    named = {"EOS": family_base._first_id(raw, "eos_token_id", config.family)}
+    named = {"EOS": family_base.config_token_id(raw, "eos_token_id", config.family)}
   else:  # LLaDA's tokenizer is smaller than its embedding and holds the mask id
     rows = config.vocab_size
     named = {"mask": config.mask_id, "EOS": config.eos_id, "EoT": config.eot_id}
@@ -136,7 +136,8 @@ def check_tokenizer(tokenizer, config, raw: dict, path: str) -> None:
                        f"{token_id} that config.json names: another model's tokenizer?")
 
 
-def _chat_template(folder: str) -> str | None:
+def read_chat_template(folder: str) -> str | None:
+  """The folder's chat template (chat_template.jinja, else tokenizer_config.json's); None."""
   path = os.path.join(folder, CHAT_TEMPLATE_FILE)
   if files_lib.regular_file(path):
     return _read_text(path)
@@ -179,7 +180,7 @@ def _ckpt_file(src: str) -> str | None:
   return os.path.join(src, found[0]) if found else None
 
 
-def _raw_config(config, folder: str, where: str) -> dict:
+def read_config_json(config, folder: str, where: str) -> dict:
   """config.json's object: from `config` (a PublishedConfig or DiTConfig, a dict, or a path
   to a JSON file) or else the folder's config.json."""
   if config is None:
@@ -240,7 +241,7 @@ def load(path: str, *, dtype: str | None = None, mesh: Mesh | None = None, confi
   src = os.fspath(path)
   ckpt = _ckpt_file(src)
   folder = src if ckpt is None else os.path.dirname(os.path.abspath(ckpt))
-  raw = _raw_config(config, folder, ckpt or folder)
+  raw = read_config_json(config, folder, ckpt or folder)
   where = os.path.join(folder, CONFIG_FILE) if config is None else ckpt or folder
   layout = checkpoints.detect(raw, where)
   if ckpt is None:
@@ -302,7 +303,7 @@ def load(path: str, *, dtype: str | None = None, mesh: Mesh | None = None, confi
       shardings[key] = (NamedSharding(mesh, spec), NamedSharding(mesh, layer_spec))
   tokenizer = _load_tokenizer(folder)
   check_tokenizer(tokenizer, config, raw, os.path.join(folder, TOKENIZER_FILE))
-  chat_template = _chat_template(folder)
+  chat_template = read_chat_template(folder)
 
   np_dtype = np.dtype(config.jnp_dtype)
   params: dict[str, Any] = {}

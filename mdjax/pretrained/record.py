@@ -1,12 +1,11 @@
 """A published checkpoint as the one `mdjax.model.Model` record: its family's denoiser,
 special ids, length and reference sampler (`mdjax.checkpoints`), and the text codec of its
-tokenizer.json. `PretrainedModel(...)`, the earlier record's constructor, builds the same
-Model from its fields (one release)."""
+tokenizer.json (`published_model`)."""
 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from mdjax import checkpoints
 from mdjax.model import Model
@@ -44,16 +43,16 @@ def text_codec(tokenizer, source: str | None
   return encode, decode
 
 
-def published_model(*, params, config, family: str | None = None, apply_fn=None,
+def published_model(*, params, config, family: str | None = None, denoiser=None,
                     tokenizer=None, chat_template: str | None = None, source: str | None = None,
                     hf_config: dict | None = None, bytes_read: int = 0,
                     buffers: dict | None = None) -> Model:
   """The Model of a published checkpoint's parts. family: the registry's name (default
-  config.family); apply_fn: its denoiser (None: the family's of `config`)."""
+  config.family); denoiser: its denoiser (None: the family's of `config`)."""
   kind = checkpoints.get(family or config.family)
   mask_id, eos_id, eot_id, pad_id = kind.special_ids(config, hf_config)
   encode, decode = text_codec(tokenizer, source)
-  return Model(denoiser=kind.denoiser(config) if apply_fn is None else apply_fn,
+  return Model(denoiser=kind.denoiser(config) if denoiser is None else denoiser,
                params=params, family=kind.family, vocab_size=config.vocab_size,
                max_len=kind.max_len(config), mask_id_or_none=mask_id, eos_id=eos_id,
                eot_id=eot_id, pad_id=pad_id, encode=encode, decode=decode,
@@ -62,28 +61,3 @@ def published_model(*, params, config, family: str | None = None, apply_fn=None,
                source=source, hf_config=hf_config,
                buffers=buffers, bytes_read=bytes_read)
 
-
-_FIELDS = ("apply_fn", "params", "config", "family", "tokenizer", "chat_template", "source",
-           "hf_config", "bytes_read", "buffers")
-
-
-class _PublishedModelType(type):
-  def __instancecheck__(cls, obj: Any) -> bool:
-    return isinstance(obj, Model) and obj.family in checkpoints.FAMILIES
-
-
-class PretrainedModel(metaclass=_PublishedModelType):
-  """The earlier record of a loaded checkpoint, now a `Model`: PretrainedModel(apply_fn=,
-  params=, config=, family=, tokenizer=, chat_template=, source=, hf_config=, bytes_read=,
-  buffers=) returns `published_model(...)`'s Model, and isinstance(x, PretrainedModel) is
-  whether x is a Model of a published family."""
-
-  def __new__(cls, *args, **fields) -> Model:  # type: ignore[misc]
-    if len(args) > len(_FIELDS):
-      raise ValueError(f"PretrainedModel takes at most {len(_FIELDS)} positional fields "
-                       f"({', '.join(_FIELDS)}); got {len(args)}")
-    given = dict(zip(_FIELDS, args))
-    twice = sorted(set(given) & set(fields))
-    if twice:
-      raise ValueError(f"PretrainedModel: {twice} given by position and by name")
-    return published_model(**given, **fields)

@@ -208,7 +208,7 @@ def published_config(folder: str):
 
 def _published_vocabulary(folder: str) -> Vocabulary:
   from mdjax.pretrained.chat_template import render_chat  # as in `published_config`
-  from mdjax.pretrained.load import _chat_template
+  from mdjax.pretrained.load import read_chat_template
   config, _ = published_config(folder)
   tokenizer = load_hf_tokenizer(folder)
   if tokenizer is None:
@@ -216,7 +216,7 @@ def _published_vocabulary(folder: str) -> Vocabulary:
   if config.eos_id is None:
     raise ValueError(f"{folder}: config.json names no eos_token_id; the rows are padded with "
                      "EOS.")
-  template = _chat_template(folder)
+  template = read_chat_template(folder)
   view = types.SimpleNamespace(chat_template=template, source=os.path.abspath(folder))
   chat = None if template is None else functools.partial(render_chat, view)
   return Vocabulary(

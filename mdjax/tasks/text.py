@@ -32,9 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mdjax.tasks.base import Task
-# The tokenizers live in `mdjax.tokenizers`; their names here stay for one release.
-from mdjax.tokenizers import (DOCUMENT_SEPARATOR, EOS_TEXT, MASK_CHAR,  # noqa: F401
-                              MASK_CHAR_CHOICES, BpeTokenizer, CharTokenizer, characters_of)
+from mdjax.tokenizers import DOCUMENT_SEPARATOR, MASK_CHAR, BpeTokenizer, CharTokenizer
 
 SHAKESPEARE = "shakespeare"
 # About 10% of the 5.06M characters; every character of these plays also occurs in the rest.

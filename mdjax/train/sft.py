@@ -42,7 +42,7 @@ from mdjax import diffusion, lora, models, pretrained
 from mdjax.denoiser import Denoiser
 from mdjax.models import published as published_model
 from mdjax import checkpoints as families
-from mdjax.pretrained import tensors
+from mdjax.pretrained import record, tensors
 from mdjax.saved_run import saved_config
 from mdjax.tasks import sft as sft_data
 from mdjax.train import checkpoints, objectives
@@ -321,9 +321,9 @@ def export(config, state, workdir: str, log=print) -> str | None:
   published = families.detect(raw, folder).config_from_hf(raw, dtype)
   params = state.ema_params if state.ema_params is not None else state.params
   params = lora.merged(config, params)  # LoRA's adapters folded into the weights (or as is)
-  model = pretrained.PretrainedModel(
-      apply_fn=None, params=jax.tree.map(_on_host, params), config=published,
-      family=published.family, source=os.path.abspath(folder), hf_config=raw)
+  model = record.published_model(
+      params=jax.tree.map(_on_host, params), config=published, family=published.family,
+      source=os.path.abspath(folder), hf_config=raw)
   out = os.path.join(workdir, EXPORT_DIR)
   partial = out + ".partial"
   _remove(partial)

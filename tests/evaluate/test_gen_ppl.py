@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from mdjax import tasks
+from mdjax import tasks, tokenizers
 from mdjax.evaluate import gen_ppl
 from mdjax.models import published
 from tests.paths import REPO
@@ -61,7 +61,7 @@ def test_windows_score_each_token_once():
 def test_retokenization_across_tokenizers():
   """Texts from a sampler with another vocabulary (mdjax characters) are judged by the Qwen2
   fixture's byte-level BPE: its ids, its count, its BOS."""
-  sampler = tasks.text.CharTokenizer("abcdefghijklmnopqrstuvwxyz ,.'\n")
+  sampler = tokenizers.CharTokenizer("abcdefghijklmnopqrstuvwxyz ,.'\n")
   texts = ["to be or not to be, that is the question.", "the winter of our discontent"]
   ids = [sampler.encode(t) for t in texts]
   m = model("qwen2")
@@ -97,11 +97,12 @@ def test_entropy_of_a_known_histogram():
 
 def test_mdjax_causal_model_as_judge(tmp_path):
   """A mdjax model trained with objective "causal": its task's characters, the mask id as
-  the start token, scored as `likelihood.causal_bits` scores it."""
+  the start token, scored as `elbo.causal_bits` scores it."""
   from flax import nnx
 
-  from mdjax import likelihood, models
   from mdjax import model as model_lib
+  from mdjax import models
+  from mdjax.evaluate import elbo
   from mdjax.train import state
   from tests.text_fixtures import tiny_config, write_corpus
   config = tiny_config(write_corpus(tmp_path / "corpus.txt"), causal=True)
@@ -111,7 +112,7 @@ def test_mdjax_causal_model_as_judge(tmp_path):
                                source=str(tmp_path / "causal"))
   windows = task.validation_windows(3)
   out = gen_ppl.generative_perplexity([task.decode(w) for w in windows], judge)
-  bits = likelihood.causal_bits(judge.apply_fn, judge.params, windows, start_id=task.mask_id)
+  bits = elbo.causal_bits(judge.denoiser, judge.params, windows, start_id=task.mask_id)
   np.testing.assert_allclose(out.nll_per_token_N, bits * np.log(2) / task.length, rtol=1e-5)
   assert (out.num_tokens_N == task.length).all()
   with pytest.raises(ValueError, match=r"texts\[1\]: .*outside the tokenizer's vocabulary"):

@@ -1,4 +1,4 @@
-"""Texts in, texts out for a loaded checkpoint: prompts, chat, `complete`, sample.py --pretrained."""
+"""Texts in, texts out for a checkpoint: prompts, chat, `generate`, sample.py --pretrained."""
 
 import dataclasses
 import json
@@ -19,8 +19,17 @@ def llada():
   return pretrained.load(os.path.join(FIXTURES, "llada"))
 
 
+def encoded(model, prompts, chat=False):
+  """(ids [B, P], attention mask [B, P]): the prompts left-padded as `mdjax.generate` lays
+  them out."""
+  rows = generation.prompt_ids(model, prompts, chat=chat)
+  prompt_BxP, valid_BxP, _ = generation.left_padded(rows, max(map(len, rows)), model.mask_id,
+                                                    pad_id=model.pad_id)
+  return prompt_BxP, valid_BxP.astype(np.int32)
+
+
 def test_prompts_left_padded_with_their_mask(llada):
-  prompt_BxP, mask_BxP = pretrained.encode_prompts(llada, ["Hi!", [5, 6, 7, 8, 9]])
+  prompt_BxP, mask_BxP = encoded(llada, ["Hi!", [5, 6, 7, 8, 9]])
   assert prompt_BxP.shape == mask_BxP.shape == (2, 5)
   np.testing.assert_array_equal(mask_BxP, [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
   np.testing.assert_array_equal(prompt_BxP[0, 2:], llada.tokenizer.encode("Hi!").ids)
@@ -32,20 +41,20 @@ def test_chat_template_renders_as_hugging_face(llada):
   text = pretrained.render_chat(llada, [{"role": "user", "content": " Hi! "}])
   assert text == ("<|startoftext|><|start_header_id|>user<|end_header_id|>\n\nHi!<|eot_id|>"
                   "<|start_header_id|>assistant<|end_header_id|>\n\n")
-  chat_BxP, _ = pretrained.encode_prompts(llada, ["Hi!"], chat=True)
+  chat_BxP, _ = encoded(llada, ["Hi!"], chat=True)
   np.testing.assert_array_equal(chat_BxP[0], llada.tokenizer.encode(text).ids)
 
 
 def test_bad_prompts(llada, tmp_path):
   with pytest.raises(ValueError, match="prompts is empty"):
-    pretrained.encode_prompts(llada, [])
+    encoded(llada, [])
   with pytest.raises(ValueError, match=f"prompts line 2 holds .*mask id {llada.mask_id}"):
-    pretrained.encode_prompts(llada, ["a", [1, llada.mask_id]])
+    encoded(llada, ["a", [1, llada.mask_id]])
   with pytest.raises(ValueError, match="prompts line 1 is ids; chat=True"):
-    pretrained.encode_prompts(llada, [[1, 2]], chat=True)
+    encoded(llada, [[1, 2]], chat=True)
   no_template = dataclasses.replace(llada, chat_template=None)
   with pytest.raises(ValueError, match="chat template"):
-    pretrained.encode_prompts(no_template, ["a"], chat=True)
+    encoded(no_template, ["a"], chat=True)
   path = tmp_path / "p.jsonl"
   path.write_text('{"prompt": "a"}\n{"messages": [{"role": "user", "content": "b"}]}\n')
   assert generation.read_prompts(str(path), messages=True) == [
@@ -55,10 +64,11 @@ def test_bad_prompts(llada, tmp_path):
     generation.read_prompts(str(path), messages=True)
 
 
-def test_complete_is_generate_cut_at_the_end_of_text(llada):
+def test_generate_is_the_reference_sampler_cut_at_the_end_of_text(llada):
   prompts = ["Hello", "Hi there, you"]
-  out = pretrained.complete(llada, prompts, max_new_tokens=8, steps=4, block_length=4)
-  prompt_BxP, mask_BxP = pretrained.encode_prompts(llada, prompts)
+  out = generation.generate(llada, prompts, max_new_tokens=8, steps=4, block_length=4,
+                            key=jax.random.key(0))
+  prompt_BxP, mask_BxP = encoded(llada, prompts)
   ids_BxT = np.asarray(pretrained.generate(llada, prompt_BxP, steps=4, gen_length=8,
                                            block_length=4, attention_mask=mask_BxP))
   for row, got in zip(ids_BxT[:, prompt_BxP.shape[1]:], out.token_ids):
@@ -66,20 +76,23 @@ def test_complete_is_generate_cut_at_the_end_of_text(llada):
     np.testing.assert_array_equal(got, row[:ends[0]] if len(ends) else row)
   assert out.texts == [llada.tokenizer.decode(list(map(int, ids))) for ids in out.token_ids]
   with pytest.raises(ValueError, match="alg= does not apply to the llada"):
-    pretrained.complete(llada, prompts, max_new_tokens=8, alg="entropy")
+    generation.generate(llada, prompts, max_new_tokens=8, alg="entropy", key=jax.random.key(0))
 
 
 def test_any_family_samples_a_checkpoint(llada):
   """A family on the checkpoint's own ids: the mask id (inside the vocabulary) never comes
-  out, and complete(spec=) is sample_family on the encoded prompts."""
+  out, and generate(spec=) is `sampling.sample` on the encoded prompts."""
   spec = sampling.ConfidenceSpec(steps=4, block_length=4, kv_cache="dual", temperature=0.0)
-  prompt_BxP, mask_BxP = pretrained.encode_prompts(llada, ["Hello", "Hi there, you"])
-  ids_BxT = np.asarray(pretrained.sample_family(llada, prompt_BxP, spec, max_new_tokens=8,
-                                                attention_mask=mask_BxP))
+  prompt_BxP, mask_BxP = encoded(llada, ["Hello", "Hi there, you"])
+  canvas_BxL = np.concatenate([prompt_BxP, np.full((2, 8), llada.mask_id, np.int32)], 1)
+  valid_BxL = np.concatenate([mask_BxP.astype(bool), np.ones((2, 8), bool)], 1)
+  ids_BxT = np.asarray(sampling.sample(llada.denoiser, llada.params, jax.random.key(0),
+                                       canvas_BxL, spec, mask_id=llada.mask_id,
+                                       valid_BxL=valid_BxL).tokens_BxL)
   np.testing.assert_array_equal(ids_BxT[:, :prompt_BxP.shape[1]], prompt_BxP)
   assert not (ids_BxT == llada.mask_id).any()
-  out = pretrained.complete(llada, ["Hello", "Hi there, you"], max_new_tokens=8, spec=spec,
-                            stop_at_eos=False)
+  out = generation.generate(llada, ["Hello", "Hi there, you"], max_new_tokens=8, spec=spec,
+                            stop_at_eos=False, key=jax.random.key(0))
   np.testing.assert_array_equal(np.stack(out.token_ids), ids_BxT[:, prompt_BxP.shape[1]:])
 
 
@@ -92,7 +105,7 @@ def test_sample_cli_pretrained(sample_cli, llada, tmp_path):
   assert proc.returncode == 0, proc.stderr
   assert "2 completions" in proc.stdout
   rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
-  out = pretrained.complete(llada, ["Hello", "Hi there, you"], max_new_tokens=8, steps=4,
+  out = generation.generate(llada, ["Hello", "Hi there, you"], max_new_tokens=8, steps=4,
                             block_length=4, key=jax.random.fold_in(jax.random.key(0), 0))
   assert [r["token_ids"] for r in rows] == [ids.tolist() for ids in out.token_ids]
   proc = sample_cli(f"--pretrained={os.path.join(FIXTURES, 'llada')}", f"--prompts={prompts}",

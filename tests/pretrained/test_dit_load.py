@@ -19,9 +19,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mdjax import pretrained
+from mdjax import checkpoints, pretrained
+from mdjax.checkpoints.dit import ATTN_BACKENDS
 from mdjax.models import dit
-from mdjax.pretrained import layouts, lightning, tensors
+from mdjax.pretrained import lightning, tensors
 from tests.pretrained.test_load import assert_same, tensor_bytes
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures", "dit")
@@ -133,7 +134,7 @@ def test_config_mapping(tmp_path, saved):
 def test_every_known_attn_backend_loads_without_a_warning(saved):
   config = tiny("bd3lm")
   folder, raw = saved(config, 4)
-  for backend in layouts.ATTN_BACKENDS:
+  for backend in ATTN_BACKENDS:
     tensors.write_json(os.path.join(folder, "config.json"), {**raw, "attn_backend": backend})
     with warnings.catch_warnings():
       warnings.simplefilter("error")
@@ -145,7 +146,7 @@ def test_adaln_false_loads_as_constant_modulation(tmp_path):
   params = random_params(config, 5)
   named = {n: v for n, v in hf_tensors(config, params).items()
            if "adaLN" not in n and "sigma_map" not in n}
-  raw = {**layouts.LAYOUTS["mdlm"].config_to_hf(config), "adaln": False}
+  raw = {**checkpoints.FAMILIES["mdlm"].config_to_hf(config), "adaln": False}
   model = pretrained.load(write_folder(tmp_path, raw, named))
   b = model.params["blocks"]
   assert not np.asarray(b["ada"]).any() and not np.asarray(model.params["final"]["ada_bias"]).any()
@@ -178,7 +179,7 @@ def test_bad_config(saved, change, match):
 def test_missing_and_wrong_tensors(tmp_path):
   config = tiny("mdlm")
   named = hf_tensors(config, random_params(config, 7))
-  raw = layouts.LAYOUTS["mdlm"].config_to_hf(config)
+  raw = checkpoints.FAMILIES["mdlm"].config_to_hf(config)
   gone = {n: v for n, v in named.items() if n != "backbone.blocks.1.mlp.2.bias"}
   with pytest.raises(ValueError, match=r"missing tensor\(s\) backbone.blocks.1.mlp.2.bias"):
     pretrained.load(write_folder(tmp_path / "a", raw, gone))
@@ -349,7 +350,7 @@ def test_load_lightning_ckpt(tmp_path, family):
   assert_same(pretrained.load(path, config=config, ema=False).params, params)
   # A folder holding the .ckpt and config.json: found beside it.
   tensors.write_json(str(tmp_path / "config.json"),
-                     layouts.LAYOUTS[family].config_to_hf(config))
+                     checkpoints.FAMILIES[family].config_to_hf(config))
   model = pretrained.load(tmp_path)
   assert_same(model.params, ema)
   pretrained.save(model, tmp_path / "hf")
@@ -380,7 +381,7 @@ def test_real_torch_save(tmp_path):
   # The conversion command (torch.load(weights_only=True)) writes the same folder.
   from mdjax.pretrained import convert_ckpt
   cfg = tmp_path / "config.json"
-  tensors.write_json(str(cfg), layouts.LAYOUTS["bd3lm"].config_to_hf(config))
+  tensors.write_json(str(cfg), checkpoints.FAMILIES["bd3lm"].config_to_hf(config))
   convert_ckpt.main([str(tmp_path / "t.ckpt"), str(tmp_path / "hf"), f"--config={cfg}"])
   assert_same(pretrained.load(tmp_path / "hf").params, params)
   # Metadata torch's weights_only loader refuses: mdjax's reader skips it, never running it.
@@ -401,7 +402,7 @@ def test_convert_without_torch_reader(tmp_path):
   arrays, obj_fn = lightning_like(config, random_params(config, 13), ema)
   path = write_archive(tmp_path / "m.ckpt", obj_fn, arrays)
   cfg = tmp_path / "cfg.json"
-  tensors.write_json(str(cfg), layouts.LAYOUTS["mdlm"].config_to_hf(config))
+  tensors.write_json(str(cfg), checkpoints.FAMILIES["mdlm"].config_to_hf(config))
   convert_ckpt.main([path, str(tmp_path / "hf"), f"--config={cfg}", "--reader=mdjax"])
   assert_same(pretrained.load(tmp_path / "hf").params, ema)
 

@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from mdjax import diffusion, likelihood, sampling
+from mdjax import diffusion, sampling
+from mdjax.evaluate import elbo
 from mdjax.evaluate import perplexity as perplexity_lib
 from mdjax.models import dit
 from mdjax.pretrained import dit_samplers
@@ -242,7 +243,7 @@ def test_windows_nelbo_on_the_two_color_oracle_is_exact():
   errors of these expectations (the CLT: a failure has probability < 1e-4)."""
   x_NxL = np.asarray(two_color.sample_data(jax.random.key(0), 64 * 40))
   eps, t_min = 1e-3, 1e-3
-  mdlm_out = likelihood.windows_nelbo(
+  mdlm_out = elbo.windows_nelbo(
       two_color.exact_denoiser, None, x_NxL, batch_size=64, key=jax.random.key(1),
       schedule=diffusion.LogLinearSchedule(eps=eps), t_min=t_min)
   exact = (1 - eps) ** 2 * (1 + t_min) * math.log(2) / 2  # per token
@@ -250,12 +251,12 @@ def test_windows_nelbo_on_the_two_color_oracle_is_exact():
   assert mdlm_out["num_tokens"] == x_NxL.size and mdlm_out["num_batches"] == 40
   assert 0 < mdlm_out["stderr"] < 0.02
   block = diffusion.block_causal(two_color.exact_denoiser, 1)
-  bd3_out = likelihood.windows_nelbo(block, None, x_NxL, batch_size=64, key=jax.random.key(2),
+  bd3_out = elbo.windows_nelbo(block, None, x_NxL, batch_size=64, key=jax.random.key(2),
                                      schedule=diffusion.LinearSchedule(), t_min=t_min,
                                      block_size=1)
   assert abs(bd3_out["nelbo_nats_per_token"] - math.log(2) / 2) < 4 * bd3_out["stderr"], bd3_out
   # A worse model is far above: the uniform denoiser's NELBO.
-  worse = likelihood.windows_nelbo(
+  worse = elbo.windows_nelbo(
       two_color.uniform_denoiser, None, x_NxL, batch_size=64, key=jax.random.key(1),
       schedule=diffusion.LogLinearSchedule(eps=eps), t_min=t_min)
   assert worse["nelbo_nats_per_token"] > exact + 10 * worse["stderr"]

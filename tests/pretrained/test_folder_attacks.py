@@ -18,10 +18,10 @@ import types
 import numpy as np
 import pytest
 
-from mdjax import pretrained
+from mdjax import checkpoints, pretrained
 from mdjax.models import published
 from mdjax.models.dit import DiTConfig
-from mdjax.pretrained import layouts, tensors
+from mdjax.pretrained import record, tensors
 from tests import attacks
 from tests.paths import REPO
 
@@ -96,8 +96,8 @@ def test_adaln_free_checkpoint_cannot_ask_for_huge_cond_dim(tmp_path):
   tensor bounds: 10**6 would be terabytes."""
   config = DiTConfig(family="mdlm", vocab_size=30, hidden_dim=16, cond_dim=8, n_blocks=2,
                      n_heads=2, model_length=16)
-  layout = layouts.LAYOUTS["mdlm"]
-  named = {n: np.zeros(layouts.hf_shape(config, leaf), np.float32)
+  layout = checkpoints.FAMILIES["mdlm"]
+  named = {n: np.zeros(checkpoints.base.hf_shape(config, leaf), np.float32)
            for leaf in layout.leaves(config, adaln=False) for n in leaf.hf_names(2)}
   tensors.write_file(str(tmp_path / "model.safetensors"), named)
   raw = {**layout.config_to_hf(config), "adaln": False, "cond_dim": 10**6}
@@ -240,16 +240,16 @@ def test_fifo_as_config_argument(tmp_path, folder):
 
 
 def tiny_model(source, hf_config=None, **kw):
-  """A PretrainedModel of zeros from `source` (built by hand: nothing is loaded or compiled)."""
+  """A published Model of zeros from `source` (built by hand: nothing is loaded or compiled)."""
   config = published.PublishedConfig(
       family="llada", vocab_size=64, d_model=16, num_layers=2, num_heads=4, num_kv_heads=4,
       head_dim=4, mlp_hidden=24, rope_theta=1e4, norm_eps=1e-5, qkv_bias=False,
       logit_shift=False, mask_id=63, eos_id=1)
   params = {k: {kk: np.zeros(vv, np.float32) for kk, vv in v.items()} if isinstance(v, dict)
             else np.zeros(v, np.float32) for k, v in published.param_shapes(config).items()}
-  raw = hf_config or layouts.LAYOUTS["llada"].config_to_hf(config)
-  return pretrained.PretrainedModel(apply_fn=None, params=params, config=config,
-                                    family="llada", source=str(source), hf_config=raw, **kw)
+  raw = hf_config or checkpoints.FAMILIES["llada"].config_to_hf(config)
+  return record.published_model(params=params, config=config, family="llada",
+                                source=str(source), hf_config=raw, **kw)
 
 
 def test_auto_map_cannot_name_files_outside(tmp_path):
@@ -258,7 +258,7 @@ def test_auto_map_cannot_name_files_outside(tmp_path):
   (tmp_path / "s1" / "x.py").write_text("secret")
   (tmp_path / "o1").mkdir()
   (tmp_path / "o1" / "x.py").write_text("victim")
-  raw = {**layouts.LAYOUTS["llada"].config_to_hf(tiny_model(source).config),
+  raw = {**checkpoints.FAMILIES["llada"].config_to_hf(tiny_model(source).config),
          "auto_map": {"AutoModel": "../../x.Evil"}}
   with attacks.recording_opens() as opened:
     refused(lambda: pretrained.save(tiny_model(source, raw), out),

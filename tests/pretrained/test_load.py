@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mdjax import pretrained
+from mdjax import checkpoints, pretrained
 from mdjax.models import published
 from mdjax.models.dit import DiTConfig
-from mdjax.pretrained import layouts, tensors
+from mdjax.pretrained import tensors
 from tests.paths import REPO
 
 # The module (the package's `load` attribute is the function).
@@ -175,23 +175,23 @@ DREAM_7B = {
 
 
 def test_published_configs():
-  llada = layouts.detect(LLADA_8B_INSTRUCT, "x").config_from_hf(LLADA_8B_INSTRUCT, "bfloat16")
+  llada = checkpoints.detect(LLADA_8B_INSTRUCT, "x").config_from_hf(LLADA_8B_INSTRUCT, "bfloat16")
   assert (llada.family, llada.vocab_size, llada.d_model, llada.num_layers, llada.num_heads,
           llada.num_kv_heads, llada.head_dim, llada.mlp_hidden) == (
               "llada", 126464, 4096, 32, 32, 32, 128, 12288)
   assert (llada.mask_id, llada.eos_id, llada.eot_id, llada.rope_theta, llada.qkv_bias,
           llada.logit_shift, llada.max_len) == (126336, 126081, 126348, 5e5, False, False, 4096)
-  dream = layouts.detect(DREAM_7B, "x").config_from_hf(DREAM_7B, "bfloat16")
+  dream = checkpoints.detect(DREAM_7B, "x").config_from_hf(DREAM_7B, "bfloat16")
   assert (dream.family, dream.vocab_size, dream.num_kv_heads, dream.head_dim, dream.mask_id,
           dream.eos_id, dream.rope_theta, dream.norm_eps, dream.qkv_bias, dream.logit_shift) == (
               "dream", 152064, 4, 128, 151666, 151643, 1e6, 1e-6, True, True)
   # Written back, the architecture keys are the published ones; nothing is made up.
   for raw, cfg in ((LLADA_8B_INSTRUCT, llada), (DREAM_7B, dream)):
-    back = layouts.LAYOUTS[cfg.family].config_to_hf(cfg)
+    back = checkpoints.FAMILIES[cfg.family].config_to_hf(cfg)
     shared = [k for k in back if k in raw]
     assert {k: back[k] for k in shared} == {k: raw[k] for k in shared}
     assert set(back) - set(raw) <= {"torch_dtype", "eot_token_id"}
-    assert layouts.LAYOUTS[cfg.family].config_from_hf(back, "bfloat16") == cfg
+    assert checkpoints.FAMILIES[cfg.family].config_from_hf(back, "bfloat16") == cfg
 
 
 def test_hf_tensor_names_and_orientation(saved):
@@ -474,8 +474,8 @@ def test_published_tokenizers_fit_their_checkpoints():
   than its embedding and holds the mask id; Dream's holds 151666; MDLM / BD3-LM's GPT-2
   tokenizer has 50257 ids and the mask id V = 50257 lies outside it."""
   check = load_lib.check_tokenizer
-  llada = layouts.detect(LLADA_8B_INSTRUCT, "x").config_from_hf(LLADA_8B_INSTRUCT, "bfloat16")
-  dream = layouts.detect(DREAM_7B, "x").config_from_hf(DREAM_7B, "bfloat16")
+  llada = checkpoints.detect(LLADA_8B_INSTRUCT, "x").config_from_hf(LLADA_8B_INSTRUCT, "bfloat16")
+  dream = checkpoints.detect(DREAM_7B, "x").config_from_hf(DREAM_7B, "bfloat16")
   check(SizedTokenizer(126349), llada, LLADA_8B_INSTRUCT, "llada/tokenizer.json")
   check(SizedTokenizer(151667), dream, DREAM_7B, "dream/tokenizer.json")
   for family, block_size in (("mdlm", None), ("bd3lm", 16)):

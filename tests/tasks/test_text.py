@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mdjax import diffusion, likelihood, tasks, train
+from mdjax import diffusion, tasks, tokenizers, train
+from mdjax.evaluate import elbo
 from mdjax.tasks import text, two_color
 from tests.paths import REPO as ROOT
 from tests.scripts import load_script
@@ -23,16 +24,16 @@ from tests.text_fixtures import tiny_config, write_corpus as _write_corpus
 
 
 def test_tokenizer_round_trip_and_unknown_character():
-  tok = text.CharTokenizer.from_text("to be or not")
+  tok = tokenizers.CharTokenizer.from_text("to be or not")
   assert tok.vocab == " benort" and tok.size == 7
   ids = tok.encode("not to be")
   assert ids.dtype == np.int32 and tok.decode(ids) == "not to be"
-  assert tok.decode([0, tok.size]) == " " + text.MASK_CHAR  # the mask id shows as MASK_CHAR
+  assert tok.decode([0, tok.size]) == " " + tokenizers.MASK_CHAR  # the mask id shows so
   with pytest.raises(ValueError, match=r"outside the tokenizer's vocabulary: \['x', 'z'\] "
                                        r"\(first at index 3\)"):
     tok.encode("to xz")
   with pytest.raises(ValueError, match="distinct"):
-    text.CharTokenizer("aa")
+    tokenizers.CharTokenizer("aa")
 
 
 def test_text_file_holds_out_its_last_fraction(tmp_path):
@@ -131,7 +132,7 @@ def test_causal_bits_is_the_chain_rule(trained):
   config, apply_fn, params, _ = train.load_for_sampling(str(root / "causal"))
   task = tasks.from_config(config)
   x = np.asarray(task.validation_windows(4))
-  bits = likelihood.causal_bits(apply_fn, params, x, start_id=task.mask_id)
+  bits = elbo.causal_bits(apply_fn, params, x, start_id=task.mask_id)
   # One context per prefix: p(x_i | x_<i) read at position i of the shifted input. The L
   # contexts of the 4 rows go through the model as one batch of L x 4 rows.
   n, length = len(x), task.length
@@ -154,7 +155,7 @@ def test_causal_sample_feeds_each_token_to_the_next_position():
     nxt = jnp.where(tokens_BxL == vocab, 0, (tokens_BxL + 1) % vocab)
     return 50.0 * jax.nn.one_hot(nxt, vocab)
 
-  out = likelihood.causal_sample(successor, None, jax.random.key(0), batch=3, length=length,
+  out = elbo.causal_sample(successor, None, jax.random.key(0), batch=3, length=length,
                                  start_id=vocab)
   np.testing.assert_array_equal(out, np.tile(np.arange(length) % vocab, (3, 1)))
 
@@ -162,14 +163,14 @@ def test_causal_sample_feeds_each_token_to_the_next_position():
 def test_nelbo_estimate_of_the_exact_two_color_denoiser():
   # The exact denoiser's NELBO equals the entropy: 1 bit per sequence = 0.5 bits per token.
   x = np.asarray(two_color.sample_data(jax.random.key(0), 4000))
-  est = likelihood.nelbo_estimate(two_color.exact_denoiser, None, x,
+  est = elbo.nelbo_estimate(two_color.exact_denoiser, None, x,
                                   schedule=diffusion.LinearSchedule(), mask_id=two_color.MASK_ID,
                                   time_samples=8, batch_size=1000)
   assert est["se"] > 0 and est["sequences"] == 4000
   # 4 standard errors of the Monte Carlo mean (replicates independent).
   assert abs(est["bits_per_token"] - 0.5) < 4 * est["se"]
   with pytest.raises(ValueError, match="time_samples=1"):
-    likelihood.nelbo_estimate(two_color.exact_denoiser, None, x, schedule=diffusion.
+    elbo.nelbo_estimate(two_color.exact_denoiser, None, x, schedule=diffusion.
                               LinearSchedule(), mask_id=2, time_samples=1)
 
 
@@ -193,7 +194,7 @@ def test_sample_cli_infills_between_fixed_context(trained, tmp_path, sampler, sa
   assert len(lines) == 6
   for line in lines:
     assert line["text"].startswith("Thou ") and line["text"].endswith("love.")
-    assert len(line["text"]) == 16 and text.MASK_CHAR not in line["text"]
+    assert len(line["text"]) == 16 and tokenizers.MASK_CHAR not in line["text"]
   assert f"--- {lines[0]['text']}" in proc.stdout  # decoded text printed
   metrics = json.loads((out / "metrics.json").read_text())
   assert metrics["gen_bits_per_char"] > 0 and 0 <= metrics["word_validity"] <= 1
