@@ -339,7 +339,7 @@ class StepInfo:
   shift_B: Array | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class BoundDenoiser:
   """A `Denoiser` bound to its parameters: `denoiser(tokens_NxL, t)` -> logits_NxLxV.
 
@@ -352,13 +352,14 @@ class BoundDenoiser:
   mask_in_vocab: a mask id inside the vocabulary (`Context.mask_in_vocab`); every pass
   returns its logit as -inf, so no family ever draws, scores or proposes the mask, even
   from a denoiser that forgets to rule it out. None (the mask id is V): logits as given.
+  A pytree (the parameters and per-row inputs are its leaves), so it crosses jit and vmap.
   """
 
-  model: Denoiser
+  model: Denoiser = struct.field(pytree_node=False)
   params: Any
   valid_BxL: Array | None = None
   context: Any = None
-  mask_in_vocab: int | None = None
+  mask_in_vocab: int | None = struct.field(pytree_node=False, default=None)
 
   def _no_mask(self, logits_NxLxV: Array) -> Array:
     """The logits with the mask id's ruled out (-inf), where it lies inside the vocabulary."""

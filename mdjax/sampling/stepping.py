@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from mdjax.sampling import kv_cache, skipping, threefry
@@ -136,8 +137,11 @@ class StepInputs:
 
 
 def plan_at(plan_K, index):
-  """Step `index` of per-step plans (leading axis K); None stays None."""
-  return jax.tree.map(lambda x: x[index], plan_K)
+  """Step `index` of per-step plans (leading axis K; host or device arrays); None stays None.
+  A host index slices on the host; a traced one reads the plan as a device array."""
+  if isinstance(index, (int, np.integer)):
+    return jax.tree.map(lambda x: x[index], plan_K)
+  return jax.tree.map(lambda x: jnp.asarray(x)[index], plan_K)
 
 
 def start_canvas(key, tokens_BxL, fixed_BxL, mask_id: int, valid_BxL=None,
