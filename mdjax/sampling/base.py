@@ -32,16 +32,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from mdjax import diffusion
+from mdjax import diffusion, errors
 from mdjax.denoiser import Denoiser
 
 Array = jax.Array
 
 
 def check(condition: bool, field: str, value, allowed: str):
-  """Raises `ValueError('{field}={value!r} is invalid: {allowed}.')` unless condition."""
-  if not condition:
-    raise ValueError(f"{field}={value!r} is invalid: {allowed}.")
+  """Raises `ArgumentError('{field}={value!r} is invalid: {allowed}.')` (a ValueError whose
+  `param` is `field`) unless condition."""
+  errors.check(condition, field, value, allowed)
 
 
 def check_steps(steps, field: str = "steps"):
