@@ -152,11 +152,11 @@ def _samples(model, n: int, to: str, key) -> np.ndarray:
   mask_id = model.task.mask_id
   if to == "masked":
     canvas = np.full((n, LENGTH), mask_id, np.int32)
-    out = sampling.sample(model.apply_fn, model.params, key, canvas,
+    out = sampling.sample(model.denoiser, model.params, key, canvas,
                           sampling.AncestralSpec(steps=SAMPLE_STEPS), mask_id=mask_id)
     return np.asarray(out.tokens_BxL)
   out = sampling.sample_blocks(
-      model.apply_fn, model.params, key, np.zeros((n, 0), np.int32),
+      model.denoiser, model.params, key, np.zeros((n, 0), np.int32),
       sampling.AncestralSpec(steps=SAMPLE_STEPS * BLOCK // LENGTH), length=LENGTH,
       blocks_of=BLOCK, window=LENGTH - BLOCK, mask_id=mask_id, cached=False)
   return np.asarray(out.tokens_BxT)
@@ -184,7 +184,7 @@ def run(n: int, workdir: str = "/tmp/a2d", seed: str = "0") -> dict:
   ar = train.load(paths["ar"])
   text_task = ar.task
   windows = text_task.validation_windows(NELBO_WINDOWS)
-  floor = float(elbo.causal_bits(ar.apply_fn, ar.params, windows,
+  floor = float(elbo.causal_bits(ar.denoiser, ar.params, windows,
                                  start_id=text_task.mask_id).mean() / LENGTH)
   judge = gen_ppl.load_judge(ar)
   key = jax.random.key(seed)
@@ -195,7 +195,7 @@ def run(n: int, workdir: str = "/tmp/a2d", seed: str = "0") -> dict:
         apply_fn, params, mask_id = _start(paths[f"{start}_{to}"])
       else:
         model = train.load(run_dir, step)
-        apply_fn, params, mask_id = model.apply_fn, model.params, model.task.mask_id
+        apply_fn, params, mask_id = model.denoiser, model.params, model.task.mask_id
       est = elbo.nelbo_estimate(
           apply_fn, params, windows, schedule=diffusion.get_schedule("linear"),
           mask_id=mask_id, time_samples=NELBO_TIME_SAMPLES, seed=seed,
@@ -212,7 +212,7 @@ def run(n: int, workdir: str = "/tmp/a2d", seed: str = "0") -> dict:
       rows.append(row)
       print(row, flush=True)
 
-  ar_tokens = np.asarray(elbo.causal_sample(ar.apply_fn, ar.params, key, batch=n,
+  ar_tokens = np.asarray(elbo.causal_sample(ar.denoiser, ar.params, key, batch=n,
                                             length=LENGTH, start_id=text_task.mask_id))
   reference = {
       "ar_samples": sample_quality([text_task.decode(r) for r in ar_tokens], judge),

@@ -76,7 +76,7 @@ def nelbo_rows(models, windows, seed) -> list[dict]:
   for block in BLOCKS:
     model = models[f"block{block}"]
     est = elbo.nelbo_estimate(
-        model.apply_fn, model.params, windows, schedule=train.masking_schedule(model.config),
+        model.denoiser, model.params, windows, schedule=train.masking_schedule(model.config),
         mask_id=model.task.mask_id, time_samples=NELBO_TIME_SAMPLES, seed=seed,
         block_size=None if block == LENGTH else block)
     rows.append({"block": block, "bits_per_char": est["bits_per_token"], "stderr": est["se"]})
@@ -98,7 +98,7 @@ def _timed(call):
 
 
 def _scores(tokens_NxL, causal, task) -> dict:
-  bits_N = elbo.causal_bits(causal.apply_fn, causal.params, tokens_NxL,
+  bits_N = elbo.causal_bits(causal.denoiser, causal.params, tokens_NxL,
                                   start_id=task.mask_id)
   return {"gen_bits_per_char": float(bits_N.mean() / tokens_NxL.shape[1]),
           "word_validity": task.sample_metrics(tokens_NxL)["word_validity"]}
@@ -119,12 +119,12 @@ def sample_rows(models, n: int, seed: int) -> tuple[list[dict], dict]:
       for cached in ((True, False) if block < LENGTH else (False,)):
         if block == LENGTH:  # the full-sequence model: one canvas, no cache
           canvas = np.asarray(task.empty_canvas(n))
-          call = lambda: sampling.sample(model.apply_fn, model.params, key, canvas,
+          call = lambda: sampling.sample(model.denoiser, model.params, key, canvas,
                                          sampling.AncestralSpec(steps=total_steps),
                                          mask_id=task.mask_id).tokens_BxL
         else:
           call = lambda: sampling.sample_blocks(
-              model.apply_fn, model.params, key, np.zeros((n, 0), np.int32),
+              model.denoiser, model.params, key, np.zeros((n, 0), np.int32),
               sampling.AncestralSpec(steps=steps_per_block), length=LENGTH, blocks_of=block,
               window=LENGTH - block, mask_id=task.mask_id, cached=cached).tokens_BxT
         tokens, seconds = _timed(call)
@@ -141,7 +141,7 @@ def long_rows(models, n: int, seed: int) -> tuple[list[dict], str]:
   model, causal = models[f"block{LONG_BLOCK}"], models["causal1000"]
   task = model.task
   out = sampling.sample_blocks(
-      model.apply_fn, model.params, jax.random.key(seed + 1), np.zeros((n, 0), np.int32),
+      model.denoiser, model.params, jax.random.key(seed + 1), np.zeros((n, 0), np.int32),
       sampling.AncestralSpec(steps=LONG_BLOCK), length=LONG_SEGMENTS * LENGTH,
       blocks_of=LONG_BLOCK, window=LENGTH - LONG_BLOCK, mask_id=task.mask_id)
   tokens = np.asarray(out.tokens_BxT)
@@ -159,7 +159,7 @@ def run(n: int, workdir: str = "/tmp/models", seed: str = "0") -> dict:
   task = models["causal1000"].task
   windows = task.validation_windows(NELBO_WINDOWS)
   causal = models["causal1000"]
-  causal_bits = elbo.causal_bits(causal.apply_fn, causal.params, windows,
+  causal_bits = elbo.causal_bits(causal.denoiser, causal.params, windows,
                                        start_id=task.mask_id)
   samples, examples = sample_rows(models, n, seed)
   long, long_example = long_rows(models, n, seed)

@@ -76,7 +76,7 @@ def main():
   task = model.task
   rows = []
   for sampler in samplers():
-    rows += measure(model.apply_fn, model.params, sampler, eos_id=task.eos_id,
+    rows += measure(model.denoiser, model.params, sampler, eos_id=task.eos_id,
                     mask_id=task.mask_id, repeats=args.repeats)
     for row in rows[-2:]:
       print({k: row.get(k) for k in ("sampler", "eos_early_stop", "mean_generated_length",

@@ -77,7 +77,7 @@ def models():
 
 def bits_per_char(model) -> float:
   windows = model.task.validation_windows(NELBO_WINDOWS)
-  est = elbo.nelbo_estimate(model.apply_fn, model.params, windows,
+  est = elbo.nelbo_estimate(model.denoiser, model.params, windows,
                                   schedule=train.masking_schedule(model.config),
                                   mask_id=model.task.mask_id, seed=_SEED.value)
   total_bits = est["bits_per_token"] * windows.size
@@ -115,7 +115,7 @@ def _per_token_bits(causal, x_NxL):
   import jax.numpy as jnp
   inputs = jnp.concatenate([jnp.full((x_NxL.shape[0], 1), causal.task.mask_id, jnp.int32),
                             jnp.asarray(x_NxL)[:, :-1]], 1)
-  logits = causal.apply_fn(causal.params, inputs, jnp.zeros(x_NxL.shape[0]))
+  logits = causal.denoiser(causal.params, inputs, jnp.zeros(x_NxL.shape[0]))
   logp = jax.nn.log_softmax(logits, -1)
   return -np.asarray(jnp.take_along_axis(logp, jnp.asarray(x_NxL)[..., None], -1)[..., 0]
                      ) / math.log(2.0)
@@ -128,7 +128,7 @@ def generate(model, causal, name, spec, eos: bool) -> dict:
     spec = generation.with_eos(spec, task.eos_id, eos_rank_last="ranked last" in name)
   tokens, valid, start = generation.left_padded(prompts, task.length, task.mask_id)
   key = jax.random.key(_SEED.value)
-  call = lambda: sampling.sample(model.apply_fn, model.params, key, tokens, spec,
+  call = lambda: sampling.sample(model.denoiser, model.params, key, tokens, spec,
                                  mask_id=task.mask_id, valid_BxL=valid)
   jax.block_until_ready(call().tokens_BxL)  # compile
   begin = time.perf_counter()
@@ -160,11 +160,11 @@ def batch_equals_rows(model) -> bool:
   gen = task.length - start
   for spec in BATCH_CHECK_SPECS:
     spec = generation.with_eos(spec, task.eos_id)
-    out = np.asarray(sampling.sample(model.apply_fn, model.params, keys_B, tokens, spec,
+    out = np.asarray(sampling.sample(model.denoiser, model.params, keys_B, tokens, spec,
                                      mask_id=task.mask_id, valid_BxL=valid).tokens_BxL)
     for row, p in enumerate(prompts):
       alone = np.concatenate([p, np.full(gen, task.mask_id, np.int32)])[None]
-      single = np.asarray(sampling.sample(model.apply_fn, model.params, keys_B[row:row + 1],
+      single = np.asarray(sampling.sample(model.denoiser, model.params, keys_B[row:row + 1],
                                           alone, spec, mask_id=task.mask_id).tokens_BxL)
       if not (single[0, len(p):] == out[row, start:]).all():
         print(f"batch != rows: {spec}, row {row}", flush=True)
@@ -180,9 +180,9 @@ model = mdjax.load({workdir!r})
 task = model.task
 canvas = np.asarray(task.empty_canvas(8))
 spec = generation.with_eos(sampling.ConfidenceSpec(steps=32), task.eos_id)
-one = sampling.sample(model.apply_fn, model.params, jax.random.key(0), canvas, spec,
+one = sampling.sample(model.denoiser, model.params, jax.random.key(0), canvas, spec,
                       mask_id=task.mask_id)
-four = generation.sample_on_mesh(model.apply_fn, model.params, jax.random.key(0), canvas, spec,
+four = generation.sample_on_mesh(model.denoiser, model.params, jax.random.key(0), canvas, spec,
                                  make_mesh(4), mask_id=task.mask_id)
 print("EQUAL", bool((np.asarray(one.tokens_BxL) == np.asarray(four.tokens_BxL)).all()))
 """

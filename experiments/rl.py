@@ -122,7 +122,7 @@ def run(workdir: str, out: str) -> dict:
   start = os.path.join(workdir, "start")
   train.train(pretrain_config(), start)
   base = mdjax.load(start)
-  before = solve_rate(base.apply_fn, base.params, canvas, task_params)
+  before = solve_rate(base.denoiser, base.params, canvas, task_params)
   oracle = solve_rate(sudoku4.make_exact_denoiser(task_params), None, canvas, task_params)
   print(f"start: solved {before['reward']:.3f} +- {before['stderr']:.3f}; oracle "
         f"{oracle['reward']:.3f}", flush=True)
@@ -133,7 +133,7 @@ def run(workdir: str, out: str) -> dict:
     t0 = time.time()
     train.train(rl_config(objective, estimator, start, steps), folder)
     tuned = mdjax.load(folder)
-    after = solve_rate(tuned.apply_fn, tuned.params, canvas, task_params)
+    after = solve_rate(tuned.denoiser, tuned.params, canvas, task_params)
     logged = [m for m in metrics_of(folder) if "reward_mean" in m]
     curves[name] = [(m["step"], m["reward_mean"]) for m in logged]
     rollout = sum(m["rollout_seconds"] for m in logged[1:])  # step 1 compiles: left out

@@ -11,29 +11,30 @@ The plain contract is `denoiser(params, tokens_BxL, t_B) -> logits_BxLxV` (with
   block_pair(params, noisy_BxL, clean_BxL, t_B) -> logits_BxLxV
       the block-diffusion training pass (`diffusion.block_nelbo_loss`).
 
-A new pretrained denoiser provides `apply` and whichever of these it has. The value is
-frozen and hashable (by its functions), so it is a static argument of compiled programs
-as a plain function is; every public entry point takes either and wraps a function once
-(`Denoiser.of`).
+A new pretrained denoiser provides `apply` and whichever of these it has, and `max_len`,
+the positions it holds, where it knows them (a `mdjax.Model` gives its denoiser its own).
+The value is frozen and hashable (by its functions), so it is a static argument of compiled
+programs as a plain function is; every public entry point takes either and wraps a function
+once (`Denoiser.of`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, Callable
 
-# The passes a denoiser may offer beside `apply`: read, for a plain function, from
-# attributes of the same name (the earlier contract set them on the function).
-CAPABILITIES = ("prefill", "decode", "block_size", "block_pair")
+# The passes a denoiser may offer beside `apply`.
+PASSES = ("prefill", "decode", "block_size", "block_pair")
 
 
 @dataclasses.dataclass(frozen=True)
 class Denoiser:
   """A denoiser value: `apply` and the passes it offers (None: not offered).
 
-  Fields left None are taken from `apply` when it carries them (a Denoiser, or a
-  function with them set as attributes), so wrapping never loses a capability.
+  max_len: the positions it holds (None: not known here); checked on the host, never read
+  inside a compiled program, so it is no part of the value's identity (equal denoisers of
+  other lengths share programs). Fields left None are taken from `apply` when it is a
+  Denoiser, so wrapping never loses a capability.
   """
 
   apply: Callable  # (params, tokens_BxL, t_B, valid_BxL=None) -> logits_BxLxV
@@ -41,25 +42,13 @@ class Denoiser:
   decode: Callable | None = None  # (params, cache, tokens_BxW, start, t_B, valid_BxL=None)
   block_size: int | None = None  # block-causal attention's block (None: no blocks)
   block_pair: Callable | None = None  # (params, noisy_BxL, clean_BxL, t_B) -> logits_BxLxV
+  max_len: int | None = dataclasses.field(default=None, compare=False)
 
   def __post_init__(self):
     if isinstance(self.apply, Denoiser):  # a wrapped value keeps what it offers
-      for name in CAPABILITIES:
+      for name in PASSES + ("max_len",):
         if getattr(self, name) is None:
           object.__setattr__(self, name, getattr(self.apply, name))
-      return
-    # The earlier contract hung the passes on the function as attributes: read for one
-    # release, with a warning (build a Denoiser instead).
-    legacy = {name: value for name in CAPABILITIES
-              if getattr(self, name) is None
-              and (value := vars(self.apply).get(name) if hasattr(self.apply, "__dict__")
-                   else None) is not None}
-    if legacy:
-      warnings.warn(f"passes set as attributes of a function ({', '.join(legacy)}) are read for "
-                    "one release; build mdjax.denoiser.Denoiser(apply, ...) instead.",
-                    DeprecationWarning, stacklevel=3)
-    for name, value in legacy.items():
-      object.__setattr__(self, name, value)
 
   @classmethod
   def of(cls, apply_fn: Any) -> "Denoiser":

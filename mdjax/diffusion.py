@@ -273,7 +273,7 @@ def nelbo_loss(
     weight_B = schedule.weight(t_B)
   z_BxL = forward_mask(mask_key, x_BxL, schedule.alpha(t_B), mask_id, maskable_BxL)
   logits_BxLxV = apply_fn(params, z_BxL, t_B)
-  masked_BxL, nll_BxL = _masked_nll(logits_BxLxV, x_BxL, z_BxL, mask_id)
+  masked_BxL, nll_BxL = masked_nll(logits_BxLxV, x_BxL, z_BxL, mask_id)
   nelbo_B = weight_B * nll_BxL.sum(axis=-1)
   loss, aux = _nelbo_result(nelbo_B, masked_BxL, maskable_BxL)
   if per_token:
@@ -281,7 +281,7 @@ def nelbo_loss(
   return loss, aux
 
 
-def _masked_nll(logits_BxLxV, x_BxL, z_BxL, mask_id: int):
+def masked_nll(logits_BxLxV, x_BxL, z_BxL, mask_id: int):
   """(masked_BxL, nll_BxL): the masked positions and their -log p(x), 0 elsewhere."""
   if logits_BxLxV.shape[-1] != mask_id:  # a static shape: raised while tracing
     raise ValueError(f"mask_id={mask_id} but apply_fn returns {logits_BxLxV.shape[-1]} logits "
@@ -534,7 +534,7 @@ def block_nelbo_loss(
   keep_BxL = (jax.random.uniform(mask_key, x_BxL.shape) < alpha_BxL) | ~maskable_BxL
   z_BxL = jnp.where(keep_BxL, x_BxL, mask_id)
   logits_BxLxV = denoiser.block_pair(params, z_BxL, x_BxL, t_BxN.mean(-1))
-  masked_BxL, nll_BxL = _masked_nll(logits_BxLxV, x_BxL, z_BxL, mask_id)
+  masked_BxL, nll_BxL = masked_nll(logits_BxLxV, x_BxL, z_BxL, mask_id)
   nll_BxN = nll_BxL.reshape(batch, num_blocks, block_size).sum(-1)
   return _nelbo_result((schedule.weight(t_BxN) * nll_BxN).sum(-1), masked_BxL, maskable_BxL)
 

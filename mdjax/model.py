@@ -55,7 +55,7 @@ class DefaultSampler(Protocol):
 class Model:
   """A loaded model.
 
-  denoiser: the `Denoiser` (`apply_fn` is the same value). params: its parameters (a
+  denoiser: the `Denoiser` (carrying the model's `max_len`). params: its parameters (a
   workdir's EMA parameters when it kept them). family: the published family ("llada",
   "dream", "mdlm", "bd3lm", "llama", "qwen2"), "mdjax" for a train.py workdir, "oracle" for a
   task's exact denoiser. vocab_size: the ids a prompt or a sample may hold are [0,
@@ -105,11 +105,10 @@ class Model:
   bytes_read: int = 0
 
   def __post_init__(self):
-    object.__setattr__(self, "denoiser", Denoiser.of(self.denoiser))
-
-  @property
-  def apply_fn(self) -> Denoiser:
-    return self.denoiser
+    denoiser = Denoiser.of(self.denoiser)
+    if denoiser.max_len != self.max_len:
+      denoiser = dataclasses.replace(denoiser, max_len=self.max_len)
+    object.__setattr__(self, "denoiser", denoiser)
 
   @property
   def mask_id(self) -> int:

@@ -180,6 +180,18 @@ class BpeTokenizer:
     return [np.asarray(e.ids, np.int32)
             for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
+  def encode_many(self, texts: Sequence[str]) -> list[np.ndarray]:
+    """`[self.encode(t) for t in texts]`, in one call to the tokenizer (all cores)."""
+    for t in texts:
+      self._check(t)
+    pieces = [_bpe_pieces(t) for t in texts]
+    flat = self._tok.encode_batch([p for ps in pieces for p in ps], add_special_tokens=False)
+    out, at = [], 0
+    for ps in pieces:
+      out.append(np.asarray([i for e in flat[at:at + len(ps)] for i in e.ids], np.int32))
+      at += len(ps)
+    return out
+
   def decode(self, ids) -> str:
     """Text of `ids`; EOS shows as nothing, the mask id (and anything out of range) as
     `mask_char`."""

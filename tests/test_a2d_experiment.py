@@ -41,7 +41,7 @@ def test_exported_llama_has_the_causal_models_logits(exported):
   inputs = np.concatenate([np.full((4, 1), task.mask_id), windows[:, :-1]], axis=1)
   graphdef, _, apply_fn = models.init(model_config(config, task), seed=0)
   ours = apply_fn(params, jnp.asarray(inputs), jnp.zeros(4))
-  theirs = llama.apply_fn(llama.params, jnp.asarray(inputs), jnp.zeros(4))
+  theirs = llama.denoiser(llama.params, jnp.asarray(inputs), jnp.zeros(4))
   # float32 on both sides, the same operations up to their order (RoPE's tables on the
   # host against on the device, the norm's rsqrt): a few ulps of logits of size ~10.
   scale = float(jnp.abs(ours).max())

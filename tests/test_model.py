@@ -32,7 +32,7 @@ def test_load_reads_every_kind_into_one_record(llada, trained):
   for model, family in ((llada, "llada"), (workdir, "mdjax"), (oracle, "oracle"),
                         (mdlm, "mdlm")):
     assert isinstance(model, mdjax.Model) and model.family == family
-    assert model.apply_fn is model.denoiser and model.sampler is not None
+    assert model.denoiser.max_len == model.max_len and model.sampler is not None
   assert llada.pad_id == llada.eos_id and llada.mask_id < llada.vocab_size  # its own ids
   assert workdir.mask_id == workdir.vocab_size == workdir.task.vocab_size
   assert workdir.workdir == str(root / "char") and workdir.step > 0

@@ -76,7 +76,7 @@ def parity_rows() -> list[dict]:
     rows.append({"model": f"fixture {name}", "setting": setting,
                  "max_abs_logit_diff": float(np.abs(np.asarray(ours) - ref[f"{name}_logits"]).max())})
     if cfg.block_size:
-      subs_ours = np.asarray(model.apply_fn.block_pair(model.params, ref["bd3lm_pair_xt"],
+      subs_ours = np.asarray(model.denoiser.block_pair(model.params, ref["bd3lm_pair_xt"],
                                                         ref["bd3lm_pair_x0"], ref["bd3lm_pair_t"]))
       theirs = ref["bd3lm_pair_subs"][..., :cfg.vocab_size]
       finite = np.isfinite(subs_ours) & (theirs > -1e5)

@@ -37,7 +37,7 @@ def dtype_agreement() -> list[dict]:
     logits = {}
     for dtype in ("float32", "bfloat16"):
       model = pretrained.load(os.path.join(FIXTURES, family), dtype=dtype)
-      logits[dtype] = np.asarray(model.apply_fn(model.params, tokens_BxL, None))
+      logits[dtype] = np.asarray(model.denoiser(model.params, tokens_BxL, None))
     finite = np.isfinite(logits["float32"])
     rows.append(dict(family=family, top1_agreement=float(
         (logits["float32"].argmax(-1) == logits["bfloat16"].argmax(-1)).mean()),

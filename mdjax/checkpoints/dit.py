@@ -48,11 +48,11 @@ def sampled_config(model) -> DiTConfig:
 
 
 def sampled_parts(model) -> tuple[Any, Any, DiTConfig]:
-  """(denoiser, params, config) a DiT model is sampled with: `model.apply_fn` (None:
+  """(denoiser, params, config) a DiT model is sampled with: `model.denoiser` (None:
   `dit.denoiser(config)`), its params and config; the default denoiser of a model without
   time conditioning is swapped for the folded one and params folded once."""
   config = sampled_config(model)
-  apply_fn = getattr(model, "apply_fn", None) or dit.denoiser(config)
+  apply_fn = getattr(model, "denoiser", None) or dit.denoiser(config)
   params = model.params
   if not config.time_conditioning and apply_fn == dit.denoiser(config):
     # Fold the adaLN terms once: the default denoiser folds them at every call, which a

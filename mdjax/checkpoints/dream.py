@@ -43,7 +43,7 @@ def plan(model, *, max_new_tokens: int, steps: int, eps: float = 1e-3, alg: str 
   spec = sampling.DreamSpec(steps=steps, eps=float(eps), alg=alg, alg_temp=alg_temp,
                             per_row_count=per_row_count, temperature=float(temperature),
                             top_p=1.0 if top_p is None else float(top_p), top_k=top_k)
-  return SamplerPlan(denoiser=Denoiser.of(model.apply_fn), spec=spec)
+  return SamplerPlan(denoiser=Denoiser.of(model.denoiser), spec=spec)
 
 
 class Sampler:

@@ -57,7 +57,7 @@ def plan(model, *, prompt_length: int, max_new_tokens: int, block_length: int = 
   spec = FastDllmV2Spec(steps=block + 1, threshold=float(threshold), block_size=block,
                         sub_block_length=block_length, temperature=float(temperature),
                         top_p=float(top_p) if temperature > 0 else 1.0, eos_id=model.eos_id)
-  return SamplerPlan(denoiser=Denoiser.of(model.apply_fn), spec=spec, blocks_of=block,
+  return SamplerPlan(denoiser=Denoiser.of(model.denoiser), spec=spec, blocks_of=block,
                      window=window)
 
 

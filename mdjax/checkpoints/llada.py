@@ -90,7 +90,7 @@ def plan(model, *, prompt_length: int, gen_length: int, steps: int, block_length
       banned_ids=(eos_id,) if logits_eos_inf else (),
       score_excluded_ids=_excluded(confidence_eos_eot_inf, temperature, eos_id, eot_id),
       kv_cache="none" if kv_cache == "none" else "dual")
-  denoiser = Denoiser.of(model.apply_fn)
+  denoiser = Denoiser.of(model.denoiser)
   if cfg_scale > 0:
     denoiser = sampling.classifier_free(denoiser, float(cfg_scale), prompt_length=prompt_length,
                                         mask_id=model.mask_id)

@@ -156,15 +156,7 @@ def encode_many(tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
   if isinstance(tokenizer, CharTokenizer):  # one id per character: encode once, cut
     ids = tokenizer.encode("".join(texts))
     return np.split(ids, np.cumsum([len(t) for t in texts])[:-1])
-  for t in texts:
-    tokenizer._check(t)
-  pieces = [t.splitlines(keepends=True) for t in texts]  # what `BpeTokenizer.encode` encodes
-  flat = tokenizer._tok.encode_batch([p for ps in pieces for p in ps], add_special_tokens=False)
-  out, at = [], 0
-  for ps in pieces:
-    out.append(np.asarray([i for e in flat[at:at + len(ps)] for i in e.ids], np.int32))
-    at += len(ps)
-  return out
+  return tokenizer.encode_many(texts)
 
 
 # ----------------------------------------------------------------------------

@@ -146,7 +146,7 @@ def _discrete_steps(apply_fn, mask_id: int):
     x_SxBxL = jnp.broadcast_to(x_BxL, (steps, batch, length))
     z = jnp.where(keep_SxBxL, x_SxBxL, mask_id).reshape(steps * batch, length)
     logits = apply_fn(params, z, jnp.repeat(t_S, batch))
-    _, nll = diffusion._masked_nll(logits, x_SxBxL.reshape(steps * batch, length), z, mask_id)
+    _, nll = diffusion.masked_nll(logits, x_SxBxL.reshape(steps * batch, length), z, mask_id)
     return (weight_S[:, None] * nll.sum(-1).reshape(steps, batch)).sum(0)
 
   return loss

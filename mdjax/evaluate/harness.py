@@ -113,7 +113,7 @@ class Backend:
   encode_plain: Callable[[str], list[int]]  # a piece inside one
 
   # The model's fields the adapter reads, by their names.
-  apply_fn = property(lambda self: self.model.denoiser)
+  denoiser = property(lambda self: self.model.denoiser)
   params = property(lambda self: self.model.params)
   mask_id = property(lambda self: self.model.mask_id)
   max_len = property(lambda self: self.model.max_len)
@@ -361,7 +361,7 @@ class MdjaxLM(LM):
           context_BxC[b, width - len(ids):], valid_BxC[b, width - len(ids):] = ids, True
       continuation_BxT = np.array([fitted[index][1] for index in filled], np.int32)
       result = loglikelihood(
-          self.backend.apply_fn, self.backend.params, context_BxC, continuation_BxT,
+          self.backend.denoiser, self.backend.params, context_BxC, continuation_BxT,
           estimator=self.estimator, num_samples=self.num_samples,
           batch_size=self.mc_batch_size, key=self.key, mask_id=self.backend.mask_id,
           cfg_scale=self.cfg_scale, max_len=self.max_len, eps=self.likelihood_eps,
@@ -390,7 +390,7 @@ class MdjaxLM(LM):
       if not len(ids):
         raise ValueError(f"request {index}: the text encodes to no token; nothing to score.")
       result = loglikelihood_rolling(
-          self.backend.apply_fn, self.backend.params, ids, max_len=self.max_len,
+          self.backend.denoiser, self.backend.params, ids, max_len=self.max_len,
           window=self.rolling_window, key=self.key, mask_id=self.backend.mask_id,
           estimator=self.estimator, num_samples=self.num_samples,
           batch_size=self.mc_batch_size, rows=self.batch_size, cfg_scale=self.cfg_scale,

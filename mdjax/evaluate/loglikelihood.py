@@ -85,8 +85,8 @@ def _plan(key: Array, estimator: str, num_samples: int, length: int, eps: float)
   return mask_SxT, length / count_S, count_S / length
 
 
-def _logits(apply_fn, params, noisy_NxL, t_N, valid_NxL, num_ctx: int, mask_id: int,
-            cfg_scale: float):
+def denoiser_logits(apply_fn, params, noisy_NxL, t_N, valid_NxL, num_ctx: int, mask_id: int,
+                    cfg_scale: float):
   """float32 logits of the noisy rows, with LLaDA's unsupervised guidance when cfg_scale > 0
   (the same pass with the context masked as well)."""
   call = lambda x, t, v: apply_fn(params, x, t) if v is None else apply_fn(params, x, t,
@@ -110,9 +110,10 @@ def _valid_of(context_valid_BxC, length: int):
 
 @functools.partial(jax.jit, static_argnames=("apply_fn", "estimator", "num_samples",
                                              "batch_size", "mask_id", "cfg_scale", "eps"))
-def _draw_values(apply_fn, params, key, context_BxC, continuation_BxT, context_valid_BxC, *,
-                 estimator, num_samples, batch_size, mask_id, cfg_scale, eps):
-  """Each draw's weighted log-likelihood of each row: [S, B], one compiled program."""
+def draw_values(apply_fn, params, key, context_BxC, continuation_BxT, context_valid_BxC, *,
+                estimator, num_samples, batch_size, mask_id, cfg_scale, eps):
+  """Each draw's weighted log-likelihood of each row: [S, B], one compiled program (the
+  arguments unchecked: `draws` checks them)."""
   num_rows, num_ctx = context_BxC.shape
   length = continuation_BxT.shape[1]
   x_BxL = jnp.concatenate([context_BxC, continuation_BxT], 1).astype(jnp.int32)
@@ -129,8 +130,8 @@ def _draw_values(apply_fn, params, key, context_BxC, continuation_BxT, context_v
     noisy_NxL = jnp.where(mask_KxBxL, mask_id, x_BxL[None]).reshape(-1, num_ctx + length)
     t_N = jnp.repeat(t_K, num_rows)
     valid_NxL = None if valid_BxL is None else jnp.tile(valid_BxL, (batch_size, 1))
-    logits_NxLxV = _logits(apply_fn, params, noisy_NxL, t_N, valid_NxL, num_ctx, mask_id,
-                           cfg_scale)
+    logits_NxLxV = denoiser_logits(apply_fn, params, noisy_NxL, t_N, valid_NxL, num_ctx,
+                                   mask_id, cfg_scale)
     logp_NxLxV = jax.nn.log_softmax(logits_NxLxV[:, num_ctx:], -1)
     target_NxT = jnp.broadcast_to(x_BxL[None, :, num_ctx:], (batch_size, num_rows, length))
     logp_NxT = jnp.take_along_axis(logp_NxLxV, target_NxT.reshape(-1, length)[..., None],
@@ -157,8 +158,9 @@ def _greedy(apply_fn, params, context_BxC, continuation_BxT, context_valid_BxC, 
     masked_BxT = x_BxL[:, num_ctx:] == mask_id
     # The fraction still masked, as the draws' t = count / T.
     t_B = jnp.full((num_rows,), (length - i) / length, jnp.float32)
-    logp_BxTxV = jax.nn.log_softmax(_logits(apply_fn, params, x_BxL, t_B, valid_BxL, num_ctx,
-                                            mask_id, cfg_scale)[:, num_ctx:], -1)
+    logits_BxLxV = denoiser_logits(apply_fn, params, x_BxL, t_B, valid_BxL, num_ctx, mask_id,
+                                   cfg_scale)
+    logp_BxTxV = jax.nn.log_softmax(logits_BxLxV[:, num_ctx:], -1)
     value_BxT = jnp.argmax(logp_BxTxV, -1).astype(jnp.int32)
     confidence_BxT = jnp.where(masked_BxT, jnp.max(logp_BxTxV, -1), -jnp.inf)
     write_BxT = masked_BxT & (jnp.arange(length) == jnp.argmax(confidence_BxT, -1)[:, None])
@@ -166,14 +168,6 @@ def _greedy(apply_fn, params, context_BxC, continuation_BxT, context_valid_BxC, 
 
   x_BxL = jax.lax.fori_loop(0, length, step, x_BxL)
   return jnp.all(x_BxL[:, num_ctx:] == continuation_BxT, -1)
-
-
-def _max_len(apply_fn) -> int | None:
-  for fn in (apply_fn, getattr(apply_fn, "apply", None)):
-    value = getattr(fn, "max_len", None)
-    if isinstance(value, (int, np.integer)):
-      return int(value)
-  return None
 
 
 def _check(context_BxC, continuation_BxT, context_valid_BxC, *, estimator, num_samples,
@@ -197,7 +191,7 @@ def _check(context_BxC, continuation_BxT, context_valid_BxC, *, estimator, num_s
   check_count("mask_id", mask_id, 1, " (the vocabulary size V)")
   if not 0.0 < eps < 1.0:
     raise ValueError(f"eps={eps!r} must lie in (0, 1).")
-  limit = max_len if max_len is not None else _max_len(apply_fn)
+  limit = max_len if max_len is not None else Denoiser.of(apply_fn).max_len
   total = context_BxC.shape[1] + continuation_BxT.shape[1]
   if limit is not None and total > limit:
     raise ValueError(f"context ({context_BxC.shape[1]}) + continuation "
@@ -218,7 +212,7 @@ def draws(apply_fn, params: Any, context_BxC, continuation_BxT, *, estimator: st
   _check(context_BxC, continuation_BxT, context_valid_BxC, estimator=estimator,
          num_samples=num_samples, batch_size=batch_size, mask_id=mask_id, eps=eps,
          max_len=max_len, apply_fn=apply_fn)
-  return np.asarray(_draw_values(
+  return np.asarray(draw_values(
       Denoiser.of(apply_fn), params, key, jnp.asarray(context_BxC, jnp.int32),
       jnp.asarray(continuation_BxT, jnp.int32),
       None if context_valid_BxC is None else jnp.asarray(context_valid_BxC),
@@ -244,7 +238,7 @@ def loglikelihood(apply_fn, params: Any, context_BxC, continuation_BxT, *,
 
   Only continuation positions are masked; `num_samples` draws per row, `batch_size` draws per
   denoiser call (each call sees batch_size x B rows). `cfg_scale` > 0: LLaDA's unsupervised
-  classifier-free guidance. `max_len` (default: the denoiser's `max_len` attribute, if any)
+  classifier-free guidance. `max_len` (default: the `Denoiser`'s, e.g. `model.denoiser`'s)
   bounds C + T. `eps`: the antithetic estimator's smallest masking probability (Dream's
   `sampling_eps`): without it the weight 1/t gives the estimate infinite variance wherever a
   lone masked token has a nonzero loss; it leaves out the bound's integral over [0, eps],

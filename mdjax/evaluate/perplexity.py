@@ -92,7 +92,7 @@ def perplexity(model, tokens_file, *, batch_size: int, key: jax.Array,
                num_batches: int | None = None, clipped: bool = False,
                bin_dtype: str = "uint16") -> dict:
   """NELBO per token, bits per token and the perplexity bound exp(NELBO) of a MDLM or BD3-LM
-  `model` (`apply_fn`, `params`, `config` a DiTConfig) on `tokens_file` (a path, or an array
+  `model` (`denoiser`, `params`, `config` a DiTConfig) on `tokens_file` (a path, or an array
   of ids), cut into windows of the model's length; each model's own estimator (module
   docstring). Batches are `elbo.windows_nelbo`'s: batch b draws from fold_in(key, b);
   `stderr` is over batches (NaN with one). Returns its dict plus `model`, `t_min`, `t_max`,
@@ -101,7 +101,7 @@ def perplexity(model, tokens_file, *, batch_size: int, key: jax.Array,
   if not isinstance(config, dit.DiTConfig):
     raise ValueError(f"model.config={config!r} must be a mdjax.models.dit.DiTConfig (a MDLM "
                      "or BD3-LM checkpoint).")
-  apply_fn = getattr(model, "apply_fn", None) or dit.denoiser(config)
+  apply_fn = getattr(model, "denoiser", None) or dit.denoiser(config)
   tokens_T = read_tokens(tokens_file, bin_dtype=bin_dtype)
   x_NxL = windows(tokens_T, config.model_length)
   bad = x_NxL[(x_NxL < 0) | (x_NxL >= config.vocab_size)]

@@ -6,7 +6,7 @@ exact KV cache of the block-causal model, any length after a sliding window of t
 length), each block by BD3-LM's update (`sampling.BD3LMSpec`: first hitting, nucleus).
 (The NELBO and perplexity bound of a token file: `mdjax.evaluate.perplexity`.)
 
-`model` is anything with `apply_fn` (None: `dit.denoiser(config)`), `params` and `config` (a
+`model` is anything with `denoiser` (None: `dit.denoiser(config)`), `params` and `config` (a
 `mdjax.models.dit.DiTConfig`): `mdjax.pretrained.load` of a MDLM or BD3-LM folder, or a
 tiny model from `dit.init_params`.
 """
@@ -20,7 +20,6 @@ from mdjax import sampling
 from mdjax.checkpoints import bd3lm, mdlm
 from mdjax.checkpoints.dit import check_count as _check_count
 from mdjax.checkpoints.dit import sampled_config
-from mdjax.checkpoints.dit import sampled_parts as _parts  # noqa: F401  (its earlier home)
 
 Array = jax.Array
 

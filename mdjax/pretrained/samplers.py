@@ -8,7 +8,7 @@ Both are the families' reference samplers (`mdjax.checkpoints.llada.plan`,
 `mdjax.checkpoints.dream.plan`: the spec and the denoiser a call samples) run on ids.
 
 `model` is a loaded checkpoint (`mdjax.pretrained.load`: a `mdjax.model.Model`) or anything
-with its fields: `apply_fn` (a `Denoiser`), `params`, `mask_id`, `eos_id` and `eot_id` (or
+with its fields: `denoiser` (a `Denoiser`), `params`, `mask_id`, `eos_id` and `eot_id` (or
 `config.eot_id`). Its logits cover the checkpoint's vocabulary, the mask id inside it (its
 logit -inf).
 """
@@ -21,11 +21,6 @@ import numpy as np
 from mdjax import sampling
 from mdjax.checkpoints import dream as dream_family
 from mdjax.checkpoints import llada as llada_family
-from mdjax.checkpoints.base import check_choice as _check_choice  # noqa: F401  (complete.py's)
-from mdjax.checkpoints.base import check_int as _check_int  # noqa: F401
-from mdjax.checkpoints.base import check_number as _check_number  # noqa: F401
-from mdjax.checkpoints.llada import KV_CACHES, REMASKINGS  # noqa: F401  (their earlier home)
-from mdjax.checkpoints.prefix_cache import prefix_cache  # noqa: F401  (its earlier home)
 from mdjax.denoiser import Denoiser
 
 Array = jax.Array

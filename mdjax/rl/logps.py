@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mdjax.denoiser import Denoiser
-from mdjax.evaluate.loglikelihood import _draw_values, _logits
+from mdjax.evaluate.loglikelihood import denoiser_logits, draw_values
 from mdjax.models.checks import check_count, is_int, is_number
 
 Array = jax.Array
@@ -83,8 +83,8 @@ def per_token_logps_fn(denoiser, params, ids_BxL, prompt_length: int, key: Array
   t_B = jnp.ones((batch,), jnp.float32)
   valid = None if valid_BxL is None else jnp.asarray(valid_BxL, bool)
   # get_logits: LLaDA's guidance masks the prompt positions of the second pass.
-  logits_BxLxV = _logits(denoiser, params, noisy_BxL, t_B, valid, prompt_length,
-                          mask_id, float(cfg_scale))
+  logits_BxLxV = denoiser_logits(denoiser, params, noisy_BxL, t_B, valid, prompt_length,
+                                 mask_id, float(cfg_scale))
   logits_BxCxV = _no_mask(logits_BxLxV[:, prompt_length:], mask_id)
   logp_BxCxV = jax.nn.log_softmax(logits_BxCxV, -1)
   target_BxC = ids_BxL[:, prompt_length:]
@@ -108,7 +108,7 @@ def elbo_logps_fn(denoiser, params, ids_BxL, prompt_length: int, key: Array, *, 
     raise ValueError(f"num_samples={num_samples} must be a multiple of "
                      f"draws_per_call={per_call}.")
   ids_BxL = jnp.asarray(ids_BxL, jnp.int32)
-  values_SxB = _draw_values(
+  values_SxB = draw_values(
       Denoiser.of(denoiser), params, key, ids_BxL[:, :prompt_length],
       ids_BxL[:, prompt_length:], None, estimator="stratified", num_samples=int(num_samples),
       batch_size=int(per_call), mask_id=int(mask_id), cfg_scale=0.0, eps=1e-3)
@@ -149,7 +149,8 @@ def trajectory_logps_fn(denoiser, params, ids_BxL, write_step_BxL, prompt_length
     hidden_BxL = write_BxL >= step
     noisy_BxL = jnp.where(hidden_BxL, mask_id, ids_BxL)
     t_B = hidden_BxL[:, prompt_length:].mean(-1).astype(jnp.float32)
-    logits_BxLxV = _logits(denoiser, params, noisy_BxL, t_B, valid, prompt_length, mask_id, 0.0)
+    logits_BxLxV = denoiser_logits(denoiser, params, noisy_BxL, t_B, valid, prompt_length,
+                                   mask_id, 0.0)
     logp_BxCxV = jax.nn.log_softmax(_no_mask(logits_BxLxV[:, prompt_length:], mask_id), -1)
     logp_BxC = jnp.take_along_axis(logp_BxCxV, target_BxC[..., None], -1)[..., 0]
     return jnp.where(write_BxL[:, prompt_length:] == step, logp_BxC, 0.0)

@@ -478,7 +478,7 @@ def load(workdir: str, step: int | None = None, log: Callable[[str], None] = _wa
 def load_for_sampling(workdir: str, step: int | None = None):
   """(config, apply_fn, params, step) of a trained workdir: `mdjax.load` as a tuple."""
   model = load(workdir, step)
-  return model.config, model.apply_fn, model.params, model.step
+  return model.config, model.denoiser, model.params, model.step
 
 
 # ----------------------------------------------------------------------------

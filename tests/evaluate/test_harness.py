@@ -189,7 +189,7 @@ def test_trained_workdir(trained):
                             disable_tqdm=True)
   ids = [model.encode_pair(*p) for p in pairs]
   assert [len(c) for c, _ in ids] == [8, 8] and [len(t) for _, t in ids] == [4, 4]
-  direct = evaluate.loglikelihood(model.backend.apply_fn, model.backend.params,
+  direct = evaluate.loglikelihood(model.backend.denoiser, model.backend.params,
                                   [c for c, _ in ids], [t for _, t in ids], num_samples=4,
                                   batch_size=4, key=jax.random.key(0),
                                   mask_id=model.backend.mask_id, max_len=16)
@@ -203,7 +203,7 @@ def test_trained_workdir(trained):
   rolled = model.loglikelihood_rolling([_instance("loglikelihood_rolling", (text,), 0)],
                                        disable_tqdm=True)
   direct = evaluate.loglikelihood_rolling(
-      model.backend.apply_fn, model.backend.params, model.backend.encode(text), max_len=16,
+      model.backend.denoiser, model.backend.params, model.backend.encode(text), max_len=16,
       key=jax.random.key(0), mask_id=model.backend.mask_id, num_samples=4, batch_size=4,
       rows=2)
   assert direct.num_windows == 2 and rolled[0] == pytest.approx(direct.estimate, rel=1e-6)

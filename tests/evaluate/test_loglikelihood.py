@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mdjax import evaluate, tasks
+from mdjax.denoiser import Denoiser
 
 TWO_COLOR = tasks.get("two_color")
 
@@ -70,6 +71,15 @@ def test_bad_input(change, message):
   args.update(change)
   with pytest.raises(ValueError, match=message):
     evaluate.loglikelihood(_stub, None, **args)
+
+
+def test_the_denoisers_max_len_bounds_context_and_continuation():
+  """A `Denoiser` carrying max_len (a `Model`'s does) bounds C + T without max_len=."""
+  bounded = Denoiser(_stub, max_len=3)
+  with pytest.raises(ValueError, match="exceed the denoiser's max_len=3"):
+    evaluate.loglikelihood(bounded, None, np.zeros((2, 1), int), np.zeros((2, 3), int),
+                           estimator="iid", num_samples=8, batch_size=4, key=jax.random.key(0),
+                           mask_id=4)
 
 
 def test_guidance_keeps_the_mask_logit_out():

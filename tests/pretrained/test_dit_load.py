@@ -84,7 +84,7 @@ def test_round_trip(tmp_path, family, dtype, shard):
   pretrained.save(model, tmp_path / "b", max_shard_bytes=shard)
   assert tensor_bytes(tmp_path / "a") == tensor_bytes(tmp_path / "b")
   assert_same(pretrained.load(tmp_path / "b").params, params)
-  assert model.apply_fn == dit.denoiser(config)
+  assert model.denoiser == dit.denoiser(config)
 
 
 def test_published_names_and_config(tmp_path):

@@ -194,7 +194,7 @@ V, MODEL_LENGTH, BLOCK = 11, 8, 4
 class TinyModel:
   params: dict
   config: dit.DiTConfig
-  apply_fn: object = None
+  denoiser: object = None
 
 
 def _tiny(family, block_size=None):
@@ -269,7 +269,7 @@ def test_perplexity_reads_token_files_and_uses_each_models_estimator(tmp_path):
   x.astype(np.uint16).tofile(raw)
   config = dict(vocab_size=2, hidden_dim=8, cond_dim=8, n_blocks=1, n_heads=2, model_length=2)
   mdlm_model = TinyModel(params=None, config=dit.DiTConfig(family="mdlm", **config),
-                         apply_fn=two_color.exact_denoiser)
+                         denoiser=two_color.exact_denoiser)
   a = perplexity_lib.perplexity(mdlm_model, str(npy), batch_size=64, key=jax.random.key(1))
   b = perplexity_lib.perplexity(mdlm_model, str(raw), batch_size=64, key=jax.random.key(1))
   assert a == {**b} and a["windows"] == 64 * 8 and a["model"] == "mdlm"
@@ -280,7 +280,7 @@ def test_perplexity_reads_token_files_and_uses_each_models_estimator(tmp_path):
   # is then a copy, so the NELBO is exactly 0 over the L - 1 counted tokens.
   bd3_model = TinyModel(params=None,
                         config=dit.DiTConfig(family="bd3lm", block_size=1, **config),
-                        apply_fn=diffusion.block_causal(two_color.exact_denoiser, 1))
+                        denoiser=diffusion.block_causal(two_color.exact_denoiser, 1))
   c = perplexity_lib.perplexity(bd3_model, x, batch_size=64, num_batches=4,
                                 key=jax.random.key(1))
   assert c["nelbo_nats_per_token"] == 0.0 and c["num_tokens"] == 64 * 4

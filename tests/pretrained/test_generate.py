@@ -20,7 +20,7 @@ P, G = 3, 8  # prompt and generation lengths
 
 def stub_model(length=P + G, seed=0, cached=False):
   apply_fn = sampling.recompute_cache(stubs.stub_denoiser) if cached else stubs.stub_denoiser
-  return types.SimpleNamespace(apply_fn=apply_fn, params=stubs.stub_params(V, length, seed),
+  return types.SimpleNamespace(denoiser=apply_fn, params=stubs.stub_params(V, length, seed),
                                mask_id=V, eos_id=EOS, config=types.SimpleNamespace(eot_id=EOT))
 
 
@@ -132,7 +132,7 @@ def test_dream_counts_are_dreams_float32_rule():
   steps = 5
   model = stub_model()
   for per_row in (False, True):
-    out = sampling.sample(model.apply_fn, model.params, jax.random.key(1),
+    out = sampling.sample(model.denoiser, model.params, jax.random.key(1),
                           np.concatenate([PROMPT, np.full((2, G), V, np.int32)], 1),
                           sampling.DreamSpec(steps=steps, alg="entropy", alg_temp=0.3,
                                              per_row_count=per_row, skip_idle_steps=False))
@@ -214,7 +214,7 @@ def padded_stub(params, tokens_BxL, t_B, valid_BxL=None):
 
 def test_a_left_padded_batch_equals_each_row_alone():
   model = stub_model()
-  model.apply_fn = padded_stub
+  model.denoiser = padded_stub
   batch = np.array([[5, 6, 7], [0, 0, 8]], np.int32)
   mask = np.array([[1, 1, 1], [0, 0, 1]], np.int32)
   keys = jax.random.split(jax.random.key(4), 2)

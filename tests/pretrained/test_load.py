@@ -227,7 +227,7 @@ def test_round_trip(saved, tmp_path, family, dtype):
       config.mask_id, config.eos_id, config.vocab_size)
   assert model.tokenizer is None and model.chat_template is None
   assert model.bytes_read == sum(np.asarray(x).nbytes for x in jax.tree.leaves(params))
-  assert callable(model.apply_fn.apply)
+  assert callable(model.denoiser.apply)
   assert_same(params, model.params)
   with open(os.path.join(folder, "config.json")) as f:
     assert json.load(f)["torch_dtype"] == dtype

@@ -141,7 +141,7 @@ def test_load_of_the_result_samples(runs):
   spec = trainer.sampler_spec(model.config, sudoku4.LENGTH)  # the rollouts' program
   fixed = np.zeros(canvas.shape, bool)
   fixed[:, :16] = True
-  out = np.asarray(sampling.sample(model.apply_fn, model.params, jax.random.key(2), canvas,
+  out = np.asarray(sampling.sample(model.denoiser, model.params, jax.random.key(2), canvas,
                                    spec, fixed, mask_id=sudoku4.MASK_ID).tokens_BxL)
   np.testing.assert_array_equal(out[:, :16], rows[:, :16])
   assert ((out[:, 16:] >= 0) & (out[:, 16:] < sudoku4.MASK_ID)).all()  # every cell written
@@ -239,8 +239,8 @@ def test_a_lora_run_trains_the_adapters_and_rolls_out_on_merged_weights(start, t
   prompts = sources.IdTaskSource(begin.task).draw(jax.random.key(5), 2)
   spec = trainer.sampler_spec(c, sudoku4.LENGTH)
   key = jax.random.key(6)
-  adapted, *_ = trainer.rollout(lora.adapt(begin.apply_fn, lora_config), final.params, key,
+  adapted, *_ = trainer.rollout(lora.adapt(begin.denoiser, lora_config), final.params, key,
                                 prompts, 2, 16, spec, sudoku4.MASK_ID)
-  merged, *_ = trainer.rollout(begin.apply_fn, lora.merge(final.params, lora_config), key,
+  merged, *_ = trainer.rollout(begin.denoiser, lora.merge(final.params, lora_config), key,
                                prompts, 2, 16, spec, sudoku4.MASK_ID)
   np.testing.assert_array_equal(adapted, merged)

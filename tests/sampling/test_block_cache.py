@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mdjax import diffusion, models, sampling
+from mdjax.denoiser import Denoiser
 from mdjax.sampling import kv_cache
 from mdjax.tasks import two_color
 
@@ -62,11 +63,11 @@ def _pass_tagging_denoiser(width):
   def apply_fn(params, tokens_BxL, t_B):
     return logits_for(tokens_BxL, 0)
 
-  apply_fn.prefill = lambda params, tokens, t_B: (logits_for(tokens, 0), jnp.zeros(()))
-  apply_fn.decode = lambda params, cache, tokens_BxW, start, t_B: (
-      logits_for(tokens_BxW, 1 if tokens_BxW.shape[1] == width else 2), cache)
-  apply_fn.block_size = BLOCK
-  return apply_fn
+  return Denoiser(
+      apply_fn, prefill=lambda params, tokens, t_B: (logits_for(tokens, 0), jnp.zeros(())),
+      decode=lambda params, cache, tokens_BxW, start, t_B: (
+          logits_for(tokens_BxW, 1 if tokens_BxW.shape[1] == width else 2), cache),
+      block_size=BLOCK)
 
 
 def test_exact_plan_full_pass_once_then_append_and_block_passes():

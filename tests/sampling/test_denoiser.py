@@ -2,7 +2,6 @@
 
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from mdjax import diffusion, sampling
 from mdjax.denoiser import Denoiser
@@ -31,17 +30,20 @@ def test_it_is_called_like_the_function():
                                 _plain(None, tokens, jnp.ones(1), valid))
 
 
-def test_attributes_set_on_a_function_are_kept_for_one_release():
-  def legacy(params, tokens_BxL, t_B):
-    return _plain(params, tokens_BxL, t_B)
-
-  legacy.prefill = lambda params, tokens, t_B: (legacy(params, tokens, t_B), tokens)
-  legacy.decode = lambda params, cache, tokens, start, t_B: (legacy(params, tokens, t_B), cache)
-  legacy.block_size = 2
-  with pytest.warns(DeprecationWarning, match="build mdjax.denoiser.Denoiser"):
-    denoiser = Denoiser.of(legacy)
+def test_a_cached_denoiser_is_kept_as_it_is():
+  denoiser = Denoiser(
+      _plain, prefill=lambda params, tokens, t_B: (_plain(params, tokens, t_B), tokens),
+      decode=lambda params, cache, tokens, start, t_B: (_plain(params, tokens, t_B), cache),
+      block_size=2)
   assert denoiser.offers_cache and denoiser.block_size == 2 and denoiser.block_pair is None
   assert sampling.recompute_cache(denoiser) is denoiser  # already cached
+
+
+def test_max_len_is_carried_but_no_part_of_its_identity():
+  """A wrapper keeps the length; denoisers that differ only in it share programs."""
+  bounded = Denoiser(_plain, max_len=8)
+  assert Denoiser(bounded).max_len == 8 and Denoiser.of(_plain).max_len is None
+  assert bounded == Denoiser.of(_plain) and hash(bounded) == hash(Denoiser.of(_plain))
 
 
 def test_adapters_keep_every_capability():

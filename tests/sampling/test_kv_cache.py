@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mdjax import diffusion, models, sampling
+from mdjax.denoiser import Denoiser
 from mdjax.tasks import scan_and_add, two_color
 from tests.stubs import stub_denoiser, stub_params
 
@@ -128,10 +129,9 @@ def _pass_tagging_denoiser():
   def apply_fn(params, tokens_BxL, t_B):
     return logits_for(tokens_BxL, 0)
 
-  apply_fn.prefill = lambda params, tokens, t_B: (logits_for(tokens, 0), jnp.zeros(()))
-  apply_fn.decode = lambda params, cache, tokens_BxW, start, t_B: (logits_for(tokens_BxW, 1),
-                                                                   cache)
-  return apply_fn
+  return Denoiser(
+      apply_fn, prefill=lambda params, tokens, t_B: (logits_for(tokens, 0), jnp.zeros(())),
+      decode=lambda params, cache, tokens_BxW, start, t_B: (logits_for(tokens_BxW, 1), cache))
 
 
 @pytest.mark.parametrize("refresh_every", [None, 1, 2, 3])

@@ -202,7 +202,7 @@ def test_bf16_remat_accumulation_at_1024_keeps_float32_weights_and_logs_mfu(tmp_
   evals = [r for r in rows if "val_bits_per_token" in r]
   assert [r["step"] for r in steps] == [1, 2] and [r["step"] for r in evals] == [2]
   assert all(np.isfinite(r["loss"]) for r in steps)
-  task, apply_fn = model.task, model.apply_fn
+  task, apply_fn = model.task, model.denoiser
   last = steps[-1]  # the first step compiles: its row has no rate
   assert last["mfu"] == pytest.approx(
       last["tokens_per_s"] * flops.model_flops_per_token(config, task) / 1e12, rel=1e-9)

@@ -248,8 +248,8 @@ def test_a_lora_run_checkpoints_and_loads_as_the_adapted_model(tmp_path):
                                 state.params["base"]["embed"]["embedding"])
   x_BxL = train.batch_for_step(config, 0, model.task)[:4]
   t_B = jnp.full((4,), 0.5)
-  want = _jit(lora.adapt(model.apply_fn, lora_config))(state.params, x_BxL, t_B)
-  base = _jit(model.apply_fn)
+  want = _jit(lora.adapt(model.denoiser, lora_config))(state.params, x_BxL, t_B)
+  base = _jit(model.denoiser)
   assert _apart(want, base(state.params["base"], x_BxL, t_B)) > 1e-4
   # As in the merge test: one float32 computation in two orders.
   np.testing.assert_allclose(base(model.params, x_BxL, t_B), want, rtol=0,

@@ -377,7 +377,7 @@ def test_load_is_quiet_and_self_contained(two_color_run, capfd):
   assert model.step == 300 and model.tokenizer is None and model.task.name == "two_color"
   assert model.config.train.num_steps == 300
   tokens = model.task.empty_canvas(3)
-  logits = model.apply_fn(model.params, tokens, jax.numpy.ones(3))
+  logits = model.denoiser(model.params, tokens, jax.numpy.ones(3))
   assert logits.shape == (3, model.task.length, model.task.vocab_size)
   assert mdjax.load(str(two_color_run), step=200).step == 200
   with pytest.raises(ValueError, match="step=7 is not saved"):
