@@ -15,8 +15,8 @@ a model converted from a causal LM, `mdjax.convert`).
 """
 
 from mdjax import tasks
-from mdjax.train.checkpoints import (CORRUPT_DIR, CheckpointMismatch, Model, checkpoint_manager,
-                                     load, load_for_sampling, quiet_orbax, restore_latest, save)
+from mdjax.train.checkpoints import (CORRUPT_DIR, CheckpointMismatch, checkpoint_manager, load,
+                                     load_for_sampling, quiet_orbax, restore_latest, save)
 from mdjax.train.config_checks import CONFIG_RANGES, OBJECTIVES, ConfigError, check_config
 from mdjax.data.pipeline import batch_for_step, eval_batch
 from mdjax.train.loop import ensure_trained, evaluate, sample_and_score, train
@@ -31,7 +31,7 @@ from mdjax.train.workdir import (Interrupts, MetricsLog, TrainClock, UnsafeWorkd
 
 __all__ = [
     "a2d", "CONFIG_RANGES", "CORRUPT_DIR", "CheckpointMismatch", "ConfigError", "Interrupts", "MetricsLog",
-    "Model", "OBJECTIVES", "TrainClock", "TrainState", "UnsafeWorkdir", "WorkdirBusy",
+    "OBJECTIVES", "TrainClock", "TrainState", "UnsafeWorkdir", "WorkdirBusy",
     "WorkdirLock", "batch_for_step", "block_nelbo_options", "check_config", "checkpoint_manager",
     "ensure_trained", "eval_batch", "evaluate", "init_state", "learning_rate_schedule", "load",
     "load_for_sampling", "make_loss_fn", "make_mesh", "make_optimizer", "masking_schedule",

@@ -395,10 +395,6 @@ def restore_data(manager: ocp.CheckpointManager, step: int, source, log=print) -
   source.restore(step, state)
 
 
-# The record `load` returns (`mdjax.Model`); the name stays here one release.
-Model = model_lib.Model
-
-
 def _warn(message: str) -> None:
   print(message, file=sys.stderr, flush=True)
 
