@@ -14,8 +14,9 @@ import numpy as np
 
 from mdjax import sampling
 from mdjax.checkpoints.base import config_bool, config_value
-from mdjax.checkpoints.dit import DiTFamily, check_count, sampled_parts
+from mdjax.checkpoints.dit import DiTFamily, sampled_parts
 from mdjax.model import SamplerPlan
+from mdjax.models.checks import check_count
 from mdjax.models.dit import DiTConfig
 
 

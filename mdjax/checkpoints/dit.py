@@ -15,7 +15,6 @@ import numpy as np
 from mdjax.checkpoints.base import (TORCH_DTYPES, Family, Leaf, config_bool, config_token_id,
                                     config_value, leaf_shape, refuse_value)
 from mdjax.denoiser import Denoiser
-from mdjax.models.checks import check_count  # noqa: F401  (mdlm, bd3lm)
 from mdjax.models import dit
 from mdjax.models.dit import DiTConfig
 

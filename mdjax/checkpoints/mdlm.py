@@ -9,8 +9,9 @@ Its reference sampler is MDLM's `_sample` with the `ddpm_cache` predictor
 from __future__ import annotations
 
 from mdjax import sampling
-from mdjax.checkpoints.dit import DiTFamily, check_count, sampled_parts
+from mdjax.checkpoints.dit import DiTFamily, sampled_parts
 from mdjax.model import SamplerPlan
+from mdjax.models.checks import check_count
 from mdjax.models.dit import DiTConfig
 
 

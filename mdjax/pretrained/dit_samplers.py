@@ -18,8 +18,8 @@ import numpy as np
 
 from mdjax import sampling
 from mdjax.checkpoints import bd3lm, mdlm
-from mdjax.checkpoints.dit import check_count as _check_count
 from mdjax.checkpoints.dit import sampled_config
+from mdjax.models.checks import check_count
 
 Array = jax.Array
 
@@ -34,7 +34,7 @@ def mdlm_sample(model, *, num_samples: int, steps: int, key: Array, length: int 
   `result.nfe` counts the calls made, `result.saved_calls` those reused or skipped.
   One compiled program."""
   config = sampled_config(model)
-  _check_count("num_samples", num_samples)
+  check_count("num_samples", num_samples)
   length = config.model_length if length is None else length
   plan = mdlm.plan(model, length=length, steps=steps, eps=eps, noise_removal=noise_removal,
                    cache=cache)
@@ -56,8 +56,8 @@ def bd3lm_sample(model, *, num_samples: int, length: int, key: Array,
   None: every position generated). cached: the exact KV cache of finished blocks.
   Returns `sampling.BlocksResult` (tokens_BxT of `length` tokens, counters summed)."""
   config = sampled_config(model)
-  _check_count("num_samples", num_samples)
-  _check_count("length", length)
+  check_count("num_samples", num_samples)
+  check_count("length", length)
   plan = bd3lm.plan(model, length=length, steps_per_block=steps_per_block, nucleus_p=nucleus_p,
                     first_hitting=first_hitting)
   apply_fn, params, spec = plan.denoiser, plan.params, plan.spec
