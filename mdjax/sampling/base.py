@@ -58,45 +58,64 @@ def check_block_length(block_length):
 KV_CACHES = ("none", "dual", "exact")
 
 
+def knob(default: Any = dataclasses.MISSING, *, help: str, choices=None, minimum=None,
+         maximum=None):
+  """A spec field that is a knob: its default, one line of help, and what values it takes
+  (`choices`, or the closed range [minimum, maximum]) beyond its type (`sampling.knobs`
+  reads it; the spec's own checks enforce it)."""
+  metadata = {"help": help, "choices": None if choices is None else tuple(choices),
+              "minimum": minimum, "maximum": maximum}
+  return dataclasses.field(default=default, metadata=metadata)
+
+
+def internal(default: Any = dataclasses.MISSING, *, help: str):
+  """A scalar spec field that is not a knob: set by the library (the model's EOS id, a
+  notation kept for display) or by a caller that reads what it changes (the trajectory),
+  never by a flag or a request field."""
+  return dataclasses.field(default=default, metadata={"help": help, "internal": True})
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplerSpec:
-  """Knobs shared by every family: the value transform and recording.
+  """Knobs shared by every family: the value transform, the end of sequence, idle steps
+  and the KV cache (each field's help: `sampling.knobs`, or its `knob(help=...)` below)."""
 
-  temperature: softmax(logits / T); T = 0 takes the argmax (no division).
-  top_k: keep the k most likely values (None: all). top_p: nucleus mass.
-  min_p: keep values with probability >= min_p times the row's largest (0: all).
-  record_trajectory: also return the canvas after every step (K x B x L).
-  eos_id: the end-of-sequence id (None: no end of sequence). A row that has written EOS
-    at an editable position i, with every position before i written, is finished: its
-    editable positions after i become EOS and it stops changing (`SampleResult.
-    generated_length_B` counts the positions before i).
-  eos_penalty: subtracted from the EOS logit where values are proposed (>= 0).
-  eos_never: EOS is never proposed (its logit is -inf): the canvas is filled to the end.
-  eos_rank_last: EOS proposals rank below every other proposal wherever a family ranks
-    proposals by a score (confidence, entropy-bounded, write orders, test-and-defer,
-    revision, speculative drafts), so a row's end is committed last (LLaDA's knob).
-  skip_idle_steps: jump over steps with nothing to write in any row, calling the
-    denoiser only at steps that write (the program is a while loop instead of a scan).
-    None (default) decides from the plan before tracing: the loop jumps
-    where at least `IDLE_FRACTION_TO_SKIP` of the steps are idle (counted exactly,
-    or expected, by `Family.idle_steps`), or where that cannot be told before the run
-    (threshold and entropy-bounded decoding, which finish early by design). True
-    always uses it, False never. Tokens are the same either way. Families whose
-    steps always change the canvas (remasking, revision) never skip.
-  """
-
-  temperature: float = 1.0
-  top_k: int | None = None
-  top_p: float = 1.0
-  min_p: float = 0.0
-  record_trajectory: bool = False
-  skip_idle_steps: bool | None = None
-  eos_id: int | None = None
-  eos_penalty: float = 0.0
-  eos_never: bool = False
-  eos_rank_last: bool = False
-  kv_cache: str = "none"
-  refresh_every: int | None = None
+  temperature: float = knob(1.0, help="softmax(logits / T); T = 0 takes the argmax (no "
+                            "division).", minimum=0.0)
+  top_k: int | None = knob(None, help="Keep the k most likely values (None: all).", minimum=1)
+  top_p: float = knob(1.0, help="Nucleus mass in (0, 1]: keep the most likely values whose "
+                      "mass reaches it.", maximum=1.0)
+  min_p: float = knob(0.0, help="Keep values with probability >= min_p times the row's "
+                      "largest (0: all).", minimum=0.0, maximum=1.0)
+  record_trajectory: bool = internal(False, help="Also return the canvas after every step "
+                                     "(K x B x L).")
+  skip_idle_steps: bool | None = knob(
+      None, help="Jump over steps with nothing to write in any row, calling the denoiser "
+      "only at steps that write (the program is a while loop instead of a scan). None decides "
+      "from the plan before tracing: the loop jumps where at least IDLE_FRACTION_TO_SKIP of "
+      "the steps are idle (counted exactly, or expected, by Family.idle_steps), or where that "
+      "cannot be told before the run (threshold and entropy-bounded decoding, which finish "
+      "early by design). True always uses it, False never. Tokens are the same either way. "
+      "Families whose steps always change the canvas (remasking, revision) never skip.")
+  eos_id: int | None = internal(
+      None, help="The end-of-sequence id (None: no end of sequence). A row that has written "
+      "EOS at an editable position i, with every position before i written, is finished: its "
+      "editable positions after i become EOS and it stops changing (SampleResult."
+      "generated_length_B counts the positions before i).")
+  eos_penalty: float = knob(0.0, help="Subtracted from the EOS logit where values are "
+                            "proposed.", minimum=0.0)
+  eos_never: bool = knob(False, help="EOS is never proposed (its logit is -inf): the canvas "
+                         "is filled to the end.")
+  eos_rank_last: bool = knob(
+      False, help="EOS proposals rank below every other proposal wherever a family ranks "
+      "proposals by a score (confidence, entropy-bounded, write orders, test-and-defer, "
+      "revision, speculative drafts), so a row's end is committed last (LLaDA's knob).")
+  kv_cache: str = knob("none", help="KV-cached block decoding (with block_length): 'dual' "
+                       "runs one full pass per block, then passes over the block only; "
+                       "'exact' the cache of a block-causal model.", choices=KV_CACHES)
+  refresh_every: int | None = knob(
+      None, help="With kv_cache='dual': also refresh the cache every N steps of a block (1: "
+      "every step, the uncached tokens; None: at each block's first step only).", minimum=1)
 
   def __post_init__(self):
     for f in dataclasses.fields(self):

@@ -18,22 +18,14 @@ from typing import Any
 
 from mdjax import diffusion
 from mdjax.errors import ArgumentError
-from mdjax.sampling.base import SamplerSpec, families
+# knob() lives with SamplerSpec (whose fields use it) and is handed on here.
+from mdjax.sampling.base import SamplerSpec, families, knob  # noqa: F401
 
 # The value types a knob may have: what a flag or a JSON field can say. Other fields of a spec
 # (tuples of positions, a nested spec) are set in Python or by their own notation flags.
 KINDS = (bool, int, float, str)
 # Fields typed by a value class that is given by name (a schedule "cosine", a grid "cosine").
 NAMED = {"diffusion.Schedule": str, "reveal.Grid": str, "Schedule": str, "Grid": str}
-
-
-def knob(default: Any = dataclasses.MISSING, *, help: str, choices=None, minimum=None,
-         maximum=None):
-  """A spec field that is a knob: its default, one line of help, and what values it takes
-  (`choices`, or the closed range [minimum, maximum]) beyond its type."""
-  metadata = {"help": help, "choices": None if choices is None else tuple(choices),
-              "minimum": minimum, "maximum": maximum}
-  return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +110,7 @@ def spec_knobs(spec_type: type[SamplerSpec]) -> dict[str, Knob]:
   out = {}
   for field in dataclasses.fields(spec_type):
     kind, optional = _kind(_annotation(field))
-    if kind is None or not field.init:
+    if kind is None or not field.init or field.metadata.get("internal"):
       continue
     meta = field.metadata
     default = field.default

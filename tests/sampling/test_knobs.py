@@ -8,6 +8,7 @@ import pytest
 from mdjax import sampling
 from mdjax.errors import ArgumentError
 from mdjax.sampling import knobs
+from mdjax.sampling.families import dream
 
 
 def test_every_scalar_field_of_every_family_is_a_knob_of_its_type():
@@ -16,7 +17,9 @@ def test_every_scalar_field_of_every_family_is_a_knob_of_its_type():
     own = knobs.family_knobs(name)
     for field in dataclasses.fields(family.spec_type):
       value = field.default
-      if isinstance(value, (bool, int, float, str)):
+      if field.metadata.get("internal"):  # set by the library: no flag, no request field
+        assert field.name not in own, (name, field.name)
+      elif isinstance(value, (bool, int, float, str)):
         assert field.name in own, (name, field.name)
         assert isinstance(value, own[field.name].kind), (name, field.name)
         assert registry[field.name].kind is own[field.name].kind
@@ -24,6 +27,37 @@ def test_every_scalar_field_of_every_family_is_a_knob_of_its_type():
   assert knobs.family_knobs("confidence")["block_length"].optional
   assert knobs.all_knobs()["schedule"].default == "linear"  # a schedule is given by name
   assert "groups" not in knobs.family_knobs("ordered")  # set by its own notation
+  for name in ("record_trajectory", "eos_id"):
+    assert name not in registry
+
+
+def test_every_knob_of_every_family_says_what_it_does_and_takes():
+  for name in sampling.families():
+    for knob in knobs.family_knobs(name).values():
+      assert knob.help.strip(), (name, knob.name)
+      if knob.choices is not None:
+        assert knob.kind is str and (knob.default in knob.choices or knob.required), knob
+  assert knobs.family_knobs("dream")["alg"].choices == dream.ALGS
+  assert knobs.all_knobs()["kv_cache"].choices == sampling.KV_CACHES
+  assert knobs.all_knobs()["steps"].minimum == 1
+
+
+def test_a_declared_range_is_one_the_spec_refuses_outside():
+  """A value outside a knob's declared choices or range is refused by the spec too: the
+  declaration says what the checks already enforce."""
+  probes = {"steps": 0, "top_k": 0, "temperature": -1.0, "min_p": 1.5, "eta": 2.0,
+            "alg": "nope", "kv_cache": "nope", "score": "nope", "count_rule": "nope"}
+  for family, spec_type in ((n, f.spec_type) for n, f in sampling.families().items()):
+    own = knobs.family_knobs(family)
+    for knob_name, bad in probes.items():
+      if knob_name not in own or family in ("local_remask", "field_order", "ordered"):
+        continue
+      with pytest.raises(ArgumentError):
+        own[knob_name].parse(bad)
+      required = {"steps": 4} if "steps" in own and own["steps"].required else {}
+      required.update({"k": 2} if "k" in own else {})
+      with pytest.raises(ValueError):
+        spec_type(**{**required, knob_name: bad})
 
 
 def test_parse_checks_type_and_range_and_names_the_knob():

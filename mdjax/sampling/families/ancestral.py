@@ -12,7 +12,7 @@ from flax import struct
 from mdjax import diffusion
 from mdjax.sampling import semi_autoregressive, reveal
 from mdjax.sampling.base import (Family, SamplerSpec, StepPlan, check, check_block_length,
-                                 check_steps, register)
+                                 check_steps, knob, register)
 
 Array = jax.Array
 
@@ -23,17 +23,20 @@ class AncestralSpec(SamplerSpec):
 
   Each masked position is revealed with probability
   (alpha(s) - alpha(t)) / (1 - alpha(t)) and its value drawn from the
-  denoiser's categorical at the current state. `cache` skips the denoiser
-  when nothing changed since its last call (valid for denoisers that ignore
-  t). `block_length` decodes semi-autoregressively, each block on its own
-  grid with steps / num_blocks steps.
+  denoiser's categorical at the current state.
   """
 
-  steps: int
-  schedule: diffusion.Schedule = diffusion.LinearSchedule()
-  grid: reveal.Grid = "uniform"
-  cache: bool = False
-  block_length: int | None = None
+  steps: int = knob(help="Denoiser steps (with block_length: over all blocks).", minimum=1)
+  schedule: diffusion.Schedule = knob(diffusion.LinearSchedule(),
+                                      help="The masking schedule alpha(t), by name.",
+                                      choices=tuple(diffusion.SCHEDULES))
+  grid: reveal.Grid = knob("uniform", help="The time grid t_0 = 1 > ... > t_K = 0, by name "
+                           "(or, in Python, a tuple of times).", choices=reveal.GRIDS)
+  cache: bool = knob(False, help="Skip the denoiser when nothing changed since its last call "
+                     "(valid for denoisers that ignore t).")
+  block_length: int | None = knob(None, help="Decode semi-autoregressively in blocks of this "
+                                  "many positions, each on its own grid with steps / "
+                                  "num_blocks steps.", minimum=1)
 
   def __post_init__(self):
     super().__post_init__()

@@ -15,7 +15,8 @@ import numpy as np
 from flax import struct
 
 from mdjax.sampling import transforms
-from mdjax.sampling.base import Family, SamplerSpec, StepPlan, check, check_steps, register
+from mdjax.sampling.base import (Family, SamplerSpec, StepPlan, check, check_steps, knob,
+                                 register)
 from mdjax.streams import StepStream
 
 Array = jax.Array
@@ -26,25 +27,27 @@ class BD3LMSpec(SamplerSpec):
   """BD3-LM's update rule on one canvas (a block).
 
   Values come from the denoiser's categorical after the value transform, then BD3-LM's
-  nucleus filter (`_nucleus_sample`): the values sorted by probability are kept while the
-  cumulative mass INCLUDING each one is at most `nucleus_p` (the first always), then
-  renormalised (1.0: no filter).
-  first_hitting (BD3-LM's default, after Zheng et al. 2025): each step reveals exactly one
-    masked position per row, chosen uniformly among the masked ones: the next first-hitting
-    event of the reverse process. `steps` bounds the steps and must be at least the masked
-    positions of a row (None: the canvas length); steps after a row is full are idle and
-    skipped. The denoiser is told t_i = (N - i) / (N + 1), the expected hitting time with N
-    masked positions (the reference's random t only reaches time-conditioned models).
-  otherwise: BD3-LM's grid t_i = linspace(1, 0, steps)[i], s = t - 1 / steps; a masked
-    position is revealed with probability 1 - s / t. The reference's last step (t = 0)
-    divides by zero; here it reveals everything left (s = 0). `cache` reuses the last
-    logits while the canvas did not change (the reference's p_x0 cache).
+  nucleus filter (`_nucleus_sample`, `nucleus_p`). With `first_hitting` (BD3-LM's default,
+  after Zheng et al. 2025) each step reveals exactly one masked position per row, chosen
+  uniformly among the masked ones: the next first-hitting event of the reverse process; the
+  denoiser is told t_i = (N - i) / (N + 1), the expected hitting time with N masked
+  positions (the reference's random t only reaches time-conditioned models). Otherwise
+  BD3-LM's grid t_i = linspace(1, 0, steps)[i], s = t - 1 / steps: a masked position is
+  revealed with probability 1 - s / t. The reference's last step (t = 0) divides by zero;
+  here it reveals everything left (s = 0).
   """
 
-  steps: int | None = None
-  first_hitting: bool = True
-  nucleus_p: float = 1.0
-  cache: bool = True
+  steps: int | None = knob(None, help="The steps' bound; with first_hitting at least the "
+                           "masked positions of a row (None: the canvas length), the steps "
+                           "after a row is full idle and skipped.", minimum=1)
+  first_hitting: bool = knob(True, help="Each step reveals exactly one masked position per "
+                             "row (the next first-hitting event); False: BD3-LM's DDPM grid.")
+  nucleus_p: float = knob(1.0, help="BD3-LM's nucleus filter: the values sorted by "
+                          "probability are kept while the cumulative mass including each one "
+                          "is at most it (the first always), then renormalised (1.0: no "
+                          "filter).", minimum=0.0, maximum=1.0)
+  cache: bool = knob(True, help="Reuse the last logits while the canvas did not change (the "
+                     "reference's p_x0 cache).")
 
   def __post_init__(self):
     super().__post_init__()

@@ -13,67 +13,78 @@ from flax import struct
 from mdjax import diffusion
 from mdjax.sampling import semi_autoregressive, scores, transforms
 from mdjax.sampling.base import (Family, SamplerSpec, StepPlan, check, check_block_length,
-                                 check_steps, register)
+                                 check_steps, knob, register)
 from mdjax.streams import StepStream
 
 Array = jax.Array
+
+
+COUNT_RULES = ("schedule", "even", "even_block")
+THRESHOLD_FLOORS = ("one", "count")
+ORDERS = ("score", "position")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ConfidenceSpec(SamplerSpec):
   """Confidence-ordered decoding (MaskGIT / LLaDA).
 
-  Each step proposes a value for every masked position, scores the proposals
-  (`score` in scores.SCORES, read from the untransformed softmax) and
-  commits the k_i best; the rest stay masked. After step i of K a fraction
+  Each step proposes a value for every masked position, scores the proposals (`score`)
+  and commits the k_i best; the rest stay masked. After step i of K a fraction
   1 - alpha(1 - (i+1)/K) of the row's (block's) masked positions remains, for
-  `count_schedule` alpha (linear; cosine is MaskGIT's). Ties go to the lower
-  position. `gumbel_temperature` > 0 ranks by log(score) + c_i * Gumbel with
-  c_i annealed linearly to 0 (MaskGIT's choice temperature). `threshold`
-  instead commits every proposal scoring at least it (always at least one,
-  everything at the last step), with `steps` as the bound.
-
-  count_rule="even" replaces the schedule's counts by LLaDA's `get_num_transfer_tokens`:
-  the N masked positions of the block at its first step spread over its S steps as N // S
-  each, the remainder N % S one more each on the FIRST steps. `factor` is Fast-dLLM's
-  dynamic threshold (`get_transfer_index_dynamic`, see `factor_counts`): with the block's
-  n proposals ranked by score, the first rank i >= 1 scoring below 1 - factor / (i + 2)
-  stops the commits at i, but a stop at the last rank n - 1, or none, commits all n;
-  everything at the last step of a block, `steps` as the bound.
-  count_rule="even_block" splits the block's P positions instead (`block_length`, or the
-  canvas's length without blocks, as inside `sample_blocks`' block: written ones counted
-  too) as P // S a step, the remainder on the first steps, each step's count capped at the
-  positions still masked: SDAR's `get_num_transfer_tokens(block_length, steps)`, which does
-  not look at a prompt's fixed tokens inside the block.
-  `threshold_floor`: the least a threshold step commits. "one" (Fast-dLLM's): every proposal
-  scoring at least `threshold`, at least one; "count": at least the step's scheduled count
-  (`count_rule`'s), more when more proposals score at least the threshold (SDAR's
-  `low_confidence_dynamic`). Either way the last step of a block commits the rest.
-  `order="position"` commits the step's k leftmost masked positions instead of the k best
-  scoring (SDAR's `sequential`).
-  `score_transformed`: the score reads the distribution values are drawn from (the EOS
-  knobs, temperature, top-k, top-p: `transforms.transformed_probs`) rather than the
-  untransformed softmax (SDAR's x0_p); at temperature 0, where nothing is drawn, the
-  untransformed one.
+  `count_schedule` alpha. Ties go to the lower position. `threshold` or `factor` instead
+  commit by the scores, with `steps` as the bound; `count_rule`, `threshold_floor` and
+  `order` give LLaDA's, Fast-dLLM's and SDAR's variants (each knob's help).
   `banned_ids`: these ids' logits are -inf before the step reads them (draw and score).
   `score_excluded_ids`: these ids' logits are -inf only in the softmax the score reads, not
   in the draw: a proposal of one scores 0 and the other proposals' probabilities are
   renormalised without them (what LLaDA's code does for `confidence_eos_eot_inf`).
   """
 
-  steps: int
-  score: str = "max_prob"
-  count_schedule: diffusion.Schedule = diffusion.LinearSchedule()
-  gumbel_temperature: float = 0.0
-  threshold: float | None = None
-  block_length: int | None = None
-  count_rule: str = "schedule"
-  factor: float | None = None
+  steps: int = knob(help="Denoiser steps (with block_length: over all blocks; with a "
+                    "threshold or factor: the bound).", minimum=1)
+  score: str = knob("max_prob", help="The confidence score of a proposal (scores.SCORES), "
+                    "read from the untransformed softmax.", choices=scores.SCORES)
+  count_schedule: diffusion.Schedule = knob(
+      diffusion.LinearSchedule(), help="The schedule alpha whose 1 - alpha(1 - (i+1)/K) "
+      "leaves the fraction still masked after step i (cosine is MaskGIT's).",
+      choices=tuple(diffusion.SCHEDULES))
+  gumbel_temperature: float = knob(
+      0.0, help="> 0 ranks by log(score) + c_i * Gumbel with c_i annealed linearly to 0 "
+      "(MaskGIT's choice temperature).", minimum=0.0)
+  threshold: float | None = knob(
+      None, help="Commit every proposal scoring at least it (always at least one, everything "
+      "at the last step of a block), steps the bound; in [0, 1], or <= 0 for neg_entropy.")
+  block_length: int | None = knob(None, help="Decode semi-autoregressively in blocks of this "
+                                  "many positions.", minimum=1)
+  count_rule: str = knob(
+      "schedule", help="'even': LLaDA's get_num_transfer_tokens, the N masked positions of "
+      "the block at its first step spread over its S steps as N // S each, the remainder one "
+      "more each on the FIRST steps; 'even_block': the block's P positions (block_length, or "
+      "the canvas without blocks; written ones counted too) as P // S a step, the remainder on "
+      "the first steps, each capped at the positions still masked (SDAR's "
+      "get_num_transfer_tokens(block_length, steps)); 'schedule': count_schedule's counts.",
+      choices=COUNT_RULES)
+  factor: float | None = knob(
+      None, help="Fast-dLLM's dynamic threshold (get_transfer_index_dynamic, factor_counts): "
+      "with the block's n proposals ranked by score, the first rank i >= 1 scoring below "
+      "1 - factor / (i + 2) stops the commits at i, but a stop at the last rank n - 1, or "
+      "none, commits all n; everything at the last step of a block, steps the bound.",
+      minimum=0.0)
   banned_ids: tuple[int, ...] = ()
   score_excluded_ids: tuple[int, ...] = ()
-  threshold_floor: str = "one"
-  order: str = "score"
-  score_transformed: bool = False
+  threshold_floor: str = knob(
+      "one", help="The least a threshold step commits: 'one' (Fast-dLLM's) every proposal "
+      "scoring at least threshold, at least one; 'count' at least the step's scheduled count "
+      "(count_rule's), more when more proposals score at least the threshold (SDAR's "
+      "low_confidence_dynamic). Either way the last step of a block commits the rest.",
+      choices=THRESHOLD_FLOORS)
+  order: str = knob("score", help="'position' commits the step's k leftmost masked positions "
+                    "instead of the k best scoring (SDAR's sequential).", choices=ORDERS)
+  score_transformed: bool = knob(
+      False, help="The score reads the distribution values are drawn from (the EOS knobs, "
+      "temperature, top-k, top-p: transforms.transformed_probs) rather than the untransformed "
+      "softmax (SDAR's x0_p); at temperature 0, where nothing is drawn, the untransformed "
+      "one.")
 
   def __post_init__(self):
     super().__post_init__()
@@ -122,11 +133,6 @@ class ConfidenceSpec(SamplerSpec):
   def adaptive(self) -> bool:
     """Commits decided by the scores (threshold or factor), `steps` only the bound."""
     return self.threshold is not None or self.factor is not None
-
-
-COUNT_RULES = ("schedule", "even", "even_block")
-THRESHOLD_FLOORS = ("one", "count")
-ORDERS = ("score", "position")
 
 
 @struct.dataclass

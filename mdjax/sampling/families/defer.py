@@ -12,7 +12,7 @@ from flax import struct
 
 from mdjax.sampling import scores, skipping
 from mdjax.sampling.base import (Family, SamplerSpec, StepPlan, check, check_steps,
-                                 register)
+                                 knob, register)
 
 Array = jax.Array
 
@@ -29,18 +29,19 @@ class DeferSpec(SamplerSpec):
   `score`. The best is an anchor and always commits. The others are tested in dyadic
   groups: the proposals of rank r in [2^j, 2^(j+1)) are re-evaluated in context j, the
   canvas with the proposals of rank < 2^j written in, and a proposal whose distribution
-  moved by more than `threshold` in total variation (plus 1e-6 of float rounding) is
-  deferred (left masked). All J = ceil(log2 L) test contexts go in one batched call, so
-  a step costs 2 calls and 1 + J contexts. Proposals commit up to and including the
-  first group with a deferral (those of it that did not move); later groups wait, since
-  their test context held a deferred value. The last of the `steps` steps commits
-  everything left. Not exact in general: members of one group are not tested against
-  each other.
+  moved by more than `threshold` is deferred (left masked). All J = ceil(log2 L) test
+  contexts go in one batched call, so a step costs 2 calls and 1 + J contexts. Proposals
+  commit up to and including the first group with a deferral (those of it that did not
+  move); later groups wait, since their test context held a deferred value. Not exact in
+  general: members of one group are not tested against each other.
   """
 
-  steps: int
-  threshold: float = 0.1
-  score: str = "max_prob"
+  steps: int = knob(help="Denoiser steps; the last commits everything left.", minimum=1)
+  threshold: float = knob(0.1, help="A proposal whose distribution moved by more than it in "
+                          "total variation (plus 1e-6 of float rounding) is deferred.",
+                          minimum=0.0, maximum=1.0)
+  score: str = knob("max_prob", help="The score that ranks the proposals (scores.SCORES).",
+                    choices=scores.SCORES)
 
   def __post_init__(self):
     super().__post_init__()

@@ -11,7 +11,8 @@ import numpy as np
 from flax import struct
 
 from mdjax.sampling import scores, transforms
-from mdjax.sampling.base import Family, SamplerSpec, StepPlan, check, check_steps, register
+from mdjax.sampling.base import (Family, SamplerSpec, StepPlan, check, check_steps, knob,
+                                 register)
 from mdjax.streams import StepStream
 
 Array = jax.Array
@@ -32,19 +33,24 @@ class DreamSpec(SamplerSpec):
     maskgit_plus, topk_margin, entropy: every masked position is proposed and scored on
       the TRANSFORMED probabilities (the proposal's probability, top-1 minus top-2, or
       sum p log(p + 1e-10)); the int(n (1 - t_(i+1) / t_i)) best commit (int(n) at the last
-      step), n the BATCH MEAN of the rows' masked counts in float32 (Dream's rule), or each
-      row's own count with `per_row_count`. `alg_temp` > 0 draws the positions without
-      replacement from softmax(score / alg_temp) (Gumbel-top-k) instead of taking the best.
+      step), n the BATCH MEAN of the rows' masked counts in float32 (Dream's rule, or
+      `per_row_count`), the positions taken best first (or drawn, `alg_temp`).
   The counts are worked out on the host before the run (every step commits exactly its
   count) with Dream's float32 arithmetic, or in the program when the canvas is traced.
   min_p is not Dream's: it must stay 0.
   """
 
-  steps: int
-  eps: float = 1e-3
-  alg: str = "origin"
-  alg_temp: float | None = None
-  per_row_count: bool = False
+  steps: int = knob(help="Denoiser steps on Dream's grid.", minimum=1)
+  eps: float = knob(1e-3, help="The time grid's last point: t_i = linspace(1, eps, steps + "
+                    "1), in [0, 1).", minimum=0.0)
+  alg: str = knob("origin", help="The algorithm that picks the revealed positions: origin "
+                  "(random, by the grid), or the best by maskgit_plus (probability), "
+                  "topk_margin (top-1 minus top-2) or entropy.", choices=ALGS)
+  alg_temp: float | None = knob(None, help="> 0: draw the revealed positions without "
+                                "replacement from softmax(score / alg_temp) (Gumbel-top-k) "
+                                "instead of taking the best.", minimum=0.0)
+  per_row_count: bool = knob(False, help="Each row commits by its own masked count instead "
+                             "of the batch mean (Dream's rule).")
 
   def __post_init__(self):
     super().__post_init__()

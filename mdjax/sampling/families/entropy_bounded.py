@@ -23,7 +23,7 @@ from flax import struct
 
 from mdjax.sampling import semi_autoregressive, scores, transforms
 from mdjax.sampling.base import (Family, SamplerSpec, StepPlan, check, check_block_length,
-                                 check_steps, register)
+                                 check_steps, knob, register)
 
 Array = jax.Array
 
@@ -33,14 +33,18 @@ class EntropyBoundedSpec(SamplerSpec):
   """Commit the lowest-entropy prefix whose entropy beyond its largest is at most `gamma`.
 
   Entropies are read from the untransformed softmax (as confidence scores are); values are
-  drawn with the spec's transform. `final_temperature` anneals the draw temperature
-  linearly from `temperature` at the first step of a block to it at the last.
+  drawn with the spec's transform.
   """
 
-  steps: int
-  gamma: float = 0.5
-  block_length: int | None = None
-  final_temperature: float | None = None
+  steps: int = knob(help="The steps' bound (with block_length: over all blocks); the last "
+                    "step of a block writes the rest.", minimum=1)
+  gamma: float = knob(0.5, help="The entropy bound in nats: the committed prefix's entropy "
+                      "beyond its largest is at most it.", minimum=0.0)
+  block_length: int | None = knob(None, help="Decode semi-autoregressively in blocks of this "
+                                  "many positions.", minimum=1)
+  final_temperature: float | None = knob(
+      None, help="Anneal the draw temperature linearly from temperature at the first step of "
+      "a block to it at the last (> 0, with temperature > 0).", minimum=0.0)
 
   def __post_init__(self):
     super().__post_init__()

@@ -29,25 +29,24 @@ import numpy as np
 from flax import struct
 
 from mdjax.sampling import transforms
-from mdjax.sampling.base import Family, SamplerSpec, StepPlan, check, check_steps, register
+from mdjax.sampling.base import (Family, SamplerSpec, StepPlan, check, check_steps, knob,
+                                 register)
 
 Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FastDllmV2Spec(SamplerSpec):
-  """Fast-dLLM v2's threshold decoding (module docstring).
+  """Fast-dLLM v2's threshold decoding (module docstring)."""
 
-  block_size: the model's block (None: one block, the whole canvas); its first position is
-    decoded alone by argmax once the block before it is written.
-  sub_block_length: the sub-blocks decoded in order inside a block (None: the block).
-  threshold: a proposal is committed when its probability is strictly above it.
-  """
-
-  steps: int
-  threshold: float = 0.9
-  block_size: int | None = None
-  sub_block_length: int | None = None
+  steps: int = knob(help="The steps' bound.", minimum=1)
+  threshold: float = knob(0.9, help="A proposal is committed when its probability is strictly "
+                          "above it.", minimum=0.0, maximum=1.0)
+  block_size: int | None = knob(None, help="The model's block (None: one block, the whole "
+                                "canvas); its first position is decoded alone by argmax once "
+                                "the block before it is written.", minimum=1)
+  sub_block_length: int | None = knob(None, help="The sub-blocks decoded in order inside a "
+                                      "block (None: the block); divides block_size.", minimum=1)
 
   def __post_init__(self):
     super().__post_init__()

@@ -27,7 +27,8 @@ import numpy as np
 from flax import struct
 
 from mdjax.sampling import scores
-from mdjax.sampling.base import Family, SamplerSpec, StepPlan, check, register
+from mdjax.sampling.base import (Family, SamplerSpec, StepPlan, check, internal, knob,
+                                 register)
 
 Array = jax.Array
 
@@ -37,19 +38,20 @@ class FieldOrderSpec(SamplerSpec):
   """A write order over fields: step k writes `counts[k][f]` positions of field f.
 
   `fields[f]` lists the positions of field f (fields are disjoint). Within a step,
-  field f's positions are its `counts[k][f]` highest-scoring masked positions
-  (`score` from scores.SCORES, read from the untransformed softmax; ties go to the
-  lower position). The default `max_prob` reads only the canvas, never this step's
-  draws, so a step that writes one position is an exact chain-rule step; values
-  written in one step are drawn independently. Every field's counts sum to its size.
-  `parse_write_order` builds one from notation such as "[VOA][v×9]o×10[ht1]", which
-  `notation` keeps for display.
+  field f's positions are its `counts[k][f]` highest-scoring masked positions (ties go
+  to the lower position); values written in one step are drawn independently. Every
+  field's counts sum to its size. `parse_write_order` builds one from notation such as
+  "[VOA][v×9]o×10[ht1]".
   """
 
   fields: tuple[tuple[int, ...], ...]
   counts: tuple[tuple[int, ...], ...]
-  score: str = "max_prob"
-  notation: str | None = None
+  score: str = knob("max_prob", help="The score that picks a field's positions "
+                    "(scores.SCORES), read from the untransformed softmax. The default "
+                    "max_prob reads only the canvas, never this step's draws, so a step that "
+                    "writes one position is an exact chain-rule step.", choices=scores.SCORES)
+  notation: str | None = internal(None, help="The write order notation it was parsed from, "
+                                  "kept for display.")
 
   def __post_init__(self):
     super().__post_init__()

@@ -12,7 +12,7 @@ from flax import struct
 
 from mdjax.sampling import contexts, scores, stepping, transforms
 from mdjax.sampling.base import (Canvas, Context, Core, Family, SamplerSpec, check,
-                                 family_of, make_spec, register)
+                                 family_of, knob, make_spec, register)
 from mdjax.sampling.end_of_row import EndOfRow
 from mdjax.streams import RowStream, StepStream
 
@@ -23,24 +23,26 @@ Array = jax.Array
 class LocalRemaskSpec(SamplerSpec):
   """Localized remasking (PURE-style): fill the canvas, then repair it locally.
 
-  `base` fills the canvas. Each of `rounds` rounds re-scores every committed token in
-  its current context (the probability of its own value with its group of positions
-  i mod `score_groups` masked: one batched call of `score_groups` contexts), picks the
-  `seeds` positions whose probability dropped most since they were written, remasks a
-  window of `window` positions either side of each seed and a random `context_fraction`
-  of the editable positions before the windows, and refills them with `refill`. Fixed
-  positions are never touched. The spec's own temperature / top-k / top-p / min-p are
+  `base` fills the canvas. Each round re-scores every committed token in its current
+  context (the probability of its own value with its group of positions i mod
+  `score_groups` masked: one batched call), picks the `seeds` positions whose probability
+  dropped most since they were written, remasks a `window` around each and a random
+  `context_fraction` of the editable positions before the windows, and refills them with
+  `refill`. Fixed positions are never touched. The spec's own temperature / top-k / top-p / min-p are
   unused: `base` and `refill` carry theirs. Not exact: the refill resamples a subset
   given the rest, chosen by a score of the sample itself.
   """
 
   base: SamplerSpec
   refill: SamplerSpec
-  rounds: int = 2
-  seeds: int = 1
-  window: int = 2
-  context_fraction: float = 0.0
-  score_groups: int = 4
+  rounds: int = knob(2, help="Repair rounds after the base fills the canvas.", minimum=1)
+  seeds: int = knob(1, help="Positions per round whose probability dropped most since they "
+                    "were written: the windows' centres.", minimum=1)
+  window: int = knob(2, help="Positions remasked either side of each seed.", minimum=0)
+  context_fraction: float = knob(0.0, help="A random fraction of the editable positions "
+                                 "before the windows remasked too.", minimum=0.0, maximum=1.0)
+  score_groups: int = knob(4, help="Leave-group-out contexts that re-score the committed "
+                           "tokens (positions i mod score_groups masked together).", minimum=1)
 
   def __post_init__(self):
     super().__post_init__()

@@ -11,7 +11,8 @@ import numpy as np
 from flax import struct
 
 from mdjax.sampling import transforms
-from mdjax.sampling.base import Family, SamplerSpec, StepPlan, check, check_steps, register
+from mdjax.sampling.base import (Family, SamplerSpec, StepPlan, check, check_steps, knob,
+                                 register)
 from mdjax.streams import StepStream
 
 Array = jax.Array
@@ -24,18 +25,19 @@ class MDLMSpec(SamplerSpec):
   Step i (t = t_i, s = t_(i+1)) is `_ddpm_caching_update`: q(x_s | x_t) puts mass s on
   the mask and (t - s) p_x0 on the values, so each masked position is revealed with
   probability 1 - s / t, its value drawn from the denoiser's categorical; visible
-  positions are copied. `cache`: a step whose canvas did not change since the last call
-  reuses that call's logits (MDLM's p_x0 cache; valid only for a denoiser that ignores t,
-  as MDLM turns it off with time conditioning); the saved calls are counted.
-  `noise_removal`: one more step at t = eps writes every position still masked with the
-  argmax of the denoiser (MDLM's `noise_removal`); without it the last interval ends at 0
-  (everything left is drawn), so the canvas is always full.
+  positions are copied. The canvas is always full at the end.
   """
 
-  steps: int
-  eps: float = 1e-5
-  cache: bool = True
-  noise_removal: bool = True
+  steps: int = knob(help="Denoiser steps on MDLM's grid.", minimum=1)
+  eps: float = knob(1e-5, help="The time grid's last point: t_i = linspace(1, eps, steps + "
+                    "1), in (0, 1).", minimum=0.0, maximum=1.0)
+  cache: bool = knob(True, help="A step whose canvas did not change since the last call "
+                     "reuses that call's logits (MDLM's p_x0 cache; valid only for a denoiser "
+                     "that ignores t, as MDLM turns it off with time conditioning); the saved "
+                     "calls are counted.")
+  noise_removal: bool = knob(True, help="One more step at t = eps writes every position still "
+                             "masked with the denoiser's argmax (MDLM's noise_removal); without "
+                             "it the last interval ends at 0 (everything left is drawn).")
 
   def __post_init__(self):
     super().__post_init__()

@@ -11,7 +11,8 @@ from flax import struct
 
 from mdjax import diffusion
 from mdjax.sampling import reveal, transforms
-from mdjax.sampling.base import Family, SamplerSpec, StepPlan, check, check_steps, register
+from mdjax.sampling.base import (Family, SamplerSpec, StepPlan, check, check_steps, knob,
+                                 register)
 from mdjax.streams import StepStream
 
 Array = jax.Array
@@ -24,22 +25,27 @@ class RemaskSpec(SamplerSpec):
 
   Masked positions are revealed with probability
   (alpha(s) - (1 - sigma) alpha(t)) / (1 - alpha(t)), which keeps the
-  marginal schedule. sigma schedules with sigma_max = min(1, (1-alpha_s)/alpha_t):
-  `cap` min(eta, sigma_max); `rescale` eta * sigma_max; `conf` sigma_max
-  spread over committed tokens by softmax(-confidence when written).
-  With `loop_t_on` > `loop_t_off`, sigma is 0 outside [loop_t_off, loop_t_on]
-  and alpha is held at alpha(loop_t_on) inside it (ReMDM-loop); below
-  loop_t_off the schedule resumes, compressed onto [0, loop_t_off].
-  eta = 0 reproduces AncestralSpec token for token.
+  marginal schedule; sigma_max = min(1, (1-alpha_s)/alpha_t) bounds `sigma`'s
+  schedules. eta = 0 reproduces AncestralSpec token for token.
   """
 
-  steps: int
-  schedule: diffusion.Schedule = diffusion.LinearSchedule()
-  grid: reveal.Grid = "uniform"
-  sigma: str = "cap"
-  eta: float = 0.05
-  loop_t_on: float | None = None
-  loop_t_off: float | None = None
+  steps: int = knob(help="Denoiser steps.", minimum=1)
+  schedule: diffusion.Schedule = knob(diffusion.LinearSchedule(),
+                                      help="The masking schedule alpha(t), by name.",
+                                      choices=tuple(diffusion.SCHEDULES))
+  grid: reveal.Grid = knob("uniform", help="The time grid t_0 = 1 > ... > t_K = 0, by name "
+                           "(or, in Python, a tuple of times).", choices=reveal.GRIDS)
+  sigma: str = knob("cap", help="The remasking schedule: cap min(eta, sigma_max); rescale "
+                    "eta * sigma_max; conf sigma_max spread over committed tokens by "
+                    "softmax(-confidence when written).", choices=SIGMAS)
+  eta: float = knob(0.05, help="Remasking strength.", minimum=0.0, maximum=1.0)
+  loop_t_on: float | None = knob(
+      None, help="With loop_t_off (0 < loop_t_off < loop_t_on < 1): sigma is 0 outside "
+      "[loop_t_off, loop_t_on] and alpha is held at alpha(loop_t_on) inside it (ReMDM-loop).",
+      minimum=0.0, maximum=1.0)
+  loop_t_off: float | None = knob(
+      None, help="With loop_t_on: below it the schedule resumes, compressed onto [0, "
+      "loop_t_off].", minimum=0.0, maximum=1.0)
 
   def __post_init__(self):
     super().__post_init__()

@@ -12,7 +12,7 @@ from flax import struct
 from mdjax import diffusion
 from mdjax.sampling import contexts, scores
 from mdjax.sampling.base import (Family, SamplerSpec, StepPlan, check, check_steps,
-                                 register)
+                                 knob, register)
 
 Array = jax.Array
 
@@ -26,19 +26,22 @@ class RevisionSpec(SamplerSpec):
   `count_schedule`, as ConfidenceSpec's counts) and masks the rest, so a visible
   token can change value, or return to the mask, without being remasked first.
   `SampleResult.extras["changes_KxB"]` counts the visible tokens that changed value at
-  each step. Predictions at visible positions come from the denoiser's output there when
-  `score_groups` = 0 (meaningful for models trained to predict every position, e.g.
-  with MLM random-token corruption; the exact oracles copy visible tokens), or, with
-  `score_groups` = G > 0, from G leave-group-out contexts (positions i mod G = g
-  masked) in one more batched call. `keep_visible` keeps every visible token as it is,
-  and is then confidence decoding token for token.
+  each step.
   """
 
-  steps: int
-  score: str = "max_prob"
-  count_schedule: diffusion.Schedule = diffusion.LinearSchedule()
-  keep_visible: bool = False
-  score_groups: int = 0
+  steps: int = knob(help="Denoiser steps.", minimum=1)
+  score: str = knob("max_prob", help="The score that ranks the drawn values "
+                    "(scores.SCORES).", choices=scores.SCORES)
+  count_schedule: diffusion.Schedule = knob(
+      diffusion.LinearSchedule(), help="The schedule of the kept counts, as ConfidenceSpec's.",
+      choices=tuple(diffusion.SCHEDULES))
+  keep_visible: bool = knob(False, help="Keep every visible token as it is: confidence "
+                            "decoding token for token.")
+  score_groups: int = knob(
+      0, help="0: predictions at visible positions come from the denoiser's output there "
+      "(meaningful for models trained to predict every position, e.g. with MLM random-token "
+      "corruption; the exact oracles copy visible tokens); G > 0: from G leave-group-out "
+      "contexts (positions i mod G = g masked) in one more batched call.", minimum=0)
 
   def __post_init__(self):
     super().__post_init__()

@@ -31,7 +31,7 @@ import numpy as np
 from flax import struct
 
 from mdjax.sampling import scores, skipping, threefry, transforms
-from mdjax.sampling.base import Core, Family, SamplerSpec, check, register
+from mdjax.sampling.base import Core, Family, SamplerSpec, check, knob, register
 from mdjax.sampling.end_of_row import EndOfRow
 from mdjax.streams import StepStream
 
@@ -49,13 +49,14 @@ class SpeculativeSpec(SamplerSpec):
   draw: the output follows the chain-rule law of the transformed conditionals (exact
   with an exact denoiser at temperature 1; temperature, top-k and top-p apply to the
   drafts and the verifier alike, so the target is the transformed conditionals).
-  `order` chooses the positions from what is known before the round: `max_prob`
-  (most confident predictions first), `lowest_index` (left to right) or `fixed`
-  (the order of `positions`). At most L rounds (one loop); k = 1 is the chain rule.
+  `order` chooses the drafted positions. At most L rounds (one loop); k = 1 is the chain
+  rule. `positions`: the write order of order='fixed'.
   """
 
-  k: int
-  order: str = "max_prob"
+  k: int = knob(help="Drafts per round (1: the chain rule).", minimum=1)
+  order: str = knob("max_prob", help="The drafted positions, from what is known before the "
+                    "round: max_prob (most confident predictions first), lowest_index (left "
+                    "to right) or fixed (the order of positions).", choices=ORDERS)
   positions: tuple[int, ...] | None = None
 
   def __post_init__(self):
