@@ -174,7 +174,7 @@ def batch_equals_rows(model) -> bool:
 
 MESH_CHECK = """
 import jax, numpy as np, mdjax
-from mdjax import generation, sampling
+from mdjax import generation, mesh as mesh_lib, sampling
 from mdjax.train import make_mesh
 model = mdjax.load({workdir!r})
 task = model.task
@@ -182,8 +182,8 @@ canvas = np.asarray(task.empty_canvas(8))
 spec = generation.with_eos(sampling.ConfidenceSpec(steps=32), task.eos_id)
 one = sampling.sample(model.denoiser, model.params, jax.random.key(0), canvas, spec,
                       mask_id=task.mask_id)
-four = generation.sample_on_mesh(model.denoiser, model.params, jax.random.key(0), canvas, spec,
-                                 make_mesh(4), mask_id=task.mask_id)
+four = mesh_lib.sample_on_mesh(model.denoiser, model.params, jax.random.key(0), canvas, spec,
+                               make_mesh(4), mask_id=task.mask_id)
 print("EQUAL", bool((np.asarray(one.tokens_BxL) == np.asarray(four.tokens_BxL)).all()))
 """
 

@@ -17,8 +17,7 @@ import jax
 import numpy as np
 
 from mdjax import jsonl, sampling
-# The mesh functions live in `mdjax.mesh`; their names here stay for one release.
-from mdjax.mesh import gathered, sample_on_mesh, shard_params  # noqa: F401
+from mdjax.errors import ArgumentError
 from mdjax.model import Model, SamplerPlan
 
 
@@ -39,11 +38,11 @@ def read_prompts(path: str, messages: bool = False) -> list:
     if messages and prompt is None and isinstance(row, dict):
       prompt = row.get("messages") if _is_chat(row.get("messages")) else None
     if prompt is None or not isinstance(prompt, (str, list)):
-      raise ValueError(f"prompts={path!r} line {number} has no \"prompt\" string: "
-                       f"{json.dumps(row)[:80]!r}; each line must be {shape}.")
+      raise ArgumentError("prompts", f"prompts={path!r} line {number} has no \"prompt\" "
+                          f"string: {json.dumps(row)[:80]!r}; each line must be {shape}.")
     prompts.append(prompt)
   if not prompts:
-    raise ValueError(f"prompts={path!r} holds no prompt; give one {shape} a line.")
+    raise ArgumentError("prompts", f"prompts={path!r} holds no prompt; give one {shape} a line.")
   return prompts
 
 
@@ -111,48 +110,56 @@ class GenerationPlan:
 def check_max_new_tokens(max_new_tokens) -> None:
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
       or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid: it must be an integer "
-                     ">= 1 (tokens generated after each prompt).")
+    raise ArgumentError.invalid("max_new_tokens", max_new_tokens, "it must be an integer >= 1 "
+                                "(tokens generated after each prompt)")
 
 
 def plan_generation(prompt_lengths: Sequence[int], max_new_tokens: int, *, max_len: int,
                     model_block: int | None = None, blocks_of: int | None = None,
-                    window: int | None = None, block_length: int | None = None
-                    ) -> GenerationPlan:
-  """The layout of `generate`, checked on the host: a ValueError names the argument.
+                    window: int | None = None, block_length: int | None = None,
+                    prompts: str = "prompts", room: str = "the model") -> GenerationPlan:
+  """The layout of `generate`, checked on the host: an `ArgumentError` names the argument.
+  The one length rule for a prompt and its new tokens, wherever they come from (`generate`,
+  sample.py, the server's requests).
 
   model_block: the denoiser's block size when it is block-causal (it can then generate past
-  `max_len`); block_length: the spec's semi-autoregressive blocks, if any."""
+  `max_len`); block_length: the spec's semi-autoregressive blocks, if any. prompts, room: how
+  an error names the prompts' argument and what holds the `max_len` positions."""
   check_max_new_tokens(max_new_tokens)
   if not len(prompt_lengths):
-    raise ValueError("prompts is empty: give at least one prompt (an empty prompt is fine).")
+    raise ArgumentError(prompts, f"{prompts} is empty: give at least one prompt (an empty "
+                        "prompt is fine).")
   longest, new = int(max(prompt_lengths)), int(max_new_tokens)
   if blocks_of is None and window is not None:
-    raise ValueError(f"window={window} applies only with blocks_of (block by block).")
+    raise ArgumentError("window", f"window={window} applies only with blocks_of (block by "
+                        "block).")
   if blocks_of is None and longest + new <= max_len:
     if block_length and new % block_length:
-      raise ValueError(f"spec.block_length={block_length} must divide max_new_tokens={new}: "
-                       "the semi-autoregressive blocks cut each row's new tokens; use a "
-                       f"block_length that divides {new}, or max_new_tokens a multiple of "
-                       f"{block_length}.")
+      raise ArgumentError("spec.block_length", f"spec.block_length={block_length} must divide "
+                          f"max_new_tokens={new}: the semi-autoregressive blocks cut each "
+                          f"row's new tokens; use a block_length that divides {new}, or "
+                          f"max_new_tokens a multiple of {block_length}.")
     return GenerationPlan(new, longest, max_len, "canvas", canvas_length=longest + new)
   if blocks_of is None:
     if model_block is None:
       line = int(np.argmax(prompt_lengths)) + 1
+      which = f"{prompts} line {line}" if len(prompt_lengths) > 1 or prompts == "prompts" \
+          else prompts
       if longest >= max_len:
-        raise ValueError(
-            f"prompts line {line} has {longest} tokens; the model holds {max_len} positions, "
-            f"so a prompt may have at most {max_len - new} tokens to leave room for "
+        raise ArgumentError(
+            prompts, f"{which} has {longest} tokens; {room} holds {max_len} positions, so a "
+            f"prompt may have at most {max_len - new} tokens to leave room for "
             f"max_new_tokens={new}: shorten it.")
-      raise ValueError(
-          f"max_new_tokens={new} is too many: the longest prompt (line {line}) has {longest} "
-          f"tokens and the model holds {max_len} positions, so at most {max_len - longest} "
-          "new tokens (a block-causal model, trained with block_size, generates past its "
-          "length block by block).")
+      raise ArgumentError(
+          "max_new_tokens", f"max_new_tokens={new} is too many: the longest prompt ({which}) "
+          f"has {longest} tokens and {room} holds {max_len} positions, so at most "
+          f"{max_len - longest} new tokens (a block-causal model, trained with block_size, "
+          "generates past its length block by block).")
     blocks_of = model_block
   if not isinstance(blocks_of, (int, np.integer)) or not 1 <= blocks_of < max_len:
-    raise ValueError(f"blocks_of={blocks_of!r} is invalid: it must be an integer in [1, "
-                     f"{max_len - 1}] (a block and its window fit the model's {max_len}).")
+    raise ArgumentError.invalid("blocks_of", blocks_of, f"it must be an integer in [1, "
+                                f"{max_len - 1}] (a block and its window fit the model's "
+                                f"{max_len})")
   window = max_len - blocks_of if window is None else window
   length = -(-new // blocks_of) * blocks_of
   return GenerationPlan(new, longest, max_len, "blocks", blocks_of=int(blocks_of),
@@ -209,34 +216,37 @@ def prompt_ids(model: Model, prompts: Sequence, *, chat: bool = False,
   1-based line of a prompt that cannot be encoded or holds an id outside [0, vocab) or the
   mask id."""
   if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-    raise ValueError(f"{where} is a {type(prompts).__name__}: give a list of prompts (texts, "
-                     "chats or id sequences).")
+    raise ArgumentError(where, f"{where} is a {type(prompts).__name__}: give a list of prompts "
+                        "(texts, chats or id sequences).")
   if not len(prompts):
-    raise ValueError(f"{where} is empty: give at least one prompt (an empty prompt is fine).")
+    raise ArgumentError(where, f"{where} is empty: give at least one prompt (an empty prompt "
+                        "is fine).")
   limit = model.vocab_size
   encoded = []
   for number, prompt in enumerate(prompts, 1):
     if chat or _is_messages(prompt):
       if not (isinstance(prompt, str) or _is_messages(prompt)):
-        raise ValueError(f"{where} line {number} is ids; chat=True needs texts or messages.")
+        raise ArgumentError(where, f"{where} line {number} is ids; chat=True needs texts or "
+                            "messages.")
       messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
       prompt = model.render_chat(list(messages))
     if isinstance(prompt, str):
       if model.encode is None:
-        raise ValueError(f"{where} line {number} is text; the {model.family!r} model has no "
-                         "text codec: give token ids.")
+        raise ArgumentError(where, f"{where} line {number} is text; the {model.family!r} model "
+                            "has no text codec: give token ids.")
       try:
         ids = np.asarray(model.encode(prompt), np.int64).reshape(-1)
       except ValueError as error:
-        raise ValueError(f"{where} line {number}: {error}") from None
+        raise ArgumentError(where, f"{where} line {number}: {error}") from None
     else:
       ids = np.asarray(prompt).reshape(-1)
       if ids.size and not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"{where} line {number} holds {ids.tolist()[:8]}; prompt ids are "
-                         f"integers in [0, {limit - 1}].")
+        raise ArgumentError(where, f"{where} line {number} holds {ids.tolist()[:8]}; prompt ids "
+                            f"are integers in [0, {limit - 1}].")
     if ids.size and (ids.min() < 0 or ids.max() >= limit or (ids == model.mask_id).any()):
-      raise ValueError(f"{where} line {number} holds {ids.tolist()[:8]}...; prompt ids are "
-                       f"integers in [0, {limit - 1}] other than the mask id {model.mask_id}.")
+      raise ArgumentError(where, f"{where} line {number} holds {ids.tolist()[:8]}...; prompt "
+                          f"ids are integers in [0, {limit - 1}] other than the mask id "
+                          f"{model.mask_id}.")
     encoded.append(ids.astype(np.int32))
   return encoded
 
@@ -246,7 +256,7 @@ def _check_batch_size(batch_size, default: int) -> int:
     return default
   if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
       or batch_size < 1:
-    raise ValueError(f"batch_size={batch_size!r} is invalid: it must be an integer >= 1.")
+    raise ArgumentError.invalid("batch_size", batch_size, "it must be an integer >= 1")
   return int(batch_size)
 
 
@@ -256,15 +266,15 @@ def sampler_plan(model: Model, prompt_length: int, max_new_tokens: int, spec=Non
   model's default sampler (`model.sampler`) with `knobs` over its defaults."""
   if spec is not None:
     if knobs:
-      raise ValueError(f"{sorted(knobs)} are knobs of the model's default sampler; with spec= "
-                       "the spec carries the sampler's settings.")
+      raise ArgumentError(sorted(knobs)[0], f"{sorted(knobs)} are knobs of the model's default "
+                          "sampler; with spec= the spec carries the sampler's settings.")
     return SamplerPlan(model.denoiser, spec)
   if model.sampler is None:
     raise ValueError(f"the {model.family!r} model has no default sampler; give spec=.")
   unknown = sorted(set(knobs) - set(model.sampler.knobs))
   if unknown:
-    raise ValueError(f"{unknown[0]}= does not apply to the {model.family} model's default "
-                     f"sampler; its knobs: {', '.join(model.sampler.knobs)}.")
+    raise ArgumentError(unknown[0], f"{unknown[0]}= does not apply to the {model.family} "
+                        f"model's default sampler; its knobs: {', '.join(model.sampler.knobs)}.")
   return model.sampler.plan(model, prompt_length=prompt_length,
                             max_new_tokens=max_new_tokens, **knobs)
 
@@ -279,7 +289,8 @@ def generate_ids(model: Model, prompts_ids: Sequence[np.ndarray], *, max_new_tok
   same rules: every batch left-padded to the longest prompt of all (one shape, one compiled
   program), row i drawing with `fold_in(key, i)`."""
   if not len(prompts_ids):
-    raise ValueError("prompts is empty: give at least one prompt (an empty prompt is fine).")
+    raise ArgumentError("prompts", "prompts is empty: give at least one prompt (an empty "
+                        "prompt is fine).")
   check_max_new_tokens(max_new_tokens)
   longest = max(len(p) for p in prompts_ids)
   run = sampler_plan(model, longest, max_new_tokens, spec, **knobs)

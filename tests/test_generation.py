@@ -28,6 +28,7 @@ def ends_at_4(params, tokens_BxL, t_B):
 
 
 @pytest.mark.parametrize("name", sorted(sampling.families()))
+@pytest.mark.slow
 def test_every_family_ends_rows_at_eos(name):
   family = sampling.families()[name]
   generated = tuple(range(1, L))
@@ -43,6 +44,7 @@ def test_every_family_ends_rows_at_eos(name):
     assert int(np.asarray(out.unfilled_B).sum()) == 0
 
 
+@pytest.mark.slow
 def test_eos_knobs_and_early_stop():
   canvas = np.full((3, L), V, np.int32)
   spec = sampling.ConfidenceSpec(steps=L, temperature=0.0, eos_id=EOS)
@@ -110,10 +112,11 @@ def test_prompts_file_errors(tmp_path):
     generation.read_prompts(str(bad))
 
 
+@pytest.mark.slow
 def test_mesh_split_equals_one_device():
   code = textwrap.dedent("""
     import jax, numpy as np
-    from mdjax import generation, models, sampling
+    from mdjax import mesh as mesh_lib, models, sampling
     from mdjax.train import make_mesh
     cfg = models.TransformerConfig(vocab_size=6, max_len=8, d_model=16, num_layers=1,
                                    num_heads=2, d_ff=32)
@@ -122,13 +125,13 @@ def test_mesh_split_equals_one_device():
     spec = sampling.ConfidenceSpec(steps=4, eos_id=5)
     one = sampling.sample(apply_fn, params, jax.random.key(0), canvas, spec, mask_id=6)
     mesh = make_mesh(4)
-    four = generation.sample_on_mesh(apply_fn, params, jax.random.key(0), canvas, spec, mesh,
-                                     mask_id=6)
+    four = mesh_lib.sample_on_mesh(apply_fn, params, jax.random.key(0), canvas, spec, mesh,
+                                   mask_id=6)
     assert four.tokens_BxL.sharding.num_devices == 4
     np.testing.assert_array_equal(np.asarray(one.tokens_BxL), np.asarray(four.tokens_BxL))
     try:
-      generation.sample_on_mesh(apply_fn, params, jax.random.key(0), canvas[:6], spec, mesh,
-                                mask_id=6)
+      mesh_lib.sample_on_mesh(apply_fn, params, jax.random.key(0), canvas[:6], spec, mesh,
+                              mask_id=6)
     except ValueError as e:
       assert "does not divide the batch B=6" in str(e), e
     else:
@@ -140,6 +143,7 @@ def test_mesh_split_equals_one_device():
   run_on_cpu_devices(code, 4, "MESH OK")
 
 
+@pytest.mark.slow
 def test_bpe_documents_checkpoint_and_prompts_cli(tmp_path):
   """A tiny BPE model of padded documents: the tokenizer survives the checkpoint, a mismatched
   config is refused, and sample.py --prompts writes one completion per prompt."""
@@ -214,6 +218,7 @@ def _generation_model(block_size=None):
                      max_len=GEN_LEN, mask_id_or_none=GEN_V)
 
 
+@pytest.mark.slow
 def test_generate_gives_every_row_max_new_tokens_whatever_the_batch():
   """Prompts of 7, 1 and 0 tokens, 4 new tokens each: the same completions in one batch or
   one prompt at a time (row i draws with fold_in(key, i)). Programs of different batch sizes

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from mdjax.denoiser import Denoiser
+from mdjax.errors import ArgumentError
 from mdjax.lazy import Lazy
 from mdjax.models.checks import check_count
 from mdjax.models import dit, published
@@ -329,18 +330,18 @@ def check_int(value, name: str, low: int):
 
 def check_choice(value, name: str, allowed):
   if value not in allowed:
-    raise ValueError(f"{name}={value!r} is not supported; one of {allowed}.")
+    raise ArgumentError(name, f"{name}={value!r} is not supported; one of {allowed}.")
 
 
 def check_number(value, name: str, rule: str, ok):
   if (isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating))
       or not math.isfinite(value) or not ok(value)):
-    raise ValueError(f"{name}={value!r} {rule}.")
+    raise ArgumentError(name, f"{name}={value!r} {rule}.")
 
 
 def check_flag(value, name: str):
   if not isinstance(value, bool):
-    raise ValueError(f"{name}={value!r} must be True or False.")
+    raise ArgumentError(name, f"{name}={value!r} must be True or False.")
 
 
 # --- the family ---------------------------------------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from mdjax.errors import ArgumentError
+
 
 def is_int(value) -> bool:
   return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
@@ -15,10 +17,10 @@ def is_number(value) -> bool:
 
 
 def check_count(name: str, value, least: int = 1, why: str = "") -> None:
-  """A ValueError naming `name` unless `value` is an integer (not a bool) >= `least`; `why`
-  ends the message (" (the vocabulary size V)")."""
+  """An `ArgumentError` naming `name` unless `value` is an integer (not a bool) >= `least`;
+  `why` ends the message (" (the vocabulary size V)")."""
   if not (is_int(value) and value >= least):
-    raise ValueError(f"{name}={value!r} must be an integer >= {least}{why}.")
+    raise ArgumentError(name, f"{name}={value!r} must be an integer >= {least}{why}.")
 
 
 def check_common(config, families: tuple[str, ...], dtypes: tuple[str, ...],

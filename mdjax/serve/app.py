@@ -46,7 +46,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import os
 import time
 
@@ -57,7 +56,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mdjax.serve import metrics as metrics_lib
 from mdjax.serve import streaming
-from mdjax.serve.fields import APIError, Call, bad, check_defaults
+from mdjax.serve.fields import (APIError, Call, ChatRequest, CompletionRequest, check_defaults,
+                                validation_error)
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "page.html")
 
@@ -142,38 +142,28 @@ def create_app(engine, model, *, model_name: str, api_key: str | None = None,
     return error.response()
 
   @app.exception_handler(RequestValidationError)
-  async def validation_error(request, error: RequestValidationError):
-    errors = error.errors()
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    return bad(".".join(loc) or None, first.get("msg", "invalid request")).response()
+  async def invalid_body(request, error: RequestValidationError):
+    route = "chat" if request.url.path.endswith("/chat/completions") else "completions"
+    return validation_error(list(error.errors()), route).response()
 
   @app.exception_handler(StarletteHTTPException)
   async def http_error(request, error: StarletteHTTPException):
     kind = "invalid_request_error" if error.status_code < 500 else "server_error"
     return APIError(error.status_code, str(error.detail), None, kind).response()
 
-  async def body_of(request: Request):
-    raw = await request.body()
-    try:
-      return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as error:
-      raise bad(None, f"the request body is not valid JSON: {error}") from None
-
-  async def serve(request: Request, route: str):
-    body = await body_of(request)
+  async def serve(request: Request, body, route: str):
     call = Call(state, body, route)
     if call.stream:
       return streaming.stream(call, request)
     return await streaming.complete(call, request)
 
   @app.post("/v1/completions")
-  async def completions(request: Request):
-    return await serve(request, "completions")
+  async def completions(body: CompletionRequest, request: Request):
+    return await serve(request, body, "completions")
 
   @app.post("/v1/chat/completions")
-  async def chat_completions(request: Request):
-    return await serve(request, "chat")
+  async def chat_completions(body: ChatRequest, request: Request):
+    return await serve(request, body, "chat")
 
   def model_card() -> dict:
     return {"id": model_name, "object": "model", "created": state.created, "owned_by": "mdjax",

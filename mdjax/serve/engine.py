@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from mdjax import generation, sampling
+from mdjax.errors import ArgumentError
 from mdjax.model import ConfiguredSampler, Model
 from mdjax.serve import lanes as lane_programs
 from mdjax.serve.lanes import Lane
@@ -163,7 +164,7 @@ def _check_int(value, name: str, low: int, high: int | None = None, why: str = "
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low \
       or (high is not None and value > high):
     allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-    raise ValueError(f"{name}={value!r} is invalid: it must be {allowed}{why}.")
+    raise ArgumentError.invalid(name, value, f"it must be {allowed}{why}")
   return int(value)
 
 
@@ -203,41 +204,44 @@ class Engine:
 
   # -- requests ---------------------------------------------------------------
 
-  def prepare(self, prompt_ids, *, max_new_tokens: int, seed: int, n: int = 1,
-              sampler: str | None = None, knobs: dict | None = None) -> Job:
-    """A request checked and laid out, before anything compiles: a ValueError names the
-    field. sampler: a family name (sample.py's --sampler; None: the model's default
-    sampler, as `generate` with spec=None); knobs: that sampler's settings by name."""
+  @property
+  def max_n(self) -> int:
+    """The most rows one request may ask for: past max_batch it cannot be served, past
+    max_queue (when set) it could wait for ever."""
+    return min(self.max_batch, self.max_queue or self.max_batch)
+
+  def prepare(self, prompt, *, max_new_tokens: int, seed: int, n: int = 1,
+              sampler: str | None = None, knobs: dict | None = None,
+              where: str = "prompt") -> Job:
+    """A request checked once and laid out, before anything compiles: an `ArgumentError`
+    names the argument (`where`: the prompt's name). prompt: a text, a chat (a list of
+    {"role", "content"} messages, through the model's template) or token ids. sampler: a
+    family name (sample.py's --sampler; None: the model's default sampler, as `generate` with
+    spec=None); knobs: that sampler's settings by name."""
     model = self.model
-    n = _check_int(n, "n", 1, self.max_batch, f" (the rows of one request; max_batch is "
-                                              f"{self.max_batch})")
+    n = _check_int(n, "n", 1, self.max_n, f" (the rows of one request; max_batch is "
+                                          f"{self.max_batch}, max_queue {self.max_queue})")
     seed = _check_int(seed, "seed", 0, 2**32 - 1)
     generation.check_max_new_tokens(max_new_tokens)
-    ids = generation.prompt_ids(model, [prompt_ids], where="prompt")[0]
+    ids = generation.prompt_ids(model, [prompt], where=where)[0]
     knobs = dict(knobs or {})
     if sampler is not None:
       model = model.replace(sampler=_named_sampler(model, sampler, knobs))
     run = generation.sampler_plan(model, len(ids), max_new_tokens, None, **knobs)
     family = sampling.family_of(run.spec)
-    name = (f"sampler={sampler!r}" if sampler else
-            f"the model's default sampler ({type(run.spec).__name__})")
     why = _not_served(run, family)
     if why:
-      raise ValueError(f"{name} is not served: {why}; use mdjax.generate (or "
-                       "sample.py) for it, or a step-wise sampler (confidence, ancestral, "
-                       "mdlm, dream, remask, ...).")
-    room = self.canvas_length if self.model.padding_invariant else model.max_len
-    if len(ids) + max_new_tokens > room:
-      if len(ids) >= room:
-        raise ValueError(f"prompt has {len(ids)} tokens; the server's canvas holds {room} "
-                         f"positions, prompt and max_new_tokens={max_new_tokens} together.")
-      raise ValueError(f"max_new_tokens={max_new_tokens} is too many: the prompt has "
-                       f"{len(ids)} tokens and the server's canvas holds {room} positions, "
-                       f"so at most {room - len(ids)}.")
+      name = (f"sampler={sampler!r}" if sampler else
+              f"the model's default sampler ({type(run.spec).__name__})")
+      raise ArgumentError("sampler", f"{name} is not served: {why}; use mdjax.generate (or "
+                          "sample.py) for it, or a step-wise sampler (confidence, ancestral, "
+                          "mdlm, dream, remask, ...).")
     # A padding-invariant model shares the lane's canvas; any other runs on exactly its own.
+    room = self.canvas_length if self.model.padding_invariant else model.max_len
+    generation.plan_generation([len(ids)], max_new_tokens, max_len=room,
+                               block_length=family.block_length(run.spec), prompts=where,
+                               room="the server's canvas")
     length = room if self.model.padding_invariant else len(ids) + max_new_tokens
-    generation.plan_generation([len(ids)], max_new_tokens, max_len=length,
-                               block_length=family.block_length(run.spec))
     tokens, valid, _ = generation.left_padded([ids], length, model.mask_id, pad_id=model.pad_id,
                                               start=length - max_new_tokens)
     params = model.params if run.params is None else run.params
@@ -494,11 +498,10 @@ def _not_served(run, family) -> str | None:
 def _named_sampler(model: Model, sampler: str, knobs: dict) -> ConfiguredSampler:
   """A sampler family by name (sample.py's --sampler) as the default sampler: the model's
   reference defaults (greedy for a published checkpoint) for knobs not given, its EOS."""
-  if not isinstance(sampler, str):
-    raise ValueError(f"sampler={sampler!r} is invalid: give a sampler family's name.")
   known = sorted(sampling.families()) + ["left_to_right"]
-  if sampler not in known:
-    raise ValueError(f"sampler={sampler!r} is unknown; known: {', '.join(known)}.")
+  if not isinstance(sampler, str) or sampler not in known:
+    raise ArgumentError.invalid("sampler", sampler, f"it must be a sampler family's name: one "
+                                f"of {', '.join(known)}")
   named = ConfiguredSampler(family=sampler, eos_id=model.eos_id)
   fields = set(named.knobs)
   defaults = {} if model.sampler is None else dict(model.sampler.spec_defaults)

@@ -12,6 +12,7 @@ import pytest
 
 import mdjax
 from mdjax import generation
+from mdjax.errors import ArgumentError
 from mdjax.model import Model
 from mdjax.serve.engine import Engine, QueueFull
 from tests.devices import run_on_cpu_devices
@@ -48,6 +49,7 @@ def offline(model, prompt, job):
                         key=jax.random.key(job.seed), spec=job.spec)
 
 
+@pytest.mark.slow
 def test_rows_at_different_steps_equal_generate_offline(dream_model):
   """Mixed requests (prompt lengths, max_new_tokens, n, two specs) joining while others are
   mid-run: each row equals `generate` of its prompt alone, token for token."""
@@ -182,25 +184,29 @@ def test_the_engine_thread_serves_and_drains_on_stop(dream_model):
     engine.submit(job, Listener())
 
 
-@pytest.mark.parametrize("fields, match", [
-    (dict(n=0), r"n=0 is invalid"),
-    (dict(n=3), r"n=3 is invalid: it must be an integer in \[1, 2\]"),
-    (dict(seed=-1), r"seed=-1 is invalid"),
-    (dict(max_new_tokens=0), r"max_new_tokens=0 is invalid"),
-    (dict(max_new_tokens=30), r"max_new_tokens=30 is too many: .* at most 22"),
-    (dict(prompt="x" * 30), r"prompt has 30 tokens; the server's canvas holds 24"),
-    (dict(sampler="nope"), r"sampler='nope' is unknown; known: ancestral, "),
-    (dict(knobs=dict(nope=1)), r"nope= does not apply"),
-    (dict(knobs=dict(temperature=-1.0)), r"temperature=-1.0 must be a finite number >= 0"),
-    (dict(sampler="ordered", knobs=dict(groups=((0,),))), r"names canvas positions"),
-    (dict(sampler="confidence", knobs=dict(steps=2, kv_cache="dual")), r"kv_cache='dual'"),
+@pytest.mark.parametrize("fields, match, param", [
+    (dict(n=0), r"n=0 is invalid", "n"),
+    (dict(n=3), r"n=3 is invalid: it must be an integer in \[1, 2\]", "n"),
+    (dict(seed=-1), r"seed=-1 is invalid", "seed"),
+    (dict(max_new_tokens=0), r"max_new_tokens=0 is invalid", "max_new_tokens"),
+    (dict(max_new_tokens=30), r"max_new_tokens=30 is too many: .* at most 22", "max_new_tokens"),
+    (dict(prompt="x" * 30), r"prompt has 30 tokens; the server's canvas holds 24", "prompt"),
+    (dict(sampler="nope"), r"sampler='nope' is invalid: .* one of ancestral, ", "sampler"),
+    (dict(knobs=dict(nope=1)), r"nope= does not apply", "nope"),
+    (dict(knobs=dict(temperature=-1.0)), r"temperature=-1.0 must be a finite number >= 0",
+     "temperature"),
+    (dict(sampler="ordered", knobs=dict(groups=((0,),))), r"names canvas positions", "sampler"),
+    (dict(sampler="confidence", knobs=dict(steps=2, kv_cache="dual")), r"kv_cache='dual'",
+     "sampler"),
 ])
-def test_bad_requests_are_refused_before_compiling(dream_model, fields, match):
+def test_bad_requests_are_refused_before_compiling(dream_model, fields, match, param):
+  """Checked once, by the engine: an ArgumentError naming the argument, nothing compiled."""
   engine = Engine(dream_model, max_batch=2, canvas_length=24)
   fields = {"max_new_tokens": 4, "seed": 0, **fields}
   prompt = fields.pop("prompt", "Hi")
-  with pytest.raises(ValueError, match=match):
-    engine.prepare(generation.prompt_ids(dream_model, [prompt])[0], **fields)
+  with pytest.raises(ArgumentError, match=match) as error:
+    engine.prepare(prompt, **fields)
+  assert error.value.param == param
   assert engine.stats().lanes == 0
 
 
@@ -235,6 +241,7 @@ def test_a_lone_request_ticks_the_one_row_program(dream_model):
                                 offline(dream_model, "Hi there", job)[0].token_ids)
 
 
+@pytest.mark.slow
 def test_rows_stay_packed_when_middle_rows_leave(dream_model):
   """Rows leave from the front and the middle (finished, cancelled): the last active row
   moves into the freed slot, the ticks shrink to the smallest bucket that holds the rows,
@@ -284,6 +291,7 @@ def test_rows_stay_packed_when_middle_rows_leave(dream_model):
   assert engine.stats().compiles == compiled
 
 
+@pytest.mark.slow
 def test_warm_compiles_every_bucket_ahead(dream_model):
   """`Engine.warm`: every bucket's tick compiles before serving (changing nothing), and
   serving then compiles nothing."""
