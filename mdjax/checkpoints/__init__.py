@@ -19,6 +19,7 @@ from mdjax.checkpoints.llama import Llama
 from mdjax.checkpoints.mdlm import MDLM
 from mdjax.checkpoints.qwen2 import Qwen2
 from mdjax.checkpoints.sdar import SDAR
+from mdjax.sampling.knobs import Knob
 
 FAMILIES: dict[str, Family] = {family.family: family for family in (
     LLaDA(),
@@ -48,6 +49,17 @@ def detect(raw: dict, where: str) -> Family:
                    f"architectures={raw.get('architectures')!r} (supported: {supported()})")
 
 
+def reference_knobs() -> dict[str, Knob]:
+  """The knobs the reference samplers declare as their own (`Sampler.own_knobs`: a knob no
+  spec has, or one that takes other values there), by name; a name two of them declare is
+  one record with every value either takes (`Knob.union`)."""
+  out: dict[str, Knob] = {}
+  for family in FAMILIES.values():
+    for knob in getattr(family.sampler, "own_knobs", ()):
+      out[knob.name] = out[knob.name].union(knob) if knob.name in out else knob
+  return out
+
+
 def get(name: str) -> Family:
   """The family named `name`; a ValueError naming the known ones otherwise."""
   if name not in FAMILIES:
@@ -55,4 +67,4 @@ def get(name: str) -> Family:
   return FAMILIES[name]
 
 
-__all__ = ["FAMILIES", "Family", "Leaf", "detect", "get", "supported"]
+__all__ = ["FAMILIES", "Family", "Leaf", "detect", "get", "reference_knobs", "supported"]

@@ -18,6 +18,7 @@ from mdjax.checkpoints.dit import DiTFamily, sampled_parts
 from mdjax.model import SamplerPlan
 from mdjax.models.checks import check_count
 from mdjax.models.dit import DiTConfig
+from mdjax.sampling.knobs import Knob
 
 
 def plan(model, *, length: int, steps_per_block: int | None = None, nucleus_p: float = 0.9,
@@ -51,6 +52,10 @@ class Sampler:
   blocks) after the prompt."""
 
   knobs = ("steps_per_block", "nucleus_p", "first_hitting")
+  # Its own knobs (the others are the spec knobs of their names, `sampling.knobs`).
+  own_knobs = (Knob("steps_per_block", int, None, optional=True, minimum=1, help="BD3-LM: "
+                    "steps a block (None: with first hitting one per masked position, "
+                    "without it the block size)."),)
   spec_defaults: dict = {}
 
   def plan(self, model, *, prompt_length: int, max_new_tokens: int, **knobs) -> SamplerPlan:

@@ -51,6 +51,7 @@ class Sampler:
   max_new_tokens; greedy unless a temperature is given."""
 
   knobs = ("steps", "eps", "alg", "alg_temp", "temperature", "top_p", "top_k", "per_row_count")
+  own_knobs = ()  # each is the spec knob of its name (`sampling.knobs`)
   spec_defaults = {"temperature": 0.0}  # the reference's default: greedy
 
   def plan(self, model, *, prompt_length: int, max_new_tokens: int, **knobs) -> SamplerPlan:

@@ -67,6 +67,7 @@ class Sampler:
   # block_length: the sub-blocks (the published `small_block_size`), under mdjax's name for
   # blocks decoded in order, so sample.py's --block_length reaches it.
   knobs = ("block_length", "threshold", "temperature", "top_p")
+  own_knobs = ()  # each is the spec knob of its name (`sampling.knobs`)
   spec_defaults = {"temperature": 0.0}  # the reference's default: greedy
 
   def plan(self, model, *, prompt_length: int, max_new_tokens: int, **knobs) -> SamplerPlan:

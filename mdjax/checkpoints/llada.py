@@ -17,6 +17,7 @@ from mdjax.checkpoints.prefix_cache import prefix_cache
 from mdjax.denoiser import Denoiser
 from mdjax.model import SamplerPlan
 from mdjax.models.published import PublishedConfig
+from mdjax.sampling.knobs import Knob
 
 # LLaDA's end-of-turn token (<|eot_id|>) is in its tokenizer, not in its config.json.
 LLADA_VOCAB = 126464
@@ -108,6 +109,20 @@ class Sampler:
 
   knobs = ("steps", "block_length", "temperature", "cfg_scale", "remasking", "logits_eos_inf",
            "confidence_eos_eot_inf", "threshold", "factor", "kv_cache")
+  # Its own knobs (the others are the spec knobs of their names, `sampling.knobs`).
+  own_knobs = (
+      Knob("cfg_scale", float, 0.0, help="LLaDA: classifier-free guidance scale (0: none).",
+           minimum=0.0),
+      Knob("remasking", str, "low_confidence", choices=REMASKINGS, help="LLaDA: the "
+           "confidence that picks the committed positions (low_confidence: the proposal's "
+           "probability; random)."),
+      Knob("logits_eos_inf", bool, False, help="LLaDA: EOS is never proposed."),
+      Knob("confidence_eos_eot_inf", bool, False, help="LLaDA: EoT proposals (and EOS ones at "
+           "temperature 0) score 0 (LLaDA's knob)."),
+      Knob("kv_cache", str, "none", choices=KV_CACHES, help="LLaDA: Fast-dLLM's KV caches: "
+           "'dual' (a full pass a block, then the block's), 'prefix' (the prompt and the "
+           "blocks before, cached)."),
+  )
   spec_defaults = {"temperature": 0.0}  # the reference's default: greedy
 
   def plan(self, model, *, prompt_length: int, max_new_tokens: int, **knobs) -> SamplerPlan:

@@ -48,6 +48,7 @@ from mdjax.model import SamplerPlan
 from mdjax.models import published
 from mdjax.models.moe import MoEConfig
 from mdjax.models.published import PublishedConfig
+from mdjax.sampling.knobs import Knob
 
 # The published checkpoints' ids (LLaDA2.0-mini / flash: vocabulary 157184), which their
 # config.json does not all carry: `generate`'s defaults.
@@ -107,6 +108,9 @@ class Sampler:
 
   knobs = ("block_length", "steps", "threshold", "minimal_topk", "temperature", "top_p",
            "top_k")
+  # Its own knobs (the others are the spec knobs of their names, `sampling.knobs`).
+  own_knobs = (Knob("minimal_topk", int, 1, minimum=1, help="LLaDA2: a block runs "
+                    "min(steps, max_new_tokens // minimal_topk) steps."),)
   spec_defaults: ClassVar[dict] = {"temperature": 0.0}  # the reference's greedy branch
 
   def plan(self, model, *, prompt_length: int, max_new_tokens: int, **knobs) -> SamplerPlan:

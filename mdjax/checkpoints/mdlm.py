@@ -13,6 +13,7 @@ from mdjax.checkpoints.dit import DiTFamily, sampled_parts
 from mdjax.model import SamplerPlan
 from mdjax.models.checks import check_count
 from mdjax.models.dit import DiTConfig
+from mdjax.sampling.knobs import Knob
 
 
 def plan(model, *, length: int, steps: int, eps: float = 1e-5, noise_removal: bool = True,
@@ -44,6 +45,10 @@ class Sampler:
   (within the model's length): steps default to max_new_tokens."""
 
   knobs = ("steps", "eps", "noise_removal", "cache")
+  # Its own knobs (the others are the spec knobs of their names, `sampling.knobs`).
+  own_knobs = (Knob("cache", bool, None, optional=True, help="MDLM: reuse the last logits "
+                    "while the canvas did not change (None: unless the model is "
+                    "time-conditioned, as MDLM)."),)
   spec_defaults: dict = {}
 
   def plan(self, model, *, prompt_length: int, max_new_tokens: int, **knobs) -> SamplerPlan:

@@ -28,6 +28,7 @@ from mdjax.checkpoints.llama import LLAMA3_KEYS, rope_config
 from mdjax.model import SamplerPlan
 from mdjax.models import published
 from mdjax.models.published import PublishedConfig
+from mdjax.sampling.knobs import Knob
 
 QWEN3_VOCAB = 151936  # the published checkpoints' vocabulary
 SDAR_MASK_ID = 151669  # <|MASK|> in it
@@ -94,6 +95,20 @@ class Sampler:
 
   knobs = ("block_length", "denoising_steps", "temperature", "top_k", "top_p",
            "remasking_strategy", "confidence_threshold", "eb_threshold")
+  # Its own knobs (the others are the spec knobs of their names, `sampling.knobs`).
+  own_knobs = (
+      Knob("denoising_steps", int, None, optional=True, minimum=1,
+           help="SDAR: steps a block (default: block_length)."),
+      Knob("top_k", int, 0, minimum=0, help="SDAR: keep the k most likely values (0: all)."),
+      Knob("remasking_strategy", str, "low_confidence_dynamic", choices=STRATEGIES,
+           help="SDAR: every proposal above confidence_threshold, at least the step's count "
+           "(low_confidence_dynamic); the step's count, most confident first (_static) or "
+           "leftmost first (sequential); or entropy_bounded (eb_threshold)."),
+      Knob("confidence_threshold", float, 0.85, minimum=0.0, maximum=1.0,
+           help="SDAR: low_confidence_dynamic's threshold."),
+      Knob("eb_threshold", float, 0.35, minimum=0.0,
+           help="SDAR: entropy_bounded's bound in nats."),
+  )
   spec_defaults: dict = {}  # the reference's temperature 1 is every spec's default
 
   def plan(self, model, *, prompt_length: int, max_new_tokens: int, **knobs) -> SamplerPlan:

@@ -45,6 +45,20 @@ class Knob:
   def required(self) -> bool:
     return self.default is dataclasses.MISSING
 
+  def union(self, other: "Knob") -> "Knob":
+    """One record for a name two samplers take: every value either takes (the choices
+    joined, the wider range, None where either allows it), this one's help and default. A
+    name of two types is a bug, raised here."""
+    if other.kind is not self.kind:
+      raise TypeError(f"knob {self.name!r} is a {self.kind.__name__} in one sampler and a "
+                      f"{other.kind.__name__} in another: one name, one type.")
+    wider = lambda pick, a, b: None if a is None or b is None else pick(a, b)
+    choices = wider(lambda a, b: a + tuple(c for c in b if c not in a), self.choices,
+                    other.choices)
+    return dataclasses.replace(self, optional=self.optional or other.optional, choices=choices,
+                               minimum=wider(min, self.minimum, other.minimum),
+                               maximum=wider(max, self.maximum, other.maximum))
+
   def allowed(self) -> str:
     """What values it takes, in words."""
     kind = {bool: "true or false", int: "an integer", float: "a finite number",
