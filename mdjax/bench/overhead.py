@@ -70,15 +70,21 @@ def family_overheads(apply_fn, params, canvas_BxL, steps: int, repeats: int, key
           for name, (nfe, contexts, evaluated) in made.items()]
 
 
-def call_overheads(config, key, repeats: int) -> list[dict]:
+# The models of the call-overhead measure beside the bench model: the host's work per call
+# weighs most on the tiny one; the 6-layer d256 one is a small real model.
+CALL_MODELS = {"tiny": dict(d_model=64, num_layers=2, num_heads=2, d_ff=256),
+               "d256x6": dict(d_model=256, num_layers=6, num_heads=4, d_ff=1024)}
+
+
+def call_overheads(config, key, repeats: int, names=("bench", "tiny")) -> list[dict]:
   """(ii) Per call, `sample()` against the compiled program from `sampling.lower`, batch 1.
 
-  The difference is the host's work per call (checks, the plan, dispatch) on the bench
-  model and on a tiny model (d 64, 2 layers), where it weighs most.
+  The difference is the host's work per call (`sampling.prepare`'s checks and plan, and the
+  dispatch): on the bench model and the models of `CALL_MODELS` named in `names`.
   """
-  tiny = config.model.to_dict() | dict(d_model=64, num_layers=2, num_heads=2, d_ff=256)
   out = []
-  for name, model in (("bench", config.model.to_dict()), ("tiny", tiny)):
+  for name in names:
+    model = config.model.to_dict() | CALL_MODELS.get(name, {})
     model_cfg = models.TransformerConfig(vocab_size=config.vocab_size, max_len=config.seq_len,
                                          **model)
     _, params, apply_fn = models.init(model_cfg, seed=0)
@@ -121,3 +127,30 @@ def step_costs(batches, length: int, repeats: int, key, families=None) -> list[d
     out += [dict(sampler=name, batch=batch, K=steps[name],
                  us_per_step=1e6 * medians[name] / steps[name]) for name in calls]
   return out
+
+
+def main(argv=None) -> None:
+  """`python -m mdjax.bench.overhead [--config=configs/bench_cpu.py] [--repeats=N]`: (ii) on
+  the tiny and the 6-layer d256 models (the config's vocabulary, length and K),
+  `sample()` and its compiled program interleaved in one run; prints the medians."""
+  import argparse
+  import importlib.util
+
+  parser = argparse.ArgumentParser(prog="python -m mdjax.bench.overhead")
+  parser.add_argument("--config", default="configs/bench_cpu.py", help="A bench config file.")
+  parser.add_argument("--repeats", type=int, default=41, help="Interleaved rounds (>= 5).")
+  args = parser.parse_args(argv)
+  spec = importlib.util.spec_from_file_location("bench_config", args.config)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  for row in call_overheads(config, jax.random.key(config.seed), args.repeats,
+                            names=tuple(CALL_MODELS)):
+    print(f"{row['model']:>7s}  {row['params']:>9,d} params  K={row['K']}  "
+          f"sample {1e6 * row['sample_s']:8.0f} us  program {1e6 * row['program_s']:8.0f} us  "
+          f"host +{1e6 * (row['sample_s'] - row['program_s']):5.0f} us  "
+          f"ratio {row['ratio']:.3f}")
+
+
+if __name__ == "__main__":
+  main()
