@@ -69,6 +69,8 @@ class Knob:
       kind += f" in [{self.minimum}, {self.maximum}]"
     elif self.minimum is not None:
       kind += f" >= {self.minimum}"
+    elif self.maximum is not None:
+      kind += f" <= {self.maximum}"
     return kind + (" or null" if self.optional else "")
 
   def parse(self, value):

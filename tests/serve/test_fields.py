@@ -1,0 +1,64 @@
+"""The request models without a server: one field per registered knob, each checked by its
+declared type and range; pydantic's errors become OpenAI's 400 naming the top-level field."""
+
+import pydantic
+import pytest
+
+from mdjax.errors import ArgumentError
+from mdjax.sampling import knobs
+from mdjax.serve import fields
+
+
+def _error(model, body, route="completions"):
+  with pytest.raises(pydantic.ValidationError) as caught:
+    model.model_validate(body)
+  return fields.validation_error(caught.value.errors(), route)
+
+
+def test_every_knob_of_the_registry_is_a_request_field():
+  for model in (fields.CompletionRequest, fields.ChatRequest):
+    assert set(knobs.all_knobs()) <= set(model.model_fields)
+    assert set(fields.REFERENCE_KNOBS) <= set(model.model_fields)
+
+
+def test_a_knob_is_checked_by_its_declared_range_and_null_is_absent():
+  ok = fields.CompletionRequest.model_validate({"prompt": "Hi", "steps": 4.0, "top_p": None})
+  assert ok.steps == 4 and isinstance(ok.steps, int) and ok.top_p is None
+  error = _error(fields.CompletionRequest, {"prompt": "Hi", "top_p": 1.5})
+  assert error.param == "top_p" and "top_p=1.5 is invalid" in error.message
+  assert "<= 1.0" in error.message
+  error = _error(fields.CompletionRequest, {"prompt": "Hi", "score": "loudest"})
+  assert error.param == "score" and "one of" in error.message
+  error = _error(fields.CompletionRequest, {"prompt": "Hi", "stream": "yes"})
+  assert error.param == "stream" and "true or false" in error.message
+
+
+def test_unknown_missing_and_nested_fields_name_the_top_level_field():
+  error = _error(fields.ChatRequest, {"prompt": "Hi"}, route="chat")
+  assert error.param == "prompt" and "completions route" in error.message
+  error = _error(fields.CompletionRequest, {})
+  assert error.param == "prompt" and "required" in error.message
+  error = _error(fields.ChatRequest, {"messages": [{"role": "wizard", "content": "x"}]}, "chat")
+  assert error.param == "messages" and "wizard" in error.message
+  error = _error(fields.CompletionRequest, {"prompt": "Hi", "logprobs": 3})
+  assert error.param == "logprobs" and "not supported" in error.message
+  assert fields.CompletionRequest.model_validate({"prompt": "Hi", "logprobs": False})
+
+
+def test_prompt_and_stop_shapes():
+  assert fields.CompletionRequest.model_validate({"prompt": ["Hi"]}).prompt == "Hi"
+  assert fields.CompletionRequest.model_validate({"prompt": [[1, 2]]}).prompt.tolist() == [1, 2]
+  assert _error(fields.CompletionRequest, {"prompt": ["a", "b"]}).param == "prompt"
+  assert fields.CompletionRequest.model_validate({"prompt": "x", "stop": "."}).stop == ["."]
+  error = _error(fields.CompletionRequest, {"prompt": "x", "stop": ["."] * 17})
+  assert error.param == "stop" and "at most 16" in error.message
+
+
+def test_server_defaults_are_checked_as_requests_are():
+  assert fields.check_defaults({"steps": 8, "sampler": "confidence", "top_k": None}) == {
+      "steps": 8, "sampler": "confidence"}
+  with pytest.raises(ArgumentError, match="steps=0 is invalid") as error:
+    fields.check_defaults({"steps": 0})
+  assert error.value.param == "steps"
+  with pytest.raises(ArgumentError, match="nope= is not a sampler knob"):
+    fields.check_defaults({"nope": 1})
