@@ -78,8 +78,9 @@ class ConfidenceSpec(SamplerSpec):
       "(count_rule's), more when more proposals score at least the threshold (SDAR's "
       "low_confidence_dynamic). Either way the last step of a block commits the rest.",
       choices=THRESHOLD_FLOORS)
-  order: str = knob("score", help="'position' commits the step's k leftmost masked positions "
-                    "instead of the k best scoring (SDAR's sequential).", choices=ORDERS)
+  order: str = knob("score", help="Which k positions a step commits: 'score' the k best "
+                    "scoring, 'position' the k leftmost masked (SDAR's sequential).",
+                    choices=ORDERS)
   score_transformed: bool = knob(
       False, help="The score reads the distribution values are drawn from (the EOS knobs, "
       "temperature, top-k, top-p: transforms.transformed_probs) rather than the untransformed "
