@@ -4,9 +4,10 @@
   python -m mdjax.serve --model=/data/LLaDA-8B-Instruct --max_batch=16 --steps=64
   python -m mdjax.serve --model=/tmp/shakespeare --port=8001 --api_key=$KEY --sampler=confidence
 
-Sampler flags (sample.py's names) are the server's defaults: a request's fields override
-them knob by knob; without them a knob is `mdjax.generate`'s default for the model. A bad
-flag is one line, `mdjax.serve: error: ...`, and exit status 2. SIGTERM (or Ctrl-C) stops
+Sampler flags (sample.py's names, one a knob of the registry `mdjax.knob_registry`, with its
+type, help and choices) are the server's defaults: a request's fields override them knob by
+knob; without them a knob is `mdjax.generate`'s default for the model. A bad flag is one
+line, `mdjax.serve: error: ...`, and exit status 2. SIGTERM (or Ctrl-C) stops
 accepting, lets the requests in flight finish, stops the engine, and exits 0.
 API: `mdjax.serve.app`; a server inside a Python process: `mdjax.serve.server`;
 docs/serving.md.
@@ -14,11 +15,13 @@ docs/serving.md.
 
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
 from typing import NoReturn
 
 from mdjax import cli
+from mdjax.errors import ArgumentError
 
 NAME = "mdjax.serve"
 
@@ -26,8 +29,17 @@ NAME = "mdjax.serve"
 ENGINE_FLAGS = ("max_batch", "max_queue", "canvas_length", "max_programs")
 
 
+def _flag_bool(text: str) -> bool:
+  """A boolean flag's value: --name alone is true, --name=false false."""
+  value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(
+      text.lower())
+  if value is None:
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+  return value
+
+
 def _parser() -> cli.Parser:
-  from mdjax.serve import fields
+  from mdjax.knob_registry import every_knob
   parser = cli.Parser(NAME, prog="python -m mdjax.serve",
                       description="An OpenAI-compatible server over mdjax's serving engine.")
   parser.add_argument("--model", required=True, help="What mdjax.load reads: a train.py "
@@ -58,28 +70,35 @@ def _parser() -> cli.Parser:
                       help="uvicorn's log level.")
   parser.add_argument("--sampler", default=None, help="Sampler family (sample.py's "
                       "--sampler; default: the model's default sampler).")
-  for names, kind in ((fields.INT_KNOBS, int), (fields.FLOAT_KNOBS, float),
-                      (fields.STR_KNOBS, str)):
-    for name in names:
-      parser.add_argument(f"--{name}", type=kind, default=None, help="Sampler knob (default).")
-  for name in fields.BOOL_KNOBS:
-    parser.add_argument(f"--{name}", action="store_true", default=None,
-                        help="Sampler knob (default).")
+  knobs = parser.add_argument_group("sampler knobs", "The server's defaults (default: the "
+                                     "sampler's own).")
+  for name, knob in sorted(every_knob().items()):
+    if knob.kind is bool:
+      knobs.add_argument(f"--{name}", type=_flag_bool, nargs="?", const=True, default=None,
+                         metavar="true|false", help=knob.help)
+    else:
+      knobs.add_argument(f"--{name}", type=knob.kind, choices=knob.choices, default=None,
+                         help=knob.help)
   return parser
 
 
 def _defaults(args) -> dict:
-  """The sampler flags given: the server's defaults."""
-  from mdjax.serve import fields
-  names = ("sampler",) + fields.KNOBS
-  return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+  """The sampler flags given, checked by their knobs' types and ranges: the server's
+  defaults."""
+  from mdjax.knob_registry import every_knob
+  knobs = {name: knob.parse(getattr(args, name)) for name, knob in every_knob().items()
+           if getattr(args, name) is not None}
+  return ({"sampler": args.sampler} if args.sampler is not None else {}) | knobs
 
 
 def _usage_error(error: ValueError, flags) -> NoReturn:
-  """A ValueError about a setting, as a usage error naming its flag (`--steps=0 is ...`)."""
-  text = str(error)
-  name = text.split("=")[0].split(":")[0]
-  cli.fail(NAME, f"--{text}" if name in flags else text, cli.USAGE)
+  """A ValueError about a setting as a usage error; an `ArgumentError` whose message starts
+  with its param, a flag, names the flag (`steps=0 is ...` -> `--steps=0 is ...`)."""
+  text, param = str(error), getattr(error, "param", None) or ""
+  flag = param.removeprefix("spec.")
+  if flag in flags and text.startswith(param):
+    text = f"--{flag}{text[len(param):]}"
+  cli.fail(NAME, text, cli.USAGE)
 
 
 def main(argv=None) -> int:
@@ -93,21 +112,22 @@ def main(argv=None) -> int:
   import uvicorn
 
   import mdjax
-  from mdjax.serve import fields, server
+  from mdjax.knob_registry import every_knob
+  from mdjax.serve import server
 
-  defaults = _defaults(args)
+  flags = {"sampler", "devices", *every_knob()}
   try:
-    fields.check_defaults(defaults)
+    defaults = _defaults(args)
     mesh = None
     if args.devices is not None:
       from mdjax import mesh as mesh_lib
       if not 1 <= args.devices <= len(jax.local_devices()):
-        raise ValueError(f"devices={args.devices} is invalid: it must be in [1, "
-                         f"{len(jax.local_devices())}] (the local devices).")
+        raise ArgumentError("devices", f"devices={args.devices} is invalid: it must be in [1, "
+                            f"{len(jax.local_devices())}] (the local devices).")
       mesh = mesh_lib.make_mesh(args.devices)
     model = mdjax.load(args.model, step=args.step, dtype=args.dtype, mesh=mesh)
   except ValueError as error:
-    _usage_error(error, set(defaults) | {"devices"})
+    _usage_error(error, flags)
   except OSError as error:
     cli.fail(NAME, error, cli.RUNTIME)
   name = args.served_model_name or server.served_name(model, args.model)
@@ -122,7 +142,7 @@ def main(argv=None) -> int:
     engine.prepare([], max_new_tokens=min(probe, engine.canvas_length), seed=0,
                    sampler=defaults.get("sampler"), knobs=knobs or None)
   except ValueError as error:
-    _usage_error(error, set(defaults) | set(ENGINE_FLAGS))
+    _usage_error(error, flags | set(ENGINE_FLAGS))
   engine.start()
 
   summary = (f"max_batch={args.max_batch}, max_queue={args.max_queue}, "
