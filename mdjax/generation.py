@@ -114,18 +114,36 @@ def check_max_new_tokens(max_new_tokens) -> None:
                                 "(tokens generated after each prompt)")
 
 
+def check_new_tokens(max_new_tokens, max_len: int, *, model_block: int | None = None,
+                     new_tokens: str = "max_new_tokens", room: str = "the model") -> None:
+  """What needs no prompt: max_new_tokens an integer >= 1 that leaves room for a prompt of
+  at least one position in `max_len`, unless a block-causal model (`model_block`) generates
+  past its length. Checked before any prompt is encoded."""
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+      or max_new_tokens < 1:
+    raise ArgumentError.invalid(new_tokens, max_new_tokens, "it must be an integer >= 1 "
+                                "(tokens generated after each prompt)")
+  if model_block is None and max_new_tokens > max_len:
+    raise ArgumentError(new_tokens, f"{new_tokens}={max_new_tokens} is too many: {room} holds "
+                        f"{max_len} positions, the prompt's and the new tokens together, so at "
+                        f"most {max_len} less the prompt's tokens.")
+
+
 def plan_generation(prompt_lengths: Sequence[int], max_new_tokens: int, *, max_len: int,
                     model_block: int | None = None, blocks_of: int | None = None,
                     window: int | None = None, block_length: int | None = None,
-                    prompts: str = "prompts", room: str = "the model") -> GenerationPlan:
+                    prompts: str = "prompts", new_tokens: str = "max_new_tokens",
+                    room: str = "the model") -> GenerationPlan:
   """The layout of `generate`, checked on the host: an `ArgumentError` names the argument.
   The one length rule for a prompt and its new tokens, wherever they come from (`generate`,
   sample.py, the server's requests).
 
   model_block: the denoiser's block size when it is block-causal (it can then generate past
-  `max_len`); block_length: the spec's semi-autoregressive blocks, if any. prompts, room: how
-  an error names the prompts' argument and what holds the `max_len` positions."""
-  check_max_new_tokens(max_new_tokens)
+  `max_len`); block_length: the spec's semi-autoregressive blocks, if any. prompts,
+  new_tokens, room: how an error names the prompts' argument, the new tokens' argument and
+  what holds the `max_len` positions."""
+  check_new_tokens(max_new_tokens, max_len, model_block=model_block if blocks_of is None
+                   else blocks_of, new_tokens=new_tokens, room=room)
   if not len(prompt_lengths):
     raise ArgumentError(prompts, f"{prompts} is empty: give at least one prompt (an empty "
                         "prompt is fine).")
@@ -136,25 +154,23 @@ def plan_generation(prompt_lengths: Sequence[int], max_new_tokens: int, *, max_l
   if blocks_of is None and longest + new <= max_len:
     if block_length and new % block_length:
       raise ArgumentError("spec.block_length", f"spec.block_length={block_length} must divide "
-                          f"max_new_tokens={new}: the semi-autoregressive blocks cut each "
-                          f"row's new tokens; use a block_length that divides {new}, or "
-                          f"max_new_tokens a multiple of {block_length}.")
+                          f"{new_tokens}={new}: the semi-autoregressive blocks cut each row's "
+                          f"new tokens; use a block_length that divides {new}, or "
+                          f"{new_tokens} a multiple of {block_length}.")
     return GenerationPlan(new, longest, max_len, "canvas", canvas_length=longest + new)
   if blocks_of is None:
     if model_block is None:
+      many = len(prompt_lengths) > 1 or prompts == "prompts"
       line = int(np.argmax(prompt_lengths)) + 1
-      which = f"{prompts} line {line}" if len(prompt_lengths) > 1 or prompts == "prompts" \
-          else prompts
+      which = f"{prompts} line {line}" if many else f"the {prompts}"
       if longest >= max_len:
         raise ArgumentError(
             prompts, f"{which} has {longest} tokens; {room} holds {max_len} positions, so a "
             f"prompt may have at most {max_len - new} tokens to leave room for "
-            f"max_new_tokens={new}: shorten it.")
+            f"{new_tokens}={new}: shorten it.")
       raise ArgumentError(
-          "max_new_tokens", f"max_new_tokens={new} is too many: the longest prompt ({which}) "
-          f"has {longest} tokens and {room} holds {max_len} positions, so at most "
-          f"{max_len - longest} new tokens (a block-causal model, trained with block_size, "
-          "generates past its length block by block).")
+          new_tokens, f"{new_tokens}={new} is too many: {which} has {longest} tokens and "
+          f"{room} holds {max_len} positions, so at most {max_len - longest} new tokens.")
     blocks_of = model_block
   if not isinstance(blocks_of, (int, np.integer)) or not 1 <= blocks_of < max_len:
     raise ArgumentError.invalid("blocks_of", blocks_of, f"it must be an integer in [1, "
@@ -212,9 +228,9 @@ def prompt_ids(model: Model, prompts: Sequence, *, chat: bool = False,
                where: str = "prompts") -> list[np.ndarray]:
   """Each prompt as int32 ids: a text (encoded by the model's codec, no special tokens),
   a chat (a list of {"role", "content"} messages, or a text with chat=True: one user
-  message) through the model's chat template, or a sequence of ids. A ValueError names the
-  1-based line of a prompt that cannot be encoded or holds an id outside [0, vocab) or the
-  mask id."""
+  message) through the model's chat template, or a sequence of ids. An `ArgumentError`
+  (param `where`) names the 1-based line of a prompt that cannot be encoded or holds an id
+  outside [0, vocab) or the mask id (a single prompt named other than "prompts": by its name)."""
   if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
     raise ArgumentError(where, f"{where} is a {type(prompts).__name__}: give a list of prompts "
                         "(texts, chats or id sequences).")
@@ -224,28 +240,31 @@ def prompt_ids(model: Model, prompts: Sequence, *, chat: bool = False,
   limit = model.vocab_size
   encoded = []
   for number, prompt in enumerate(prompts, 1):
+    line = f"{where} line {number}" if len(prompts) > 1 or where == "prompts" else where
     if chat or _is_messages(prompt):
       if not (isinstance(prompt, str) or _is_messages(prompt)):
-        raise ArgumentError(where, f"{where} line {number} is ids; chat=True needs texts or "
-                            "messages.")
+        raise ArgumentError(where, f"{line} is ids; chat=True needs texts or messages.")
       messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-      prompt = model.render_chat(list(messages))
+      try:
+        prompt = model.render_chat(list(messages))
+      except ValueError as error:
+        raise ArgumentError(where, f"{line}: {error}") from None
     if isinstance(prompt, str):
       if model.encode is None:
-        raise ArgumentError(where, f"{where} line {number} is text; the {model.family!r} model "
-                            "has no text codec: give token ids.")
+        raise ArgumentError(where, f"{line} is text; the {model.family!r} model has no text "
+                            "codec: give token ids.")
       try:
         ids = np.asarray(model.encode(prompt), np.int64).reshape(-1)
       except ValueError as error:
-        raise ArgumentError(where, f"{where} line {number}: {error}") from None
+        raise ArgumentError(where, f"{line}: {error}") from None
     else:
       ids = np.asarray(prompt).reshape(-1)
       if ids.size and not np.issubdtype(ids.dtype, np.integer):
-        raise ArgumentError(where, f"{where} line {number} holds {ids.tolist()[:8]}; prompt ids "
-                            f"are integers in [0, {limit - 1}].")
+        raise ArgumentError(where, f"{line} holds {ids.tolist()[:8]}; prompt ids are integers "
+                            f"in [0, {limit - 1}].")
     if ids.size and (ids.min() < 0 or ids.max() >= limit or (ids == model.mask_id).any()):
-      raise ArgumentError(where, f"{where} line {number} holds {ids.tolist()[:8]}...; prompt "
-                          f"ids are integers in [0, {limit - 1}] other than the mask id "
+      raise ArgumentError(where, f"{line} holds {ids.tolist()[:8]}...; prompt ids are "
+                          f"integers in [0, {limit - 1}] other than the mask id "
                           f"{model.mask_id}.")
     encoded.append(ids.astype(np.int32))
   return encoded
@@ -270,7 +289,8 @@ def sampler_plan(model: Model, prompt_length: int, max_new_tokens: int, spec=Non
                           "sampler; with spec= the spec carries the sampler's settings.")
     return SamplerPlan(model.denoiser, spec)
   if model.sampler is None:
-    raise ValueError(f"the {model.family!r} model has no default sampler; give spec=.")
+    raise ArgumentError("spec", f"the {model.family!r} model has no default sampler; give "
+                        "spec=.")
   unknown = sorted(set(knobs) - set(model.sampler.knobs))
   if unknown:
     raise ArgumentError(unknown[0], f"{unknown[0]}= does not apply to the {model.family} "
@@ -302,9 +322,9 @@ def generate_ids(model: Model, prompts_ids: Sequence[np.ndarray], *, max_new_tok
                          block_length=sampling.family_of(run.spec).block_length(run.spec))
   batch_size = _check_batch_size(batch_size, len(prompts_ids))
   if not model.takes_padding and len({len(p) for p in prompts_ids}) > 1:
-    raise ValueError(f"the {model.family!r} model takes no padding (an exact denoiser: its "
-                     f"positions are fixed), and the prompts have lengths "
-                     f"{sorted({len(p) for p in prompts_ids})}: give prompts of one length.")
+    raise ArgumentError("prompts", f"the {model.family!r} model takes no padding (an exact "
+                        f"denoiser: its positions are fixed), and the prompts have lengths "
+                        f"{sorted({len(p) for p in prompts_ids})}: give prompts of one length.")
   params = model.params if run.params is None else run.params
   mask_id = model.mask_id
   keys_N = jax.vmap(jax.random.fold_in, (None, 0))(key, np.arange(len(prompts_ids)))

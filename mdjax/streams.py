@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import enum
 
+from mdjax.errors import ArgumentError
+
 # Step indices folded into a row key stay below this; row-level streams lie above it.
 MAX_STEPS = 1 << 28
 
@@ -48,4 +50,5 @@ class RowStream(enum.IntEnum):
 def check_steps(num_steps: int) -> None:
   """Refuses a step count whose indices would reach the row-level streams."""
   if num_steps >= MAX_STEPS:
-    raise ValueError(f"steps={num_steps} must be below {MAX_STEPS} (random streams).")
+    raise ArgumentError("steps", f"steps={num_steps} must be below {MAX_STEPS} (random "
+                        "streams).")

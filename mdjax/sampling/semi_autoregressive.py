@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mdjax.errors import ArgumentError
 from mdjax.sampling.base import Canvas, Context
 
 Array = jax.Array
@@ -20,22 +21,23 @@ def count(block_length: int | None, steps: int, canvas: Canvas) -> int:
   if block_length is None:
     return 1
   if canvas.fixed is None:
-    raise ValueError(f"block_length={block_length} needs the generation length before the "
-                     "run: inside jit, pass fixed_BxL as a concrete (numpy) array, or call "
-                     "sample outside jit.")
+    raise ArgumentError("block_length", f"block_length={block_length} needs the generation "
+                        "length before the run: inside jit, pass fixed_BxL as a concrete "
+                        "(numpy) array, or call sample outside jit.")
   gen_lengths = np.unique((~canvas.fixed).sum(-1))
   if len(gen_lengths) != 1:
-    raise ValueError(f"block_length={block_length} needs the same generation length in every "
-                     f"row; rows have {gen_lengths.tolist()} editable positions.")
+    raise ArgumentError("block_length", f"block_length={block_length} needs the same "
+                        f"generation length in every row; rows have {gen_lengths.tolist()} "
+                        "editable positions.")
   gen_length = int(gen_lengths[0])
   if gen_length % block_length:
-    raise ValueError(f"block_length={block_length} must divide the generation length "
-                     f"{gen_length}.")
+    raise ArgumentError("block_length", f"block_length={block_length} must divide the "
+                        f"generation length {gen_length}.")
   num_blocks = gen_length // block_length
   if steps % num_blocks:
-    raise ValueError(f"steps={steps} must be divisible by the number of blocks "
-                     f"{num_blocks} (generation length {gen_length} / block_length "
-                     f"{block_length}).")
+    raise ArgumentError("steps", f"steps={steps} must be divisible by the number of blocks "
+                        f"{num_blocks} (generation length {gen_length} / block_length "
+                        f"{block_length}).")
   return num_blocks
 
 

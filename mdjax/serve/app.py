@@ -72,10 +72,7 @@ class State:
     self.metrics = metrics_lib.Metrics()
     self.pieces = streaming.Pieces(model)
     self.created = int(time.time())
-    self.max_batch, self.max_queue = engine.max_batch, engine.max_queue
-    # n past max_batch cannot be served; past max_queue (when it is set) it could wait.
-    self.max_n = min(self.max_batch, self.max_queue or self.max_batch)
-    self.canvas_length = engine.canvas_length
+    self.max_batch, self.canvas_length = engine.max_batch, engine.canvas_length
 
 
 class _Gate:

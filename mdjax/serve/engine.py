@@ -42,6 +42,9 @@ from mdjax.serve.lanes import Lane
 
 Array = jax.Array
 
+MAX_SEED = 2**32 - 1  # a request's seed: jax.random.key's 32 bits (without x64)
+
+
 class QueueFull(Exception):
   """More rows wait than the engine's `max_queue`: try again after `retry_after` seconds."""
 
@@ -212,21 +215,26 @@ class Engine:
 
   def prepare(self, prompt, *, max_new_tokens: int, seed: int, n: int = 1,
               sampler: str | None = None, knobs: dict | None = None,
-              where: str = "prompt") -> Job:
+              where: str = "prompt", new_tokens: str = "max_new_tokens") -> Job:
     """A request checked once and laid out, before anything compiles: an `ArgumentError`
-    names the argument (`where`: the prompt's name). prompt: a text, a chat (a list of
-    {"role", "content"} messages, through the model's template) or token ids. sampler: a
-    family name (sample.py's --sampler; None: the model's default sampler, as `generate` with
-    spec=None); knobs: that sampler's settings by name."""
+    names the argument (`where`, `new_tokens`: the caller's names of the prompt and of
+    max_new_tokens). prompt: a text, a chat (a list of {"role", "content"} messages, through
+    the model's template) or token ids. sampler: a family name (sample.py's --sampler; None:
+    the model's default sampler, as `generate` with spec=None); knobs: that sampler's
+    settings by name. What needs no prompt is checked before the prompt is encoded."""
     model = self.model
     n = _check_int(n, "n", 1, self.max_n, f" (the rows of one request; max_batch is "
                                           f"{self.max_batch}, max_queue {self.max_queue})")
-    seed = _check_int(seed, "seed", 0, 2**32 - 1)
-    generation.check_max_new_tokens(max_new_tokens)
-    ids = generation.prompt_ids(model, [prompt], where=where)[0]
+    seed = _check_int(seed, "seed", 0, MAX_SEED)
+    # A padding-invariant model shares the lane's canvas; any other runs on exactly its own.
+    room = self.canvas_length if model.padding_invariant else model.max_len
+    names = dict(prompts=where, new_tokens=new_tokens, room="the server's canvas")
+    generation.check_new_tokens(max_new_tokens, room, new_tokens=new_tokens,
+                                room=names["room"])
     knobs = dict(knobs or {})
     if sampler is not None:
       model = model.replace(sampler=_named_sampler(model, sampler, knobs))
+    ids = generation.prompt_ids(model, [prompt], where=where)[0]
     run = generation.sampler_plan(model, len(ids), max_new_tokens, None, **knobs)
     family = sampling.family_of(run.spec)
     why = _not_served(run, family)
@@ -236,12 +244,9 @@ class Engine:
       raise ArgumentError("sampler", f"{name} is not served: {why}; use mdjax.generate (or "
                           "sample.py) for it, or a step-wise sampler (confidence, ancestral, "
                           "mdlm, dream, remask, ...).")
-    # A padding-invariant model shares the lane's canvas; any other runs on exactly its own.
-    room = self.canvas_length if self.model.padding_invariant else model.max_len
     generation.plan_generation([len(ids)], max_new_tokens, max_len=room,
-                               block_length=family.block_length(run.spec), prompts=where,
-                               room="the server's canvas")
-    length = room if self.model.padding_invariant else len(ids) + max_new_tokens
+                               block_length=family.block_length(run.spec), **names)
+    length = room if model.padding_invariant else len(ids) + max_new_tokens
     tokens, valid, _ = generation.left_padded([ids], length, model.mask_id, pad_id=model.pad_id,
                                               start=length - max_new_tokens)
     params = model.params if run.params is None else run.params
@@ -502,6 +507,12 @@ def _named_sampler(model: Model, sampler: str, knobs: dict) -> ConfiguredSampler
   if not isinstance(sampler, str) or sampler not in known:
     raise ArgumentError.invalid("sampler", sampler, f"it must be a sampler family's name: one "
                                 f"of {', '.join(known)}")
+  family = sampling.families().get(sampler)
+  why = ("it runs rounds of its own, not one step at a time" if family and family.composite
+         else "its spec names canvas positions" if sampler in _POSITIONAL else None)
+  if why:  # refused before its spec is built (its required fields are no request's)
+    raise ArgumentError("sampler", f"sampler={sampler!r} is not served: {why}; use "
+                        "mdjax.generate (or sample.py) for it.")
   named = ConfiguredSampler(family=sampler, eos_id=model.eos_id)
   fields = set(named.knobs)
   defaults = {} if model.sampler is None else dict(model.sampler.spec_defaults)

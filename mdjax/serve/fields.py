@@ -24,10 +24,11 @@ from pydantic import BeforeValidator, ConfigDict
 
 from mdjax.errors import ArgumentError
 from mdjax.sampling.knobs import Knob, all_knobs
+from mdjax.serve.engine import MAX_SEED
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_SEED = 2**32 - 1  # the engine's seeds: jax.random.key's 32 bits (without x64)
 MAX_STOP_STRINGS = 16
+MAX_TOKEN_ID = 2**31 - 1  # past int32 no vocabulary reaches (the engine checks the model's)
 ROLES = ("system", "user", "assistant", "developer", "tool")
 
 # OpenAI fields the server accepts only at their neutral value, or of a type it ignores
@@ -39,16 +40,17 @@ NEUTRAL = {"user": None, "frequency_penalty": 0, "presence_penalty": 0, "logprob
            "service_tier": None}
 IGNORED_TYPES = {"user": str, "metadata": dict}  # any value of the type is accepted
 
-# The request's own scalar fields, checked as knobs are (null: the default).
+# The request's own scalar fields: their JSON types are checked here (null: the default,
+# which `Call` applies); their ranges, which the engine's limits set, by `Engine.prepare`.
 FIELDS = {knob.name: knob for knob in (
     Knob("model", str, None, optional=True, help="The served model's id (any is accepted)."),
-    Knob("max_tokens", int, None, optional=True, minimum=1,
+    Knob("max_tokens", int, None, optional=True,
          help=f"Tokens generated after the prompt (default {DEFAULT_MAX_TOKENS})."),
-    Knob("seed", int, None, optional=True, minimum=0, maximum=MAX_SEED,
+    Knob("seed", int, None, optional=True,
          help="The request's PRNG seed (default: a fresh random one, returned)."),
-    Knob("n", int, 1, optional=True, minimum=1, help="Completions of the prompt."),
-    Knob("stream", bool, False, optional=True, help="Server-sent events."),
-    Knob("mdjax_canvas", bool, False, optional=True,
+    Knob("n", int, None, optional=True, help="Completions of the prompt (default 1)."),
+    Knob("stream", bool, None, optional=True, help="Server-sent events."),
+    Knob("mdjax_canvas", bool, None, optional=True,
          help="Streaming: an `event: canvas` each step."),
     Knob("sampler", str, None, optional=True,
          help="A sampler family (sample.py's --sampler; default: the model's)."),
@@ -134,19 +136,23 @@ def _stop(value):
 
 def _prompt(prompt):
   """The completions route's prompt: a text or token ids (one prompt a request)."""
+  given = prompt
+  if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list))
+                                                          for p in prompt):
+    raise ArgumentError("prompt", f"prompt holds {len(prompt)} prompts; give one a request "
+                        "(n= for several completions of it).")
+  if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+    prompt = prompt[0]  # a batch of one
   if isinstance(prompt, str):
     return prompt
-  if isinstance(prompt, list):
-    if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-      prompt = prompt[0]  # a batch of one
-      if isinstance(prompt, str):
-        return prompt
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-      return np.asarray(prompt, np.int64)
-    if prompt and all(isinstance(p, (str, list)) for p in prompt):
-      raise ArgumentError("prompt", f"prompt holds {len(prompt)} prompts; give one a request "
-                          "(n= for several completions of it).")
-  raise ArgumentError("prompt", f"prompt={json.dumps(prompt)[:80]} is invalid: it must be a "
+  if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                      for t in prompt):
+    outside = [t for t in prompt if not 0 <= t <= MAX_TOKEN_ID]
+    if outside:
+      raise ArgumentError("prompt", f"prompt holds the id {str(outside[0])[:40]}; token ids "
+                          "are integers >= 0 below the model's vocabulary size.")
+    return np.asarray(prompt, np.int64)
+  raise ArgumentError("prompt", f"prompt={json.dumps(given)[:80]} is invalid: it must be a "
                       "string, a list of one string, or a list of token ids.")
 
 
@@ -197,28 +203,39 @@ ChatRequest = _request_model(
 def validation_error(errors: list[dict], route: str | None = None) -> APIError:
   """The 400 for pydantic's first error about a body (an unknown field before any other: a
   misnamed field is the likelier mistake than the field it leaves missing); `param` is the
-  top-level field."""
+  top-level field, the message names the whole path."""
   unknown = [e for e in errors if e.get("type") == "extra_forbidden"]
   first = (unknown or errors or [{}])[0]
-  loc = [str(p) for p in first.get("loc", ()) if p != "body"]
   kind = first.get("type", "")
+  # The path below "body", without pydantic's union tags (`str`, `list[TextPart]`).
+  loc = [str(p) for p in first.get("loc", ()) if p != "body"
+         and not (isinstance(p, str) and ("[" in p or p in ("str", "int", "float", "bool")))]
   if kind == "json_invalid":
-    return bad(None, f"the request body is not valid JSON: {first.get('msg', '')}")
+    reason = first.get("ctx", {}).get("error", first.get("msg", ""))
+    return bad(None, f"the request body is not valid JSON: {reason}")
   if not loc:
+    if isinstance(first.get("input"), (bytes, str)):
+      return bad(None, "the request body was not read as JSON: send it with the header "
+                 "'Content-Type: application/json'.")
     return bad(None, "the request body must be a JSON object.")
-  param = loc[0]
+  param, where = loc[0], ".".join(loc)
   if kind == "extra_forbidden":
+    if len(loc) > 1:
+      return bad(param, f"{where} is not a field this server knows.")
     other = {"chat": "prompt", "completions": "messages"}.get(route or "")
     hint = (f" (a field of the {'completions' if route == 'chat' else 'chat'} route)"
             if param == other else "")
     return bad(param, f"{param} is not a field this server knows{hint}; sampler knobs: "
                f"{', '.join(request_knobs())}.")
   if kind == "missing":
-    return bad(param, f"{'.'.join(loc)} is required.")
+    return bad(param, f"{where} is required.")
   error = first.get("ctx", {}).get("error")
   if isinstance(error, ArgumentError):
     return bad(param, str(error))
-  where = ".".join(loc)
+  if param == "messages" and "content" in loc:
+    return bad(param, f"{where}={json.dumps(first.get('input'), default=str)[:60]} is "
+               "invalid: a message's content is a string or a list of text parts "
+               "({\"type\": \"text\", \"text\": ...}); only text is supported.")
   return bad(param, f"{where}={json.dumps(first.get('input'), default=str)[:60]} is invalid: "
              f"{first.get('msg', 'invalid value')}.")
 
@@ -270,15 +287,11 @@ class Call:
     try:
       self.job = state.engine.prepare(prompt, max_new_tokens=self.max_tokens, seed=self.seed,
                                       n=self.n, sampler=self.sampler,
-                                      knobs=dict(self.knobs) or None, where=self.prompt_field)
-    except ArgumentError as error:
-      param = (error.param or "").removeprefix("spec.")
-      message = str(error)
-      if param == "max_new_tokens":  # the engine's name for this route's field
-        param, message = self.max_tokens_field, message.replace(
-            "max_new_tokens=", f"{self.max_tokens_field}=")
-      raise bad(param or None, message) from None
-    except (ValueError, TypeError) as error:  # a model's own refusal, naming no argument
+                                      knobs=dict(self.knobs) or None, where=self.prompt_field,
+                                      new_tokens=self.max_tokens_field)
+    except ArgumentError as error:  # checked once, by the engine: its param is the field
+      raise bad((error.param or "").removeprefix("spec.") or None, str(error)) from None
+    except ValueError as error:  # a model's own refusal that names no argument
       raise bad(None, str(error)) from None
     self.prompt_ids = self.job.prompt_ids
 

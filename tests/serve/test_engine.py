@@ -87,6 +87,7 @@ def test_rows_at_different_steps_equal_generate_offline(dream_model):
           != listeners[1].completions[1].completion.token_ids.tolist())
 
 
+@pytest.mark.slow
 def test_a_model_with_absolute_positions_is_served_unpadded():
   """LLaDA counts positions from the canvas start: its rows run on canvases of exactly
   prompt + max_new_tokens (a lane per length), and equal generate offline."""
@@ -105,6 +106,7 @@ def test_a_model_with_absolute_positions_is_served_unpadded():
                                 offline(model, prompts[1], jobs[1])[0].token_ids)
 
 
+@pytest.mark.slow
 def test_slots_are_reused_and_nothing_recompiles(dream_model):
   """Five single-row requests through two slots: finished rows leave, waiting rows take
   their slots at the next tick; a second wave compiles nothing."""
@@ -139,6 +141,7 @@ def _always_eos_model(vocab=8, length=12, eos=0):
                mask_id_or_none=vocab, eos_id=eos, takes_padding=False)
 
 
+@pytest.mark.slow
 def test_a_row_that_wrote_eos_leaves_at_once():
   """Left to right (one position a step), the first step writes EOS: the row leaves after
   that tick with finish_reason "stop", as generate ends it, not after its 8 steps."""
@@ -156,6 +159,7 @@ def test_a_row_that_wrote_eos_leaves_at_once():
   assert finished.completion.token_ids.size == want.token_ids.size == 0
 
 
+@pytest.mark.slow
 def test_cancel_frees_the_row_and_a_full_queue_is_refused(dream_model):
   engine = Engine(dream_model, max_batch=1, max_queue=1, canvas_length=24)
   prepare = lambda seed: engine.prepare(generation.prompt_ids(dream_model, ["Hi"])[0],
@@ -172,6 +176,7 @@ def test_cancel_frees_the_row_and_a_full_queue_is_refused(dream_model):
   assert first.done and engine.stats().queue_rows == 0 and engine.stats().active_rows == 1
 
 
+@pytest.mark.slow
 def test_the_engine_thread_serves_and_drains_on_stop(dream_model):
   engine = Engine(dream_model, max_batch=2, canvas_length=24).start()
   job = engine.prepare(generation.prompt_ids(dream_model, ["Hi"])[0], max_new_tokens=4,
@@ -189,7 +194,9 @@ def test_the_engine_thread_serves_and_drains_on_stop(dream_model):
     (dict(n=3), r"n=3 is invalid: it must be an integer in \[1, 2\]", "n"),
     (dict(seed=-1), r"seed=-1 is invalid", "seed"),
     (dict(max_new_tokens=0), r"max_new_tokens=0 is invalid", "max_new_tokens"),
-    (dict(max_new_tokens=30), r"max_new_tokens=30 is too many: .* at most 22", "max_new_tokens"),
+    (dict(max_new_tokens=30), r"max_new_tokens=30 is too many: .* holds 24 positions",
+     "max_new_tokens"),
+    (dict(max_new_tokens=23), r"max_new_tokens=23 is too many: .* at most 22", "max_new_tokens"),
     (dict(prompt="x" * 30), r"prompt has 30 tokens; the server's canvas holds 24", "prompt"),
     (dict(sampler="nope"), r"sampler='nope' is invalid: .* one of ancestral, ", "sampler"),
     (dict(knobs=dict(nope=1)), r"nope= does not apply", "nope"),
@@ -225,6 +232,7 @@ def _packed(lane):
   return sorted(owned) == sorted(lane.order[:len(owned)])
 
 
+@pytest.mark.slow
 def test_a_lone_request_ticks_the_one_row_program(dream_model):
   """One request on a 16-slot lane: every tick runs the 1-row program (not the 16-slot
   one), and the row still equals generate offline."""
@@ -321,6 +329,7 @@ def test_warm_compiles_every_bucket_ahead(dream_model):
   engine.stop()
 
 
+@pytest.mark.slow
 def test_buckets_on_a_mesh_tick_an_equal_share_on_each_device():
   """Eight slots split over four simulated devices: the buckets are multiples of four (a
   row or two tick on the 4-slot program, one slot a device), rows fill the devices in turn
