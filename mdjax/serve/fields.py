@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BeforeValidator, ConfigDict
 
 from mdjax.errors import ArgumentError
-from mdjax.sampling.knobs import Knob, all_knobs
+from mdjax.knob_registry import every_knob
+from mdjax.sampling.knobs import Knob
 from mdjax.serve.engine import MAX_SEED
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -55,23 +56,11 @@ FIELDS = {knob.name: knob for knob in (
     Knob("sampler", str, None, optional=True,
          help="A sampler family (sample.py's --sampler; default: the model's)."),
 )}
-# Sampler knobs a request may name that are no spec field of a family served one step at a
-# time: the reference samplers' own (LLaDA's). The spec knobs come from the registry.
-REFERENCE_KNOBS = {knob.name: knob for knob in (
-    Knob("cfg_scale", float, None, optional=True, minimum=0.0,
-         help="LLaDA: classifier-free guidance scale."),
-    Knob("remasking", str, None, optional=True, choices=("low_confidence", "random"),
-         help="LLaDA: the confidence that picks the committed positions."),
-    Knob("logits_eos_inf", bool, False, optional=True, help="LLaDA: EOS is never proposed."),
-    Knob("confidence_eos_eot_inf", bool, False, optional=True,
-         help="LLaDA: EoT proposals score 0."),
-)}
-
-
 @functools.cache
 def request_knobs() -> dict[str, Knob]:
-  """The sampler knobs a request (or the server's CLI default) may give, by name."""
-  return {**all_knobs(), **REFERENCE_KNOBS}
+  """The sampler knobs a request (or the server's CLI default) may give, by name: the knob
+  registry (`mdjax.knob_registry.every_knob`)."""
+  return every_knob()
 
 
 class APIError(Exception):
@@ -298,11 +287,3 @@ class Call:
   def extension(self) -> dict:
     """What reproduces the response: the response's top-level "mdjax" field."""
     return {"seed": self.seed, "spec": repr(self.job.spec), "steps": self.job.num_steps}
-
-
-# The knob names by value type (the server's CLI flags are defined from them).
-KNOBS = tuple(request_knobs())
-INT_KNOBS = tuple(n for n, k in request_knobs().items() if k.kind is int)
-FLOAT_KNOBS = tuple(n for n, k in request_knobs().items() if k.kind is float)
-STR_KNOBS = tuple(n for n, k in request_knobs().items() if k.kind is str)
-BOOL_KNOBS = tuple(n for n, k in request_knobs().items() if k.kind is bool)
