@@ -17,6 +17,8 @@ import shlex
 
 import pytest
 
+from mdjax import sampling_cli
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
 PAGES = ["README.md"] + sorted(os.path.join("docs", name) for name in os.listdir(DOCS)
@@ -137,6 +139,8 @@ def _flag_sources(program):
 
 
 def _defines(source, name):
+  if name in sampling_cli.sampler_flags():  # generated from the knob registry
+    return True
   quoted = re.escape(name)
   patterns = (rf"DEFINE_\w+\(\s*[\"']{quoted}[\"']", rf"add_argument\(\s*[\"']--{quoted}[\"']",
               rf"[\"']{quoted}[\"']\s*:\s*\(")  # report.experiment_main's options
