@@ -4,6 +4,7 @@ against the same diffusion models trained from scratch with the same token budge
 
   python experiments/a2d.py            # -> results/a2d.{json,md,png}
   python experiments/a2d.py --workdir=/tmp/a2d
+  python experiments/a2d.py --rows_from=results/a2d.json --out=/tmp/report  # no training
 
 Every model is one tiny network (width 64, 2 layers, 4 heads, SwiGLU 256, RoPE; 64-character
 windows, batch 32): about 45 minutes on the shared 2-core CPU (490 s the causal model, 2,020 s
@@ -28,11 +29,14 @@ the five diffusion runs, 200 s the evaluation); a rerun reuses the trained model
    perplexity per character, `mdjax.evaluate.gen_ppl`) with their character entropy.
 
 Tokens are training tokens read: steps x batch x 64 (a complementary-mask step reads each row
-twice but counts it once).
+twice but counts it once). --rows_from=FILE trains and evaluates nothing: it reads the goals
+off the rows of a results file again and writes the report (what tests/test_experiments.py
+runs, on rows it made up).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -169,7 +173,11 @@ def sample_quality(texts: list[str], judge) -> dict:
   return {"gen_ppl": float(scored.gen_ppl), "entropy": float(np.mean(scored.entropy_N))}
 
 
-def run(n: int, workdir: str = "/tmp/a2d", seed: str = "0") -> dict:
+def run(n: int, workdir: str = "/tmp/a2d", seed: str = "0", rows_from: str = "") -> dict:
+  if rows_from:  # the report again, from the rows of a results file
+    with open(rows_from, encoding="utf-8") as f:
+      results = json.load(f)
+    return {**results, "goals": goals(results["rows"])}
   seed = int(seed)
   prepared = prepare(workdir, seed)
   paths = prepared["paths"]
@@ -314,4 +322,7 @@ def write(results: dict, out: str) -> None:
 if __name__ == "__main__":
   report.experiment_main(__doc__, run, write, "a2d.md", default_n=SAMPLES,
                          options={"workdir": ("/tmp/a2d", "where the models are trained"),
-                                  "seed": ("0", "PRNG seed")})
+                                  "seed": ("0", "PRNG seed"),
+                                  "rows_from": ("", "a results file (results/a2d.json): the "
+                                                "goals and the report from its rows, nothing "
+                                                "trained")})

@@ -2,6 +2,7 @@
 
   python experiments/block_diffusion.py            # -> results/block_diffusion.{json,md,png}
   python experiments/block_diffusion.py --workdir=/tmp/models
+  python experiments/block_diffusion.py --smoke --workdir=/tmp/smoke --out=/tmp/smoke
 
 Trains (or reuses, in WORKDIR/block{1,4,16,64} and WORKDIR/causal1000) five models of
 configs/shakespeare_char.py's size, all at the same budget of 1,000 steps (batch 64, 64
@@ -36,6 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from configs import shakespeare_block, shakespeare_causal, shakespeare_char  # noqa: E402
+from experiments import smoke as smoke_run  # noqa: E402
 import mdjax  # noqa: E402
 from mdjax import report, sampling, train  # noqa: E402
 from mdjax.evaluate import elbo  # noqa: E402
@@ -47,16 +49,18 @@ NELBO_WINDOWS, NELBO_TIME_SAMPLES = 256, 8
 TOKENS_PER_STEP = (4, 2, 1)  # steps per block = block / these
 LONG_BLOCK, LONG_SEGMENTS = 16, 4
 TIMED_RUNS = 3
+CONFIGS = {"block": shakespeare_block.get_config, "char": shakespeare_char.get_config,
+           "causal": shakespeare_causal.get_config}
 
 
 def configs() -> dict:
   out = {}
   for block in BLOCKS[:-1]:
-    c = shakespeare_block.get_config()
+    c = CONFIGS["block"]()
     c.model.block_size = block
     out[f"block{block}"] = c
-  out[f"block{LENGTH}"] = shakespeare_char.get_config()
-  out["causal1000"] = shakespeare_causal.get_config()
+  out[f"block{LENGTH}"] = CONFIGS["char"]()
+  out["causal1000"] = CONFIGS["causal"]()
   for c in out.values():
     c.train.num_steps = STEPS
   return out
@@ -217,7 +221,21 @@ def write(results: dict, out: str) -> None:
   report.save_figure(fig, os.path.join(out, "block_diffusion.png"))
 
 
+def smoke(workdir: str, seed: str) -> dict:
+  """Blocks of 4 and 16 (= L) on the tiny models of experiments/smoke.py, 30 steps each,
+  trained in WORKDIR where missing; 2 steps a block, 8 NELBO windows, one timed run."""
+  global STEPS, BLOCKS, LENGTH, LONG_BLOCK, NELBO_WINDOWS, NELBO_TIME_SAMPLES, TIMED_RUNS
+  global TOKENS_PER_STEP
+  STEPS, BLOCKS, LENGTH, LONG_BLOCK = 30, (4, 16), 16, 4
+  NELBO_WINDOWS, NELBO_TIME_SAMPLES, TIMED_RUNS, TOKENS_PER_STEP = 8, 2, 1, (2,)
+  CONFIGS.update(block=lambda: smoke_run.text_config(workdir),
+                 char=lambda: smoke_run.text_config(workdir),
+                 causal=lambda: smoke_run.text_config(workdir, causal=True))
+  return {"workdir": workdir, "seed": seed}
+
+
 if __name__ == "__main__":
-  report.experiment_main(__doc__, run, write, "block_diffusion.md", default_n=64,
-                         options={"workdir": ("/tmp/models", "where the models are trained"),
-                                  "seed": ("0", "PRNG seed")})
+  smoke_run.experiment_main(__doc__, run, write, "block_diffusion.md", default_n=64,
+                            options={"workdir": ("/tmp/models", "where the models are trained"),
+                                     "seed": ("0", "PRNG seed")},
+                            smoke=smoke, smoke_n=4)

@@ -1,7 +1,7 @@
 """What the dual KV cache costs in quality: cached against uncached at the same blocks and steps.
 
   python experiments/kv_cache_quality.py [--n=1000] [--workdir=/tmp/kv_cache_quality]
-      [--out=results]
+      [--out=results] [--smoke]
 
 Trains (or reuses, when done) three models in WORKDIR: ScanAndAdd
 (configs/scan_and_add_cpu.py), the character-level Shakespeare denoiser
@@ -28,7 +28,8 @@ import jax
 import numpy as np
 
 from configs import scan_and_add_cpu, shakespeare_causal, shakespeare_char
-from mdjax import report, sampling, tasks, train
+from experiments import smoke as smoke_run
+from mdjax import models, report, sampling, tasks, train
 from mdjax.evaluate import elbo
 from mdjax.tasks import scan_and_add
 
@@ -44,15 +45,28 @@ SAMPLERS = {
 }
 
 
+def char_config():
+  """configs/shakespeare_char.py at CHAR_STEPS."""
+  config = shakespeare_char.get_config()
+  config.train.num_steps = CHAR_STEPS
+  return config
+
+
+CONFIGS = {"scan_and_add": SA_CONFIG.get_config, "char": char_config,
+           "causal": shakespeare_causal.get_config}
+UNTRAINED = ()  # models sampled at their initial weights, step 0 (--smoke)
+
+
 def trained(workdir: str, train_missing: bool = True):
   """{name: (config, apply_fn, params, step)}, each trained first where missing (or, with
   train_missing=False, the newest checkpoint as it is)."""
-  char = shakespeare_char.get_config()
-  char.train.num_steps = CHAR_STEPS
   out = {}
-  for name, config in (("scan_and_add", SA_CONFIG.get_config()), ("char", char),
-                       ("causal", shakespeare_causal.get_config())):
-    path = os.path.join(workdir, name)
+  for name, get_config in CONFIGS.items():
+    config, path = get_config(), os.path.join(workdir, name)
+    if name in UNTRAINED:
+      _, params, apply_fn = models.init(train.model_config(config, tasks.from_config(config)))
+      out[name] = (config, apply_fn, params, 0)
+      continue
     if train_missing:
       train.ensure_trained(config, path)
     _, apply_fn, params, step = train.load_for_sampling(path)
@@ -113,12 +127,12 @@ def text_rows(model, reference, n: int, seed: int) -> list[dict]:
 
 def run(n: int, workdir: str = "/tmp/kv_cache_quality", train_missing: str = "yes",
         seed: int = 0) -> dict:
-  models = trained(workdir, train_missing == "yes")
-  return {"n": n, "seed": seed, "char_train_steps": models["char"][3],
-          "causal_train_steps": models["causal"][3],
-          "scan_and_add_train_steps": models["scan_and_add"][3],
-          "scan_and_add": scan_and_add_rows(models["scan_and_add"], n, seed),
-          "shakespeare_char": text_rows(models["char"], models["causal"], n // TEXT_SHARE,
+  loaded = trained(workdir, train_missing == "yes")
+  return {"n": n, "seed": seed, "char_train_steps": loaded["char"][3],
+          "causal_train_steps": loaded["causal"][3],
+          "scan_and_add_train_steps": loaded["scan_and_add"][3],
+          "scan_and_add": scan_and_add_rows(loaded["scan_and_add"], n, seed),
+          "shakespeare_char": text_rows(loaded["char"], loaded["causal"], n // TEXT_SHARE,
                                         seed)}
 
 
@@ -153,12 +167,24 @@ def write(results: dict, out: str) -> None:
   report.write_text(os.path.join(out, "kv_cache_quality.md"), text)
 
 
+def smoke(workdir: str, train_missing: str) -> dict:
+  """The ScanAndAdd model untrained (K = 5), the tiny text models of experiments/smoke.py
+  (trained in WORKDIR where missing; blocks of 8, K = 4), N samples for both."""
+  global SA_STEPS, TEXT_BLOCK, TEXT_STEPS, TEXT_SHARE, UNTRAINED
+  SA_STEPS, TEXT_BLOCK, TEXT_STEPS, TEXT_SHARE = (5,), 8, (4,), 1
+  UNTRAINED = ("scan_and_add",)
+  CONFIGS.update(char=lambda: smoke_run.text_config(workdir),
+                 causal=lambda: smoke_run.text_config(workdir, causal=True))
+  return {"workdir": workdir, "train_missing": train_missing}
+
+
 def main():
-  report.experiment_main(__doc__, run, write, "kv_cache_quality.md", default_n=1000,
-                         options={"workdir": ("/tmp/kv_cache_quality",
-                                              "where the three models are trained"),
-                                  "train_missing": ("yes", "'no': sample the newest checkpoints "
-                                                    "as they are")})
+  smoke_run.experiment_main(__doc__, run, write, "kv_cache_quality.md", default_n=1000,
+                            options={"workdir": ("/tmp/kv_cache_quality",
+                                                 "where the three models are trained"),
+                                     "train_missing": ("yes", "'no': sample the newest "
+                                                       "checkpoints as they are")},
+                            smoke=smoke, smoke_n=8)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Dependency- and revision-aware samplers against the joint, at matched denoiser budgets.
 
   python experiments/literature_samplers.py [--sa_workdir=/tmp/scan_and_add_study]
-      [--text_workdir=/tmp/text_quality] [--n=2000] [--out=results]
+      [--text_workdir=/tmp/text_quality] [--n=2000] [--out=results] [--smoke]
 
 Every family of mdjax.sampling at budgets of about 8, 16 and 32 evaluated contexts per
 sample (64 for text): ancestral (MD4), confidence (MaskGIT/LLaDA), remasking (ReMDM),
@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from experiments import scan_and_add_study as study
+from experiments import smoke as smoke_run
 from experiments import text_quality
 from mdjax import metrics, report, sampling
 from mdjax.sampling.families import defer
@@ -143,7 +144,7 @@ def _print(row: dict) -> None:
 def run(n: int, sa_workdir: str = "/tmp/scan_and_add_study",
         text_workdir: str = "/tmp/text_quality", seed: int = 0, repeats: int = 200,
         sa_model=None, text_models=None) -> dict:
-  """`sa_model` = (apply_fn, params) and `text_models` = (task, models) skip training (tests)."""
+  """`sa_model` = (apply_fn, params) and `text_models` = (task, models) skip training."""
   start = time.perf_counter()
   if sa_model is None:
     sa_model = study.trained_model(sa_workdir, 1)[:2]
@@ -220,12 +221,26 @@ def plot(results: dict, path: str) -> None:
   report.save_figure(fig, path)
 
 
+def smoke(sa_workdir: str, text_workdir: str) -> dict:
+  """Every family once at a budget of 8 on ScanAndAdd with the exact denoiser as the model
+  (speculative k = 4, defer at 0.2), the speculative sampler only on the tiny text models of
+  experiments/smoke.py (trained in TEXT_WORKDIR where missing), 5 null draws."""
+  global BUDGETS, SPECULATIVE_KS, DEFER_THRESHOLDS, ADAPTIVE_DEFER_THRESHOLDS
+  BUDGETS = {"scan_and_add": (8,), "shakespeare": ()}
+  SPECULATIVE_KS, DEFER_THRESHOLDS, ADAPTIVE_DEFER_THRESHOLDS = (4,), (0.2,), ()
+  text_quality.use_tiny_models(text_workdir)
+  # The exact denoiser stands in for the trained model: its rows run the oracle's programs.
+  return {"sa_workdir": sa_workdir, "text_workdir": text_workdir, "repeats": 5,
+          "sa_model": (sa.exact_denoiser, None)}
+
+
 def main():
-  report.experiment_main(__doc__, run, write, "literature_samplers.md", default_n=2000,
-                         options={"sa_workdir": ("/tmp/scan_and_add_study",
-                                                 "where the ScanAndAdd M = 1 model is found"),
-                                  "text_workdir": ("/tmp/text_quality",
-                                                   "where the Shakespeare models are found")})
+  smoke_run.experiment_main(__doc__, run, write, "literature_samplers.md", default_n=2000,
+                            options={"sa_workdir": ("/tmp/scan_and_add_study",
+                                                    "where the ScanAndAdd M = 1 model is found"),
+                                     "text_workdir": ("/tmp/text_quality",
+                                                      "where the Shakespeare models are found")},
+                            smoke=smoke, smoke_n=64)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """ScanAndAdd with trained models: write order versus confidence, measured against the joint.
 
   python experiments/scan_and_add_study.py [--workdir=/tmp/scan_and_add_study] [--n=2000]
-      [--out=results]
+      [--out=results] [--smoke]
 
 Trains (or resumes, or reuses when done) the M = 1 and M = 9 denoisers of
 configs/scan_and_add_cpu.py in WORKDIR/M1 and WORKDIR/M9 (about 21 minutes each on
@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from configs import scan_and_add_cpu
+from experiments import smoke as smoke_run
 from mdjax import diffusion, metrics, report, sampling, tasks, train
 from mdjax.tasks import scan_and_add as sa
 
@@ -146,10 +147,12 @@ def write_fractions(write_step_BxL: np.ndarray, steps: int, params: sa.Params) -
 def run(n: int, workdir: str = "/tmp/scan_and_add_study", seed: int = 0, repeats: int = 200,
         models: dict | None = None, point_list: list[dict] | None = None,
         nelbo_sequences: int = 10_000) -> dict:
-  """The whole study. `models` ({M: (apply_fn, params)}) skips training (tests)."""
+  """The whole study. `models` ({M: (apply_fn, params)}) skips training (--smoke), and the
+  training curves of WORKDIR with it."""
   start = time.perf_counter()
   train_seconds = {}
-  if models is None:
+  trained_here = models is None
+  if trained_here:
     trained = {m: trained_model(workdir, m) for m in COMMAND_IDS}
     models = {m: (fn, p) for m, (fn, p, _) in trained.items()}
     train_seconds = {m: s for m, (_, _, s) in trained.items()}
@@ -163,7 +166,8 @@ def run(n: int, workdir: str = "/tmp/scan_and_add_study", seed: int = 0, repeats
     null_tvt = metrics.noise_floor(draw, n, sa.VOCAB_SIZE + 1, repeats=repeats)
     reference = draw(2 * repeats)
     denoisers = {"model": (apply_fn, params), "oracle": (task.exact_denoiser, None)}
-    results["training"] += training_curve(workdir, m)
+    if trained_here:
+      results["training"] += training_curve(workdir, m)
     results["nelbo"].append({"M": m, "entropy_bits": sa.entropy_bits(task_params),
                              "model": nelbo_bits_per_sequence(apply_fn, params, task,
                                                               nelbo_sequences, seed + m)})
@@ -349,10 +353,30 @@ def plot_write_order(results: dict, path: str) -> None:
   report.save_figure(fig, path)
 
 
+def smoke_points() -> list[dict]:
+  """Two exact fixed orders, one that writes every command at once, and the confidence and
+  remasking samplers at T = 5, tau = 1."""
+  picked = ("[VOA][v×9]o×10[ht1]", "[VOA]o×10ht1v×9", "[VOA][v×9][o×10][ht1]")
+  return [p for p in points() if p["order"] in picked or (
+      p["kind"] == "confidence" and p["steps"] == 5 and p["temperature"] == 1.0)]
+
+
+def smoke(workdir: str) -> dict:
+  """M = 9 only, the exact denoiser as the model, smoke_points(), 5 null draws, 1,000 NELBO
+  sequences, the write order at T = 5."""
+  global WRITE_ORDER_STEPS
+  # The realised write order at T = 5: the program of the confidence point (compiled once).
+  WRITE_ORDER_STEPS = (5,)
+  exact_model = tasks.get("scan_and_add", {"max_command_id": 9}).exact_denoiser
+  return {"workdir": workdir, "repeats": 5, "models": {9: (exact_model, None)},
+          "point_list": smoke_points(), "nelbo_sequences": 1000}
+
+
 def main():
-  report.experiment_main(__doc__, run, write, "scan_and_add_study.md", default_n=2000,
-                         options={"workdir": ("/tmp/scan_and_add_study",
-                                              "where the two models are trained or found")})
+  smoke_run.experiment_main(__doc__, run, write, "scan_and_add_study.md", default_n=2000,
+                            options={"workdir": ("/tmp/scan_and_add_study",
+                                                 "where the two models are trained or found")},
+                            smoke=smoke, smoke_n=128)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The speculative sampler on ScanAndAdd: rounds, evaluations and the distance to the joint.
 
   python experiments/speculative.py [--workdir=/tmp/scan_and_add_study] [--n=2000]
-      [--out=results]
+      [--out=results] [--smoke]
 
 With the exact denoiser and with the trained M = 1 model of the ScanAndAdd study
 (WORKDIR/M1, trained first if missing: about 21 minutes on 2 CPU cores): the speculative
@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from experiments import scan_and_add_study as study
+from experiments import smoke as smoke_run
 from mdjax import metrics, report, sampling
 from mdjax.tasks import scan_and_add as sa
 
@@ -94,7 +95,7 @@ def wall_times(apply_fn, params, n: int, repeats: int = 5) -> list[dict]:
 
 def run(n: int, workdir: str = "/tmp/scan_and_add_study", seed: int = 0, repeats: int = 200,
         model=None) -> dict:
-  """`model` = (apply_fn, params) skips training (tests)."""
+  """`model` = (apply_fn, params) skips training (--smoke)."""
   start = time.perf_counter()
   if model is None:
     model = study.trained_model(workdir, 1)[:2]
@@ -139,10 +140,23 @@ def write(results: dict, out: str) -> None:
   report.save_figure(fig, f"{out}/speculative.png")
 
 
+def smoke(workdir: str) -> dict:
+  """k = 4 with the lowest-index rule, the exact denoiser as the model, 5 null draws; timed:
+  the chain rule, k = 4 and left to right."""
+  global KS, ORDER_RULES, TIMED
+  KS, ORDER_RULES = (4,), ("lowest_index",)
+  # Timed: the chain rule, and two programs the rows compile anyway (k = 4, left to right).
+  chain, k4, _, left_to_right = TIMED
+  TIMED = (chain, k4, left_to_right)
+  return {"workdir": workdir, "repeats": 5, "model": (sa.exact_denoiser, None)}
+
+
 def main():
-  report.experiment_main(__doc__, run, write, "speculative.md", default_n=2000,
-                         options={"workdir": ("/tmp/scan_and_add_study",
-                                              "where the study's M = 1 model is trained or found")})
+  smoke_run.experiment_main(__doc__, run, write, "speculative.md", default_n=2000,
+                            options={"workdir": ("/tmp/scan_and_add_study",
+                                                 "where the study's M = 1 model is trained or "
+                                                 "found")},
+                            smoke=smoke, smoke_n=128)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Text quality of masked-diffusion samplers on character-level Shakespeare, against step count.
 
   python experiments/text_quality.py [--workdir=/tmp/text_quality] [--n=500] [--out=results]
+      [--smoke]
 
 Trains (or resumes, or reuses when done) the denoiser of configs/shakespeare_char.py in
 WORKDIR/char and the causal reference model of configs/shakespeare_causal.py in
@@ -27,6 +28,7 @@ import jax
 import numpy as np
 
 from configs import shakespeare_causal, shakespeare_char
+from experiments import smoke as smoke_run
 from mdjax import report, sampling, tasks, train
 from mdjax.evaluate import elbo
 
@@ -40,6 +42,7 @@ SAMPLERS = {
 }
 NELBO_WINDOWS, NELBO_TIME_SAMPLES = 2048, 8
 SHOWN_STEPS = (8, 64)  # decoded samples shown in the markdown at these K
+CONFIGS = {"char": shakespeare_char.get_config, "causal": shakespeare_causal.get_config}
 METRIC_KEYS = ("gen_bits_per_char", "gen_bits_per_char_se", "word_validity", "distinct_1",
                "distinct_2", "unigram_entropy_bits")
 
@@ -69,17 +72,16 @@ def infill_examples(task, apply_fn, params, seed: int, count: int = 3) -> list[d
 
 def trained_models(workdir: str):
   """(task, {"char": (apply_fn, params), "causal": ...}), trained first where missing."""
-  char_config, causal_config = shakespeare_char.get_config(), shakespeare_causal.get_config()
   models = {}
-  for name, config in (("char", char_config), ("causal", causal_config)):
+  for name, get_config in CONFIGS.items():
     path = os.path.join(workdir, name)
-    models[name] = train.ensure_trained(config, path)
+    models[name] = train.ensure_trained(get_config(), path)
     print(f"{name}: trained in {train.read_train_seconds(path)} s", flush=True)
-  return tasks.from_config(char_config), models
+  return tasks.from_config(CONFIGS["char"]()), models
 
 
 def run(n: int, workdir: str = "/tmp/text_quality", seed: int = 0) -> dict:
-  char_config = shakespeare_char.get_config()
+  char_config = CONFIGS["char"]()
   task, models = trained_models(workdir)
   apply_fn, params = models["char"]
   held_out = task.validation_windows(NELBO_WINDOWS)
@@ -184,10 +186,26 @@ def plot(results: dict, path: str) -> None:
   report.save_figure(fig, path)
 
 
+def use_tiny_models(workdir: str) -> None:
+  """The tiny denoiser and reference of experiments/smoke.py, trained in WORKDIR where missing."""
+  CONFIGS.update(char=lambda: smoke_run.text_config(workdir),
+                 causal=lambda: smoke_run.text_config(workdir, causal=True))
+
+
+def smoke(workdir: str) -> dict:
+  """The tiny models, K = 4 only, blocks of 8, 8 held-out windows for the NELBO."""
+  global STEPS, SHOWN_STEPS, BLOCK_LENGTH, NELBO_WINDOWS
+  use_tiny_models(workdir)
+  STEPS, SHOWN_STEPS, BLOCK_LENGTH, NELBO_WINDOWS = (4,), (4,), 8, 8
+  return {"workdir": workdir}
+
+
 def main():
-  report.experiment_main(__doc__, run, write, "text_quality.md", default_n=500,
-                         options={"workdir": ("/tmp/text_quality",
-                                              "where the denoiser and the reference are trained")})
+  smoke_run.experiment_main(__doc__, run, write, "text_quality.md", default_n=500,
+                            options={"workdir": ("/tmp/text_quality",
+                                                 "where the denoiser and the reference are "
+                                                 "trained")},
+                            smoke=smoke, smoke_n=8)
 
 
 if __name__ == "__main__":

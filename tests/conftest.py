@@ -64,17 +64,21 @@ def pytest_unconfigure(config):
     shutil.rmtree(_OWNED_CACHE, ignore_errors=True)
 
 
+def pytest_itemcollected(item):
+  """Tests of the `trained` models share one pytest-xdist worker, which trains them once; they
+  are `slow` (the training takes ~20 s of a loaded worker: the fast subset leaves it out).
+  Marked as each test is collected, before `-m` selects."""
+  if "trained" in getattr(item, "fixturenames", ()):
+    item.add_marker(pytest.mark.xdist_group("trained"))
+    item.add_marker(pytest.mark.slow)
+
+
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own pass
 def pytest_collection_modifyitems(config, items):
-  """Tests of the `trained` models share one pytest-xdist worker, which trains them once.
-
-  With --dist loadgroup, pytest-xdist (3.8) sends the tests of one `xdist_group` to one
+  """With --dist loadgroup, pytest-xdist (3.8) sends the tests of one `xdist_group` to one
   worker by the "@group" suffix it writes to `item._nodeid`; pytest 9 keeps node ids in
   `item._id` and ignores that attribute, so the suffix is written here where it is missing.
   """
-  for item in items:
-    if "trained" in getattr(item, "fixturenames", ()):
-      item.add_marker(pytest.mark.xdist_group("trained"))
   if not getattr(config.option, "loadgroup", False):
     return
   for item in items:

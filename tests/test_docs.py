@@ -69,6 +69,7 @@ def _id(block):
 
 @pytest.mark.xdist_group("docs")
 @pytest.mark.parametrize("block", [b for b in PYTHON if b[3] is None], ids=_id)
+@pytest.mark.slow
 def test_python_block_runs(block):
   """The block runs; where the page shows its output, it prints exactly that."""
   page, line, code, _, shown = block
@@ -131,6 +132,8 @@ def _flag_sources(program):
            for name in names if name.endswith(".py")]
   if program.endswith(".py"):
     files.append(os.path.join(ROOT, program))
+  if program.startswith("experiments/"):  # --smoke and the shared command line
+    files.append(os.path.join(ROOT, "experiments", "smoke.py"))
   texts = []
   for path in files:
     with open(path, encoding="utf-8") as f:

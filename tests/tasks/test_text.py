@@ -15,7 +15,6 @@ from mdjax import diffusion, tasks, tokenizers, train
 from mdjax.evaluate import elbo
 from mdjax.tasks import text, two_color
 from tests.paths import REPO as ROOT
-from tests.scripts import load_script
 from tests.text_fixtures import tiny_config, write_corpus as _write_corpus
 
 # ----------------------------------------------------------------------------
@@ -225,35 +224,12 @@ def test_sample_cli_errors(trained, sample_cli):
   assert "invalid_fraction  0.0" in proc.stdout
 
 
-def test_text_quality_experiment_schema(trained, tmp_path, monkeypatch):
-  tq = load_script("text_quality")
-  root, corpus = trained
-  monkeypatch.setattr(tq.shakespeare_char, "get_config", lambda: tiny_config(corpus))
-  monkeypatch.setattr(tq.shakespeare_causal, "get_config", lambda: tiny_config(corpus, True))
-  # One row per sampler. n = 8 samples at K = 4: the ancestral row runs the program of the
-  # fixture's evaluation samples (compiled once), and every causal_bits call has 8 rows.
-  monkeypatch.setattr(tq, "STEPS", (4,))
-  monkeypatch.setattr(tq, "SHOWN_STEPS", (4,))
-  monkeypatch.setattr(tq, "BLOCK_LENGTH", 8)
-  monkeypatch.setattr(tq, "NELBO_WINDOWS", 8)
-  results = tq.run(8, workdir=str(root))
-  tq.write(results, str(tmp_path))
-  data = json.loads((tmp_path / "text_quality.json").read_text())
-  assert (tmp_path / "text_quality.png").stat().st_size > 0
-  assert isinstance(data["bits_per_char"], float) and data["train_minutes"] > 0
-  assert len(data["rows"]) == len(tq.SAMPLERS) * len(tq.STEPS) == 4
-  for row in data["rows"]:
-    assert {"sampler", "K", "gen_bits_per_char", "word_validity", "distinct_2"} <= set(row)
-    assert row["calls"] <= row["K"]
-  held_out = data["references"][0]
-  assert held_out["sampler"] == "held-out text" and held_out["word_validity"] > 0.9
-
-
 # ----------------------------------------------------------------------------
 # One's own text: the config override, any character, sampling without the corpus.
 # ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_text_path_override_any_character_and_sampling_without_the_corpus(
     tmp_path, sample_cli, monkeypatch):
   from absl import flags
@@ -288,66 +264,3 @@ def test_text_path_override_any_character_and_sampling_without_the_corpus(
   assert proc.stdout.count("--- Thou ·") == 3
   with pytest.raises(ValueError, match="corpus.*not available"):
     model.task.sample_data(jax.random.key(0), 2)
-
-
-def test_kv_cache_quality_experiment_schema(trained, tmp_path, monkeypatch):
-  kq = load_script("kv_cache_quality")
-  from mdjax import models, tasks
-
-  root, corpus = trained
-  monkeypatch.setattr(kq, "SA_STEPS", (5,))
-  monkeypatch.setattr(kq, "TEXT_BLOCK", 8)
-  monkeypatch.setattr(kq, "TEXT_STEPS", (4,))
-  sa_config = kq.SA_CONFIG.get_config()
-  _, params, apply_fn = models.init(train.model_config(sa_config, tasks.from_config(sa_config)))
-  char = (tiny_config(corpus), *train.load_for_sampling(str(root / "char"))[1:])
-  causal = (tiny_config(corpus, True), *train.load_for_sampling(str(root / "causal"))[1:])
-  results = {"n": 8, "seed": 0, "char_train_steps": char[3], "causal_train_steps": causal[3],
-             "scan_and_add_train_steps": 0,
-             "scan_and_add": kq.scan_and_add_rows((sa_config, apply_fn, params, 0), 8, 0),
-             "shakespeare_char": kq.text_rows(char, causal, 8, 0)}
-  kq.write(results, str(tmp_path))
-  data = json.loads((tmp_path / "kv_cache_quality.json").read_text())
-  # Every sampler at every K, uncached and dual, with the same keys.
-  assert len(data["scan_and_add"]) == len(kq.SAMPLERS) * 2
-  assert len(data["shakespeare_char"]) == 2 * 2
-  for row in data["scan_and_add"] + data["shakespeare_char"]:
-    assert row["kv_cache"] in ("none", "dual") and 0.0 <= row["same_as_uncached"] <= 1.0
-  for row in data["shakespeare_char"]:
-    assert math.isfinite(row["gen_bits_per_char"]) and row["gen_bits_per_char"] > 0
-  assert "rows equal" in (tmp_path / "kv_cache_quality.md").read_text()
-
-
-def test_block_diffusion_experiment_schema(trained, tmp_path, monkeypatch):
-  """experiments/block_diffusion.py on tiny models: results/block_diffusion.json's keys."""
-  bd = load_script("block_diffusion")
-  _, corpus = trained
-
-  def block_config():
-    c = tiny_config(corpus)
-    c.model.block_size = 4
-    return c
-
-  monkeypatch.setattr(bd.shakespeare_block, "get_config", block_config)
-  monkeypatch.setattr(bd.shakespeare_char, "get_config", lambda: tiny_config(corpus))
-  monkeypatch.setattr(bd.shakespeare_causal, "get_config", lambda: tiny_config(corpus, True))
-  for name, value in (("STEPS", 30), ("BLOCKS", (4, 16)), ("LENGTH", 16), ("LONG_BLOCK", 4),
-                      ("NELBO_WINDOWS", 8), ("NELBO_TIME_SAMPLES", 2), ("TIMED_RUNS", 1),
-                      ("TOKENS_PER_STEP", (2,))):
-    monkeypatch.setattr(bd, name, value)
-  results = bd.run(4, workdir=str(tmp_path / "models"))
-  bd.write(results, str(tmp_path))
-  data = json.loads((tmp_path / "block_diffusion.json").read_text())
-  assert (tmp_path / "block_diffusion.png").stat().st_size > 0
-  assert [r["block"] for r in data["nelbo"]] == [4, 16]
-  assert all(isinstance(r["bits_per_char"], float) and r["stderr"] >= 0 for r in data["nelbo"])
-  assert isinstance(data["causal_bits_per_char"], float)
-  # Block 4: cached and not, equal tokens, so equal scores; block 16 = L: one canvas.
-  assert [(r["block"], r["steps_per_block"], r["cached"]) for r in data["samples"]] == [
-      (4, 2, True), (4, 2, False), (16, 8, False)]
-  cached, plain = data["samples"][:2]
-  assert cached["gen_bits_per_char"] == plain["gen_bits_per_char"]
-  for row in data["samples"]:
-    assert {"gen_bits_per_char", "word_validity", "time_s"} <= set(row) and row["time_s"] > 0
-  assert [r["segment"] for r in data["long"]] == [0, 1, 2, 3]
-  assert all(set(r) == {"segment", "gen_bits_per_char"} for r in data["long"])
