@@ -36,6 +36,7 @@ def _tokens(seed, batch=3):
 
 
 @pytest.mark.parametrize("positions", ["rope", "sinusoidal"])
+@pytest.mark.slow
 def test_block_size_L_is_bidirectional_and_1_is_causal(positions):
   """Same parameters (block_size adds none): block L computes the bidirectional model's
   logits, block 1 the causal model's, exactly (the same masks)."""
@@ -65,6 +66,7 @@ def test_block_causal_influence():
 
 @pytest.mark.parametrize("kw", [{"block_size": 4}, {"block_size": 3, "positions": "sinusoidal"},
                                 {"block_size": L}])
+@pytest.mark.slow
 def test_block_pair_is_the_plain_pass_per_block(kw):
   """Noisy block b's logits from the pair pass = the plain block-causal pass over
   [clean blocks < b, noisy block b, anything after] at block b."""
@@ -128,6 +130,7 @@ def test_block_size_L_is_nelbo_loss_with_the_same_key():
   np.testing.assert_allclose(model_block, model_ref, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_block_loss_gradients_finite_and_times():
   _, params, apply_fn = models.init(_cfg(block_size=4), seed=4)
   x = jax.random.randint(jax.random.key(5), (4, L), 0, V)
@@ -208,6 +211,7 @@ def _block_nelbos(seed=0):
 
 @pytest.mark.xdist_group("block_tightness")
 @pytest.mark.parametrize("block", [1, 2])
+@pytest.mark.slow
 def test_two_color_block_elbo_is_tight(block):
   mean, se = _block_nelbos()[two_color, two_color.exact_denoiser, block]
   # 4 Monte Carlo standard errors of the batch mean around the entropy ln 2.
@@ -216,6 +220,7 @@ def test_two_color_block_elbo_is_tight(block):
 
 @pytest.mark.xdist_group("block_tightness")
 @pytest.mark.parametrize("block", [1, 5, 25])
+@pytest.mark.slow
 def test_scan_and_add_block_elbo_is_tight(block):
   mean, se = _block_nelbos()[scan_and_add, scan_and_add.exact_denoiser, block]
   entropy_nats = scan_and_add.entropy_bits() * math.log(2)
@@ -224,6 +229,7 @@ def test_scan_and_add_block_elbo_is_tight(block):
 
 
 @pytest.mark.xdist_group("block_tightness")
+@pytest.mark.slow
 def test_uniform_block_denoisers_are_strictly_worse():
   mean, se = _block_nelbos()[two_color, two_color.uniform_denoiser, 1]
   # Uniform: every masked token costs ln 2, so the block NELBO is 2 ln 2 in expectation.
@@ -275,6 +281,7 @@ def test_train_config_selects_the_block_loss_and_refuses_bad_block_sizes(tmp_pat
       train.model_config(config, tasks.from_config(config))
 
 
+@pytest.mark.slow
 def test_trained_block_model_samples_past_its_length_from_the_cli(tmp_path, sample_cli):
   """train.py with block_size, then sample.py --blocks_of: the checkpoint's block-causal
   model generates 3 x its 16-position windows on the exact cache, from a text prefix of any

@@ -65,6 +65,7 @@ def _qwen3_folder(path) -> str:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.slow
 def test_causal_pattern_reproduces_the_ar_logits_shifted(family):
   chosen, params = conversion(family)
   config = chosen.config

@@ -121,6 +121,7 @@ def _two_color_nelbo_theory(schedule):
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=repr)
+@pytest.mark.slow
 def test_elbo_is_tight_for_exact_denoiser(schedule):
   mean, stderr = _oracle_nelbo(schedule, two_color.exact_denoiser)
   theory = _two_color_nelbo_theory(schedule)
@@ -131,6 +132,7 @@ def test_elbo_is_tight_for_exact_denoiser(schedule):
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES[:3], ids=repr)
+@pytest.mark.slow
 def test_uniform_denoiser_nelbo_is_strictly_larger(schedule):
   mean, stderr = _oracle_nelbo(schedule, two_color.uniform_denoiser)
   # Uniform: every masked token costs ln 2, so the NELBO is 2 ln 2 exactly.
@@ -138,6 +140,7 @@ def test_uniform_denoiser_nelbo_is_strictly_larger(schedule):
   assert mean - 4 * stderr > two_color.ENTROPY_NATS
 
 
+@pytest.mark.slow
 def test_discrete_time_nelbo_upper_bounds_and_converges():
   # Linear schedule, exact denoiser: sum_i (a_s - a_t)(1 - a_t) 2 ln 2
   # = ln 2 (T + 1) / T, which is >= ln 2 and decreases to it.
@@ -255,6 +258,7 @@ def test_mlm_corruption_proportions():
 
 
 @pytest.mark.parametrize("low_ratio_prob", [0.0, 0.5, 1.0])
+@pytest.mark.slow
 def test_mlm_low_ratio_mixture_mean(low_ratio_prob):
   # r ~ U[0, 1] with prob 1 - p, U[0, 0.3] with prob p: E[selected fraction] =
   # (1 - p) / 2 + p * 0.15. Rows are independent, so 4 standard errors of the

@@ -89,6 +89,7 @@ def tiny():
   return apply_fn, params
 
 
+@pytest.mark.slow
 def test_padding_is_refused_when_editable(tiny):
   apply_fn, params = tiny
   tokens = np.full((1, 6), V, np.int32)
@@ -239,6 +240,7 @@ def test_generate_gives_every_row_max_new_tokens_whatever_the_batch():
     mdjax.generate(model, prompts, spec=spec, max_new_tokens=6, key=jax.random.key(0))
 
 
+@pytest.mark.slow
 def test_generate_past_the_model_length_on_a_block_causal_model():
   """12 positions, blocks of 4: a 5-token prompt and 10 new tokens go block by block (the
   prompt's partial block first), 10 tokens a row."""

@@ -13,6 +13,8 @@ import pytest
 from mdjax import generation, sampling
 from tests.test_generation import V, tiny  # noqa: F401  (the tiny Transformer fixture)
 
+pytestmark = pytest.mark.slow
+
 
 # Every family at its example settings (random draws), but the specs that name canvas
 # positions (ordered, field_order, speculative with fixed positions: a left-padded batch

@@ -66,6 +66,7 @@ def test_explicit_axes_become_auto():
   assert mesh_lib.auto_axes(auto) is auto
 
 
+@pytest.mark.slow
 def test_documented_mesh_load_then_generate_on_four_devices():
   """docs/pretrained.md's call, `jax.make_mesh` (Explicit axes) and all, over 4 devices: the
   parameters are split and the samples are the unsharded model's, token for token."""
@@ -94,6 +95,7 @@ def test_documented_mesh_load_then_generate_on_four_devices():
   run_on_cpu_devices(code, 4, "MESH LOAD OK")
 
 
+@pytest.mark.slow
 def test_llada2_experts_split_over_a_mesh_and_generate_the_same_tokens():
   """The mixture of experts over 2 devices: the stacked expert matrices [layers, experts,
   D, F] are split by the FSDP rule (not replicated), and the reference decoder gives the

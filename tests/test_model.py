@@ -60,6 +60,7 @@ def test_kind_of_names_what_load_reads(trained):
   assert loader.kind_of("scan_and_add") == "oracle"
 
 
+@pytest.mark.slow
 def test_a_published_completion_does_not_depend_on_the_batch(llada, dream):
   """The key rule: row i draws with fold_in(key, i), every batch padded to the longest
   prompt of all. At temperature 1 the keys decide the tokens, so a per-batch key (the rule
@@ -79,6 +80,7 @@ def test_a_published_completion_does_not_depend_on_the_batch(llada, dream):
     assert any((a != b).any() for a, b in zip(together.token_ids, other.token_ids))
 
 
+@pytest.mark.slow
 def test_a_dream_completion_does_not_depend_on_its_neighbours(dream):
   """Dream counts positions from each row's first real token: a prompt's completion is the
   same beside a short prompt or a long one (more padding before it)."""
@@ -115,6 +117,7 @@ def test_generate_bad_input_before_compiling(llada):
     mdjax.generate(llada, ["a"], max_new_tokens=4, batch_size=0, key=jax.random.key(0))
 
 
+@pytest.mark.slow
 def test_mdlm_and_bd3lm_generate_from_nothing_by_their_reference_samplers():
   for name in ("mdlm", "bd3lm"):
     model = mdjax.load(os.path.join(DIT, name))

@@ -11,6 +11,7 @@ from mdjax import sampling
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_usage_errors_are_one_line_with_status_2():
   # One real process: absl alone prints the whole flag list before the message.
   for flags, expected in (
@@ -60,6 +61,7 @@ def test_unwritable_out_fails_before_sampling(sample_cli, tmp_path):
   assert "batch 1/" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_exactly_num_samples_are_drawn(sample_cli, tmp_path, monkeypatch):
   import sample
   shapes = []
@@ -99,6 +101,7 @@ FAMILY_FLAGS = {
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_FLAGS))
+@pytest.mark.slow
 def test_every_family_is_choosable(sample_cli, family):
   assert set(FAMILY_FLAGS) == set(sampling.families()) | {"left_to_right"}
   proc = sample_cli("--task=scan_and_add", "--oracle", f"--sampler={family}",

@@ -24,6 +24,8 @@ from mdjax.denoiser import Denoiser
 from tests.paths import REPO
 from tests.text_fixtures import tiny_config, write_corpus
 
+pytestmark = pytest.mark.slow
+
 # A value for each flag (not its default), and the flags its sampler family needs.
 LOCAL_REMASK = {"sampler": "local_remask"}
 FLAG_VALUES = {

@@ -26,6 +26,7 @@ def test_a_folders_tokenizer_json(tmp_path):
     tokenizers.load_hf_tokenizer(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_the_data_rooms_import_no_task():
   code = ("import sys, mdjax.data, mdjax.tokenizers\n"
           "assert not [m for m in sys.modules if m.startswith('mdjax.tasks')], 'tasks'\n")

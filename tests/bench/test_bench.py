@@ -47,6 +47,7 @@ def test_the_default_sweeps_every_family():
     suite.check_config(config)
 
 
+@pytest.mark.slow
 def test_bench_schema_and_ratios(tmp_path):
   config = _tiny_config()
   result = bench.run(config, log=lambda *_: None)
@@ -110,6 +111,7 @@ def assert_same_keys(data: dict, committed_path: pathlib.Path):
   assert key_structure({k: v for k, v in data.items() if k != "model"}) == key_structure(committed)
 
 
+@pytest.mark.slow
 def test_analytic_flops_match_xla_cost_analysis():
   # Two independent counts of the same forward pass agree where XLA reports FLOPs.
   import jax.numpy as jnp
@@ -141,6 +143,7 @@ def test_bad_settings_raise_before_compiling(field, value, match):
     bench.run(config, log=lambda *_: None)
 
 
+@pytest.mark.slow
 def test_kv_cache_bench_schema(tmp_path):
   from configs.bench_kv_cache import get_config as kv_config
   from mdjax.bench import kv_cache

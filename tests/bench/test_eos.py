@@ -4,8 +4,11 @@ import functools
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from mdjax.bench import eos
+
+pytestmark = pytest.mark.slow
 
 CANVAS, BLOCK = 16, 4
 VOCAB, EOS = 6, 1  # ids 0..5, mask 6

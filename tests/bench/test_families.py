@@ -36,6 +36,7 @@ def _check_decoders(rows, new):
   assert calls["mdjax_cached"] > calls["mdjax_uncached"]  # + a pass appending each block
 
 
+@pytest.mark.slow
 def test_main_writes_every_section(tmp_path, monkeypatch):
   """The small model saved in the published layout and loaded, handed to the decoders (here
   a stand-in: the --gpu test below runs them) with SDAR's greedy knobs."""
@@ -75,6 +76,7 @@ def test_memory_rows_match_the_published_indexes():
   assert rows["LLaDA2.0-mini"]["active_params"] < rows["LLaDA2.0-mini"]["params"] / 5
 
 
+@pytest.mark.slow
 def test_gpu_mode_on_a_tiny_stand_in(tmp_path, monkeypatch):
   """--gpu on the SDAR fixture's config.json (3 layers, width 64) instead of the published
   shapes: random bfloat16 weights, the same decoders."""

@@ -86,6 +86,7 @@ def test_aup_follows_d3llm_definition():
     parallelism.aup([1.0], [1.0], 0.0)
 
 
+@pytest.mark.slow
 def test_forwards_per_row_is_what_a_row_alone_costs():
   # A batch of one row: its forward count must be the program's denoiser calls.
   denoiser = permutation.make_exact_denoiser(PARAMS)
@@ -105,6 +106,7 @@ def tiny_results(tmp):
     return results, json.load(f)
 
 
+@pytest.mark.slow
 def test_tiny_bench_schema_bound_and_closed_forms(tmp_path_factory):
   results, written = tiny_results(str(tmp_path_factory.mktemp("parallelism")))
   assert {"config", "oracle", "aup", "adaptivity", "permutation_trajectory", "trained",

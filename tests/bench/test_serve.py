@@ -14,6 +14,7 @@ DREAM = os.path.join(REPO, "tests", "fixtures", "pretrained", "dream")
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.slow
 def test_serve_bench_writes_every_key_and_the_served_rows_are_the_offline_ones(tmp_path):
   out = tmp_path / "serve.json"
   result = bench.main([f"--model={DREAM}", f"--out={out}", "--concurrency=1,4", "--requests=4",

@@ -72,6 +72,7 @@ def _documented_commands():
 
 
 @pytest.mark.parametrize("page,command", _documented_commands())
+@pytest.mark.slow
 def test_the_documented_command_prepares_a_small_folder(tmp_path, capsys, page, command):
   # The flags of the page's command, its folders replaced by a folder of 20 play openings.
   folder = _folder(tmp_path, chars=8000)

@@ -44,6 +44,7 @@ def _config(data_dir):
   return c
 
 
+@pytest.mark.slow
 def test_stopped_mid_epoch_and_resumed_matches_the_uninterrupted_run(data_dir, tmp_path,
                                                                      monkeypatch):
   config = _config(data_dir)

@@ -35,6 +35,7 @@ def _error_line(capsys, name: str) -> str:
   return lines[0]
 
 
+@pytest.mark.slow
 def test_clipped_perplexity_of_a_bd3lm_folder(tmp_path, capsys):
   """The reference stores sampling_eps_min / _max with shape (1,): read as scalars."""
   model = pretrained.load(BD3LM)
@@ -67,6 +68,7 @@ def test_perplexity_errors_are_one_line(tmp_path, capsys, monkeypatch):
   assert "none.npy' is not a file" in _error_line(capsys, "perplexity")
 
 
+@pytest.mark.slow
 def test_gen_ppl_command_warns_nothing_and_errors_in_one_line(tmp_path):
   """`python -m mdjax.evaluate.gen_ppl`: the package does not import the module first (runpy's
   RuntimeWarning), and a bad --samples is one line with exit status 2."""

@@ -36,6 +36,7 @@ def test_two_color_equals_its_closed_form_and_converges_to_log_2():
   assert abs(est["nelbo_nats"] - math.log(2)) < math.log(2) / 64 + 4 * est["se"]
 
 
+@pytest.mark.slow
 def test_scan_and_add_converges_to_minus_log_p():
   x = np.asarray(scan_and_add.sample_data(jax.random.key(1), 8, SMALL))
   exact = -scan_and_add.log_prob(x, SMALL).mean()

@@ -58,6 +58,7 @@ def test_windows_score_each_token_once():
       assert start == 0 or first - start >= length - stride + 1
 
 
+@pytest.mark.slow
 def test_retokenization_across_tokenizers():
   """Texts from a sampler with another vocabulary (mdjax characters) are judged by the Qwen2
   fixture's byte-level BPE: its ids, its count, its BOS."""
@@ -95,6 +96,7 @@ def test_entropy_of_a_known_histogram():
   assert out.sampler_entropy_N is None and out.mean_sampler_entropy is None
 
 
+@pytest.mark.slow
 def test_mdjax_causal_model_as_judge(tmp_path):
   """A mdjax model trained with objective "causal": its task's characters, the mask id as
   the start token, scored as `elbo.causal_bits` scores it."""

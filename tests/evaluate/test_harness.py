@@ -58,6 +58,7 @@ def _unigram(params, tokens_BxL, t_B):
   return jnp.broadcast_to(params, tokens_BxL.shape + params.shape)
 
 
+@pytest.mark.slow
 def test_rolling_sums_windows_of_an_exact_factorized_model():
   """Independent tokens: every draw of a window is (T / l) times the masked tokens' log p, an
   unbiased estimate of its sum; iid counts make the standard error exact, so 4 of them
@@ -87,6 +88,7 @@ def test_rolling_sums_windows_of_an_exact_factorized_model():
 # ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_only_the_adapter_imports_lm_eval():
   """`import mdjax` (and mdjax.evaluate) never imports lm_eval: only the two modules that
   exist for it name it, and nothing imports them."""
@@ -132,6 +134,7 @@ def _instance(kind, args, index):
   return Instance(request_type=kind, doc={}, arguments=args, idx=index)
 
 
+@pytest.mark.slow
 def test_llada_fixture_padding_stops_and_ragged_prompts():
   """On the tiny LLaDA: context buckets (left padding) change an estimate by rounding only;
   generate_until's rows do not depend on their neighbours, and text is cut at a stop."""
@@ -159,6 +162,7 @@ def test_llada_fixture_padding_stops_and_ragged_prompts():
   assert cut[1] == both[1].split(stop)[0] and stop not in cut[1]
 
 
+@pytest.mark.slow
 def test_lm_eval_end_to_end_on_local_tasks(monkeypatch):
   """lm-eval's simple_evaluate over the YAML tasks, the exact ScanAndAdd denoiser as the
   model: every answer is the one the law allows, so acc and exact_match are 1 (see

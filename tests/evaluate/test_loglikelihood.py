@@ -14,6 +14,7 @@ TWO_COLOR = tasks.get("two_color")
 
 
 @pytest.mark.parametrize("estimator", evaluate.ESTIMATORS)
+@pytest.mark.slow
 def test_exact_denoiser_within_four_standard_errors(estimator):
   """Whole sequences: log p = -ln 2; the second token given the first: log p = 0.
 
@@ -43,6 +44,7 @@ def _stub(table_VxV, tokens_BxL, t_B):
   return jnp.cumsum(table_VxV[tokens_BxL], axis=1) + t_B[:, None, None]
 
 
+@pytest.mark.slow
 def test_batch_equals_its_rows():
   table = jax.random.normal(jax.random.key(0), (5, 4))
   ctx_Bx3 = np.array([[0, 1, 2], [3, 3, 0], [2, 1, 1]])

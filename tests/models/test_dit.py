@@ -242,6 +242,7 @@ def test_denoiser_matches_reference():
   _check_subs(c, np.asarray(jax.jit(den)(PARAMS, tokens, T_B)), tokens, T_B)
 
 
+@pytest.mark.slow
 def test_block_causal_denoiser_and_exact_cache():
   """Block-causal without time conditioning: the default denoiser (folding in the program)
   against the reference under SUBS; prefill and decode over windows of two blocks (a

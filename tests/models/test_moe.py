@@ -115,6 +115,7 @@ RTOL, ATOL = 1e-5, 1e-5
     {"num_experts": 16, "n_group": 8, "topk_group": 3, "experts_per_token": 4,
      "num_shared_experts": 2},
 ])
+@pytest.mark.slow
 def test_matches_the_published_block(kw):
   config = _config(**kw)
   layer, x = _layer(config), _x()

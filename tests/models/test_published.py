@@ -177,6 +177,7 @@ def _close(actual, expected, tol):
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
 @pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.slow
 def test_forward_matches_numpy_reference(family, padded):
   config, tokens = _config(family), _tokens()
   params, valid = _params(config), _left_padded() if padded else None
@@ -220,6 +221,7 @@ def test_dream_left_padding_is_invisible():
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.slow
 def test_prefill_and_decode_on_an_unchanged_canvas(family):
   """A window pass over the canvas the cache holds gives the full pass's logits (rows 1
   and 2 are left-padded, row 0 is not) and writes back the same keys and values."""
@@ -241,6 +243,7 @@ def test_prefill_and_decode_on_an_unchanged_canvas(family):
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.slow
 def test_decode_of_the_whole_canvas_after_a_change_is_exact(family):
   config, tokens = _config(family), _tokens()
   params, valid = _params(config), _left_padded()
@@ -256,6 +259,7 @@ def test_decode_of_the_whole_canvas_after_a_change_is_exact(family):
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
 @pytest.mark.parametrize("start", [0, 5])
+@pytest.mark.slow
 def test_decode_of_a_window_sees_stale_keys_outside_it(family, start):
   """Outside the window the keys and values are the old canvas's: the reference with those
   stale keys. Dream's first window position reads the output at start - 1, computed against
@@ -277,6 +281,7 @@ def test_decode_of_a_window_sees_stale_keys_outside_it(family, start):
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.slow
 def test_bfloat16_agrees_with_float32_on_the_top_token(family):
   config = _config(family)
   params = _params(config)
@@ -321,6 +326,7 @@ def test_denoiser_is_time_free_hashable_and_cached():
 
 
 @pytest.mark.parametrize("family, dtype", [("llada", "float32"), ("dream", "bfloat16")])
+@pytest.mark.slow
 def test_init_params_layout_and_count(family, dtype):
   config = _config(family, dtype=dtype)
   params = jax.jit(published.init_params, static_argnums=0)(config, jax.random.key(0))
@@ -365,6 +371,7 @@ def _block_config(family, **kw):
 
 @pytest.mark.parametrize("family", list(BLOCK_NETWORKS))
 @pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.slow
 def test_block_networks_match_numpy_reference(family, padded):
   config, tokens = _block_config(family), _tokens()
   params, valid = _params(config), _left_padded() if padded else None
@@ -377,6 +384,7 @@ def test_block_networks_match_numpy_reference(family, padded):
 
 
 @pytest.mark.parametrize("family", list(BLOCK_NETWORKS))
+@pytest.mark.slow
 def test_block_attention_hides_later_blocks_and_padding(family):
   """Changing the tokens of a later block leaves every earlier block's logits as they were,
   and a left-padded row gives the logits of the same row alone (blocks and positions count
@@ -401,6 +409,7 @@ def test_block_attention_hides_later_blocks_and_padding(family):
 
 
 @pytest.mark.parametrize("family", list(BLOCK_NETWORKS))
+@pytest.mark.slow
 def test_block_cache_is_exact(family):
   """A pass over one block against the cache of a stale canvas gives the exact logits of the
   new canvas on that block: no earlier position sees the block or what follows it, so the
@@ -420,6 +429,7 @@ def test_block_cache_is_exact(family):
                                   changed[:, start:start + BLOCK])
 
 
+@pytest.mark.slow
 def test_moe_layers_layout_and_count():
   config = _block_config("llada2")
   params = jax.jit(published.init_params, static_argnums=0)(config, jax.random.key(0))
@@ -452,6 +462,7 @@ def test_block_network_refusals_name_the_field(change, field):
 
 
 @pytest.mark.parametrize("family", list(BLOCK_NETWORKS))
+@pytest.mark.slow
 def test_sample_blocks_with_the_block_cache_equals_recomputing(family):
   """`sample_blocks` on the published block networks: the exact block cache gives the tokens
   of recomputing every call over the canvas (a left-padded row included; LLaDA2's cache has
@@ -472,6 +483,7 @@ def test_sample_blocks_with_the_block_cache_equals_recomputing(family):
 
 
 @pytest.mark.parametrize("family", list(BLOCK_NETWORKS))
+@pytest.mark.slow
 def test_block_pair_is_each_block_decoded_after_the_clean_ones(family):
   """The training pass over [noisy; clean] gives each noisy block the logits of the canvas
   with the clean blocks before it, the block itself noisy and anything after: what the

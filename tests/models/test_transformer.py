@@ -18,6 +18,7 @@ def _cfg(**kw):
 @pytest.mark.parametrize("kw", [
     {}, {"positions": "sinusoidal", "norm": "layer", "mlp": "gelu"},
     {"time_conditioning": True}, {"causal": True}])
+@pytest.mark.slow
 def test_contract_shapes_and_jit(kw):
   _, params, apply_fn = models.init(_cfg(**kw))
   tokens = jax.random.randint(jax.random.key(0), (3, L), 0, V + 1)
@@ -39,6 +40,7 @@ def _input_influence(apply_fn, params, position):
   return np.array(influence)
 
 
+@pytest.mark.slow
 def test_bidirectional_and_causal_dependence():
   _, params, apply_fn = models.init(_cfg())
   influence = _input_influence(apply_fn, params, position=3)
@@ -48,6 +50,7 @@ def test_bidirectional_and_causal_dependence():
   assert np.all(influence[:4] > 0) and np.all(influence[4:] == 0), influence
 
 
+@pytest.mark.slow
 def test_time_conditioning_reads_t_only_when_on():
   tokens = jnp.full((2, L), V, jnp.int32)
   _, params, apply_fn = models.init(_cfg())
@@ -67,6 +70,7 @@ def test_bad_config_raises():
     _cfg(positions="alibi")
 
 
+@pytest.mark.slow
 def test_model_plugs_into_every_sampler():
   # A short canvas and one layer: a sampler program's compile time grows with both.
   length = 4

@@ -30,6 +30,7 @@ model = family_fixtures.model  # each fixture loaded once per worker
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_generate_texts_and_chats_by_the_reference_decoder(family):
   """Texts and chats through the chat template, by the family's reference decoder with the
   exact block cache; the short prompt, left-padded in a batch with a longer one, gets what it
@@ -47,6 +48,7 @@ def test_generate_texts_and_chats_by_the_reference_decoder(family):
   assert all(1 <= len(ids) <= 8 and m.mask_id not in ids for ids in both.token_ids)
 
 
+@pytest.mark.slow
 def test_chat_through_the_template():
   m = model("sdar")
   chat = mdjax.generate(m, [[{"role": "user", "content": "Hello"}]], max_new_tokens=4,
@@ -56,6 +58,7 @@ def test_chat_through_the_template():
   np.testing.assert_array_equal(chat.token_ids[0], plain.token_ids[0])
 
 
+@pytest.mark.slow
 def test_sample_cli_pretrained(sample_cli, tmp_path):
   family = "fast_dllm_v2"
   prompts = tmp_path / "prompts.jsonl"
@@ -75,6 +78,7 @@ SAMPLERS = ("ancestral", "confidence", "entropy_bounded", "revision")
 
 
 @pytest.mark.parametrize("sampler", SAMPLERS)
+@pytest.mark.slow
 def test_mdjax_samplers_run_on_a_block_model(sampler):
   """mdjax's own families on LLaDA2 (the mixture of experts, partial RoPE, qk-norm):
   their first example spec, on a canvas. Every registered family runs on all three in
@@ -88,6 +92,7 @@ def test_mdjax_samplers_run_on_a_block_model(sampler):
   assert len(ids) == 8 and not (ids == m.mask_id).any()
 
 
+@pytest.mark.slow
 def test_lm_eval_adapter_scores_and_generates():
   harness = pytest.importorskip("mdjax.evaluate.harness")
   from lm_eval.api.instance import Instance
@@ -114,6 +119,7 @@ def _sft_config(folder, length=96):
   return config
 
 
+@pytest.mark.slow
 def test_sft_trains_by_the_block_nelbo_and_exports_the_layout(tmp_path):
   """SFT from a block-causal folder (LLaDA2: its experts and fused projection go back to
   their stored layout): its loss is the block NELBO per response token (each block after the

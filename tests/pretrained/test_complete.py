@@ -79,6 +79,7 @@ def test_generate_is_the_reference_sampler_cut_at_the_end_of_text(llada):
     generation.generate(llada, prompts, max_new_tokens=8, alg="entropy", key=jax.random.key(0))
 
 
+@pytest.mark.slow
 def test_any_family_samples_a_checkpoint(llada):
   """A family on the checkpoint's own ids: the mask id (inside the vocabulary) never comes
   out, and generate(spec=) is `sampling.sample` on the encoded prompts."""
@@ -113,6 +114,7 @@ def test_sample_cli_pretrained(sample_cli, llada, tmp_path):
   assert proc.returncode == 1 and "--alg does not apply to the llada" in proc.stderr
 
 
+@pytest.mark.slow
 def test_sample_cli_samples_mdlm_and_bd3lm_from_nothing(sample_cli, tmp_path):
   """MDLM and BD3-LM folders through sample.py: unconditional rows by their reference
   samplers (BD3-LM past its length, block by block), and id prompts completed."""
@@ -136,6 +138,7 @@ def test_sample_cli_samples_mdlm_and_bd3lm_from_nothing(sample_cli, tmp_path):
   assert proc.returncode == 0 and "2 completions" in proc.stdout, proc.stderr
 
 
+@pytest.mark.slow
 def test_a_family_by_name_inherits_the_reference_greedy_default(sample_cli, llada, tmp_path,
                                                                monkeypatch):
   """--sampler=confidence on LLaDA without --temperature is greedy, as LLaDA's reference

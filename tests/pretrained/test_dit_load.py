@@ -73,6 +73,7 @@ def saved(tmp_path):
 @pytest.mark.parametrize("family,dtype,shard", [("mdlm", "float32", None),
                                                 ("bd3lm", "bfloat16", None),
                                                 ("bd3lm", "float32", 4000)])
+@pytest.mark.slow
 def test_round_trip(tmp_path, family, dtype, shard):
   config = tiny(family, dtype)
   params = random_params(config, 0)
@@ -419,6 +420,7 @@ def _fixture_folders():
 
 @pytest.mark.parametrize("folder", _fixture_folders() or [pytest.param(None, marks=pytest.mark.skip(
     reason="no fixture folders in tests/fixtures/dit yet"))])
+@pytest.mark.slow
 def test_fixture_folders_load_and_round_trip(tmp_path, folder):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # a fixture may name a flash attention backend

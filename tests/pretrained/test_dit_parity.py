@@ -109,6 +109,7 @@ def test_config(name):
 
 
 @pytest.mark.parametrize("name", MODELS)
+@pytest.mark.slow
 def test_forward_matches_reference(name):
   """The raw logits over V + 1 ids within 1e-4. sigma is what the reference's sampler
   computes from t; the network zeroes it without time_conditioning (as the reference does)."""
@@ -121,6 +122,7 @@ def test_forward_matches_reference(name):
 
 
 @pytest.mark.parametrize("name", MODELS)
+@pytest.mark.slow
 def test_denoiser_matches_reference_subs(name):
   """The denoiser at t (sigma(t) by the log-linear schedule; without time_conditioning the
   folded network) is the reference `Diffusion.forward`'s SUBS output (BD3-LM: its sampling
@@ -135,6 +137,7 @@ def test_denoiser_matches_reference_subs(name):
                                z[f"{name}_sigma"], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_bd3lm_block_pair_matches_training_pass():
   """BD3-LM's training pass over [x_t ; x_0] (its 2L x 2L mask) under SUBS."""
   z = reference()

@@ -76,6 +76,7 @@ def test_mdlm_plan_is_the_reference_grid():
   assert len(no_removal.t) == 5 and no_removal.reveal_p[-1] == 1.0
 
 
+@pytest.mark.slow
 def test_mdlm_step_law_is_the_reference_q_xs():
   # steps=2, eps=0.5: step 0 runs t = 1 -> s = 0.75.
   params, before_L, after_BxL, _ = _first_step(sampling.MDLMSpec(steps=2, eps=0.5))
@@ -90,6 +91,7 @@ def test_mdlm_step_law_is_the_reference_q_xs():
                                                                         (ROWS, PROMPT)))
 
 
+@pytest.mark.slow
 def test_mdlm_cache_saves_the_calls_of_unchanged_canvases_and_noise_removal_is_argmax():
   params = stubs.stub_params(VOCAB, LENGTH)
   canvas = prompted_canvas(batch=1)
@@ -118,6 +120,7 @@ def test_bd3lm_nucleus_is_the_reference_filter():
     np.testing.assert_allclose(ours, _reference_nucleus(probs, p), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_bd3lm_first_hitting_law():
   spec = sampling.BD3LMSpec(nucleus_p=0.6)
   params, before_L, after_BxL, out = _first_step(spec)
@@ -148,6 +151,7 @@ def test_bd3lm_ddpm_grid_is_the_reference_and_caches():
   assert int(out.nfe) + int(out.saved_calls) == 24 and int(out.nfe) <= 9
 
 
+@pytest.mark.slow
 def test_inverse_cdf_draw_law_and_zero_weights():
   # 150 values: three blocks of the two-level search (64, 64, 22), the middle one all zero;
   # zeros also inside the first block (id 1) and at the end (148, 149).
@@ -203,6 +207,7 @@ def _tiny(family, block_size=None):
   return TinyModel(params=dit.init_params(config, jax.random.key(1)), config=config)
 
 
+@pytest.mark.slow
 def test_mdlm_sample_on_a_dit():
   model = _tiny("mdlm")
   out = dit_samplers.mdlm_sample(model, num_samples=1, steps=16, key=jax.random.key(0))
@@ -214,6 +219,7 @@ def test_mdlm_sample_on_a_dit():
     dit_samplers.mdlm_sample(model, num_samples=1, steps=4, length=9, key=jax.random.key(0))
 
 
+@pytest.mark.slow
 def test_bd3lm_sample_past_the_model_length():
   model = _tiny("bd3lm", BLOCK)
   out = dit_samplers.bd3lm_sample(model, num_samples=2, length=16, bos_id=3,
@@ -232,6 +238,7 @@ def test_bd3lm_sample_past_the_model_length():
 # --- likelihood -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_windows_nelbo_on_the_two_color_oracle_is_exact():
   """With the exact denoiser a masked position's -log p is ln 2 when its partner is masked
   too and 0 when the partner is visible. Positions are masked independently with
@@ -262,6 +269,7 @@ def test_windows_nelbo_on_the_two_color_oracle_is_exact():
   assert worse["nelbo_nats_per_token"] > exact + 10 * worse["stderr"]
 
 
+@pytest.mark.slow
 def test_perplexity_reads_token_files_and_uses_each_models_estimator(tmp_path):
   x = np.asarray(two_color.sample_data(jax.random.key(0), 64 * 8)).reshape(-1)
   npy, raw = tmp_path / "val.npy", tmp_path / "val.bin"

@@ -63,6 +63,7 @@ def test_cached_block_pass_matches_the_published_denoising_pass():
 
 
 @pytest.mark.parametrize("case", cases(), ids=lambda c: c["name"])
+@pytest.mark.slow
 def test_batch_sample_token_for_token(case):
   """Each case's rows as one (left-padded) batch through the default sampler: the published
   tokens up to its stop token, and a stop where the published row stopped."""

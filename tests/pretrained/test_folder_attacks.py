@@ -188,6 +188,7 @@ def test_chat_template_bombs(tmp_path, template, match):
   refused(_render(tmp_path, template), f"chat_template.jinja: the chat template {match}")
 
 
+@pytest.mark.slow
 def test_chat_template_loops_meet_a_deadline(tmp_path):
   """Nested loops (each range within the sandbox's 100000) multiply: the deadline stops
   them, whether they call range or iterate a string."""

@@ -46,6 +46,7 @@ def get_num_transfer_tokens(mask_num_B, steps):
 
 
 @pytest.mark.parametrize("block_length, steps", [(5, 2), (5, 3), (6, 4)])
+@pytest.mark.slow
 def test_even_counts_are_llada_get_num_transfer_tokens(block_length, steps):
   # Row b has b + 1 masked positions in each block (the rest of the block given): every
   # count from 1 to the block length, with steps above and below it.
@@ -119,6 +120,7 @@ def test_dream_time_grid_is_torch_linspace():
                                     torch.linspace(1, eps, steps + 1).numpy())
 
 
+@pytest.mark.slow
 def test_dream_counts_are_dreams_float32_rule():
   for steps in (1, 3, 5, 11, 64):
     for eps in (1e-3, 0.1):
@@ -143,6 +145,7 @@ def test_dream_counts_are_dreams_float32_rule():
 # --- the calls ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_generate_rules_on_a_stub():
   model = stub_model()
   plain = np.asarray(gen.generate(model, PROMPT, steps=8, gen_length=G, block_length=4))
@@ -171,6 +174,7 @@ def test_generate_rules_on_a_stub():
 
 
 @pytest.mark.parametrize("cfg_scale", [0.5, 2.0])
+@pytest.mark.slow
 def test_guidance_is_llada_rule_on_the_models_logits(cfg_scale):
   """One step commits every position of one block at its argmax: the tokens are the argmax of
   un + (s + 1)(cond - un), computed here from the stub's logits of the canvas (cond) and of
@@ -192,6 +196,7 @@ def test_guidance_is_llada_rule_on_the_models_logits(cfg_scale):
   np.testing.assert_array_equal(unguided[:, P:], cond.argmax(-1))
 
 
+@pytest.mark.slow
 def test_diffusion_generate_on_a_stub():
   model = stub_model()
   for alg in ("origin", "topk_margin"):
@@ -212,6 +217,7 @@ def padded_stub(params, tokens_BxL, t_B, valid_BxL=None):
   return params["pos"][position_BxL] + mixed_BxV[:, None]
 
 
+@pytest.mark.slow
 def test_a_left_padded_batch_equals_each_row_alone():
   model = stub_model()
   model.denoiser = padded_stub

@@ -42,6 +42,7 @@ def reference():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_causal_logits_match_transformers(family):
   m = model(family)
   assert m.family == family and m.config.causal and m.config.mask_id is None

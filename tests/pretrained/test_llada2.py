@@ -73,6 +73,7 @@ def test_published_config_maps():
           c.moe.first_dense_layers, c.dense_layers) == (256, 8, 8, 4, 1, 1)
 
 
+@pytest.mark.slow
 def test_full_pass_logits_match_the_published_forward():
   m, ref = model(), reference()
   config = dataclasses.replace(m.config, block_size=int(ref["block_size"]))
@@ -85,6 +86,7 @@ def test_full_pass_logits_match_the_published_forward():
   np.testing.assert_allclose(got[finite], expected[finite], rtol=0, atol=_tolerance(expected))
 
 
+@pytest.mark.slow
 def test_cached_block_pass_matches_the_published_cache_pass():
   m, ref = model(), reference()
   config = dataclasses.replace(m.config, block_size=int(ref["block_size"]))
@@ -102,6 +104,7 @@ def test_cached_block_pass_matches_the_published_cache_pass():
 
 
 @pytest.mark.parametrize("case", cases(), ids=lambda c: c["name"])
+@pytest.mark.slow
 def test_generate_token_for_token(case):
   """Each case's rows as one left-padded batch through the default sampler: the published
   tokens, each row as it gave alone; a row the published loop ended with EOS stops there."""

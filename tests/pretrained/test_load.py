@@ -219,6 +219,7 @@ def test_hf_tensor_names_and_orientation(saved):
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.slow
 def test_round_trip(saved, tmp_path, family, dtype):
   folder, config, params = saved(family, dtype)
   model = pretrained.load(folder)

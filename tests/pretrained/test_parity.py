@@ -64,6 +64,7 @@ def test_config_and_tokenizer(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.slow
 def test_logits_match_reference(family):
   """Within 1e-4 (float32) wherever the reference defines them (NaN: a padded position, or
   Dream's first real position, whose shifted logit is a padded query's); -inf exactly where
@@ -82,6 +83,7 @@ def test_logits_match_reference(family):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
+@pytest.mark.slow
 def test_generation_matches_reference(case):
   """Token for token what the published loop produced (the case's `reference`)."""
   out = run(case, case["prompt_BxP"], case["attention_mask_BxP"])
@@ -90,6 +92,7 @@ def test_generation_matches_reference(case):
 
 
 @pytest.mark.parametrize("case", PADDED, ids=[c["name"] for c in PADDED])
+@pytest.mark.slow
 def test_left_padded_rows_equal_rows_alone(case):
   """A left-padded row generates what its unpadded prompt generates alone."""
   prompt, mask = np.asarray(case["prompt_BxP"]), np.asarray(case["attention_mask_BxP"], bool)

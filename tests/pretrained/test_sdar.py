@@ -125,6 +125,7 @@ def test_cached_passes_match_the_published_cache():
 
 
 @pytest.mark.parametrize("case", GENERATIONS["cases"], ids=lambda c: c["name"])
+@pytest.mark.slow
 def test_generations_token_for_token(case):
   """Greedy (the fixture writer patched a greedy draw into the published loop); the two
   prompts, of different lengths and so different partial last blocks, as one batch. Each row
@@ -198,6 +199,7 @@ def test_the_drawn_distribution_is_the_published_one():
   np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)  # float32 softmax rounding
 
 
+@pytest.mark.slow
 def test_static_step_law_at_temperature_matches_the_published_draw():
   """low_confidence_static at temperature 0.7 (blocks of 4, 4 steps: one commit a step; top-k
   and top-p change the distribution only, checked above). The published step draws X_i ~ p_i (its sample_with_temperature_topk_topp:
@@ -229,6 +231,7 @@ def test_static_step_law_at_temperature_matches_the_published_draw():
   assert (np.abs(untransformed[common] - expected[common]) > 8 * se).any()
 
 
+@pytest.mark.slow
 def test_dynamic_step_law_counts_match_the_published_draw():
   """low_confidence_dynamic at temperature 1 (one commit a step scheduled): the published
   step commits every position whose drawn value has p_j(X_j) above the threshold, at least

@@ -198,6 +198,7 @@ def test_bad_input_is_refused_naming_it(llada, d1):
 # --- the MC-ELBO on an exact oracle ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_elbo_logps_is_the_exact_conditional_on_an_oracle():
   """4x4 Sudoku's exact denoiser: log p(solution | puzzle) = -log(#grids agreeing with the
   givens). The stratified ELBO of an exact denoiser is unbiased for it: sum over counts l of
@@ -227,6 +228,7 @@ def test_elbo_logps_is_the_exact_conditional_on_an_oracle():
   assert abs(per_key.mean()) < 4 * stderr, (per_key.mean(), stderr)
 
 
+@pytest.mark.slow
 def test_trajectory_logps_are_the_chain_rule_on_an_oracle():
   """4x4 Sudoku's exact denoiser decoded one cell a step (confidence, 16 steps): each cell is
   scored under the canvas its step read, so a row's sum is the chain rule along the order the

@@ -21,6 +21,8 @@ from mdjax.tasks import sudoku4
 from mdjax.train import objectives
 from mdjax.train.config_checks import ConfigError
 
+pytestmark = pytest.mark.slow
+
 RAISES = "test_trainer_raises_at_row_3"
 
 

@@ -11,6 +11,7 @@ from tests.sampling.common import (LENGTH, N_TWO_COLOR, VOCAB, binomial_tol,
 
 
 @pytest.mark.parametrize("steps", [1, 8, 32])
+@pytest.mark.slow
 def test_two_color_ancestral_uniform_grid_invalid_fraction(steps):
   # Both positions revealed in one interval (prob 1/K under the linear
   # schedule) are drawn independently: invalid half the time.

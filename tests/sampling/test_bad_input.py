@@ -137,6 +137,7 @@ def test_blocks_inside_jit_with_a_concrete_layout_equal_the_eager_run():
 
 @pytest.mark.parametrize("spec", [sampling.AncestralSpec(steps=4), sampling.ConfidenceSpec(steps=4)],
                          ids=["ancestral", "confidence"])
+@pytest.mark.slow
 def test_nonfinite_logits_are_counted(spec):
   def broken(params, tokens_BxL, t_B):
     logits = stubs.stub_denoiser(params, tokens_BxL, t_B)

@@ -39,6 +39,7 @@ def _canvas(batch=4, prompt=PROMPT, suffix=0):
     sampling.AncestralSpec(steps=8, block_length=8, temperature=0.8),  # 2 model blocks each
     sampling.EntropyBoundedSpec(steps=8, block_length=4, gamma=0.5)],
     ids=lambda s: type(s).__name__)
+@pytest.mark.slow
 def test_exact_cache_is_the_uncached_sampler(block_model, spec):
   """On a block-causal model the cached keys of finished blocks are final: the exact cache
   (and the dual one, whose refreshes are then exact too) gives the uncached tokens."""

@@ -10,6 +10,7 @@ from tests.sampling.common import (LENGTH, VOCAB, prompted_canvas)
 from tests.sampling.common import np_score, np_top_k, softmax
 
 
+@pytest.mark.slow
 def test_confidence_commits_scheduled_top_k_each_step():
   batch, prompt = 32, 3
   params = stubs.stub_params(VOCAB, LENGTH, seed=3)

@@ -56,6 +56,7 @@ def test_every_family_has_examples_of_its_own_spec():
 
 @pytest.mark.parametrize("name, spec", EXAMPLES, ids=[f"{n}-{i}" for i, (n, _) in
                                                       enumerate(EXAMPLES)])
+@pytest.mark.slow
 def test_fills_the_canvas_and_never_touches_fixed_positions(name, spec):
   spec = as_run(spec)
   record = spec.record_trajectory
@@ -89,6 +90,7 @@ def _contract_spec(name):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.slow
 def test_a_batch_equals_its_rows_sampled_one_by_one(name):
   # The batched call is the invariants test's program (same spec and shapes): no compile.
   spec = as_run(_contract_spec(name))
@@ -102,6 +104,7 @@ def test_a_batch_equals_its_rows_sampled_one_by_one(name):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.slow
 def test_the_python_loop_equals_the_program(name):
   family, spec = sampling.families()[name], _contract_spec(name)
   run = lambda fn: fn(stubs.stub_denoiser, stubs.stub_params(VOCAB, LENGTH),
@@ -151,6 +154,7 @@ def _top_loops(jaxpr):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.slow
 def test_one_program_and_no_recompilation(name):
   family, spec = sampling.families()[name], _contract_spec(name)
   spec_run = as_run(spec)

@@ -36,6 +36,7 @@ def test_two_color_parallel_group_is_wrong_half_the_time():
     # The last group holds only a prompt position: nothing is left to write by then.
     lambda **kw: sampling.OrderedSpec(groups=((4, 5), (6, 7, 8), (9, 10, 11), (0,)), **kw),
 ], ids=["ancestral", "confidence_blocks", "ordered"])
+@pytest.mark.slow
 def test_skip_idle_steps_off_calls_every_step_and_changes_nothing(make):
   # An idle step writes nothing whatever the logits, so dropping the skip changes only
   # the call count.
@@ -120,6 +121,7 @@ def _plan_and_canvas(spec, tokens):
     sampling.OrderedSpec(groups=((4, 5), (6, 7, 8), (9, 10, 11), (0,))),
     sampling.RandomOrderSpec(),
 ], ids=["confidence_K_above_N", "confidence_cosine_blocks", "ordered", "random_order"])
+@pytest.mark.slow
 def test_counted_idle_steps_are_the_calls_the_run_skips(spec):
   params = stubs.stub_params(VOCAB, LENGTH)
   tokens = prompted_canvas(batch=3)
@@ -145,6 +147,7 @@ def test_confidence_calls_only_at_steps_that_commit():
   assert int(skipping.nfe) == 8 and int(calling.nfe) == 32
 
 
+@pytest.mark.slow
 def test_expected_idle_steps_of_the_ancestral_sampler():
   # The mean number of skipped calls over independent runs equals the plan's expectation
   # within 4 standard errors of the mean (the sample standard deviation over the runs).

@@ -16,6 +16,7 @@ RECORDED = np.load(golden.PATH)
 
 
 @pytest.mark.parametrize("name", sorted(golden.CASES))
+@pytest.mark.slow
 def test_recorded_samples_reproduce(name):
   got = golden.counters(golden.run(name))
   recorded = {key.split("/")[-1]: RECORDED[key] for key in RECORDED.files

@@ -77,6 +77,7 @@ def test_equal_arguments_give_equal_denoisers_and_bad_ones_are_refused():
     sampling.classifier_free(stubs.stub_denoiser, 1.0, prompt_length=-1, mask_id=VOCAB)
 
 
+@pytest.mark.slow
 def test_confidence_decoding_with_guidance_cached_or_not():
   spec = sampling.ConfidenceSpec(steps=4, block_length=4)
   canvas, key = prompted_canvas(batch=3), jax.random.key(2)

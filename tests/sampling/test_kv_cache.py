@@ -46,6 +46,7 @@ def _canvas(batch=5, prompt=PROMPT):
 
 @pytest.mark.parametrize("kw", [{}, {"positions": "sinusoidal", "causal": True}, {"block_size": 4},
                                 {"time_conditioning": True, "norm": "layer", "mlp": "gelu"}])
+@pytest.mark.slow
 def test_window_pass_equals_prefill(kw):
   """Prefill's logits are the plain pass's; a window pass over the same tokens gives the
   prefill's logits and keys/values on its positions, and leaves the rest of the cache."""
@@ -72,6 +73,7 @@ def test_window_pass_equals_prefill(kw):
 
 
 @pytest.mark.parametrize("spec", BLOCK_FAMILIES, ids=lambda s: type(s).__name__)
+@pytest.mark.slow
 def test_refresh_every_step_is_the_uncached_sampler(transformer, spec):
   apply_fn, params = transformer
   key, tokens = jax.random.key(3), _canvas()
@@ -84,6 +86,7 @@ def test_refresh_every_step_is_the_uncached_sampler(transformer, spec):
 
 
 @pytest.mark.parametrize("spec", BLOCK_FAMILIES, ids=lambda s: type(s).__name__)
+@pytest.mark.slow
 def test_dual_cache_is_a_compiled_loop_like_any_sampler(transformer, spec):
   """The dual cache's tokens: the same from the one program and from the Python loop, and
   (stale keys outside the block) not the uncached tokens on a random model."""
@@ -101,6 +104,7 @@ def test_dual_cache_is_a_compiled_loop_like_any_sampler(transformer, spec):
     lambda n: sampling.AncestralSpec(steps=2 * n, block_length=n // 5 * 5 or 1),
     lambda n: sampling.EntropyBoundedSpec(steps=2 * n, block_length=n // 5 * 5 or 1)],
     ids=["confidence", "ancestral", "entropy_bounded"])
+@pytest.mark.slow
 def test_recompute_adapter_is_exact_on_oracles(make_spec):
   """An exact oracle through the adapter: the dual-cache sampler is the uncached one."""
   cases = [(two_color.exact_denoiser, jnp.full((200, 2), two_color.MASK_ID, jnp.int32), 1),

@@ -30,6 +30,7 @@ def test_windows_around_seeds():
     steps=4), sampling.RemaskSpec(steps=4, eta=0.3), sampling.DeferSpec(steps=3)],
                          ids=lambda s: type(s).__name__)
 @pytest.mark.parametrize("window,context_fraction", [(0, 0.0), (2, 0.5)])
+@pytest.mark.slow
 def test_local_remask_keeps_fixed_positions_and_fills_the_canvas(refill, window,
                                                                   context_fraction):
   params = stubs.stub_params(VOCAB, LENGTH)
@@ -46,6 +47,7 @@ def test_local_remask_keeps_fixed_positions_and_fills_the_canvas(refill, window,
   assert np.all(np.asarray(out.reopened_B) >= 3 * 2)
 
 
+@pytest.mark.slow
 def test_local_remask_repairs_scan_and_add():
   # From a confidence fill at T = 10 (correct about 0.1 with the exact denoiser), rounds
   # of remasking and refilling raise correctness. 1000 samples: the binomial s.e. is at

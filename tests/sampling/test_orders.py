@@ -105,6 +105,7 @@ def test_a_field_is_written_most_confident_first():
   np.testing.assert_array_equal(out.write_step_BxL[0], [4, 2, 3, 2, 1, 0])
 
 
+@pytest.mark.slow
 def test_one_position_per_step_orders_are_exact_on_the_oracle():
   """With the exact denoiser, every row of a one-position-per-step order is in the support."""
   n = 512
@@ -119,6 +120,7 @@ def test_one_position_per_step_orders_are_exact_on_the_oracle():
   assert sa.checks(out.tokens_BxL)["add_count_valid"].mean() < 0.5
 
 
+@pytest.mark.slow
 def test_bound_task_with_synonyms():
   task = sa.bind(max_command_id=9)
   assert task.params.max_command_id == 9 and task.length == P.length

@@ -3,11 +3,14 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from mdjax import diffusion, sampling
 from tests import stubs
 from tests.sampling.common import (LENGTH, VOCAB, binomial_tol,
                                    prompted_canvas)
+
+pytestmark = pytest.mark.slow
 
 
 def test_remask_eta_zero_equals_ancestral_token_for_token():

@@ -14,6 +14,7 @@ N = 20_000
 
 
 @pytest.mark.parametrize("score", ["max_prob", "prob", "margin", "random"])
+@pytest.mark.slow
 def test_revision_keeping_visible_tokens_is_confidence_decoding(score):
   params = stubs.stub_params(VOCAB, LENGTH, quantum=0.5)  # ties included
   tokens = prompted_canvas(16)
@@ -27,6 +28,7 @@ def test_revision_keeping_visible_tokens_is_confidence_decoding(score):
     assert int(np.asarray(rev.extras["changes_KxB"]).sum()) == 0
 
 
+@pytest.mark.slow
 def test_revision_keeping_visible_tokens_on_the_scan_and_add_oracle():
   canvas = sa.empty_canvas(500)
   for steps in (10, 25):

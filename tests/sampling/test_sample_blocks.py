@@ -43,6 +43,7 @@ FAMILIES = [
 
 @pytest.mark.xdist_group("block_model")
 @pytest.mark.parametrize("spec", FAMILIES, ids=lambda s: type(s).__name__)
+@pytest.mark.slow
 def test_cached_is_the_recomputed_window_past_the_training_length(block_model, spec):
   """Five blocks after a 4-token prompt: 24 positions, twice the model's 12, so the window
   slides. The exact cache (one prefill per block, the family's calls on the block alone)
@@ -61,6 +62,7 @@ def test_cached_is_the_recomputed_window_past_the_training_length(block_model, s
 
 
 @pytest.mark.xdist_group("block_model")
+@pytest.mark.slow
 def test_within_the_window_it_is_the_block_sampler(block_model):
   """While the sequence fits the window nothing slides: greedy confidence decoding block by
   block equals `sample` with block_length on the whole canvas, padding and all."""
@@ -76,6 +78,7 @@ def test_within_the_window_it_is_the_block_sampler(block_model):
 
 
 @pytest.mark.xdist_group("block_model")
+@pytest.mark.slow
 def test_left_padded_prompts_and_no_prompt(block_model):
   """Rows of a left-padded batch give the tokens they give alone (greedy), with the cache;
   and an empty prompt generates from nothing."""
@@ -100,6 +103,7 @@ def test_left_padded_prompts_and_no_prompt(block_model):
 
 
 @pytest.mark.xdist_group("block_model")
+@pytest.mark.slow
 def test_prompts_of_any_length_finish_their_last_block(block_model):
   """Prompts of 3, 6 and 1 tokens on blocks of 4: each finishes its partial block first, so
   the cache stays exact (cached = recomputed, past the training length), each row gets its

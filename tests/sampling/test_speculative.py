@@ -47,6 +47,7 @@ def _sample_joint(spec, n=50_000, seed=0):
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("order", ["max_prob", "lowest_index"])
+@pytest.mark.slow
 def test_matches_a_dependent_joint(k, order):
   out = _sample_joint(sampling.SpeculativeSpec(k=k, order=order))
   assert chi_square(out.tokens_BxL) < CHI2_7_AT_0001
@@ -57,11 +58,13 @@ def test_matches_a_dependent_joint(k, order):
 @pytest.mark.parametrize("spec", [sampling.AncestralSpec(steps=2), sampling.ConfidenceSpec(steps=2),
                                   sampling.OrderedSpec(groups=((0, 1, 2),))],
                          ids=lambda s: type(s).__name__)
+@pytest.mark.slow
 def test_the_same_test_rejects_independent_updates(spec):
   assert chi_square(_sample_joint(spec).tokens_BxL) > CHI2_7_AT_0001
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.slow
 def test_two_color_never_invalid_and_one_round_from_k_two(k):
   out = sampling.sample(two_color.exact_denoiser, None, jax.random.key(k),
                         two_color.empty_canvas(20_000), sampling.SpeculativeSpec(k=k))
@@ -74,6 +77,7 @@ def test_two_color_never_invalid_and_one_round_from_k_two(k):
   assert abs(float(np.mean(np.asarray(out.tokens_BxL)[:, 0] == two_color.RED)) - 0.5) < 0.014
 
 
+@pytest.mark.slow
 def test_scan_and_add_exact_denoiser_is_indistinguishable_from_data():
   n, repeats = 2000, 200
   out = sampling.sample(sa.exact_denoiser, None, jax.random.key(0), sa.empty_canvas(n),
@@ -140,6 +144,7 @@ def test_one_slot_commits_an_exact_draw_of_p():
   np.testing.assert_array_less(np.abs(freq - p), 4 * np.sqrt(p * (1 - p) / n))
 
 
+@pytest.mark.slow
 def test_finished_rows_stop_changing_and_fixed_positions_hold():
   vocab, length, prompt = 6, 12, 4
   params = stubs.stub_params(vocab, length)
@@ -160,6 +165,7 @@ def test_finished_rows_stop_changing_and_fixed_positions_hold():
   assert np.all(rounds <= length - prompt) and np.all(rounds >= (length - prompt) / 3)
 
 
+@pytest.mark.slow
 def test_greedy_is_the_greedy_chain_rule_for_every_k():
   # T = 0: a draft is accepted iff it is the verifier's argmax, else replaced by it.
   vocab, length = 6, 10
@@ -197,6 +203,7 @@ def test_bad_calls_raise_before_tracing():
                                 sampling.SpeculativeSpec(k=2))
 
 
+@pytest.mark.slow
 def test_sample_script_runs_the_speculative_family():
   import os
   import subprocess

@@ -28,6 +28,7 @@ def _spec(name):
 
 
 @pytest.mark.parametrize("name", STEPPED)
+@pytest.mark.slow
 def test_rows_started_at_different_ticks_equal_sample(name):
   """Row b joins b ticks late, each row steps at its own index (a vmap of `Stepper.step`,
   as a lane runs it): every row ends as `sample` leaves it, written at the same steps."""

@@ -25,6 +25,7 @@ def test_fold_in_equals_jax(kind):
 
 @pytest.mark.parametrize("kind", ["typed", "raw"])
 @pytest.mark.parametrize("shape", [(1,), (25,), (3, 7), (64, 15)])
+@pytest.mark.slow
 def test_draws_equal_jax(kind, shape):
   keys = _keys(kind)
   # Inside a jit as well as eagerly: the sampler's draws are compiled.

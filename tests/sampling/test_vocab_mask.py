@@ -70,6 +70,7 @@ def _floats_finite(result) -> bool:
 
 
 @pytest.mark.parametrize("name, spec", EXAMPLES, ids=[name for name, _ in EXAMPLES])
+@pytest.mark.slow
 def test_every_family_never_draws_the_mask_inside_the_vocabulary(name, spec):
   canvas, keys = _canvas(), jax.random.split(jax.random.key(3), BATCH)
   careful = sampling.sample(stub, _params(-np.inf), keys, canvas, spec, mask_id=MASK)
@@ -124,6 +125,7 @@ KNOBS = {"top_k": dict(temperature=0.7, top_k=3),
          "argmax": dict(temperature=0.0, eos_id=4)}
 
 
+@pytest.mark.slow
 def test_transforms_and_scores_make_no_nan_from_minus_infinity():
   """No operation of the value transforms or the scores makes a NaN (checked at every
   primitive by checkify, one program for every knob set), and nothing ruled out is drawn."""

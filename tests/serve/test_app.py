@@ -47,6 +47,7 @@ def chat_ids(model, messages):
   return mdjax.generation.prompt_ids(model, [messages])[0]
 
 
+@pytest.mark.slow
 def test_completions_equal_offline_generate(server):
   api = client(server)
   out = api.completions.create(model="dream", prompt="Hello", max_tokens=8, seed=11, n=2,
@@ -75,6 +76,7 @@ def test_completions_equal_offline_generate(server):
   assert ids_of(fresh.choices[0]) == expected[0].token_ids.tolist()
 
 
+@pytest.mark.slow
 def test_chat_streamed_and_not_equal_offline(server):
   api = client(server)
   messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
@@ -100,6 +102,7 @@ def test_chat_streamed_and_not_equal_offline(server):
   assert chunks[-1].usage.prompt_tokens == len(job.prompt_ids)
 
 
+@pytest.mark.slow
 def test_streamed_completions_commit_text_and_cut_at_stop(server):
   api = client(server)
   base = dict(model="dream", prompt="Hello", max_tokens=16, seed=2,
@@ -124,6 +127,7 @@ def test_streamed_completions_commit_text_and_cut_at_stop(server):
   assert cut_streamed[-1].choices[0].finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_canvas_events_only_when_asked(server):
   body = {"model": "dream", "prompt": "Hi", "max_tokens": 6, "seed": 1, "stream": True,
           **KNOBS}
@@ -140,6 +144,7 @@ def test_canvas_events_only_when_asked(server):
   assert masked == sorted(masked, reverse=True)
 
 
+@pytest.mark.slow
 def test_concurrent_mixed_requests_each_equal_offline(server):
   model = server.model
   cases = [  # two specs, two prompt lengths, n of 1 and 2, streamed or not, text or chat
@@ -217,6 +222,7 @@ BAD = [
 ]
 
 
+@pytest.mark.slow
 def test_bad_requests_get_400_naming_the_field(server):
   for route, body, param in BAD:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -320,6 +326,7 @@ def test_full_queue_gets_429_and_a_client_that_leaves_cancels(dream_model):
     assert 'mdjax_requests_total{status="429"} 1' in metrics
 
 
+@pytest.mark.slow
 def test_python_m_serve_finishes_its_request_on_sigterm(tmp_path):
   """The command line on a mesh of two devices: its ready line, one-line usage errors, and
   SIGTERM mid-request: the request completes, the process exits 0."""

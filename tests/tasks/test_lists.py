@@ -72,6 +72,7 @@ def test_closed_forms_by_hand():
 
 @pytest.mark.parametrize("kind, steps", [("replace", 1), ("replace", 2), ("shuffle", 2),
                                          ("copy", 1)])
+@pytest.mark.slow
 def test_ancestral_sampler_matches_the_closed_form(kind, steps):
   # One compiled program per spec serves every kind (the kind is the denoiser's params).
   # 4 binomial standard errors at the exact value, 3,000 rows.

@@ -70,6 +70,7 @@ def test_closed_form_small_cases_by_hand():
 
 
 @pytest.mark.parametrize("steps", [1, 2, 4])
+@pytest.mark.slow
 def test_ancestral_sampler_matches_the_closed_form(steps):
   # 4 standard errors of a binomial proportion at the exact value, 4,000 rows: a false
   # failure has probability about 6e-5 per case.

@@ -87,6 +87,7 @@ def test_impossible_states_and_checks():
   assert checks["well_formed"].tolist() == [True, True]
 
 
+@pytest.mark.slow
 def test_an_exact_sampler_solves_every_puzzle():
   task = tasks.get("sudoku4")
   canvas = np.array(task.sample_data(jax.random.key(1), 64))

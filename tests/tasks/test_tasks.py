@@ -23,6 +23,7 @@ SMALL = sa.Params(n=3, max_command_id=3)  # 6 arrangements, 1000 value triples, 
 
 @pytest.mark.parametrize("name, kwargs", [("two_color", {}), ("scan_and_add", {}),
                                           ("scan_and_add", {"max_command_id": 9}), ("text", None)])
+@pytest.mark.slow
 def test_every_task_is_a_task_value(name, kwargs, tmp_path):
   if kwargs is None:
     kwargs = {"text_path": write_corpus(tmp_path / "c.txt"), "length": 16}
@@ -49,6 +50,7 @@ def test_every_task_is_a_task_value(name, kwargs, tmp_path):
     assert logits.shape == (3, task.length, task.vocab_size)
 
 
+@pytest.mark.slow
 def test_task_values_draw_what_the_modules_draw():
   key = jax.random.key(5)
   task = tasks.get("scan_and_add")
@@ -67,6 +69,7 @@ def test_task_values_draw_what_the_modules_draw():
     dataclasses.replace(task, mask_id=3)
 
 
+@pytest.mark.slow
 def test_tasks_do_not_import_the_samplers():
   code = "import mdjax.tasks, sys; assert 'mdjax.sampling' not in sys.modules"
   proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=REPO),
@@ -90,6 +93,7 @@ def test_two_color_data_and_denoiser():
 
 
 @pytest.mark.parametrize("params", [sa.DEFAULT, sa.Params(max_command_id=9), SMALL])
+@pytest.mark.slow
 def test_scan_and_add_data_passes_every_check(params):
   x = sa.sample_data(jax.random.key(0), 4000, params)
   assert x.shape == (4000, params.length)
@@ -124,6 +128,7 @@ def _brute_force_joint(params):
   return np.array(rows, np.int32)
 
 
+@pytest.mark.slow
 def test_exact_denoiser_matches_brute_force_conditionals():
   support = _brute_force_joint(SMALL)
   assert len(support) == math.comb(4, 2) * 1000 * 2**4
@@ -142,6 +147,7 @@ def test_exact_denoiser_matches_brute_force_conditionals():
       np.testing.assert_allclose(probs[b, pos], expected, atol=2e-6, err_msg=f"{b} {pos}")
 
 
+@pytest.mark.slow
 def test_impossible_states_are_flagged_and_well_defined():
   x = np.asarray(sa.sample_data(jax.random.key(0), 1))[0]
   empty = np.full(sa.LENGTH, sa.MASK_ID)
@@ -169,6 +175,7 @@ def test_impossible_states_are_flagged_and_well_defined():
 # The command block's joint compiles the oracle at eight batch shapes (about 7 s); the
 # oracle experiment's schema test computes the same joint, so one worker compiles them once.
 @pytest.mark.xdist_group("scan_and_add_oracle")
+@pytest.mark.slow
 def test_all_masked_marginals_and_total_correlation():
   probs, _ = sa.exact_probs(sa.empty_canvas(1))
   probs = np.asarray(probs, np.float64)[0]
@@ -184,6 +191,7 @@ def test_all_masked_marginals_and_total_correlation():
   np.testing.assert_allclose(tc, 10 * h_add - math.log2(45), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_log_prob_equals_chain_rule_through_the_denoiser():
   params = sa.Params(max_command_id=9)
   x = np.asarray(sa.sample_data(jax.random.key(3), 8, params))
@@ -198,6 +206,7 @@ def test_log_prob_equals_chain_rule_through_the_denoiser():
   np.testing.assert_allclose(-sa.log_prob(x[:1], params)[0] / math.log(2), sa.entropy_bits(params))
 
 
+@pytest.mark.slow
 def test_oracle_nelbo_equals_entropy():
   batch = 4000
   x = sa.sample_data(jax.random.key(0), batch)
@@ -210,6 +219,7 @@ def test_oracle_nelbo_equals_entropy():
   assert abs(bits_B.mean() - sa.entropy_bits()) < 4 * stderr, (bits_B.mean(), stderr)
 
 
+@pytest.mark.slow
 def test_exact_sequential_sampling_never_violates_and_parallel_commands_do():
   n = 1000
   canvas = sa.empty_canvas(n)

@@ -41,6 +41,7 @@ def _config(name, **overrides):
 # ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a2d_block_run_trains_resumes_exports_and_the_export_loads(tmp_path):
   config = _config("a2d_block", **{"a2d.anneal_steps": 2, "a2d.block_size_schedule": "0:2,1:4"})
   assert config.a2d.complementary
@@ -78,6 +79,7 @@ TINY = published.PublishedConfig(
     logit_shift=True, mask_id=11)
 
 
+@pytest.mark.slow
 def test_annealed_loss_starts_at_the_causal_network_and_ends_at_its_own():
   view = sft.PublishedView(TINY)
   params = published.init_params(TINY, jax.random.key(0))
@@ -124,6 +126,7 @@ def _table(params, tokens_BxL, t_B):
   return params["table"][tokens_BxL] + params["position"][None, :tokens_BxL.shape[1]]
 
 
+@pytest.mark.slow
 def test_complementary_masks_cover_every_token_once_and_estimate_the_nelbo():
   vocab, length, batch = 6, 10, 4
   k1, k2, k3 = jax.random.split(jax.random.key(0), 3)

@@ -54,6 +54,7 @@ def _close(a, b, rtol=1e-5, atol=1e-6):
 # ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_accumulation_of_a_mean_loss_equals_the_one_batch_step(tiny_model):
   # The next-token loss draws no noise: the mean over 4 equal micro-batches of their mean
   # losses is the batch's mean loss, and so are the gradients; one SGD update each. (Any
@@ -72,6 +73,7 @@ def test_accumulation_of_a_mean_loss_equals_the_one_batch_step(tiny_model):
   _close(four.params, one.params)
 
 
+@pytest.mark.slow
 def test_accumulated_nelbo_is_the_mean_over_micro_batches_with_folded_keys(tiny_model):
   # The NELBO draws noise: micro-batch i (rows i, i+k, ...) uses fold_in(step key, i), so
   # the step equals this explicit reference, and is deterministic.
@@ -113,6 +115,7 @@ def test_grad_accum_config_refusals():
     dict(time_conditioning=True, num_layers=2),
     dict(block_size=1, num_layers=2),  # the block NELBO's pass over [noisy; clean]
 ], ids=["time_conditioned", "block_pair"])
+@pytest.mark.slow
 def test_remat_gives_the_same_loss_and_gradients(changes):
   losses, grads = [], []
   for remat in (False, True):
@@ -176,6 +179,7 @@ def test_peaks_and_mfu():
 # ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bf16_remat_accumulation_at_1024_keeps_float32_weights_and_logs_mfu(tmp_path):
   config = shakespeare_char.get_config()
   config.task_kwargs.length = 1024

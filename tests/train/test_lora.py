@@ -94,6 +94,7 @@ def _trained(config, params, apply_fn, x_BxL, steps=3):
 # ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_zero_b_is_the_base_model_bit_for_bit(llada):
   x_BxL, t_B = _tokens(llada.vocab_size), jnp.full((2,), 0.5)
   _, params, adapted = _adapted(llada.params, llada.denoiser)
@@ -117,6 +118,7 @@ def test_zero_b_is_the_base_model_bit_for_bit(llada):
                                 _jit(apply_fn)(base, x_BxL, t_B))
 
 
+@pytest.mark.slow
 def test_merge_is_the_adapted_model_and_the_base_stays_frozen(llada):
   t_B = jnp.full((2,), 0.5)
   base, apply_fn = _transformer()
@@ -227,6 +229,7 @@ def test_bad_targets_ranks_and_dropout_are_refused(llada):
 # ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_lora_run_checkpoints_and_loads_as_the_adapted_model(tmp_path):
   config = tiny_config(write_corpus(tmp_path / "corpus.txt"))
   # Two micro-batches a step: the adapters' gradients accumulated (the base's never formed).
@@ -270,6 +273,7 @@ def test_a_lora_run_checkpoints_and_loads_as_the_adapted_model(tmp_path):
   assert os.listdir(os.path.join(workdir, "checkpoints")) == ["2"]
 
 
+@pytest.mark.slow
 def test_lr_scale_zero_freezes_those_leaves_bit_for_bit():
   base, apply_fn = _transformer()
   config = _lora_cfg(None).train

@@ -19,6 +19,8 @@ from mdjax import train
 from mdjax.train import distributed
 from tests.paths import REPO
 
+pytestmark = pytest.mark.slow
+
 # A tiny job: 4 steps of 8 rows, a checkpoint every 2 steps, an evaluation with samples at
 # the end (evaluation and sampling run in every process).
 _FLAGS = ("--config=configs/two_color.py", "--config.train.num_steps=4",

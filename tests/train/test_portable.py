@@ -51,6 +51,7 @@ def _saved_config(workdir):
     return checkpoints._read_json(manager, max(manager.all_steps()), "config")
 
 
+@pytest.mark.slow
 def test_a_corpus_run_resumes_under_any_spelling_of_its_corpus(corpora, tmp_path, monkeypatch):
   workdir = str(tmp_path / "run")
   monkeypatch.chdir(corpora)

@@ -80,6 +80,7 @@ def finished_run(tmp_path_factory):
   return workdir, lines
 
 
+@pytest.mark.slow
 def test_eval_rows_hold_ema_and_raw_validation_once(finished_run):
   workdir, _ = finished_run
   evals = [r for r in _strict_rows(workdir / "metrics.jsonl") if "val_bits_per_token" in r]
@@ -90,6 +91,7 @@ def test_eval_rows_hold_ema_and_raw_validation_once(finished_run):
   assert os.path.getsize(workdir / plot.CURVES) > 0
 
 
+@pytest.mark.slow
 def test_a_finished_run_prints_its_summary_and_a_rerun_says_already_finished(finished_run):
   workdir, lines = finished_run
   evals = [r for r in _strict_rows(workdir / "metrics.jsonl") if "val_bits_per_token" in r]
@@ -141,6 +143,7 @@ def test_sigterm_before_the_first_step_saves_nothing_and_claims_nothing(tmp_path
   assert not os.path.exists(tmp_path / "checkpoints" / "0")
 
 
+@pytest.mark.slow
 def test_sigterm_during_the_first_step_does_not_say_training_goes_on(tmp_path, monkeypatch):
   _signal_at(monkeypatch, "first_step")
   lines = []

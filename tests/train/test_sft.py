@@ -74,6 +74,7 @@ def test_rows_hold_prompt_response_and_eos_padding():
   np.testing.assert_array_equal(maskable, np.arange(80)[None] >= prompt_N[:, None])
 
 
+@pytest.mark.slow
 def test_prompt_never_masked_response_and_eos_padding_masked_loss_ignores_prompt():
   vocab, length = 6, 12
   prompt_B = np.array([3, 7, 1, 5])
@@ -156,6 +157,7 @@ def test_loss_equals_hand_computation():
 # ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sft_from_llada_fixture_lowers_response_loss_and_round_trips(tmp_path):
   config = _sft_config("pretrained:" + LLADA)
   workdir = str(tmp_path / "sft")
@@ -190,6 +192,7 @@ def test_sft_from_llada_fixture_lowers_response_loss_and_round_trips(tmp_path):
 # ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sft_from_an_mdjax_workdir(tmp_path):
   examples = [{"prompt": f"{a}+{b}=", "response": f"{a + b}"} for a in range(4) for b in range(4)]
   path = tmp_path / "sums.jsonl"

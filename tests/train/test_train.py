@@ -45,6 +45,7 @@ def _copy(workdir, tmp_path):
 
 
 @pytest.mark.xdist_group("two_color_run")
+@pytest.mark.slow
 def test_two_color_learns_toward_the_entropy(two_color_run, tmp_path, sample_cli):
   records = [json.loads(line) for line in open(two_color_run / "metrics.jsonl")]
   final = [r for r in records if "val_bits_per_token" in r][-1]
@@ -68,6 +69,7 @@ def test_two_color_learns_toward_the_entropy(two_color_run, tmp_path, sample_cli
 
 
 @pytest.mark.xdist_group("two_color_run")
+@pytest.mark.slow
 def test_restore_into_another_shape_is_a_clear_error(two_color_run, tmp_path):
   other = _config(num_steps=400)
   other.model.d_model = 64
@@ -75,6 +77,7 @@ def test_restore_into_another_shape_is_a_clear_error(two_color_run, tmp_path):
     train.train(other, str(_copy(two_color_run, tmp_path)), log=_quiet)
 
 
+@pytest.mark.slow
 def test_restore_with_other_task_parameters_is_a_clear_error(tmp_path):
   from configs import scan_and_add_cpu
   config = scan_and_add_cpu.get_config()
@@ -91,6 +94,7 @@ def test_restore_with_other_task_parameters_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.xdist_group("two_color_run")
+@pytest.mark.slow
 def test_corrupt_newest_checkpoint_falls_back(two_color_run, tmp_path):
   config = _config(num_steps=300)
   workdir = _copy(two_color_run, tmp_path)
@@ -109,6 +113,7 @@ def test_corrupt_newest_checkpoint_falls_back(two_color_run, tmp_path):
   assert any("step 300 is unreadable" in m for m in messages), messages
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_with_a_clear_message_and_keeps_good_checkpoints(tmp_path):
   config = _config(num_steps=200, lr=1e38, warmup_steps=1, grad_clip=1e38)
   config.checkpoint.every = 1
@@ -131,6 +136,7 @@ def _final_params(workdir):
 
 
 @pytest.mark.xdist_group("two_color_run")
+@pytest.mark.slow
 def test_sigkill_mid_run_then_restart_matches_uninterrupted(two_color_run, tmp_path):
   # The uninterrupted run is the module's job; the killed one is the same job in a real
   # train.py process, checkpointing every 50 steps (saving does not change the state).
@@ -188,6 +194,7 @@ print(json.dumps({"devices": jax.device_count(), "losses": out}))
 """
 
 
+@pytest.mark.slow
 def test_four_simulated_devices_match_one():
   # jax_num_cpu_devices rather than an XLA flag: the XLA flags are part of the compilation
   # cache's keys, and without one this process reuses what the tests compiled before it.
@@ -204,6 +211,7 @@ def test_four_simulated_devices_match_one():
     f[:-3] for f in os.listdir(os.path.join(REPO, "configs"))
     if f.endswith(".py") and f not in ("__init__.py", "base.py", "corpus.py")
     and not f.startswith(("bench", "grpo"))))
+@pytest.mark.slow
 def test_every_config_builds_and_traces_a_train_step(name):  # (bench_*: sampling benchmarks)
   # corpus.py needs a prepared corpus: tests/data/test_prepare.py traces it on one. grpo*.py
   # run RL's own loop from a trained start: tests/rl/test_trainer.py runs and checks them.
@@ -262,6 +270,7 @@ CORRUPTIONS = {
 
 @pytest.mark.xdist_group("two_color_run")
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+@pytest.mark.slow
 def test_unreadable_newest_checkpoint_is_moved_aside(two_color_run, tmp_path, corruption,
                                                      sample_cli):
   import mdjax
@@ -334,6 +343,7 @@ _PROCESSES = [[name] for name in _READS_IN_FLIGHT] + [
 
 @pytest.mark.xdist_group("two_color_run")
 @pytest.mark.parametrize("corruptions", _PROCESSES, ids="+".join)
+@pytest.mark.slow
 def test_unreadable_checkpoint_is_one_line_on_stderr(two_color_run, tmp_path, corruptions):
   # Orbax's reads abandoned by the failed restore report late (on other threads, when
   # collected, at exit): none of it may reach stderr, in any entry point. Each entry point
@@ -368,6 +378,7 @@ def test_unreadable_checkpoint_is_one_line_on_stderr(two_color_run, tmp_path, co
 
 
 @pytest.mark.xdist_group("two_color_run")
+@pytest.mark.slow
 def test_load_is_quiet_and_self_contained(two_color_run, capfd):
   import mdjax
   capfd.readouterr()
@@ -393,6 +404,7 @@ def _warmup_cosine(step, lr=3e-3, warmup=20, num_steps=300, floor=0.1):
 
 
 @pytest.mark.xdist_group("two_color_run")
+@pytest.mark.slow
 def test_curves_png_beside_metrics_and_redrawn(two_color_run, tmp_path, capsys):
   from matplotlib.image import imread
 

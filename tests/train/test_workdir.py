@@ -58,6 +58,7 @@ def _rows_reach(workdir, step):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.slow
 def test_signal_saves_a_checkpoint_and_resume_logs_every_step_once(tmp_path, signum):
   workdir = tmp_path / "run"
   proc = _start_train(workdir, num_steps=1_000_000)
@@ -85,6 +86,7 @@ def test_signal_saves_a_checkpoint_and_resume_logs_every_step_once(tmp_path, sig
   assert steps == list(range(5, end + 1, 5)), steps
 
 
+@pytest.mark.slow
 def test_rows_past_the_restored_step_are_dropped_on_resume(tmp_path):
   # As after a SIGKILL: metrics rows were written past the last checkpoint (step 20).
   train.train(_config(num_steps=20), str(tmp_path), log=_quiet)
@@ -96,6 +98,7 @@ def test_rows_past_the_restored_step_are_dropped_on_resume(tmp_path):
   assert _logged_steps(tmp_path) == [5, 10, 15, 20, 25, 30]
 
 
+@pytest.mark.slow
 def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
   dead = subprocess.Popen([sys.executable, "-c", "pass"])
   dead.wait()
@@ -105,6 +108,7 @@ def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
   assert int(state.step) == 5
 
 
+@pytest.mark.slow
 def test_read_only_workdir_samples_and_refuses_training_early(tmp_path, monkeypatch):
   import mdjax
   train.train(_config(num_steps=20), str(tmp_path), log=_quiet)
@@ -153,6 +157,7 @@ def test_bad_config_value_names_the_field(tmp_path, field, value):
   assert not os.path.exists(tmp_path / "run"), "checked before anything is written"
 
 
+@pytest.mark.slow
 def test_train_cli_errors_are_one_line_and_help_lists_configs(tmp_path):
   run = lambda *flags: subprocess.run(
       [sys.executable, os.path.join(REPO, "train.py"), *flags], capture_output=True,
@@ -213,6 +218,7 @@ def test_first_run_mistakes_are_refused_before_the_model(tmp_path, monkeypatch, 
   assert not os.path.exists(tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_failed_first_run_leaves_no_workdir(tmp_path, monkeypatch):
   # model.block_size=7 does not divide two_color's length 2: refused when the model is built,
   # after the workdir and its lock were made.

@@ -236,6 +236,7 @@ def test_train_refuses_a_workdir_with_a_planted_entry(tmp_path, outside, monkeyp
   assert _snapshot(run) == workdir_before, "refused before anything was written"
 
 
+@pytest.mark.slow
 def test_train_cli_reports_a_planted_link_in_one_line(tmp_path, outside):
   run = tmp_path / "run"
   _plant(run, "train.lock", outside / "victim.txt")
