@@ -33,7 +33,8 @@ def experiment_main(doc: str, run, write, markdown_name: str, default_n: int,
   for name, (default, help_text) in (options or {}).items():
     parser.add_argument(f"--{name}", default=default, help=help_text)
   if smoke is not None:
-    parser.add_argument("--smoke", action="store_true", help=smoke.__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true",
+                        help="sizes that take seconds: " + " ".join(smoke.__doc__.split()))
   args = parser.parse_args()
   smoking = getattr(args, "smoke", False)
   n = args.n if args.n is not None else (smoke_n if smoking else default_n)
