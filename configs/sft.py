@@ -7,7 +7,7 @@ train.init_from is "pretrained:DIR" (a LLaDA or Dream Hugging Face folder) or an
 Only the response (and its EOS padding) is masked; the loss is the NELBO per response token
 (LLaDA's SFT recipe; see mdjax/train/sft.py). The model fields left unset (None) are the
 start point's; a field set to another value is refused. A published start is exported, at
-the last step, to WORKDIR/pretrained (pretrained.load, sample.py --pretrained). Without the two
+the last step, to WORKDIR/pretrained (mdjax.load, sample.py --pretrained). Without the two
 flags it fine-tunes the tiny LLaDA test fixture on tests/fixtures/sft/chat.jsonl (a smoke run).
 """
 

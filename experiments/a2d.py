@@ -144,9 +144,9 @@ def prepare(workdir: str, seed: int) -> dict:
 def _start(folder: str):
   """(apply_fn, float32 params, mask id) of a converted folder under the denoiser contract
   training gives it (`train.sft.PublishedView`: the mask id is the vocabulary size)."""
-  from mdjax import pretrained
+  from mdjax import io
   from mdjax.train.sft import PublishedView
-  model = pretrained.load(folder)
+  model = io.load(folder)
   params = jax.tree.map(lambda p: np.asarray(p, np.float32), model.params)
   return PublishedView(model.config).denoiser(), params, model.config.vocab_size
 

@@ -4,7 +4,7 @@
 
 Writes results/ckpt_reader.json: a 4 MB data.pkl as torch writes it (a 2,000-tensor state
 dict, Adam's two moments per tensor, a 50,000-entry vocabulary and a 2 MB blob in the
-hyper-parameters), read by `mdjax.pretrained.lightning.read_ckpt` (pickle's pure-Python
+hyper-parameters), read by `mdjax.io.lightning.read_ckpt` (pickle's pure-Python
 unpickler with the reader's checks) and, side by side, parsed by pickle's C unpickler with
 torch's globals and storages resolved to no-ops (a floor: no checks, no tensors). Medians
 over `--reads` runs; the file is built the same way each time.
@@ -23,9 +23,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for tests/
-from mdjax.pretrained import lightning  # noqa: E402
-from tests.pretrained.test_ckpt_attacks import LightningPickler, archive  # noqa: E402
-from tests.pretrained.test_dit_load import Call, G, Storage  # noqa: E402
+from mdjax.io import lightning  # noqa: E402
+from tests.io.test_ckpt_attacks import LightningPickler, archive  # noqa: E402
+from tests.io.test_dit_load import Call, G, Storage  # noqa: E402
 
 TENSORS = 2000
 VOCAB = 50_000

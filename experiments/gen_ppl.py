@@ -32,7 +32,7 @@ import numpy as np
 from configs import shakespeare_causal, shakespeare_char
 from experiments import text_quality
 from mdjax import evaluate, report, sampling, tasks, train
-from mdjax.train import checkpoints
+from mdjax.train import state_io
 
 STEPS = (16, 64)
 SAMPLERS = {
@@ -92,7 +92,7 @@ def standard_errors(sampler: str, steps, result) -> dict:
 
 def run(n: int, workdir: str, seed: int = 0, char_steps=None, causal_steps=None) -> dict:
   task, models, causal_dir = trained_models(workdir, char_steps, causal_steps)
-  judge = evaluate.load_judge(checkpoints.load(causal_dir))
+  judge = evaluate.load_judge(state_io.load(causal_dir))
   apply_fn, params = models["char"]
   score = lambda tokens_NxL: evaluate.generative_perplexity(
       [task.decode(r) for r in tokens_NxL], judge, batch_size=256,

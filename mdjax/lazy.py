@@ -1,6 +1,6 @@
 """`Lazy`: a tensor known by its shape and dtype whose values are computed when written (the
-safetensors writer, `mdjax.pretrained.tensors`, and a family's stored layout,
-`mdjax.checkpoints`, both make them)."""
+safetensors writer, `mdjax.io.tensors`, and a format's stored layout, `mdjax.formats`, both
+make them)."""
 
 from __future__ import annotations
 

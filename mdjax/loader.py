@@ -2,7 +2,7 @@
 
   a train.py workdir (a folder with checkpoints/)      -> `mdjax.train.load`
   a published Hugging Face folder (config.json), or a torch / Lightning .ckpt
-                                                         -> `mdjax.pretrained.load`
+                                                         -> `mdjax.io.load`
   a task's name ("two_color", "oracle:scan_and_add")    -> the task's exact denoiser
 
 Whatever it was, the result is one `mdjax.Model`, which `mdjax.generate`, sample.py, the
@@ -15,11 +15,11 @@ import os
 from typing import Any
 
 from mdjax import mesh as mesh_lib
-from mdjax import pretrained, tasks, train
+from mdjax import io, tasks, train
 from mdjax.model import ORACLE_FAMILY, Model, task_model
 
 ORACLE_PREFIX = "oracle:"
-CKPT_SUFFIXES = (".ckpt", ".pt", ".pth")  # a torch checkpoint `pretrained.load` reads
+CKPT_SUFFIXES = (".ckpt", ".pt", ".pth")  # a torch checkpoint `mdjax.io.load` reads
 
 
 def kind_of(path: str) -> str:
@@ -48,7 +48,7 @@ def load(path: str, *, dtype: str | None = None, mesh=None, step: int | None = N
   dtype: a published checkpoint's ("float32", "bfloat16"; None keeps the checkpoint's).
   mesh: the params stored sharded over it (the FSDP rule of `mdjax.mesh`). step: a
   workdir's checkpoint step (default the newest readable). task_kwargs: an oracle task's
-  parameters. Other keywords go to the loader of that kind (`pretrained.load`'s config= and
+  parameters. Other keywords go to the loader of that kind (`mdjax.io.load`'s config= and
   ema=, `train.load`'s log=). Every argument that does not apply to the kind found is a
   ValueError naming it.
   """
@@ -60,7 +60,7 @@ def load(path: str, *, dtype: str | None = None, mesh=None, step: int | None = N
     raise ValueError(f"{wrong[0]}={given[wrong[0]]!r} does not apply to {path!r}, a {kind} "
                      f"(its arguments: {', '.join(applies) or 'none'}).")
   if kind == "published":
-    return pretrained.load(path, dtype=dtype, mesh=mesh, **kwargs)
+    return io.load(path, dtype=dtype, mesh=mesh, **kwargs)
   if kind == "workdir":
     model = train.load(path, step, **kwargs)
   else:

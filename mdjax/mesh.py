@@ -14,7 +14,7 @@ over 8 devices; its width of 768 does), and where several divide it keeps the la
 loader always had. A stacked leaf keeps its layer axis whole because the loader fills it
 layer by layer in place. Vectors (norms, biases) cost nothing to replicate. Training keeps
 running with an odd matrix replicated (small models on any device count), while loading
-refuses one: a mesh is given to `pretrained.load` to fit a model that one device does not
+refuses one: a mesh is given to `mdjax.io.load` to fit a model that one device does not
 hold, and a whole matrix on every device is what that asked to avoid.
 
 Auto axes. mdjax's models are written for the compiler to place their intermediate values

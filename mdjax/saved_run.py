@@ -13,7 +13,7 @@ import os
 import orbax.checkpoint as ocp
 from etils import epath
 
-# The JSON items of a step (`mdjax.train.checkpoints.save`), one folder each.
+# The JSON items of a step (`mdjax.train.state_io.save`), one folder each.
 CONFIG_ITEM, TASK_ITEM = "config", "task"
 
 

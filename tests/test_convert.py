@@ -13,16 +13,16 @@ import jax
 import numpy as np
 import pytest
 
-from mdjax import convert, pretrained
+from mdjax import convert, io
 from mdjax.convert import __main__ as convert_main
 from mdjax.convert import a2d
+from mdjax.io import tensors
 from mdjax.models import layers, published
-from mdjax.pretrained import tensors
 from tests.paths import REPO
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
 JUDGE = os.path.join(FIXTURES, "judge")
-# transformers' float32 logits against mdjax's causal judges (tests/pretrained/test_judge.py).
+# transformers' float32 logits against mdjax's causal judges (tests/formats/test_judge.py).
 LOGITS_ATOL = 1e-4
 
 
@@ -144,7 +144,7 @@ def test_converted_folder_loads_in_the_published_layout(tmp_path, to, layout, re
                          block_size=4 if to == "block" else None, log=messages.append) == out
   assert "qwen2" in messages[0] and layout in messages[0]
   assert sorted(os.listdir(tmp_path)) == ["out"]  # no OUT.partial left
-  model = pretrained.load(out)
+  model = io.load(out)
   assert model.family == layout and model.mask_id == 300 and model.vocab_size == 301
   assert model.tokenizer.id_to_token(300) == a2d.MASK_TOKEN
   assert model.encode("to be" + a2d.MASK_TOKEN) == model.encode("to be") + [300]
@@ -172,7 +172,7 @@ def test_converted_folder_loads_in_the_published_layout(tmp_path, to, layout, re
     np.testing.assert_array_equal(tensors.read_tensor(fresh[name]),
                                   tensors.read_tensor(kept[name]))
   # Every causal weight kept; the mask row is the mean embedding, its head column zeros.
-  judge = pretrained.load(os.path.join(JUDGE, "qwen2"))
+  judge = io.load(os.path.join(JUDGE, "qwen2"))
   np.testing.assert_array_equal(np.asarray(model.params["embed"])[:300],
                                 np.asarray(judge.params["embed"]))
   np.testing.assert_allclose(np.asarray(model.params["embed"])[300],
@@ -183,7 +183,7 @@ def test_converted_folder_loads_in_the_published_layout(tmp_path, to, layout, re
 
 
 def test_reused_mask_id_takes_a_spare_row(tmp_path):
-  judge = pretrained.load(os.path.join(JUDGE, "qwen2"))
+  judge = io.load(os.path.join(JUDGE, "qwen2"))
   rows = 304  # four spare rows past the tokenizer's 300 ids
   config = dataclasses.replace(judge.config, vocab_size=rows)
   rng = np.random.default_rng(0)
@@ -192,12 +192,12 @@ def test_reused_mask_id_takes_a_spare_row(tmp_path):
                 head=np.concatenate([np.asarray(judge.params["head"]),
                                      rng.normal(size=(64, 4)).astype(np.float32)], 1))
   source = str(tmp_path / "spare")
-  pretrained.save(params, source, family="qwen2", config=config)
+  io.save(params, source, family="qwen2", config=config)
   for name in ("tokenizer.json", "tokenizer_config.json"):
     shutil.copyfile(os.path.join(JUDGE, "qwen2", name), os.path.join(source, name))
   out = convert.convert(source, str(tmp_path / "out"), to="masked", mask_id=302,
                         log=lambda m: None)
-  model = pretrained.load(out)
+  model = io.load(out)
   assert model.mask_id == 302 and model.vocab_size == rows
   # tokenizer.json holds no gaps: placeholders up to the mask id.
   assert [model.tokenizer.id_to_token(i) for i in (300, 301, 302)] == [
@@ -255,7 +255,7 @@ def test_cli_one_line_naming_the_field(tmp_path, capsys):
 def test_masked_without_shift_is_written_in_llada_layout(tmp_path):
   out = convert.convert(os.path.join(JUDGE, "qwen2"), str(tmp_path / "out"), to="masked",
                         keep_shift=False, log=lambda m: None)
-  model = pretrained.load(out)
+  model = io.load(out)
   assert model.family == "llada" and not model.config.logit_shift and model.config.qkv_bias
   assert model.mask_id == 300 and model.tokenizer.id_to_token(300) == a2d.MASK_TOKEN
 
@@ -265,7 +265,7 @@ def test_llama_with_rope_scaling_is_written_as_dream(tmp_path):
   transformers' "llama3"), and the folder loads to the network converted in memory."""
   out = convert.convert(os.path.join(JUDGE, "llama"), str(tmp_path / "out"), to="masked",
                         log=lambda m: None)
-  model = pretrained.load(out)
+  model = io.load(out)
   chosen, params = conversion("llama")
   assert model.family == "dream" and chosen.causal.rope_scaling is not None
   assert model.config.rope_scaling == chosen.causal.rope_scaling

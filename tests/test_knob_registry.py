@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from mdjax import checkpoints, sampling
+from mdjax import formats, sampling
 from mdjax.knob_registry import every_knob
 from mdjax.sampling import knobs
 from mdjax.sampling.knobs import Knob
@@ -15,7 +15,7 @@ KINDS = {"bool": bool, "int": int, "float": float, "str": str}
 
 
 def _reference_samplers():
-  return {name: family.sampler for name, family in checkpoints.FAMILIES.items()
+  return {name: family.sampler for name, family in formats.FORMATS.items()
           if family.sampler is not None}
 
 

@@ -40,10 +40,11 @@ def test_a_matrix_no_dimension_divides_is_replicated_in_training_refused_in_load
 
 
 def test_training_and_loading_share_the_rule():
-  from mdjax import pretrained, train
+  from mdjax import train
+  from mdjax.io.folder import partition_spec as loading_rule
   assert train.param_sharding is mesh_lib.param_sharding
   assert train.make_mesh is mesh_lib.make_mesh
-  assert pretrained.partition_spec is mesh_lib.partition_spec
+  assert loading_rule is mesh_lib.partition_spec
   params = {"embed": np.zeros((7, 16)), "scale": np.zeros(16), "head": np.zeros((16, 6))}
   mesh = mesh_lib.make_mesh(1)
   shardings = mesh_lib.param_sharding(mesh, params, fsdp=True)
@@ -72,17 +73,17 @@ def test_documented_mesh_load_then_generate_on_four_devices():
   parameters are split and the samples are the unsharded model's, token for token."""
   code = textwrap.dedent(f"""
     import jax, numpy as np
-    from mdjax import pretrained
+    from mdjax import io
+    from mdjax.formats import llada
 
     assert jax.device_count() == 4
     mesh = jax.make_mesh((jax.device_count(),), ("fsdp",))
-    model = pretrained.load({LLADA!r}, mesh=mesh)
+    model = io.load({LLADA!r}, mesh=mesh)
     embed = model.params["embed"]
     assert embed.sharding.num_devices == 4 and embed.sharding.spec[0] == "fsdp", embed.sharding
     prompt = np.array([[1, 2, 3], [4, 5, 6], [7, 8, 9], [3, 3, 3]], np.int32)
-    sharded = pretrained.generate(model, prompt, steps=2, gen_length=4, block_length=4)
-    alone = pretrained.generate(pretrained.load({LLADA!r}), prompt, steps=2, gen_length=4,
-                                block_length=4)
+    sharded = llada.generate(model, prompt, steps=2, gen_length=4, block_length=4)
+    alone = llada.generate(io.load({LLADA!r}), prompt, steps=2, gen_length=4, block_length=4)
     np.testing.assert_array_equal(np.asarray(sharded), np.asarray(alone))
     # The same through the one loader and generate, as the page now writes it.
     import mdjax

@@ -177,11 +177,11 @@ def test_every_flag_in_every_mode_is_used_or_refused(sample_cli, text_task, tmp_
   monkeypatch.setattr(sample.sampling, "sample_blocks", recorder.sample_blocks)
   monkeypatch.setattr(sample, "reference_bits_per_char", recorder.reference)
   import mdjax
-  from mdjax import pretrained
+  from mdjax import io
   recorder.real_load = mdjax.load
   monkeypatch.setattr(mdjax, "load", recorder.load)
   # The tiny LLaDA fixture (its tokenizer and chat template encode the prompts).
-  recorder.checkpoint = pretrained.load(os.path.join(REPO, "tests/fixtures/pretrained/llada"))
+  recorder.checkpoint = io.load(os.path.join(REPO, "tests/fixtures/pretrained/llada"))
   table, ignored, unnamed, seen = {}, [], [], {}
   for mode, base in MODES.items():
     assert _run(sample_cli, recorder, tmp_path, base)[0].returncode == 0, mode

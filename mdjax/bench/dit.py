@@ -34,8 +34,8 @@ import jax
 import numpy as np
 
 from mdjax.bench import timing
+from mdjax.formats import bd3lm, mdlm
 from mdjax.models import dit
-from mdjax.pretrained import dit_samplers
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository (tests/ beside mdjax/)
 FIXTURES = ROOT / "tests" / "fixtures" / "dit"
@@ -65,11 +65,11 @@ def block(x):
 
 
 def parity_rows() -> list[dict]:
-  from mdjax import pretrained
+  from mdjax import io
   ref = np.load(FIXTURES / "reference_logits.npz")
   rows = []
   for name in ("mdlm", "mdlm_time", "bd3lm"):
-    model = pretrained.load(str(FIXTURES / name))
+    model = io.load(str(FIXTURES / name))
     cfg = model.config
     ours = dit.forward(cfg, model.params, ref[f"{name}_tokens"], ref[f"{name}_sigma"])
     setting = "sampling pass (block-causal)" if cfg.block_size else "forward"
@@ -116,7 +116,7 @@ def main(argv=None):
     if family == "mdlm":
       for batch in (1, 8):
         steps = args.mdlm_steps
-        seconds, out = timing.median_run(lambda: block(dit_samplers.mdlm_sample(
+        seconds, out = timing.median_run(lambda: block(mdlm.mdlm_sample(
             model, num_samples=batch, steps=steps, key=jax.random.key(1))), args.repeats)
         rows.append({"model": "mdlm", "sampler": "mdjax mdlm_sample (MDLMSpec, ddpm_cache)",
                      "steps": steps, "batch": batch, "length": LENGTH,
@@ -129,7 +129,7 @@ def main(argv=None):
     else:
       length = args.bd3lm_length
       for batch in (1, 8):
-        seconds, out = timing.median_run(lambda: block(dit_samplers.bd3lm_sample(
+        seconds, out = timing.median_run(lambda: block(bd3lm.bd3lm_sample(
             model, num_samples=batch, length=length, bos_id=BOS, nucleus_p=0.9,
             key=jax.random.key(1))), args.repeats)
         rows.append({"model": "bd3lm", "sampler": "mdjax bd3lm_sample (first hitting, "

@@ -10,7 +10,7 @@ loops; without torch it runs the rest and says so.
 
 Parity: from the committed fixtures (tests/fixtures/<family>/, written by the published
 modeling code: tests/reference/<family>.py), through `parity_figures()` of
-tests/pretrained/test_<family>.py (no torch): the largest |mdjax - reference| of the finite
+tests/formats/test_<family>.py (no torch): the largest |mdjax - reference| of the finite
 logits of a full pass and of the cached passes (a block against the cache of the blocks
 before it), absolute and relative to the largest reference logit, and per generations.json
 case whether mdjax's tokens equal the reference's.
@@ -39,7 +39,7 @@ small model (the rows record any refusal and its reason).
 Memory: each published size's parameters, computed from its config.json through the
 family's own loader (checked against the safetensors index's total_size where one is
 published), its bfloat16 bytes, the key/value cache per token, and the number of 80 GB
-devices an FSDP mesh (`pretrained.load(..., mesh=...)`) needs to hold the weights and a
+devices an FSDP mesh (`mdjax.io.load(..., mesh=...)`) needs to hold the weights and a
 batch-1 cache of 32k tokens with a fifth of the memory left for activations.
 
 --gpu: the decoders (mdjax's, cached and uncached) on the published shapes of GPU_SHAPES
@@ -66,10 +66,10 @@ import jax
 import numpy as np
 
 import mdjax
-from mdjax import checkpoints, generation, pretrained, sampling
+from mdjax import formats, generation, io, sampling
 from mdjax.bench import timing
+from mdjax.io import record
 from mdjax.models import moe, published
-from mdjax.pretrained import record
 
 FAMILIES = ("sdar", "fast_dllm_v2", "llada2")
 DEVICE_BYTES = 80e9
@@ -145,7 +145,7 @@ def memory_rows() -> list[dict]:
   """Each published size's parameters, bytes and the FSDP mesh it needs (module docstring)."""
   rows = []
   for name, entry in PUBLISHED.items():
-    family = checkpoints.get(entry["family"])
+    family = formats.get(entry["family"])
     config = family.config_from_hf(dict(entry["raw"]), "bfloat16")
     tied = family.tied(entry["raw"])
     params = published.num_params(config) - (config.vocab_size * config.d_model if tied else 0)
@@ -219,7 +219,7 @@ def small_model(family: str, folder: str):
   layout and loaded."""
   config = published.PublishedConfig(family=family, **SMALL, **SMALL_NETWORKS[family])
   params = spread(published.init_params(config, jax.random.key(0)), config.mask_id)
-  pretrained.save(params, folder, family=family, config=config)
+  io.save(params, folder, family=family, config=config)
   return mdjax.load(folder)
 
 
@@ -363,7 +363,7 @@ def gpu_rows(repeats: int) -> list[dict]:
   rows = []
   for name in GPU_SHAPES:
     entry = PUBLISHED[name]
-    family = checkpoints.get(entry["family"])
+    family = formats.get(entry["family"])
     config = family.config_from_hf(dict(entry["raw"]), "bfloat16")
     params = jax.jit(published.init_params, static_argnums=0)(config, jax.random.key(0))
     # Donated: LLaDA2.0-mini's 32.5 GB of weights must not be held twice.
@@ -394,12 +394,12 @@ def _reference_loop(family: str, folder: str):
 
 def parity_rows() -> list[dict]:
   """What the parity tests assert, as figures (`parity_figures()` of
-  tests/pretrained/test_<family>.py, computed from the committed fixtures; no torch). A
+  tests/formats/test_<family>.py, computed from the committed fixtures; no torch). A
   family whose test module does not import (pytest absent) gets a row with the error."""
   rows = []
   for family in FAMILIES:
     try:
-      test = importlib.import_module(f"tests.pretrained.test_{family}")
+      test = importlib.import_module(f"tests.formats.test_{family}")
     except ImportError as error:
       rows.append({"family": family, "error": f"{type(error).__name__}: {error}"})
     else:

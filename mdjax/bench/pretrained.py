@@ -5,10 +5,10 @@
 
 Sampling: a random LLaDA-shaped model (d 512, 8 layers, 8 heads, MLP 1536, 4096 ids: the
 layers of a mid-sized model, a vocabulary cut so the head does not dominate on a CPU) is
-saved in the published layout, loaded by `mdjax.pretrained.load`, and sampled at batch 8
+saved in the published layout, loaded by `mdjax.io.load`, and sampled at batch 8
 side by side with the same weights in PyTorch: LLaDA's `generate.py` loop on transformers'
 Llama made bidirectional (the forward tests/reference/pretrained.py checks against
-the published modeling code), and mdjax's `pretrained.generate` uncached and with the dual
+the published modeling code), and mdjax's `formats.llada.generate` uncached and with the dual
 cache. Times are medians of --repeats runs after one warm-up run (mdjax's compiles there).
 tokens_equal_reference compares the ids with the reference loop's at temperature 0: the
 uncached loop for mdjax, Fast-dLLM's `generate_with_dual_cache` for the dual cache.
@@ -34,8 +34,9 @@ import tempfile
 import jax
 import numpy as np
 
-from mdjax import pretrained
+from mdjax import io
 from mdjax.bench import timing
+from mdjax.formats import llada
 from mdjax.models import published
 
 VOCAB, MASK_ID, EOS_ID, EOT_ID = 4096, 4000, 3999, 4001
@@ -81,8 +82,8 @@ def sampling_rows(repeats: int) -> list[dict]:
   config = llada_config(**SAMPLING)
   s = SETTINGS
   with tempfile.TemporaryDirectory() as folder:
-    pretrained.save(spread_params(config, seed=0), folder, family="llada", config=config)
-    model = pretrained.load(folder)
+    io.save(spread_params(config, seed=0), folder, family="llada", config=config)
+    model = io.load(folder)
     weights = load_file(os.path.join(folder, "model.safetensors"))
   ref = reference_module(config)
   torch_uncached, torch_cached = ref.LladaHF(weights), ref.LladaTorch(weights)
@@ -91,7 +92,7 @@ def sampling_rows(repeats: int) -> list[dict]:
 
   def mdjax_run(kv_cache):
     return lambda: np.asarray(jax.block_until_ready(
-        pretrained.generate(model, prompt_BxP, kv_cache=kv_cache, **knobs)))
+        llada.generate(model, prompt_BxP, kv_cache=kv_cache, **knobs)))
 
   torch_prompt = torch.from_numpy(prompt_BxP).long()
   reference = lambda: ref.llada_generate(torch_uncached, torch_prompt, mask_id=MASK_ID,
@@ -119,7 +120,7 @@ def sampling_rows(repeats: int) -> list[dict]:
 LOAD_CHILD = r"""
 import json, sys, time
 import jax, numpy as np
-from mdjax import pretrained
+from mdjax import io
 jax.block_until_ready(jax.numpy.zeros(8) + 1)  # the runtime up before the baseline
 def status(key):
   for line in open("/proc/self/status"):
@@ -129,7 +130,7 @@ with open("/proc/self/clear_refs", "w") as f:
   f.write("5")  # resets VmHWM to the current resident size
 before = status("VmRSS:")
 start = time.perf_counter()
-model = pretrained.load(sys.argv[1])
+model = io.load(sys.argv[1])
 jax.block_until_ready(model.params)
 seconds = time.perf_counter() - start
 params_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
@@ -141,7 +142,7 @@ print(json.dumps(dict(seconds=seconds, peak_above_baseline=status("VmHWM:") - be
 def load_row() -> dict:
   config = llada_config(**LOADING, dtype="bfloat16")
   with tempfile.TemporaryDirectory() as folder:
-    pretrained.save(published.init_params(config, jax.random.key(1)), folder, family="llada",
+    io.save(published.init_params(config, jax.random.key(1)), folder, family="llada",
                     config=config, max_shard_bytes=256 << 20)
     shards = [os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder)
               if f.endswith(".safetensors")]

@@ -4,7 +4,7 @@
 
 1. bfloat16 against float32 on the tiny LLaDA and Dream fixtures (tests/fixtures/pretrained):
    the fraction of positions whose top-1 id agrees, and the largest logit difference.
-2. `pretrained.generate` at a 1B-parameter random LLaDA shape (d 2048, 22 layers, 16 heads,
+2. `formats.llada.generate` at a 1B-parameter random LLaDA shape (d 2048, 22 layers, 16 heads,
    MLP 5632, 32768 ids) in bfloat16 at batch 8: uncached and with the dual cache, medians of
    3 runs after a compiling run, tokens per second.
 
@@ -20,10 +20,11 @@ import os
 import jax
 import numpy as np
 
-from mdjax import pretrained
+from mdjax import io
 from mdjax.bench import timing
+from mdjax.formats import llada
+from mdjax.io import record
 from mdjax.models import published
-from mdjax.pretrained import record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "pretrained")  # run from a checkout
@@ -36,7 +37,7 @@ def dtype_agreement() -> list[dict]:
     tokens_BxL = reference[f"{family}_tokens"]
     logits = {}
     for dtype in ("float32", "bfloat16"):
-      model = pretrained.load(os.path.join(FIXTURES, family), dtype=dtype)
+      model = io.load(os.path.join(FIXTURES, family), dtype=dtype)
       logits[dtype] = np.asarray(model.denoiser(model.params, tokens_BxL, None))
     finite = np.isfinite(logits["float32"])
     rows.append(dict(family=family, top1_agreement=float(
@@ -58,7 +59,7 @@ def one_billion(repeats: int = 3) -> list[dict]:
   prompt_BxP = np.random.default_rng(0).integers(0, 31000, (8, 128))
   rows = []
   for kv_cache in ("none", "dual"):
-    run = lambda: jax.block_until_ready(pretrained.generate(
+    run = lambda: jax.block_until_ready(llada.generate(
         model, prompt_BxP, steps=256, gen_length=256, block_length=32, kv_cache=kv_cache))
     seconds, _ = timing.median_run(run, repeats)
     rows.append(dict(params=published.num_params(config), kv_cache=kv_cache, batch=8,

@@ -52,11 +52,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from mdjax import checkpoints
+from mdjax import formats
 from mdjax import files as files_lib
+from mdjax.io import tensors as tensors_lib
 from mdjax.models import checks
 from mdjax.models.published import PublishedConfig
-from mdjax.pretrained import tensors as tensors_lib
 
 TARGETS = ("masked", "block")
 LAYOUTS = ("dream", "llada", "fast_dllm_v2", "sdar")
@@ -115,7 +115,7 @@ def _reading_raw(raw: dict) -> dict:
   uses (the EOS, a token every tokenizer check finds)."""
   if raw["model_type"] != "qwen3":
     return raw
-  eos = checkpoints.base.config_token_id(raw, "eos_token_id", "qwen3")
+  eos = formats.base.config_token_id(raw, "eos_token_id", "qwen3")
   return {**raw, "model_type": "sdar", "architectures": ["SDARForCausalLM"], "block_size": 1,
           "mask_token_id": 0 if eos is None else eos}
 
@@ -123,7 +123,7 @@ def _reading_raw(raw: dict) -> dict:
 def causal_config(raw: dict, dtype: str = "float32") -> PublishedConfig:
   """The causal network of a Llama / Qwen2 / Qwen3 config.json (Qwen3: family "qwen2" with
   qk_norm and no biases)."""
-  family = checkpoints.get(SOURCES[raw["model_type"]])
+  family = formats.get(SOURCES[raw["model_type"]])
   config = family.config_from_hf(_reading_raw(raw), dtype)
   if raw["model_type"] == "qwen3":
     config = dataclasses.replace(config, family="qwen2", causal=True, block_size=None,
@@ -139,9 +139,9 @@ def _tokenizer(input_dir: str):
 def load_causal(input_dir: str, dtype: str | None = None):
   """(causal PublishedConfig, params, config.json) of a causal folder: its weights read by
   `mdjax.load` (Qwen3's through SDAR's tensor names)."""
-  from mdjax import pretrained
+  from mdjax import io
   raw = _raw(input_dir)
-  model = pretrained.load(input_dir, dtype=dtype, config=_reading_raw(raw))
+  model = io.load(input_dir, dtype=dtype, config=_reading_raw(raw))
   config = causal_config(raw, model.config.dtype)
   return config, model.params, raw
 
@@ -224,14 +224,14 @@ def plan(input_dir: str, *, to: str = "masked", block_size: int | None = None,
       raise ValueError(f"mask_id={mask_id} is the tokenizer's token {token!r}: no room for a "
                        f"mask there (the tokenizer has {size} ids of the {vocab} rows); leave "
                        f"mask_id unset to append the new id {vocab}.")
-    if mask_id in (causal.eos_id, checkpoints.base.config_token_id(raw, "bos_token_id", "input"),
-                   checkpoints.base.config_token_id(raw, "pad_token_id", "input")):
+    if mask_id in (causal.eos_id, formats.base.config_token_id(raw, "bos_token_id", "input"),
+                   formats.base.config_token_id(raw, "pad_token_id", "input")):
       raise ValueError(f"mask_id={mask_id} is the input's EOS, BOS or pad id.")
   fields = dict(family=name, vocab_size=vocab + appended, mask_id=mask_id, causal=False,
                 logit_shift=keep_shift, block_size=block_size if to == "block" else None,
                 qkv_bias=causal.qkv_bias or name in ("dream", "fast_dllm_v2"))
   config = PublishedConfig(**{**dataclasses.asdict(causal), **fields})
-  family = checkpoints.get(name)
+  family = formats.get(name)
   try:
     hf = family.config_to_hf(config)  # what the layout cannot express, by its own message
     back = family.config_from_hf(hf, dtype)
@@ -374,7 +374,7 @@ def convert(input_dir: str, out_dir: str, *, to: str = "masked", block_size: int
   """Writes the diffusion folder of the causal folder `input_dir` to `out_dir` (module
   docstring) and returns its path. `out_dir` must not exist (or be an empty folder); the
   folder is written as OUT.partial and renamed at the end."""
-  from mdjax import pretrained
+  from mdjax import io
   if not isinstance(out_dir, (str, os.PathLike)) or not os.fspath(out_dir):
     raise ValueError(f"out={out_dir!r} must be a folder path.")
   out = os.path.abspath(os.fspath(out_dir))
@@ -388,7 +388,7 @@ def convert(input_dir: str, out_dir: str, *, to: str = "masked", block_size: int
   partial = out + ".partial"
   _remove(partial)
   try:
-    pretrained.save(params, partial, family=chosen.layout, config=chosen.config)
+    io.save(params, partial, family=chosen.layout, config=chosen.config)
     _tokenizer_files(input_dir, partial, chosen)
     _add_source_ids(partial, input_dir)
     _check_written(partial, chosen)
@@ -408,11 +408,11 @@ def convert(input_dir: str, out_dir: str, *, to: str = "masked", block_size: int
 def _check_written(folder: str, chosen: Plan) -> None:
   """The written folder reads back as the plan's network (config.json through the family's
   reader) and its tokenizer fits the ids (`mdjax.load`'s check), no weight read again."""
-  from mdjax.pretrained.load import check_tokenizer
+  from mdjax.io.folder import check_tokenizer
   from mdjax.tokenizers import load_hf_tokenizer
   path = os.path.join(folder, "config.json")
   raw = files_lib.read_json(path, "config.json")
-  family = checkpoints.detect(raw, path)
+  family = formats.detect(raw, path)
   config = family.config_from_hf(raw, chosen.config.dtype)
   if family.family != chosen.layout or config != chosen.config:
     raise ValueError(f"{path} reads back as {config}, not {chosen.config}.")

@@ -113,7 +113,7 @@ def char_tokenizer_json(vocab: str) -> str:
 def write_folder(params: dict, config, task, out: str) -> str:
   """Writes a causal Transformer's `params` (a pure dict; `config` its run config, `task` its
   task) to the Llama folder `out`, built in OUT.partial and renamed at the end."""
-  from mdjax import pretrained
+  from mdjax import io
 
   check_exportable(config)
   if task.mask_id != task.vocab_size:
@@ -126,7 +126,7 @@ def write_folder(params: dict, config, task, out: str) -> str:
   partial = out + ".partial"
   shutil.rmtree(partial, ignore_errors=True)
   try:
-    pretrained.save(llama_params(params, llama), partial, config=llama)
+    io.save(llama_params(params, llama), partial, config=llama)
     config_path = os.path.join(partial, "config.json")
     with open(config_path) as f:
       raw = json.load(f)

@@ -20,7 +20,7 @@ A corpus task (`mdjax.tasks.corpus`) reads its prepared shards through grain:
 
 so row r of step s is window k = s * batch_size + r of the shuffled stream, and process p
 reads only its rows. The grain iterator's state (`source.state()`, {'next_index': step})
-is saved in every checkpoint (`mdjax.train.checkpoints`), one file per process; a resumed
+is saved in every checkpoint (`mdjax.train.state_io`), one file per process; a resumed
 run restores it, or, when the process count changed, starts the iterator at the step.
 Other tasks draw their batch from (seed, step) (`batch_for_step`); their
 source slices the process's rows of it and has no state.

@@ -6,7 +6,7 @@ reported as the corpus perplexity exp(total NLL / total tokens). Beside it, the 
 entropy of each sample's tokens: a degenerate sampler (one word repeated) scores a low
 perplexity and a low entropy, so the two are read together.
 
-A judge is a loaded causal checkpoint (`pretrained.load` of a LlamaForCausalLM or
+A judge is a loaded causal checkpoint (`mdjax.io.load` of a LlamaForCausalLM or
 Qwen2ForCausalLM folder: families "llama", "qwen2"), a mdjax workdir trained with
 objective "causal" (its task's tokenizer), or a `Judge` built by hand.
 

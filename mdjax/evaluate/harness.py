@@ -5,8 +5,9 @@ imports lm_eval. lm-eval 0.4 finds models only in its registry, so run its comma
 through `python -m mdjax.evaluate.lm_eval` (the same arguments as `lm_eval`), or call
 `lm_eval.simple_evaluate(model=MdjaxLM(...), ...)` from Python.
 
-The model is a train.py workdir or a `mdjax.pretrained` folder (`checkpoint=DIR`), a task's
-exact denoiser (`task=NAME,oracle=true`), or in Python any of those as objects (`model=`).
+The model is a train.py workdir or a published folder (`checkpoint=DIR`, read by
+`mdjax.io.load`), a task's exact denoiser (`task=NAME,oracle=true`), or in Python any of
+those as objects (`model=`).
 
   loglikelihood          `evaluate.loglikelihood` (an estimate of a lower bound on
                          log p(continuation | context)); is_greedy by `check_greedy=true`.
@@ -33,15 +34,16 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from mdjax import generation, loader, sampling, tasks
-from mdjax.model import Model
 from mdjax.evaluate.loglikelihood import ESTIMATORS, loglikelihood
 from mdjax.evaluate.rolling import loglikelihood_rolling
+from mdjax.model import Model
 
 logger = logging.getLogger(__name__)
 
 # The adapter's own arguments (model_args keys), with what they mean.
 MODEL_ARGS = {
-    "checkpoint": "a train.py workdir or a mdjax.pretrained folder (config.json: LLaDA, Dream)",
+    "checkpoint": "a train.py workdir or a published Hugging Face folder (config.json: LLaDA, "
+                  "Dream)",
     "step": "the workdir's checkpoint step (default: the newest readable)",
     "dtype": "pretrained folders: float32 or bfloat16 (default: the checkpoint's)",
     "add_special_tokens": "pretrained folders: the tokenizer's BOS before each context and "
@@ -161,7 +163,7 @@ def _one_source(checkpoint, task, oracle, model) -> None:
                      f"model=; got {given or 'none'}.")
   if checkpoint is not None and not os.path.isdir(checkpoint):
     raise ValueError(f"checkpoint={checkpoint!r} is not a folder (a train.py workdir or a "
-                     "mdjax.pretrained folder).")
+                     "published Hugging Face folder).")
   if task is not None:
     if task not in tasks.TASKS:
       raise ValueError(f"task={task!r} is unknown; known: {sorted(tasks.TASKS)}.")
@@ -296,7 +298,7 @@ class MdjaxLM(LM):
   def apply_chat_template(self, chat_history: list[dict[str, str]],
                           add_generation_prompt: bool = True) -> str:
     """The messages through the checkpoint's chat template, the assistant's turn opened
-    (`pretrained.render_chat`); a ValueError for a model without one."""
+    (`mdjax.io.render_chat`); a ValueError for a model without one."""
     model = self.backend.model
     if not model.chat_template:
       raise ValueError("--apply_chat_template needs a pretrained folder with a chat template.")

@@ -3,7 +3,7 @@
   python -m mdjax.evaluate.perplexity --pretrained=DIR --tokens=FILE [--batch_size=16]
       [--num_batches=N] [--seed=0] [--dtype=float32] [--clipped]
 
-DIR: a folder `mdjax.pretrained.load` reads (kuleshov-group/mdlm-owt,
+DIR: a folder `mdjax.io.load` reads (kuleshov-group/mdlm-owt,
 kuleshov-group/bd3lm-owt-block_size4, ...). FILE: token ids of the evaluation text, a .npy
 array or a raw .bin (uint16 unless --bin_dtype says otherwise: nanoGPT's OpenWebText val.bin),
 cut into consecutive windows of the model's length (the tail that does not fill one is
@@ -76,7 +76,7 @@ def eps_range(model, clipped: bool) -> tuple[float, float]:
   buffers = getattr(model, "buffers", None) or {}
   if "sampling_eps_min" not in buffers or "sampling_eps_max" not in buffers:
     raise ValueError("clipped=True needs the checkpoint's sampling_eps_min / sampling_eps_max "
-                     "(a BD3-LM folder loaded by mdjax.pretrained.load); this model has none.")
+                     "(a BD3-LM folder loaded by mdjax.io.load); this model has none.")
   return _scalar(buffers, "sampling_eps_min"), _scalar(buffers, "sampling_eps_max")
 
 
@@ -141,8 +141,8 @@ def main(argv=None) -> dict:
                       help="BD3-LM: the checkpoint's clipped training range (not a bound)")
   parser.add_argument("--bin_dtype", choices=BIN_DTYPES, default="uint16")
   args = parser.parse_args(argv)
-  from mdjax import pretrained  # the loader, only for the command line
-  model = pretrained.load(args.pretrained, dtype=args.dtype)
+  from mdjax import io  # the loader, only for the command line
+  model = io.load(args.pretrained, dtype=args.dtype)
   result = perplexity(model, args.tokens, batch_size=args.batch_size,
                       num_batches=args.num_batches, key=jax.random.key(args.seed),
                       clipped=args.clipped, bin_dtype=args.bin_dtype)

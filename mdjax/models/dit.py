@@ -312,7 +312,7 @@ def _check_length(config: DiTConfig, length: int) -> None:
     raise ValueError(
         f"a canvas of {length} positions is longer than model_length={config.model_length}; "
         "a BD3-LM model generates longer sequences block by block over windows of "
-        "model_length (mdjax.pretrained.dit_samplers.bd3lm_sample, "
+        "model_length (mdjax.formats.bd3lm.bd3lm_sample, "
         "mdjax.sampling.sample_blocks).")
 
 

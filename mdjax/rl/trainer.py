@@ -53,7 +53,7 @@ from mdjax.rl import rewards as rewards_lib
 from mdjax.rl import sources
 from mdjax.saved_run import saved_config
 from mdjax.tasks import sft as sft_data
-from mdjax.train import checkpoints, objectives, sft
+from mdjax.train import objectives, sft, state_io
 from mdjax.train.config_checks import ConfigError
 from mdjax.train.state import TrainState, init_state, make_mesh, make_optimizer
 from mdjax.train.workdir import MetricsLog, TrainClock, keep_metrics_through, run_summary
@@ -230,7 +230,7 @@ def start_model(config, task):
   kind, where = sft_data.split_start(config.train.init_from)
   if kind == "pretrained":  # as SFT starts from one
     return sft.start_model(config, task)
-  start = checkpoints.load(where, log=lambda message: None)
+  start = state_io.load(where, log=lambda message: None)
   if start.task.vocab_size != task.vocab_size or start.task.length != task.length:
     raise ValueError(f"start={where!r}: its task has {start.task.vocab_size} ids and length "
                      f"{start.task.length}; this run's {task.vocab_size} and {task.length}.")
@@ -423,9 +423,9 @@ def run(config, workdir: str, log, interrupts):
     # Rollouts read the adapters merged once per step, not at every sampler step.
     sample_apply = ref_apply
     sampled = jax.jit(functools.partial(lora.merge, lora_config=lora.config_of(config)))
-  manager = checkpoints.checkpoint_manager(workdir, config)
+  manager = state_io.checkpoint_manager(workdir, config)
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-  restored = checkpoints.restore_latest(manager, abstract, config, task, log)
+  restored = state_io.restore_latest(manager, abstract, config, task, log)
   if restored is not None:
     state = jax.device_put(restored, shardings)
     log(f"resumed from step {int(state.step)}")
@@ -514,11 +514,11 @@ def run(config, workdir: str, log, interrupts):
       state = TrainState(step=jnp.asarray(step, jnp.int32), params=params, opt_state=opt_state,
                          ema_params=None)
       if step % config.checkpoint.every == 0 or step == num_steps:
-        checkpoints.save(manager, state, config, task)
+        state_io.save(manager, state, config, task)
         clock.save(step)
         saved_step = step
     if step < num_steps and step != start_step and saved_step != step:
-      checkpoints.save(manager, state, config, task)
+      state_io.save(manager, state, config, task)
       clock.save(step)
       log(f"{interrupts.signal_name}: checkpoint saved at step {step} of {num_steps} in "
           f"{workdir}/checkpoints; the same command resumes.")

@@ -9,7 +9,7 @@ Each line of the file is one example:
 
 For `messages` the last turn (an assistant's) is the response and the turns before it the
 prompt. With `chat=True` and a start point that has a chat template (a published folder), the
-prompt is rendered by it with the assistant's turn opened (`mdjax.pretrained.render_chat`; a
+prompt is rendered by it with the assistant's turn opened (`mdjax.io.render_chat`; a
 plain prompt is one user turn); otherwise the prompt text is used as it is (and `messages`
 need the template). A row is [prompt ids, response ids, EOS ... EOS] of `length` tokens:
 LLaDA's SFT layout, where the EOS padding belongs to the response (the model learns to end
@@ -192,14 +192,14 @@ def resolve_start(start):
 
 def published_config(folder: str):
   """(PublishedConfig, config.json as read) of a published folder, no weight read."""
-  # The published families hold their reference samplers: imported by a published start
+  # The published formats hold their reference samplers: imported by a published start
   # point only, so that the tasks do not import the samplers.
-  from mdjax import checkpoints as families
+  from mdjax import formats
   from mdjax.models.published import PublishedConfig
   path = os.path.join(folder, "config.json")
   with open(path) as f:
     raw = json.load(f)
-  config = families.detect(raw, path).config_from_hf(raw, "float32")
+  config = formats.detect(raw, path).config_from_hf(raw, "float32")
   if not isinstance(config, PublishedConfig):
     raise ValueError(f"{path}: a {config.family} checkpoint; fine-tuning starts from LLaDA or "
                      "Dream folders (or an mdjax workdir).")
@@ -207,8 +207,8 @@ def published_config(folder: str):
 
 
 def _published_vocabulary(folder: str) -> Vocabulary:
-  from mdjax.pretrained.chat_template import render_chat  # as in `published_config`
-  from mdjax.pretrained.load import read_chat_template
+  from mdjax.io.chat_template import render_chat  # as in `published_config`
+  from mdjax.io.folder import read_chat_template
   config, _ = published_config(folder)
   tokenizer = load_hf_tokenizer(folder)
   if tokenizer is None:

@@ -5,7 +5,7 @@
 The batch a step sees is a function of (seed, step), so a resumed run sees exactly what an
 uninterrupted one would; the random streams are named in `mdjax.streams`.
 
-The rooms: `state` (factories from the config, the train step, sharding), `checkpoints`
+The rooms: `state` (factories from the config, the train step, sharding), `state_io`
 (orbax saves, the newest readable step, `load`), `config_checks`, `workdir` (the lock,
 signals, the metrics log, the train clock), `loop` (`train`, evaluation, progress),
 `objectives` (the table of training objectives: each one's loss, start model and export),
@@ -15,8 +15,8 @@ a model converted from a causal LM, `mdjax.convert`).
 """
 
 from mdjax import tasks
-from mdjax.train.checkpoints import (CORRUPT_DIR, CheckpointMismatch, checkpoint_manager, load,
-                                     load_for_sampling, quiet_orbax, restore_latest, save)
+from mdjax.train.state_io import (CORRUPT_DIR, CheckpointMismatch, checkpoint_manager, load,
+                                  load_for_sampling, quiet_orbax, restore_latest, save)
 from mdjax.train.config_checks import CONFIG_RANGES, OBJECTIVES, ConfigError, check_config
 from mdjax.data.pipeline import batch_for_step, eval_batch
 from mdjax.train.loop import ensure_trained, evaluate, sample_and_score, train

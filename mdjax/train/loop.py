@@ -16,9 +16,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mdjax import data, lora, models, plot, sampling, tasks
 from mdjax.data.pipeline import batch_for_step
 from mdjax.train import distributed, objectives
-from mdjax.train.checkpoints import (CORRUPT_DIR, checkpoint_manager, load_for_sampling,
-                                     newest_readable, restore_data, restore_latest, save,
-                                     step_dirs)
+from mdjax.train.state_io import (CORRUPT_DIR, checkpoint_manager, load_for_sampling,
+                                  newest_readable, restore_data, restore_latest, save, step_dirs)
 from mdjax.train.config_checks import ConfigError, check_config
 from mdjax.train.flops import model_flops_per_token, mfu, peak_flops_per_device
 from mdjax.train.state import (TrainState, init_state, learning_rate_schedule,

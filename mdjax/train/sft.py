@@ -6,7 +6,7 @@ start's (a corpus prepared with `--tokenizer=DIR/tokenizer.json`), and export al
 
 A run of `configs/sft.py` (task 'sft', objective 'sft') starts from `train.init_from`: an mdjax
 workdir (its newest checkpoint) or "pretrained:DIR", a published diffusion LM folder read by
-`mdjax.pretrained.load` (LLaDA, Dream, or a block-causal SDAR, Fast-dLLM v2, LLaDA2). This
+`mdjax.io.load` (LLaDA, Dream, or a block-causal SDAR, Fast-dLLM v2, LLaDA2). This
 module registers the objective 'sft' (`objectives.Objective`),
 whose hooks the train state and loop call:
 
@@ -22,7 +22,7 @@ whose hooks the train state and loop call:
                           The held-out evaluation reports it too.
   export(config, state, workdir)  at the final step, a published start's fine-tuned weights
                           as a folder of its layout, WORKDIR/pretrained, which
-                          `pretrained.load` and `sample.py --pretrained` read.
+                          `mdjax.io.load` and `sample.py --pretrained` read.
 """
 
 from __future__ import annotations
@@ -38,14 +38,13 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from mdjax import diffusion, lora, models, pretrained
+from mdjax import diffusion, formats, io, lora, models
 from mdjax.denoiser import Denoiser
+from mdjax.io import record, tensors
 from mdjax.models import published as published_model
-from mdjax import checkpoints as families
-from mdjax.pretrained import record, tensors
 from mdjax.saved_run import saved_config
 from mdjax.tasks import sft as sft_data
-from mdjax.train import checkpoints, objectives
+from mdjax.train import objectives, state_io
 from mdjax.train.config_checks import ConfigError
 from mdjax.train.state import model_config
 
@@ -225,7 +224,7 @@ def start_model(config, task):
   config = resolve_config(config)  # the model fields the config leaves to the start point
   kind, where = sft_data.split_start(config.train.init_from)
   if kind == "pretrained":
-    model = pretrained.load(where)
+    model = io.load(where)
     vocab = None
     if config.task != "sft":  # a text / corpus task: the start's tokenizer, maybe fewer ids
       _same_tokenizer(model, task, where)
@@ -239,7 +238,7 @@ def start_model(config, task):
     return None, params, view.denoiser()
   graphdef, fresh, apply_fn = models.init(model_config(config, task), seed=config.seed)
   fresh = nnx.to_pure_dict(fresh)
-  start = checkpoints.load(where, log=lambda message: None)
+  start = state_io.load(where, log=lambda message: None)
   want = {jax.tree_util.keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(fresh)}
   got = {jax.tree_util.keystr(p): x.shape
          for p, x in jax.tree_util.tree_leaves_with_path(start.params)}
@@ -318,7 +317,7 @@ def export(config, state, workdir: str, log=print) -> str | None:
     return None
   _, raw = sft_data.published_config(folder)
   dtype = _native_dtype(folder)
-  published = families.detect(raw, folder).config_from_hf(raw, dtype)
+  published = formats.detect(raw, folder).config_from_hf(raw, dtype)
   params = state.ema_params if state.ema_params is not None else state.params
   params = lora.merged(config, params)  # LoRA's adapters folded into the weights (or as is)
   model = record.published_model(
@@ -327,11 +326,11 @@ def export(config, state, workdir: str, log=print) -> str | None:
   out = os.path.join(workdir, EXPORT_DIR)
   partial = out + ".partial"
   _remove(partial)
-  pretrained.save(model, partial, dtype=dtype)
+  io.save(model, partial, dtype=dtype)
   _remove(out)
   os.rename(partial, out)  # a complete folder or none
   log(f"trained {published.family} folder: {out} (step {int(state.step)}; "
-      f"pretrained.load or sample.py --pretrained={out})")
+      f"mdjax.load or sample.py --pretrained={out})")
   return out
 
 

@@ -98,13 +98,13 @@ def test_input_state_restored_or_rebuilt_from_the_step(data_dir, tmp_path):
     source.batch_for(s)
   train.save(manager, state, config, task, source)
   fresh, messages = data.batch_source(config, task), []
-  train.checkpoints.restore_data(manager, 5, fresh, messages.append)
+  train.state_io.restore_data(manager, 5, fresh, messages.append)
   assert fresh.state() == {"next_index": 5} and messages == []
   np.testing.assert_array_equal(fresh.batch_for(5), source.batch_for(5))
   # Written by two processes: this process count has no file; the step decides.
   folder = tmp_path / "checkpoints" / "5" / "data"
   os.rename(folder / "process_0-of-1.json", folder / "process_0-of-2.json")
   other = data.batch_source(config, task)
-  train.checkpoints.restore_data(manager, 5, other, messages.append)
+  train.state_io.restore_data(manager, 5, other, messages.append)
   assert other.state() == {"next_index": 5}
   assert "no input state for this process" in messages[0]

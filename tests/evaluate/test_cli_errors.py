@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import pytest
 
-from mdjax import evaluate, pretrained
+from mdjax import evaluate, io
 from mdjax.evaluate import gen_ppl, perplexity
 from tests.paths import REPO
 
@@ -38,7 +38,7 @@ def _error_line(capsys, name: str) -> str:
 @pytest.mark.slow
 def test_clipped_perplexity_of_a_bd3lm_folder(tmp_path, capsys):
   """The reference stores sampling_eps_min / _max with shape (1,): read as scalars."""
-  model = pretrained.load(BD3LM)
+  model = io.load(BD3LM)
   assert model.buffers["sampling_eps_min"].shape == (1,)
   assert perplexity.eps_range(model, True) == (float(np.float32(1e-3)),
                                                float(np.float32(0.999)))

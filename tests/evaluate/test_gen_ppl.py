@@ -1,12 +1,12 @@
 """Generative perplexity (`mdjax.evaluate.gen_ppl`) under the causal judges of
-tests/pretrained/test_judge.py (LlamaForCausalLM, Qwen2ForCausalLM).
+tests/formats/test_judge.py (LlamaForCausalLM, Qwen2ForCausalLM).
 
 The fixtures (tests/fixtures/judge/) come from tests/reference/judge.py: tiny random
 checkpoints written by transformers' save_pretrained, transformers' logits, and per-sample
 NLLs under the scoring rule of `mdjax.evaluate.gen_ppl`. Nothing here needs torch.
 
 Tolerances. The logits of mdjax and transformers differ by at most 1e-4
-(tests/pretrained/test_judge.py). A per-token NLL is a logsumexp minus the target's logit,
+(tests/formats/test_judge.py). A per-token NLL is a logsumexp minus the target's logit,
 each off by at most the logits' bound, so a mean of them lies within 2e-4.
 """
 
@@ -22,7 +22,7 @@ from mdjax import tasks, tokenizers
 from mdjax.evaluate import gen_ppl
 from mdjax.models import published
 from tests.paths import REPO
-from tests.pretrained.test_judge import FAMILIES, FIXTURES, model, reference
+from tests.formats.test_judge import FAMILIES, FIXTURES, model, reference
 
 NLL_ATOL = 2e-4
 LLADA = os.path.join(REPO, "tests", "fixtures", "pretrained", "llada")

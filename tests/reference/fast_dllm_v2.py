@@ -493,7 +493,7 @@ def make_case(model, name: str, base_seed: int, tries: int = 300) -> dict:
 def bench_loop(folder, modeling_git: pathlib.Path = MODELING_GIT,
                generation_git: pathlib.Path = GENERATION_GIT):
   """`batch_sample` (as the fixtures call it: greedy, use_block_cache=False) on the
-  Fast_dLLM_QwenForCausalLM in `folder` (mdjax's `pretrained.save` layout, loaded strictly),
+  Fast_dLLM_QwenForCausalLM in `folder` (`mdjax.io.save`'s layout, loaded strictly),
   as (prompt_BxP numpy, new) -> (new tokens B x new numpy, forward calls). The knobs are
   mdjax's default plan: block_size config.json's bd_size, small_block_size 8, threshold 0.9,
   temperature 0, config.json's EOS as the stop token; the rows of a batch (prompts of one

@@ -571,7 +571,7 @@ BENCH_SOURCE = ("/work/.mirror/yks23+Information-Gain-Sampler/repo@"
 
 def bench_loop(folder, source: str = BENCH_SOURCE):
   """`llada2_generate` (the fixtures' transcription of LLaDA2MoeModelLM.generate, greedy) on
-  the LLaDA2MoeModelLM in `folder` (mdjax's `pretrained.save` layout, loaded strictly), as
+  the LLaDA2MoeModelLM in `folder` (`mdjax.io.save`'s layout, loaded strictly), as
   (prompt_BxP numpy, new) -> (new tokens B x new numpy, forward calls). The knobs are mdjax's
   default plan: block_length config.json's block_size, steps 32, threshold 0.95,
   minimal_topk 1, config.json's EOS. The loop takes batch 1: the rows run one by one (their

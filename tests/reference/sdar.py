@@ -538,7 +538,7 @@ def reference_arrays(model, block: int) -> dict:
           "next_1xW": as_np(nxt).astype(np.int32), "next_logits_1xWxV": as_np(next_logits)}
 
 
-# The step laws at temperature > 0 (tests/pretrained/test_sdar.py derives the law of one
+# The step laws at temperature > 0 (tests/formats/test_sdar.py derives the law of one
 # step from these distributions): a block of 4 masks after 8 prompt tokens.
 LAW_STATIC = {"temperature": 0.7, "top_k": 0, "top_p": 1.0}
 LAW_DYNAMIC = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
@@ -698,7 +698,7 @@ class _Counted:
 
 def bench_loop(folder, source: pathlib.Path = BENCH_SOURCE):
   """`block_diffusion_generate` of the greedy copy (the fixtures' patched loop) on the
-  SDARForCausalLM in `folder` (mdjax's `pretrained.save` layout, every tensor loaded
+  SDARForCausalLM in `folder` (`mdjax.io.save`'s layout, every tensor loaded
   strictly), as (prompt_BxP numpy, new) -> (new tokens B x new numpy, forward calls). The
   knobs are mdjax's default plan at temperature 0: block_length and denoising_steps the
   config's block_size, low_confidence_dynamic at 0.85, temperature 1 through the greedy draw

@@ -18,7 +18,7 @@ from tests.paths import REPO
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
 # Float32 rounding: the transformers and mdjax forwards of the fixture differ by ~1e-5 in a
-# logit (tests/pretrained/test_parity.py allows 1e-4); a log-softmax entry moves by at most
+# logit (tests/formats/test_parity.py allows 1e-4); a log-softmax entry moves by at most
 # twice the largest logit difference.
 LOGP_ATOL = 1e-4
 # A loss is a float32 sum of 40 terms of size ~1 divided by their count: rounding ~1e-7.

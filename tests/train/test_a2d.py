@@ -13,7 +13,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from mdjax import diffusion, pretrained, train
+from mdjax import diffusion, io, train
 from mdjax.denoiser import Denoiser
 from mdjax.models import published
 from mdjax.train import a2d, objectives, sft
@@ -48,9 +48,9 @@ def test_a2d_block_run_trains_resumes_exports_and_the_export_loads(tmp_path):
   workdir = str(tmp_path / "a2d")
   state = train.train(config, workdir, log=lambda *a: None)
   assert int(state.step) == 2
-  start = pretrained.load(os.path.join(A2D, "block"))
+  start = io.load(os.path.join(A2D, "block"))
   out = os.path.join(workdir, sft.EXPORT_DIR)
-  loaded = pretrained.load(out)
+  loaded = io.load(out)
   assert loaded.family == "fast_dllm_v2" and loaded.config == start.config
   for path, a in jax.tree_util.tree_leaves_with_path(loaded.params):
     b = state.params

@@ -11,7 +11,7 @@ import pytest
 from configs import corpus as corpus_config
 from mdjax import plot, tasks, train
 from mdjax.prepare_data import prepare
-from mdjax.train import checkpoints, sft
+from mdjax.train import sft, state_io
 from tests.paths import REPO
 from tests.text_fixtures import write_paragraphs
 
@@ -46,9 +46,9 @@ def _config(data_dir, num_steps):
 
 
 def _saved_config(workdir):
-  manager = checkpoints.checkpoint_manager(workdir, read_only=True)
-  with checkpoints.quiet_orbax():
-    return checkpoints._read_json(manager, max(manager.all_steps()), "config")
+  manager = state_io.checkpoint_manager(workdir, read_only=True)
+  with state_io.quiet_orbax():
+    return state_io._read_json(manager, max(manager.all_steps()), "config")
 
 
 @pytest.mark.slow
@@ -83,7 +83,7 @@ def test_saved_paths_are_absolute_and_normalised(corpora, monkeypatch):
   monkeypatch.chdir(corpora)
   config = _config("./corpus/", 1)
   config.train.init_from = "pretrained:llada/../llada"
-  saved = checkpoints.portable_config(config)
+  saved = state_io.portable_config(config)
   assert saved["task_kwargs"]["data_dir"] == str(corpora / "corpus")
   assert saved["train"]["init_from"] == "pretrained:" + str(corpora / "llada")
   assert config.task_kwargs.data_dir == "./corpus/"  # the config itself is left as given
@@ -152,13 +152,13 @@ def test_an_sft_run_resumes_from_copies_of_its_start_point_and_data(tmp_path, mo
     config = sft.resolve_config(config)
     task = tasks.from_config(config)
     state, *_ = train.init_state(config, train.make_mesh(1), task)
-    return checkpoints.restore_latest(train.checkpoint_manager(workdir, config), state, config,
-                                      task, log=_quiet)
+    return state_io.restore_latest(train.checkpoint_manager(workdir, config), state, config,
+                                   task, log=_quiet)
 
   assert int(restore(elsewhere / "llada", elsewhere / "chat.jsonl").step) == 0
   rows = (elsewhere / "chat.jsonl").read_text().splitlines()
   (elsewhere / "chat.jsonl").write_text("\n".join(rows[1:]) + "\n")  # other examples
-  with pytest.raises(checkpoints.CheckpointMismatch,
+  with pytest.raises(state_io.CheckpointMismatch,
                      match=r"task_kwargs\.path/start.*inputs sha256"):
     restore(elsewhere / "llada", elsewhere / "chat.jsonl")
   assert os.listdir(os.path.join(workdir, "checkpoints")) == ["0"]

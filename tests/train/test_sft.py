@@ -1,5 +1,5 @@
 """Supervised fine-tuning: response-only masking, the loss by hand, the LLaDA fixture through
-the train loop and back through pretrained.save / load, a workdir start, bad input."""
+the train loop and back through mdjax.io.save / load, a workdir start, bad input."""
 
 import importlib
 import json
@@ -11,7 +11,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from mdjax import diffusion, pretrained, train
+from mdjax import diffusion, io, train
 from mdjax.models import published
 from mdjax.tasks import sft as sft_data
 from mdjax.train import sft
@@ -169,7 +169,7 @@ def test_sft_from_llada_fixture_lowers_response_loss_and_round_trips(tmp_path):
   after = rows_written[-1]["val_bits_per_token"]
   resolved = sft.resolve_config(config)
   task = train.tasks.from_config(resolved)
-  start = pretrained.load(LLADA)
+  start = io.load(LLADA)
   view = sft.PublishedView(start.config)
   eval_loss = make_eval_loss(resolved, view, task, sft.loss_fn(resolved, view, task))
   before = train.evaluate(resolved, task, start.params, eval_loss)["val_bits_per_token"]
@@ -177,7 +177,7 @@ def test_sft_from_llada_fixture_lowers_response_loss_and_round_trips(tmp_path):
   assert train.evaluate(resolved, task, state.params, eval_loss)["val_bits_per_token"] == after
 
   out = os.path.join(workdir, sft.EXPORT_DIR)
-  loaded = pretrained.load(out)
+  loaded = io.load(out)
   assert loaded.config == start.config and loaded.family == "llada"
   assert os.path.isfile(os.path.join(out, "tokenizer.json"))
   tokens = np.asarray(sft_data.unpack_rows(task.sample_data(jax.random.key(0), 4))[0])

@@ -13,7 +13,7 @@ import pytest
 
 from configs import two_color as two_color_config
 from mdjax import train
-from mdjax.train import checkpoints, sft
+from mdjax.train import sft, state_io
 from mdjax.train.workdir import (MetricsLog, TrainClock, UnsafeWorkdir, WorkdirLock,
                                  check_entries, keep_metrics_through)
 from tests import attacks
@@ -161,17 +161,17 @@ def test_unreadable_steps_are_not_moved_through_a_link(tmp_path, outside, entry)
       (run / "checkpoints" / "7").mkdir()
   _plant(run, entry, outside / "folder" / ("7" if entry == "checkpoints/7" else ""))
   before = _snapshot(outside)
-  manager = checkpoints.checkpoint_manager(str(run), read_only=True)
+  manager = state_io.checkpoint_manager(str(run), read_only=True)
   with pytest.raises(UnsafeWorkdir) as info:
-    checkpoints.newest_readable(manager, _unreadable, log=lambda message: None,
-                                move_aside=True)
+    state_io.newest_readable(manager, _unreadable, log=lambda message: None,
+                             move_aside=True)
   _refused(info, entry)
   assert _snapshot(outside) == before
 
 
 def _published_state():
-  from mdjax import pretrained
-  return types.SimpleNamespace(params=pretrained.load(LLADA).params, ema_params=None, step=8)
+  from mdjax import io
+  return types.SimpleNamespace(params=io.load(LLADA).params, ema_params=None, step=8)
 
 
 @pytest.mark.parametrize("entry", ["pretrained.partial", "pretrained"])

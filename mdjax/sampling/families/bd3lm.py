@@ -2,7 +2,7 @@
 `_ddpm_caching_update`): first hitting or its DDPM grid, and its nucleus filter.
 
 Block by block generation is `sampling.sample_blocks` with this family as the block's
-sampler (`mdjax.pretrained.dit_samplers.bd3lm_sample`).
+sampler (`mdjax.formats.bd3lm.bd3lm_sample`).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class BD3LM(Family):
 
   def examples(self, generated):
     # One example: the contract suite compiles every example several times (the DDPM grid
-    # is tested in tests/pretrained/test_dit_samplers.py).
+    # is tested in tests/formats/test_dit_samplers.py).
     return [BD3LMSpec(nucleus_p=0.9)]
 
   def num_steps(self, spec: BD3LMSpec, length: int) -> int:

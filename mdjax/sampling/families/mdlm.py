@@ -67,7 +67,7 @@ class MDLM(Family):
 
   def examples(self, generated):
     # One example: the contract suite compiles every example several times (the knobs
-    # without noise removal and cache are tested in tests/pretrained/test_dit_samplers.py).
+    # without noise removal and cache are tested in tests/formats/test_dit_samplers.py).
     return [MDLMSpec(steps=6, eps=0.3)]
 
   def num_steps(self, spec: MDLMSpec, length: int) -> int:
