@@ -5,8 +5,8 @@ unused (DiTConfig.block_size None).
 
 Its reference sampler is BD3-LM's `_semi_ar_sampler`: block by block after a sliding window
 of the model's length minus one block, each block by `sampling.BD3LMSpec` (first hitting,
-nucleus); `bd3lm_sample` runs it unconditionally (the exact KV cache of
-the block-causal model, any length after a sliding window of the model's length).
+nucleus). `bd3lm_sample` runs it unconditionally, with the exact KV cache of the finished
+blocks, to any length (past the model's, through the window).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ tensor names on the published network (logits shifted by one, positions counted 
 row's first real token).
 
 Its reference sampler is Dream's `diffusion_generate` (`_sample`): `steps` steps on the time
-grid linspace(1, eps, steps + 1), by `sampling.DreamSpec`; `diffusion_generate` runs it
-on ids, one compiled program.
+grid linspace(1, eps, steps + 1), by `sampling.DreamSpec`. `diffusion_generate` runs it on
+ids as one compiled program.
 """
 
 from __future__ import annotations

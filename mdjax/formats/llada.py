@@ -3,8 +3,8 @@ LLaDAModelLM, an OLMo-derived "llama" block on the published network.
 
 Its reference sampler is LLaDA's `generate.py` (with Fast-dLLM's threshold, factor and KV
 caches): the generation cut into blocks decoded left to right, each committing its most
-confident proposals (`sampling.ConfidenceSpec`); `generate` runs it on ids,
-one compiled program (`sampling.sample`), the arguments checked before anything compiles.
+confident proposals (`sampling.ConfidenceSpec`). `generate` runs it on ids as one compiled
+program (`sampling.sample`), its arguments checked before anything compiles.
 """
 
 from __future__ import annotations
