@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import threading
 import time
 from typing import Any, Callable
@@ -38,6 +39,7 @@ from mdjax import generation, sampling
 from mdjax.errors import ArgumentError
 from mdjax.model import ConfiguredSampler, Model
 from mdjax.serve import lanes as lane_programs
+from mdjax.serve import limits
 from mdjax.serve.lanes import Lane
 
 Array = jax.Array
@@ -178,11 +180,15 @@ class Engine:
   that may wait for a slot; `submit` beyond it raises `QueueFull`. canvas_length: the
   positions of each row's canvas (default the model's length): a prompt and its
   max_new_tokens must fit in it. max_programs: lanes kept at once (a lane per distinct
-  sampler spec; an idle one is dropped for a new one).
+  sampler spec; an idle one is dropped for a new one). max_steps: the most denoising steps a
+  request may run (default `limits.STEPS_PER_POSITION` times the positions a row holds,
+  `room`); `prepare` refuses more, and the other knobs that size a request's work past
+  their bounds (`mdjax.serve.limits`).
   """
 
   def __init__(self, model: Model, *, max_batch: int = 8, max_queue: int = 64,
-               canvas_length: int | None = None, max_programs: int = 8):
+               canvas_length: int | None = None, max_programs: int = 8,
+               max_steps: int | None = None):
     self.model = model
     self.max_batch = _check_int(max_batch, "max_batch", 1)
     self.max_queue = _check_int(max_queue, "max_queue", 0)
@@ -190,6 +196,11 @@ class Engine:
     self.canvas_length = _check_int(model.max_len if canvas_length is None else canvas_length,
                                     "canvas_length", 1, model.max_len,
                                     f" (the model holds {model.max_len} positions)")
+    # A row's positions: a padding-invariant model shares the lane's canvas; any other runs
+    # on exactly its own prompt and new tokens, within the model's length.
+    self.room = self.canvas_length if model.padding_invariant else int(model.max_len)
+    self.max_steps = _check_int(limits.STEPS_PER_POSITION * self.room if max_steps is None
+                                else max_steps, "max_steps", 1)
     model.mask_id  # a causal judge is refused here, with its own message
     self._lanes: dict[tuple, Lane] = {}
     self._waiting: collections.deque[tuple[Handle, int]] = collections.deque()
@@ -207,6 +218,12 @@ class Engine:
 
   # -- requests ---------------------------------------------------------------
 
+  @functools.cached_property
+  def max_prompt_bytes(self) -> int:
+    """The most UTF-8 bytes of a text prompt (a chat's contents together): the positions a
+    row holds times the tokenizer's longest token (`limits.longest_token_bytes`)."""
+    return self.room * limits.longest_token_bytes(self.model)
+
   @property
   def max_n(self) -> int:
     """The most rows one request may ask for: past max_batch it cannot be served, past
@@ -221,17 +238,19 @@ class Engine:
     max_new_tokens). prompt: a text, a chat (a list of {"role", "content"} messages, through
     the model's template) or token ids. sampler: a family name (sample.py's --sampler; None:
     the model's default sampler, as `generate` with spec=None); knobs: that sampler's
-    settings by name. What needs no prompt is checked before the prompt is encoded."""
-    model = self.model
+    settings by name. What needs no prompt is checked before the prompt is encoded, the
+    server's bounds among it (`mdjax.serve.limits`: the knobs that size the work, the
+    prompt's bytes); the steps the sampler will run before its plan is built."""
+    model, room = self.model, self.room
     n = _check_int(n, "n", 1, self.max_n, f" (the rows of one request; max_batch is "
                                           f"{self.max_batch}, max_queue {self.max_queue})")
     seed = _check_int(seed, "seed", 0, MAX_SEED)
-    # A padding-invariant model shares the lane's canvas; any other runs on exactly its own.
-    room = self.canvas_length if model.padding_invariant else model.max_len
     names = dict(prompts=where, new_tokens=new_tokens, room="the server's canvas")
     generation.check_new_tokens(max_new_tokens, room, new_tokens=new_tokens,
                                 room=names["room"])
     knobs = dict(knobs or {})
+    limits.check_knobs(knobs, max_steps=self.max_steps, room=room)
+    limits.check_prompt_size(prompt, where=where, room=room, max_bytes=self.max_prompt_bytes)
     if sampler is not None:
       model = model.replace(sampler=_named_sampler(model, sampler, knobs))
     ids = generation.prompt_ids(model, [prompt], where=where)[0]
@@ -247,6 +266,7 @@ class Engine:
     generation.plan_generation([len(ids)], max_new_tokens, max_len=room,
                                block_length=family.block_length(run.spec), **names)
     length = room if model.padding_invariant else len(ids) + max_new_tokens
+    limits.check_num_steps(sampling.num_steps(run.spec, length), self.max_steps)
     tokens, valid, _ = generation.left_padded([ids], length, model.mask_id, pad_id=model.pad_id,
                                               start=length - max_new_tokens)
     params = model.params if run.params is None else run.params

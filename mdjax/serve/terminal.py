@@ -5,7 +5,8 @@ every denoising step (`sample.py --live`).
     completion = live(model, "ROMEO.", max_new_tokens=48, seed=0, knobs={"steps": 16})
 
 Masked positions show as '░', written ones as their token's text (a space as '·', a newline
-as '↵'), under a `step k/K` line. On a terminal (out.isatty()) each frame is drawn over the
+as '↵', any other control character as its picture, ESC as '␛': token text never moves the
+cursor or restyles the terminal), under a `step k/K` line. On a terminal (out.isatty()) each frame is drawn over the
 last with ANSI cursor moves; elsewhere (a pipe, a file, a test) every frame is printed after
 the last, so the output is the whole film. The completion is exactly `mdjax.generate`'s for
 the same seed and sampler settings (the engine's contract).
@@ -34,13 +35,31 @@ def token_texts(model, canvas_ids: np.ndarray, masked: np.ndarray) -> list[str |
   return [None if m else model.decode([int(t)]) for t, m in zip(canvas_ids, masked)]
 
 
+def _visible(c: str) -> str:
+  """A character as the terminal shows it: a control character (C0, DEL, C1: the escape
+  sequences a terminal obeys, ESC and CSI among them) as its picture or its code, never
+  itself."""
+  shown_ = _SHOWN.get(c)
+  if shown_ is not None:
+    return shown_
+  code = ord(c)
+  if code < 0x20:
+    return chr(0x2400 + code)  # ␛ for ESC, ␇ for BEL, ...
+  if code == 0x7F:
+    return "\u2421"  # ␡
+  if 0x80 <= code < 0xA0:
+    return f"<{code:02X}>"  # C1 (0x9B is CSI): no picture of its own
+  return c
+
+
 def shown(text: str | None) -> str:
-  """A position as a cell of the terminal canvas."""
+  """A position as a cell of the terminal canvas: a token's text with its control
+  characters made visible (a token's text is the model's: it may hold escape sequences)."""
   if text is None:
     return MASKED
   if text == "":
     return "\u2205"  # ∅: a token with no text of its own (a special token)
-  return "".join(_SHOWN.get(c, c) for c in text)
+  return "".join(map(_visible, text))
 
 
 def frame_lines(step: int, num_steps: int, texts: list[str | None], width: int) -> list[str]:
@@ -92,6 +111,8 @@ def live(model, prompt: Any, *, max_new_tokens: int, seed: int, sampler: str | N
   # One request: a canvas of just its prompt and new tokens (generate's layout), not the
   # model's whole length (4,096 positions a step for a published Dream).
   engine_kwargs.setdefault("canvas_length", min(model.max_len, len(ids) + max_new_tokens))
+  # One's own run, as sample.py's: the steps a server bounds (--max_steps) are not bounded.
+  engine_kwargs.setdefault("max_steps", sys.maxsize)
   engine = Engine(model, **{"max_batch": 1, "max_queue": 1, **engine_kwargs})
   job = engine.prepare(ids, max_new_tokens=max_new_tokens, seed=seed, n=1, sampler=sampler,
                        knobs=knobs)

@@ -3,6 +3,7 @@ masked positions counted down to none, and the completion mdjax.generate gives."
 
 import io
 import re
+import unicodedata
 
 import jax
 import pytest
@@ -86,6 +87,21 @@ def test_a_terminal_redraws_in_place(char_model):
   assert text.count("\x1b[J") == 3  # three frames, each clears below the cursor
   assert text.count("\x1b[2F") == 2  # the last two go up over the one before (2 lines)
   assert "step 3/3  masked 0/6" in text
+
+
+def test_token_text_never_drives_the_terminal(char_model):
+  """A token's text is the model's: escape sequences in it (clear the screen, set the
+  title, CSI as one C1 byte, a bell) were written to the terminal as they were."""
+  hostile = "\x1b[2J\x1b]0;pwned\x07\x9b31m\x00\x7f\r\b"
+  model = char_model.replace(decode=lambda ids: hostile)
+  out = _Terminal()
+  terminal.live(model, "Thou", max_new_tokens=4, seed=0, sampler="confidence",
+                knobs={"steps": 2}, out=out)
+  text = re.sub(r"(\x1b\[\d+F)?\x1b\[J", "", out.getvalue())  # the screen's own moves
+  assert "\x1b[J" in out.getvalue() and "pwned" in text  # drawn, as text
+  controls = {c for c in text if unicodedata.category(c) == "Cc"} - {"\n"}
+  assert not controls, controls
+  assert terminal.shown(hostile) == "\u241b[2J\u241b]0;pwned\u2407<9B>31m\u2400\u2421\u240d\u2408"
 
 
 def test_bad_arguments_name_the_field(char_model):

@@ -1,0 +1,151 @@
+"""What one request may cost the server: the bounds on its fields, checked before any work is
+done for it (docs/security.md, "The server").
+
+`Engine.prepare` checks a request against them before its prompt is encoded, each an
+`ArgumentError` naming the field and the bound (the server's 400):
+
+- the knobs that count denoiser steps or rounds (`STEP_KNOBS`: `steps`, ...) are at most
+  `max_steps` (`python -m mdjax.serve --max_steps`; default `STEPS_PER_POSITION` times the
+  positions a row holds), and so are the steps the sampler will run, checked before its plan
+  (an entry a step) is built: every step is a denoiser pass over the row;
+- the knobs that count canvas positions (`POSITION_KNOBS`: `block_length`, `window`, ...)
+  are at most the positions a row holds: past them they mean nothing;
+- `score_groups` (a denoiser pass a group, at every step) is at most `MAX_SCORE_GROUPS`;
+- a text prompt, or a chat's messages (their contents together), has at most `room` times
+  `longest_token_bytes(model)` UTF-8 bytes: a text that could not fit however it tokenized;
+  a chat at most `room` messages, token ids at most `room` ids.
+
+`FREE_KNOBS` lists the integer knobs left unbounded, with why. Every integer knob of the
+registry is in exactly one of these tables (tests/serve/test_limits.py), so a new knob is
+classified where it is added. The body's own bounds: its JSON nesting (`json_depth`, checked
+by `mdjax.serve.fields.read_call` before it is parsed), its bytes and its reading time
+(`mdjax.serve.gate`).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from mdjax.errors import ArgumentError
+
+# The default --max_steps: this many steps a position of the canvas. A step-wise sampler
+# writes at least one position a step in the usual settings (steps <= max_tokens); the
+# continuous-time ones (ancestral, mdlm, remask) may take more, and the literature samples
+# with up to 4 steps a position (ReMDM's 4,096 steps for 1,024 tokens).
+STEPS_PER_POSITION = 4
+# score_groups: a denoiser pass over the row a group, at every step (revision's
+# leave-group-out contexts); the published settings use 2 to 8.
+MAX_SCORE_GROUPS = 16
+# A token's bytes when the tokenizer's vocabulary cannot be read (no text codec mdjax knows).
+UNKNOWN_TOKEN_BYTES = 256
+# A request body's deepest nesting of JSON arrays and objects: an OpenAI request needs 5
+# (the body, messages, a message, its content parts, a part); Python's parser and pydantic
+# recurse, and near 1,000 levels they fail with a RecursionError.
+MAX_JSON_DEPTH = 64
+
+STEP_KNOBS = {  # each sizes the plan and the denoiser passes of a request
+    "steps": "denoiser steps",
+    "denoising_steps": "SDAR's steps a block",
+    "steps_per_block": "BD3-LM's steps a block",
+    "rounds": "local_remask's repair rounds",
+}
+POSITION_KNOBS = {  # a count of canvas positions: past the canvas it means nothing
+    "block_length", "block_size", "sub_block_length", "seeds", "window", "k", "minimal_topk",
+}
+GROUP_KNOBS = {"score_groups"}
+FREE_KNOBS = {  # integer knobs without a server bound, and why
+    "top_k": "past the vocabulary it keeps every value: nothing grows with it",
+    "refresh_every": "a period (with kv_cache, which the server refuses): larger means fewer "
+                     "passes",
+}
+
+
+def check_knobs(knobs: dict, *, max_steps: int, room: int) -> None:
+  """The request's knobs against the server's bounds (module docstring)."""
+  for name, value in knobs.items():
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+      continue  # a knob of another type, or None: the spec checks it
+    if name in STEP_KNOBS and value > max_steps:
+      raise ArgumentError.invalid(name, value, f"it must be at most {max_steps}, this "
+                                  f"server's max_steps ({STEP_KNOBS[name]}: each is a "
+                                  "denoiser pass)")
+    if name in POSITION_KNOBS and value > room:
+      raise ArgumentError.invalid(name, value, f"it must be at most {room}, the positions "
+                                  "the server's canvas holds")
+    if name in GROUP_KNOBS and value > MAX_SCORE_GROUPS:
+      raise ArgumentError.invalid(name, value, f"it must be at most {MAX_SCORE_GROUPS} on "
+                                  "this server (each group is a denoiser pass at every step)")
+
+
+def check_num_steps(num_steps: int, max_steps: int) -> None:
+  """The steps the sampler will run (its settings together), before its plan is built."""
+  if num_steps > max_steps:
+    raise ArgumentError("steps", f"the sampler would run {num_steps} steps; this server runs "
+                        f"at most {max_steps} a request (max_steps): give fewer steps.")
+
+
+def longest_token_bytes(model) -> int:
+  """An upper bound of the UTF-8 bytes of text one token stands for: the longest of the
+  vocabulary's token strings (the added tokens among them: `<|im_start|>` typed in a prompt
+  is one token), at least 4 (a character); `UNKNOWN_TOKEN_BYTES` for a codec whose
+  vocabulary cannot be read. A byte-level BPE writes a byte as a character of one or two
+  bytes, a SentencePiece vocabulary a space as '▁' (three): no string is shorter than its
+  text. (A tokenizer's normalizer may shorten a text, composing accents, say: the bound is
+  on the text as sent.)"""
+  tokenizer = getattr(model, "tokenizer", None)
+  for codec in (tokenizer, getattr(tokenizer, "_tok", None)):  # BpeTokenizer wraps one
+    get_vocab = getattr(codec, "get_vocab", None)
+    if callable(get_vocab):
+      try:
+        pieces = get_vocab(with_added_tokens=True)
+      except TypeError:
+        pieces = get_vocab()
+      return max(4, max((_utf8_size(str(p)) for p in pieces), default=0))
+  if isinstance(getattr(tokenizer, "vocab", None), str):  # a character codec
+    return 4
+  return UNKNOWN_TOKEN_BYTES
+
+
+def _utf8_size(text: str) -> int:
+  return len(text.encode("utf-8", "surrogatepass"))  # a lone surrogate is 3 bytes
+
+
+def check_prompt_size(prompt, *, where: str, room: int, max_bytes: int) -> None:
+  """A prompt's size before it is encoded or rendered (module docstring): a text, a chat
+  (a list of {"role", "content"} messages) or token ids."""
+  if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+    if len(prompt) > room:
+      raise ArgumentError(where, f"{where} holds {len(prompt)} messages; the server's canvas "
+                          f"holds {room} positions, so at most {room} messages.")
+    size = sum(_utf8_size(str(m.get("content", ""))) for m in prompt)
+    what = f"{where}' contents hold"
+  elif isinstance(prompt, str):
+    size, what = _utf8_size(prompt), f"the {where} has"
+  else:
+    length = len(prompt) if hasattr(prompt, "__len__") else 0
+    if length > room:
+      raise ArgumentError(where, f"the {where} has {length} token ids; the server's canvas "
+                          f"holds {room} positions: shorten it.")
+    return
+  if size > max_bytes:
+    raise ArgumentError(where, f"{what} {size:,} bytes of text; the server's canvas holds "
+                        f"{room} positions of at most {max_bytes // room} bytes (the "
+                        f"tokenizer's longest token), so at most {max_bytes:,} bytes: "
+                        "shorten it.")
+
+
+# A JSON string, its escapes included (no bracket inside one nests anything).
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_OPEN, _CLOSE = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
+
+
+def json_depth(raw: bytes) -> int:
+  """The deepest nesting of arrays and objects in a JSON text, counted on its bytes without
+  parsing it (an unclosed string's brackets count: the text is not JSON anyway)."""
+  if not raw:
+    return 0
+  chars = np.frombuffer(_JSON_STRING.sub(b'""', raw), np.uint8)
+  change = np.isin(chars, _OPEN).astype(np.int32) - np.isin(chars, _CLOSE)
+  return int(np.cumsum(change).max(initial=0))
