@@ -26,7 +26,8 @@ from mdjax.errors import ArgumentError
 NAME = "mdjax.serve"
 
 
-ENGINE_FLAGS = ("max_batch", "max_queue", "canvas_length", "max_programs")
+ENGINE_FLAGS = ("max_batch", "max_queue", "canvas_length", "max_programs", "max_steps",
+                "max_body_bytes")
 
 
 def _flag_bool(text: str) -> bool:
@@ -61,6 +62,14 @@ def _parser() -> cli.Parser:
                       "row's canvas, prompt included (default: the model's length).")
   parser.add_argument("--max_programs", type=int, default=8, help="Lanes (compiled "
                       "programs, one a sampler spec) kept at once.")
+  parser.add_argument("--max_steps", type=int, default=None, help="The most denoising steps "
+                      "a request may run (steps and the knobs that count steps; default 4 x "
+                      "the positions a row holds); more is a 400.")
+  parser.add_argument("--max_body_bytes", type=int, default=1 << 20, help="The largest request "
+                      "body read (default 1 MiB); larger is a 413.")
+  parser.add_argument("--allowed_hosts", default=None, help="Host headers answered, separated "
+                      "by commas ('*': any; default the --host address, 127.0.0.1, localhost "
+                      "and [::1]); another Host is a 400 (DNS rebinding).")
   parser.add_argument("--api_key", default=None, help="Requests need 'Authorization: "
                       "Bearer KEY' (GET /health stays open).")
   parser.add_argument("--served_model_name", default=None, help="The model id clients name "
@@ -103,8 +112,11 @@ def _usage_error(error: ValueError, flags) -> NoReturn:
 
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
-  for name, low in (("port", 0), ("max_batch", 1), ("max_queue", 0), ("max_programs", 1)):
+  for name, low in (("port", 0), ("max_batch", 1), ("max_queue", 0), ("max_programs", 1),
+                    ("max_steps", 1), ("max_body_bytes", 1)):
     value = getattr(args, name)
+    if value is None:
+      continue
     if value < low or (name == "port" and value > 65535):
       cli.fail(NAME, f"--{name}={value} is invalid: it must be >= {low}"
                + (" and <= 65535" if name == "port" else "") + ".", cli.USAGE)
@@ -131,11 +143,14 @@ def main(argv=None) -> int:
   except OSError as error:
     cli.fail(NAME, error, cli.RUNTIME)
   name = args.served_model_name or server.served_name(model, args.model)
+  from mdjax.serve.gate import allowed_hosts
   try:
+    hosts = allowed_hosts(args.host, args.allowed_hosts)
     engine, app = server.build(model, api_key=args.api_key, defaults=defaults, model_name=name,
+                               allowed_hosts=hosts, max_body_bytes=args.max_body_bytes,
                                max_batch=args.max_batch, max_queue=args.max_queue,
                                canvas_length=args.canvas_length,
-                               max_programs=args.max_programs)
+                               max_programs=args.max_programs, max_steps=args.max_steps)
     # The defaults checked against the model before serving: a 1-token request's job.
     knobs = {k: v for k, v in defaults.items() if k != "sampler"}
     probe = knobs.get("block_length") or 1
@@ -146,7 +161,8 @@ def main(argv=None) -> int:
   engine.start()
 
   summary = (f"max_batch={args.max_batch}, max_queue={args.max_queue}, "
-             f"canvas_length={engine.canvas_length}, max_programs={args.max_programs}"
+             f"canvas_length={engine.canvas_length}, max_programs={args.max_programs}, "
+             f"max_steps={engine.max_steps}, allowed_hosts={','.join(hosts)}"
              + (", api_key set" if args.api_key else "")
              + "".join(f", {k}={v}" for k, v in defaults.items()))
 
@@ -157,8 +173,8 @@ def main(argv=None) -> int:
         url = server.url_of(args.host, server.bound_port(self) or args.port)
         print(f"serving {name} on {url} ({summary})", flush=True)
 
-  config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                          timeout_graceful_shutdown=None)
+  config = server.uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                 timeout_graceful_shutdown=None)
   # uvicorn catches SIGTERM/SIGINT while it serves, shuts down gracefully (stops accepting,
   # waits for the requests in flight, then the app's shutdown drains the engine) and raises
   # the signal again under the handlers it found: these, so that a graceful stop exits 0.

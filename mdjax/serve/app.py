@@ -30,22 +30,26 @@ strings cut its text).
 
 Errors have OpenAI's body, {"error": {"message", "type", "param", "code"}}: 400
 (invalid_request_error, `param` naming the field) for malformed JSON, wrong types, bad values,
-unknown fields or knobs; 401 without `Authorization: Bearer KEY` when the server has a key
-(GET /health and GET / stay open); 429 with Retry-After when the engine's queue is full. A
-client that disconnects cancels its job (its rows are freed at the engine's next tick).
-Shutdown (SIGTERM: uvicorn stops accepting and waits for the requests in flight) ends with
-`engine.stop(drain=True)`.
+unknown fields or knobs, values past the server's bounds (`steps` past --max_steps, a prompt
+past the canvas, ...: `mdjax.serve.limits`), a Host the server does not answer to, two
+Authorization headers; 401 without `Authorization: Bearer KEY` when the server has a key
+(GET /health and GET / stay open); 408 for a body that does not arrive in time, 413 for one
+over --max_body_bytes, 415 for a POST that is not `application/json` (`mdjax.serve.gate`);
+429 with Retry-After when the engine's queue is full. A client that disconnects cancels its
+job (its rows are freed at the engine's next tick). Shutdown (SIGTERM: uvicorn stops
+accepting and waits for the requests in flight) ends with `engine.stop(drain=True)`.
 
-Here: the routes, the API-key gate, `create_app`. A request's fields and their checks:
-`mdjax.serve.fields`; running it and its responses (JSON, server-sent events):
-`mdjax.serve.streaming`; a server on a thread of this process: `mdjax.serve.server`.
+Here: the routes and `create_app`. What reaches a route (the Host allowlist, the API key,
+the body's type, size and time): `mdjax.serve.gate`; a request's fields and their checks,
+read on a worker thread: `mdjax.serve.fields`; running it and its responses (JSON,
+server-sent events): `mdjax.serve.streaming`; a server on a thread of this process:
+`mdjax.serve.server`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import os
 import time
 
@@ -54,66 +58,39 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mdjax.errors import ArgumentError
+from mdjax.serve import gate
 from mdjax.serve import metrics as metrics_lib
 from mdjax.serve import streaming
-from mdjax.serve.fields import (APIError, Call, ChatRequest, CompletionRequest, check_defaults,
-                                validation_error)
+from mdjax.serve.fields import APIError, check_defaults, model_paths, read_call, validation_error
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "page.html")
 
 
 class State:
-  """What the routes share: the engine and its limits, the model, the server's defaults,
-  the metrics, the canvas event's token texts."""
+  """What the routes share: the engine and its limits, the model, the server's defaults and
+  bounds, the metrics, the canvas event's token texts."""
 
-  def __init__(self, engine, model, model_name: str, api_key: str | None, defaults: dict):
+  def __init__(self, engine, model, model_name: str, api_key: str | None, defaults: dict,
+               allowed_hosts, max_body_bytes: int):
     self.engine, self.model, self.model_name = engine, model, model_name
     self.api_key, self.defaults = api_key, check_defaults(defaults)
+    self.allowed_hosts = gate.allowed_hosts(hosts=allowed_hosts)
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) \
+        or max_body_bytes < 1:
+      raise ArgumentError.invalid("max_body_bytes", max_body_bytes, "it must be an integer "
+                                  ">= 1")
+    self.max_body_bytes = max_body_bytes
+    self.model_paths = model_paths(model)  # replaced by model_name in error messages
     self.metrics = metrics_lib.Metrics()
     self.pieces = streaming.Pieces(model)
     self.created = int(time.time())
     self.max_batch, self.canvas_length = engine.max_batch, engine.canvas_length
 
 
-class _Gate:
-  """ASGI middleware: the API key, and the request counters and latency of /v1/ routes."""
-
-  OPEN = ("/health", "/", "/favicon.ico")
-
-  def __init__(self, app, state: State):
-    self.app, self.state = app, state
-
-  async def __call__(self, scope, receive, send):
-    if scope["type"] != "http":
-      return await self.app(scope, receive, send)
-    path = scope.get("path", "")
-    counted = path.startswith("/v1/")
-    started, status = time.perf_counter(), [500]
-
-    async def sending(message):
-      if message["type"] == "http.response.start":
-        status[0] = message["status"]
-      await send(message)
-
-    try:
-      key = self.state.api_key
-      if key and path not in self.OPEN:
-        given = dict(scope.get("headers") or ()).get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                  key.encode()):
-          error = APIError(401, "a valid API key is required: send the header "
-                           "'Authorization: Bearer KEY'.", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
-          return await error.response()(scope, receive, sending)
-      return await self.app(scope, receive, sending)
-    finally:
-      if counted:
-        self.state.metrics.record(status[0], time.perf_counter() - started)
-
-
 def create_app(engine, model, *, model_name: str, api_key: str | None = None,
-               defaults: dict | None = None) -> FastAPI:
+               defaults: dict | None = None, allowed_hosts=None,
+               max_body_bytes: int = gate.DEFAULT_MAX_BODY_BYTES) -> FastAPI:
   """The OpenAI-compatible app over a started `Engine` (module docstring).
 
   engine: an `mdjax.serve.engine.Engine` whose thread runs (`engine.start()`); the app's
@@ -121,9 +98,15 @@ def create_app(engine, model, *, model_name: str, api_key: str | None = None,
   template, the length). model_name: the id clients name (`GET /v1/models`). api_key: with
   one, every route but GET /health and GET / needs `Authorization: Bearer KEY`. defaults:
   server-wide sampler knobs (and `sampler`) under sample.py's names; a request's fields
-  override them knob by knob. A bad default is a ValueError naming it.
+  override them knob by knob. allowed_hosts: the Host headers answered (names, or a string
+  of them separated by commas; "*": any; default 127.0.0.1, localhost and [::1]: add the
+  address the server binds, as `mdjax.serve.server` does). max_body_bytes: the largest
+  request body read (413 past it). The bounds a request's fields meet are the engine's
+  (`Engine(max_steps=...)`, `mdjax.serve.limits`). A bad default or bound is a ValueError
+  naming it.
   """
-  state = State(engine, model, model_name, api_key, defaults or {})
+  state = State(engine, model, model_name, api_key, defaults or {}, allowed_hosts,
+                max_body_bytes)
 
   @contextlib.asynccontextmanager
   async def lifespan(app):
@@ -148,24 +131,28 @@ def create_app(engine, model, *, model_name: str, api_key: str | None = None,
     kind = "invalid_request_error" if error.status_code < 500 else "server_error"
     return APIError(error.status_code, str(error.detail), None, kind).response()
 
-  async def serve(request: Request, body, route: str):
-    call = Call(state, body, route)
+  async def serve(request: Request, route: str):
+    raw = await request.body()  # read whole by the gate, within its bounds
+    # Parsing, validation, the chat template, tokenization and the engine's checks run on a
+    # worker thread: the event loop serves every other request (and /health) meanwhile.
+    call = await asyncio.to_thread(read_call, state, raw, route)
     if call.stream:
       return streaming.stream(call, request)
     return await streaming.complete(call, request)
 
   @app.post("/v1/completions")
-  async def completions(body: CompletionRequest, request: Request):
-    return await serve(request, body, "completions")
+  async def completions(request: Request):
+    return await serve(request, "completions")
 
   @app.post("/v1/chat/completions")
-  async def chat_completions(body: ChatRequest, request: Request):
-    return await serve(request, body, "chat")
+  async def chat_completions(request: Request):
+    return await serve(request, "chat")
 
   def model_card() -> dict:
     return {"id": model_name, "object": "model", "created": state.created, "owned_by": "mdjax",
             "mdjax": {"family": model.family, "max_len": int(model.max_len),
-                      "canvas_length": state.canvas_length, "max_batch": state.max_batch}}
+                      "canvas_length": state.canvas_length, "max_batch": state.max_batch,
+                      "max_steps": engine.max_steps}}
 
   @app.get("/v1/models")
   async def models():
@@ -198,5 +185,5 @@ def create_app(engine, model, *, model_name: str, api_key: str | None = None,
       return PlainTextResponse("the live page (mdjax/serve/page.html) is not installed\n",
                                status_code=404)
 
-  app.add_middleware(_Gate, state=state)
+  app.add_middleware(gate.Gate, state=state)
   return app

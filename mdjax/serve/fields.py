@@ -3,10 +3,12 @@ refused, `extra="forbid"`), the sampler knobs among them (from the knob registry
 error body, and `Call` (one validated request prepared into the engine's job). Field by
 field see `mdjax.serve.app`.
 
-A field's type and range are checked here, once, as the body is read; what depends on the
-model (a prompt's length, whether a knob applies to the sampler) is checked once by
-`Engine.prepare`, whose `ArgumentError` names the argument. Either way the answer is a 400
-whose `param` is the field.
+A field's type and range are checked here, once, as the body is read (`read_call`, on a
+worker thread: the JSON's nesting bounded before it is parsed); what depends on the model or
+the server's limits (a prompt's length, whether a knob applies to the sampler, the bounds of
+`mdjax.serve.limits`) is checked once by `Engine.prepare`, whose `ArgumentError` names the
+argument. Either way the answer is a 400 whose `param` is the field, and its message names
+the served model, never the model's folder.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import secrets
 from typing import Annotated, Any, Literal
 
@@ -25,6 +28,7 @@ from pydantic import BeforeValidator, ConfigDict
 from mdjax.errors import ArgumentError
 from mdjax.knob_registry import every_knob
 from mdjax.sampling.knobs import Knob
+from mdjax.serve import limits
 from mdjax.serve.engine import MAX_SEED
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -229,6 +233,60 @@ def validation_error(errors: list[dict], route: str | None = None) -> APIError:
              f"{first.get('msg', 'invalid value')}.")
 
 
+def parse_body(raw: bytes):
+  """A request body's JSON: UTF-8, nested at most `limits.MAX_JSON_DEPTH` deep (checked on
+  its bytes before it is parsed); a 400 otherwise."""
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as error:
+    raise bad(None, f"the request body is not UTF-8 (byte {error.start}).") from None
+  depth = limits.json_depth(raw)
+  if depth > limits.MAX_JSON_DEPTH:
+    raise bad(None, f"the request body nests {depth} levels of arrays and objects; at most "
+              f"{limits.MAX_JSON_DEPTH}.")
+  try:
+    return json.loads(text)
+  except json.JSONDecodeError as error:
+    raise bad(None, f"the request body is not valid JSON: {error.msg} (at character "
+              f"{error.pos}).") from None
+  except (ValueError, RecursionError) as error:  # a number of over 4,300 digits, say
+    reason = str(error)[:200] or "nested too deeply"
+    raise bad(None, f"the request body is not valid JSON: {reason}.") from None
+
+
+def read_call(state, raw: bytes, route: str) -> "Call":
+  """A route's body (bytes) read, validated and prepared: the `Call`, or an `APIError`.
+  All of a request's work before the engine runs it (parsing, validation, the chat
+  template, tokenization, `Engine.prepare`): the app runs it on a worker thread."""
+  data = parse_body(raw)
+  if not isinstance(data, dict):
+    raise bad(None, "the request body must be a JSON object.")
+  model = ChatRequest if route == "chat" else CompletionRequest
+  try:
+    body = model.model_validate(data)
+  except pydantic.ValidationError as error:
+    raise validation_error(list(error.errors()), route) from None
+  return Call(state, body, route)
+
+
+def model_paths(model) -> list[str]:
+  """The spellings of the model's folder an error message may hold, longest first."""
+  source = getattr(model, "source", None)
+  if not source:
+    return []
+  source = str(source)
+  paths = {source, os.path.normpath(source), os.path.abspath(source),
+           os.path.realpath(source)}
+  return sorted((p for p in paths if os.sep in p and p != os.sep), key=len, reverse=True)
+
+
+def public(state, message: str) -> str:
+  """An error message for the client: the model's folder named by the served model's id."""
+  for path in state.model_paths:
+    message = message.replace(path, state.model_name)
+  return message
+
+
 def check_defaults(defaults: dict | None) -> dict:
   """The server's default knobs (and `sampler`) checked as a request's would be; a bad one
   is an `ArgumentError` naming it."""
@@ -279,9 +337,10 @@ class Call:
                                       knobs=dict(self.knobs) or None, where=self.prompt_field,
                                       new_tokens=self.max_tokens_field)
     except ArgumentError as error:  # checked once, by the engine: its param is the field
-      raise bad((error.param or "").removeprefix("spec.") or None, str(error)) from None
+      raise bad((error.param or "").removeprefix("spec.") or None,
+                public(state, str(error))) from None
     except ValueError as error:  # a model's own refusal that names no argument
-      raise bad(None, str(error)) from None
+      raise bad(None, public(state, str(error))) from None
     self.prompt_ids = self.job.prompt_ids
 
   def extension(self) -> dict:

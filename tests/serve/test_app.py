@@ -340,12 +340,13 @@ def test_python_m_serve_finishes_its_request_on_sigterm(tmp_path):
   process = subprocess.Popen(
       [sys.executable, "-m", "mdjax.serve", "--model", DREAM, "--port=0", "--canvas_length=96",
        "--max_batch=4", "--steps=8", "--temperature=1.0", "--log_level=warning",
-       "--served_model_name=tiny", "--devices=2"],
+       "--served_model_name=tiny", "--devices=2", "--max_steps=16"],
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
   try:
     line = process.stdout.readline()
     assert line.startswith("serving tiny on http://127.0.0.1:"), (line, process.stderr.read()
                                                                    if not line else "")
+    assert "max_steps=16, allowed_hosts=127.0.0.1,localhost,[::1]" in line, line
     url = re.search(r"http://\S+", line).group(0)
     api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
     stream = api.chat.completions.create(model="tiny", messages=[{"role": "user",

@@ -46,3 +46,29 @@ def test_a_value_out_of_range_names_its_flag(capsys):
     serve_main._usage_error(ArgumentError("spec.block_length", "spec.block_length=3 must "
                                           "divide max_new_tokens=4."), {"block_length"})
   assert "error: --block_length=3 must divide" in capsys.readouterr().err
+
+
+def test_the_server_s_bounds_are_flags(capsys):
+  args = _parse("--max_steps=64", "--max_body_bytes=4096", "--allowed_hosts=a.example,[::1]")
+  assert (args.max_steps, args.max_body_bytes, args.allowed_hosts) == (64, 4096,
+                                                                       "a.example,[::1]")
+  defaults = _parse()
+  assert defaults.max_steps is None and defaults.max_body_bytes == 1 << 20
+  assert defaults.allowed_hosts is None
+  for flag in ("--max_steps=0", "--max_body_bytes=0"):
+    with pytest.raises(SystemExit) as exit_:
+      serve_main.main(["--model=m", flag])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and err.startswith(f"mdjax.serve: error: {flag} is invalid")
+
+
+def test_allowed_hosts_default_to_the_bound_address_and_this_machine():
+  from mdjax.serve.gate import allowed_hosts, host_name
+  assert allowed_hosts("0.0.0.0") == ("0.0.0.0", "127.0.0.1", "localhost", "[::1]")
+  assert allowed_hosts("::") == ("[::]", "127.0.0.1", "localhost", "[::1]")
+  assert allowed_hosts("127.0.0.1", "Mdjax.Internal, ::1") == ("mdjax.internal", "[::1]")
+  assert allowed_hosts(None, "*") == ("*",)
+  assert [host_name(h) for h in ("LocalHost:8000", "[::1]:80", "10.0.0.5", "[fe80::1]")] == [
+      "localhost", "[::1]", "10.0.0.5", "[fe80::1]"]
+  with pytest.raises(ValueError, match="allowed_hosts is empty"):
+    allowed_hosts(None, " , ")
