@@ -224,6 +224,38 @@ def test_api_key(dream_model, browser):
     context.close()
 
 
+def test_a_link_cannot_drive_the_page(page_server, browser):
+  """A link to the page with autorun=1&steps=3000000 made the browser send the stored API key
+  with a request of the link's choosing, and grew the server by ~1 GB. Now the link's steps
+  are capped, and with a key stored the page waits for a click."""
+  context = browser.new_context()
+  page = context.new_page()
+  sent = []
+  page.on("request", lambda request: sent.append(request.url)
+          if "/v1/completions" in request.url or "/v1/chat" in request.url else None)
+  page.goto(page_server.url + "/")
+  page.fill("#api_key", "stored-key")
+  page.press("#api_key", "Tab")  # the change event stores it
+  page.goto(page_server.url + "/?mode=completion&prompt=Thou&max_tokens=6&steps=3000000"
+            "&autorun=1")
+  page.wait_for_timeout(1500)
+  assert sent == []  # nothing sent on load
+  status = page.locator("#status")
+  assert status.get_attribute("data-state") == "idle" and "press Send" in status.inner_text()
+  assert page.input_value("#steps") == "256" and page.input_value("#prompt") == "Thou"
+  page.fill("#steps", "3")
+  page.click("#send")  # a click sends it
+  drawn = _run(page)
+  assert drawn["state"] == "done", drawn["status"]
+  assert len(sent) == 1
+  # Without a stored key a link still runs, with its steps capped.
+  fresh = browser.new_context().new_page()
+  fresh.goto(page_server.url + "/?mode=completion&prompt=Thou&max_tokens=6&steps=999999")
+  assert fresh.input_value("#steps") == "256"
+  fresh.context.close()
+  context.close()
+
+
 @pytest.mark.skipif(os.environ.get("MDJAX_WRITE_SCREENSHOT") != "1",
                     reason="writes docs/serving_live.png only with MDJAX_WRITE_SCREENSHOT=1")
 def test_write_screenshot(browser, tmp_path):
