@@ -237,7 +237,7 @@ def parse_body(raw: bytes):
   """A request body's JSON: UTF-8, nested at most `limits.MAX_JSON_DEPTH` deep (checked on
   its bytes before it is parsed); a 400 otherwise."""
   try:
-    text = raw.decode("utf-8")
+    text = raw.decode("utf-8-sig")  # a byte order mark (PowerShell sends one) is no text
   except UnicodeDecodeError as error:
     raise bad(None, f"the request body is not UTF-8 (byte {error.start}).") from None
   depth = limits.json_depth(raw)

@@ -164,8 +164,11 @@ def test_a_slow_request_does_not_block_health_or_other_requests(dream_model):
       other = time.monotonic() - started
       assert not all(f.done() for f in slow)  # still running their templates
       answers = [f.result() for f in slow]
+    # Before, the three templates ran one after another on the event loop: /health and the
+    # other request waited for all three (at least 6 s). Now they share the CPU (the GIL)
+    # with the templates' threads: about 0.3 s and 1.2 s on a quiet 2-core machine.
     assert health < 1.0, health
-    assert other < 1.5, other
+    assert other < 3.0, other
     for response in answers:
       assert_error(response, 400, "messages", "deadline")
 

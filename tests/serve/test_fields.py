@@ -62,3 +62,25 @@ def test_server_defaults_are_checked_as_requests_are():
   assert error.value.param == "steps"
   with pytest.raises(ArgumentError, match="nope= is not a sampler knob"):
     fields.check_defaults({"nope": 1})
+
+
+def test_a_body_is_utf8_json_nested_at_most_64_deep():
+  assert fields.parse_body(b'\xef\xbb\xbf{"prompt": "Hi"}') == {"prompt": "Hi"}  # a BOM
+  for raw, words in ((b"\xff\xfe{}", "not UTF-8"), (b'{"prompt": ', "not valid JSON"),
+                     (b"[" * 65 + b"]" * 65, "nests 65 levels"),
+                     (b'{"n": ' + b"9" * 5000 + b"}", "not valid JSON")):
+    with pytest.raises(fields.APIError) as error:
+      fields.parse_body(raw)
+    assert error.value.status == 400 and error.value.param is None
+    assert words in error.value.message, error.value.message
+  assert fields.parse_body(b"[" * 64 + b"]" * 64) == eval("[" * 64 + "]" * 64)
+
+
+def test_error_messages_name_the_model_not_its_folder(tmp_path):
+  class State:
+    model_name = "tiny"
+    model_paths = fields.model_paths(type("M", (), {"source": str(tmp_path / "m")})())
+  where = str(tmp_path / "m" / "tokenizer_config.json")
+  assert fields.public(State, f"{where}: the chat template failed") == (
+      "tiny/tokenizer_config.json: the chat template failed")
+  assert fields.model_paths(type("M", (), {"source": None})()) == []
