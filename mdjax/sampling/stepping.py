@@ -296,10 +296,6 @@ class Carry:
   def tokens_BxL(self) -> Array:
     return self.state.core.tokens_BxL
 
-  @property
-  def step_counters(self) -> Counters:
-    return self.state.core.counters
-
 
 @dataclasses.dataclass(frozen=True)
 class Stepper:
