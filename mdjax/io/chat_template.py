@@ -40,6 +40,12 @@ def _special_token(special: dict, key: str, where: str) -> str:
 MAX_TEMPLATE_CHARS = 1_000_000  # its source, its output, and any one value it builds
 MAX_TEMPLATE_WORK = 50_000_000  # all the text one rendering builds: its memory, in effect
 TEMPLATE_DEADLINE_S = 2.0
+# The deadline is checked between operations, so no one operation may outlast it: big-integer
+# arithmetic (CPython's `//` and `%` are quadratic in the digits: 10**999999 // (10**499999 + 1)
+# takes seconds) is refused on integers, or products and powers, of over this many bits. About
+# 4,900 decimal digits: past the 4,300 that Python will turn into text at all; one operation on
+# such integers takes well under a millisecond.
+MAX_TEMPLATE_INT_BITS = 16_384
 MAX_TOJSON_INDENT = 16
 # Filters no chat template needs whose output grows as a product of their inputs (striptags:
 # a regex quadratic in its input): left out.
@@ -144,7 +150,7 @@ class _BoundedSandbox(sandbox.ImmutableSandboxedEnvironment):
   methods, filters, tojson) bounded before it is built, every value built counted."""
 
   code_generator_class = _CheckedCode
-  intercepted_binops = frozenset(("*", "+", "%", "**"))
+  intercepted_binops = frozenset(("*", "+", "-", "%", "**", "//", "/"))
 
   def __init__(self, **options):
     super().__init__(finalize=self.built, **options)
@@ -179,6 +185,8 @@ class _BoundedSandbox(sandbox.ImmutableSandboxedEnvironment):
   def call_binop(self, context, operator, left, right):
     self.tick()
     ints = isinstance(left, int) and isinstance(right, int)
+    if ints:
+      self.check_int_bits(operator, left, right)
     if operator == "**" and ints and right > 0:  # the power's digits
       self.charge(right * max(abs(left).bit_length() - 1, 0) // 3)
     elif operator == "*" and not ints and isinstance(right, int):
@@ -190,6 +198,19 @@ class _BoundedSandbox(sandbox.ImmutableSandboxedEnvironment):
       self.charge(_text_size(left) + _text_size(right) + padding)
     return super().call_binop(context, operator, left, right)
 
+  @staticmethod
+  def check_int_bits(operator: str, left: int, right: int):
+    """Refuses integer arithmetic on, or making, integers of over MAX_TEMPLATE_INT_BITS bits,
+    before it runs."""
+    bits = max(abs(left).bit_length(), abs(right).bit_length())
+    if operator == "*":
+      bits = abs(left).bit_length() + abs(right).bit_length()
+    elif operator == "**" and right > 0 and abs(left) > 1:
+      bits = max(bits, right * (abs(left).bit_length() - 1) + 1)  # (at least: fits in int)
+    if bits > MAX_TEMPLATE_INT_BITS:
+      raise _TemplateLimit(f"computes with an integer of over {MAX_TEMPLATE_INT_BITS:,} bits "
+                           f"({operator!r}; at most {MAX_TEMPLATE_INT_BITS:,})")
+
   def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (the sandbox's signature)
     __self.tick()
     owner, name = getattr(__obj, "__self__", None), getattr(__obj, "__name__", None)
@@ -197,6 +218,9 @@ class _BoundedSandbox(sandbox.ImmutableSandboxedEnvironment):
       if name == "join" and args:
         args = (list(args[0]), *args[1:])
       __self.charge(_METHOD_BOUNDS[name](owner, *args, **kwargs))
+    elif isinstance(owner, int) and name == "to_bytes":  # (5).to_bytes(10**9): its length
+      length = args[0] if args else kwargs.get("length", 1)
+      __self.charge(length if isinstance(length, int) else 0)
     return __self.built(super().call(__context, __obj, *args, **kwargs))
 
   def getattr(self, obj, attribute):

@@ -199,6 +199,32 @@ def test_chat_template_loops_meet_a_deadline(tmp_path):
     assert took < chat_template_lib.TEMPLATE_DEADLINE_S + 3
 
 
+# Each took seconds in one operation, which the deadline (checked between operations) cannot
+# stop: the review's three `//` ran 20.9 s; here the `//` list took 4.6 s and the `%` 5.0 s.
+@pytest.mark.parametrize("template", [
+    "{{ [10**999999 // (10**499999 + 1), 10**999999 // (10**499999 + 3), "
+    "10**999999 // (10**499999 + 7)] }}",
+    "{{ [10**100000 // 3, 10**100000 // 7, 10**100000 // 9] }}",
+    "{{ (10**999999) % (10**499999 + 1) }}",
+    "{{ 2**(2**30) }}",
+    "{{ (10**4000) * (10**4000) * (10**4000) }}",
+    "{% set ns = namespace(x=10**4000) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x %}"
+    "{% endfor %}{{ ns.x // 7 }}",
+])
+def test_chat_template_big_integers_are_bounded(tmp_path, template):
+  bits = f"{chat_template_lib.MAX_TEMPLATE_INT_BITS:,}"
+  took = refused(_render(tmp_path, template), "chat_template.jinja: the chat template computes "
+                 f"with an integer of over {bits} bits")
+  assert took < chat_template_lib.TEMPLATE_DEADLINE_S + 0.5
+
+
+def test_chat_template_small_integers_render(tmp_path):
+  template = ("{{ 7 // 2 }} {{ 7 % 3 }} {{ 7 / 2 }} {{ 7 - 9 }} {{ 2 ** 10 }} {{ 2 ** -1 }} "
+              "{{ (10**4000 * 3 - 10**4000) // 10**3999 }} {{ (5).to_bytes(2, 'big')|length }}")
+  assert _render(tmp_path, template)() == "3 1 3.5 -2 1024 0.5 20 2"
+  refused(_render(tmp_path, "{{ (5).to_bytes(10**8, 'big') }}"), "builds a value of over")
+
+
 def test_chat_template_renders_as_before(tmp_path):
   template = ("{% for m in messages %}{{ '<' + m['role'] + '>' ~ m['content']|trim }}"
               "{{ '%s|%d' % ('a', loop.index) }}{{ '{}'.format(m['role']) }}{% endfor %}"
