@@ -3,15 +3,18 @@ through, and files outside the workdir stay byte for byte as they were."""
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
+import time
 import types
 
 import ml_collections
 import pytest
 
 from configs import two_color as two_color_config
+import mdjax
 from mdjax import train
 from mdjax.train import sft, state_io
 from mdjax.train.workdir import (MetricsLog, TrainClock, UnsafeWorkdir, WorkdirLock,
@@ -266,3 +269,57 @@ def test_a_linked_workdir_with_its_own_entries_is_accepted(tmp_path):
     TrainClock(run, 0).save(5)
   assert sorted(os.listdir(real)) == ["checkpoints", "metrics.jsonl", "train.lock",
                                       "train_seconds.json"]
+
+
+# --- a tampered saved config -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_workdir(tmp_path_factory):
+  """A two-color workdir trained for 5 steps (one block, d_model 32, d_ff 64)."""
+  workdir = str(tmp_path_factory.mktemp("tiny") / "run")
+  train.train(_config(), workdir, log=lambda *_: None)
+  return workdir
+
+
+def _tampered(tiny_workdir, tmp_path, **model):
+  """A copy of the tiny workdir whose saved config (every step's) asks for `model`."""
+  workdir = str(shutil.copytree(tiny_workdir, tmp_path / "tampered"))
+  checkpoints = os.path.join(workdir, "checkpoints")
+  for step in os.listdir(checkpoints):
+    path = os.path.join(checkpoints, step, "config", "metadata")
+    with open(path) as f:
+      saved = json.load(f)
+    saved["model"].update(model)
+    with open(path, "w") as f:
+      json.dump(saved, f)
+  return workdir
+
+
+# Before (issue 55): the model was built first and the arrays compared after; num_layers=10000
+# took 83 s and 2.7 GB in the review, num_layers=2000 29 s and +650 MB here.
+@pytest.mark.parametrize("field, value", [("num_layers", 10000), ("d_model", 4096),
+                                          ("d_ff", 10**6)])
+def test_tampered_config_is_refused_before_the_model_is_built(tiny_workdir, tmp_path,
+                                                              monkeypatch, field, value):
+  workdir = _tampered(tiny_workdir, tmp_path, **{field: value})
+
+  def never(*args, **kwargs):
+    raise AssertionError("the model was built")
+  monkeypatch.setattr(state_io, "init_state", never)
+  start = time.monotonic()
+  with attacks.deadline(20):
+    with pytest.raises(state_io.CheckpointMismatch) as error:
+      mdjax.load(workdir)
+  took = time.monotonic() - start
+  saved = {"num_layers": 1, "d_model": 32, "d_ff": 64}[field]
+  message = str(error.value)
+  assert "\n" not in message
+  assert (f"its config's model.{field}={value} does not fit its arrays "
+          f"(model.{field}={saved}, from their shapes)") in message, message
+  assert took < 10, took
+
+
+def test_untampered_tiny_workdir_loads(tiny_workdir):
+  model = mdjax.load(tiny_workdir)
+  assert model.config.model.num_layers == 1 and model.step == 5
