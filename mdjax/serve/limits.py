@@ -17,18 +17,17 @@ done for it (docs/security.md, "The server").
 
 `FREE_KNOBS` lists the integer knobs left unbounded, with why. Every integer knob of the
 registry is in exactly one of these tables (tests/serve/test_limits.py), so a new knob is
-classified where it is added. The body's own bounds: its JSON nesting (`json_depth`, checked
-by `mdjax.serve.fields.read_call` before it is parsed), its bytes and its reading time
-(`mdjax.serve.gate`).
+classified where it is added. The body's own bounds: its JSON nesting (`json_depth`, the file
+readers' `mdjax.jsonl.json_depth`, checked by `mdjax.serve.fields.read_call` before it is
+parsed), its bytes and its reading time (`mdjax.serve.gate`).
 """
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
 from mdjax.errors import ArgumentError
+from mdjax.jsonl import json_depth  # noqa: F401  (the body's nesting, counted as a file's is)
 
 # The default --max_steps: this many steps a position of the canvas. A step-wise sampler
 # writes at least one position a step in the usual settings (steps <= max_tokens); the
@@ -134,18 +133,3 @@ def check_prompt_size(prompt, *, where: str, room: int, max_bytes: int) -> None:
                         f"{room} positions of at most {max_bytes // room} bytes (the "
                         f"tokenizer's longest token), so at most {max_bytes:,} bytes: "
                         "shorten it.")
-
-
-# A JSON string, its escapes included (no bracket inside one nests anything).
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
-_OPEN, _CLOSE = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
-
-
-def json_depth(raw: bytes) -> int:
-  """The deepest nesting of arrays and objects in a JSON text, counted on its bytes without
-  parsing it (an unclosed string's brackets count: the text is not JSON anyway)."""
-  if not raw:
-    return 0
-  chars = np.frombuffer(_JSON_STRING.sub(b'""', raw), np.uint8)
-  change = np.isin(chars, _OPEN).astype(np.int32) - np.isin(chars, _CLOSE)
-  return int(np.cumsum(change).max(initial=0))

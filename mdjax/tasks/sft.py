@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mdjax import jsonl
+from mdjax.errors import ArgumentError
 from mdjax.saved_run import saved_config
 from mdjax.tasks import corpus, text
 from mdjax.tasks.base import Task
@@ -127,7 +129,7 @@ def read_jsonl(path: str) -> list[Example]:
       if not text.strip():
         continue
       try:
-        obj = json.loads(text.rstrip("\r\n"))
+        obj = jsonl.loads(text.rstrip("\r\n"), where, "path")
       except json.JSONDecodeError as error:
         raise ValueError(f"{where}: not JSON ({error.msg}, column {error.colno}); each line "
                          f"is {LINE_FORM}.") from None
@@ -197,8 +199,17 @@ def published_config(folder: str):
   from mdjax import formats
   from mdjax.models.published import PublishedConfig
   path = os.path.join(folder, "config.json")
-  with open(path) as f:
-    raw = json.load(f)
+  with open(path, "rb") as f:
+    data = f.read()
+  try:
+    raw = jsonl.loads(data, path, "train.init_from")
+  except ArgumentError:  # nested too deep: named already
+    raise
+  except ValueError as error:  # not UTF-8, not JSON
+    raise ArgumentError("train.init_from", f"{path}: not a JSON config ({error}).") from None
+  if not isinstance(raw, dict):
+    raise ArgumentError("train.init_from", f"{path}: not a JSON object (a JSON "
+                        f"{type(raw).__name__}).")
   config = formats.detect(raw, path).config_from_hf(raw, "float32")
   if not isinstance(config, PublishedConfig):
     raise ValueError(f"{path}: a {config.family} checkpoint; fine-tuning starts from LLaDA or "

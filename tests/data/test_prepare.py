@@ -55,6 +55,17 @@ def corpus(tmp_path_factory):
   return folder, out
 
 
+def test_a_deeply_nested_jsonl_line_is_one_line_error(tmp_path, capsys):
+  """100,000 nested arrays on a line: Python's parser raised a RecursionError (a traceback);
+  the depth is counted first, and the command prints one line naming the file and line."""
+  path = tmp_path / "docs.jsonl"
+  path.write_text('{"text": "a"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+  assert main([f"--input={path}", "--tokenizer=char", f"--out={tmp_path / 'out'}"]) == 1
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "Traceback" not in err
+  assert err.startswith(f"prepare_data: error: input='{path}' line 2: nests 100,000 levels")
+
+
 def test_manifest_and_shards_hold_each_document_tokenized(corpus):
   folder, out = corpus
   manifest = json.loads((out / "manifest.json").read_text())

@@ -120,3 +120,18 @@ def test_lm_eval_values_are_refused_before_its_setup(capsys):
     entry.main(["--model_args", "checkpoint=/nonexistent", "--tasks", "x"])
   assert exit_.value.code == 2
   assert "checkpoint='/nonexistent'" in _error_line(capsys, "lm_eval")
+
+
+def test_gen_ppl_deep_samples_line_is_one_line(tmp_path, capsys):
+  """A samples line nested 100,000 deep: a RecursionError traceback before; now one line
+  naming the file, the line and the bound, exit status 2, before the judge is loaded."""
+  samples = tmp_path / "samples.jsonl"
+  samples.write_text('{"text": "a"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+  with pytest.raises(SystemExit) as exit_:
+    from mdjax import cli
+    cli.run("gen_ppl", lambda: gen_ppl.main([f"--judge={tmp_path / 'no judge'}",
+                                             f"--samples={samples}"]))
+  assert exit_.value.code == 2
+  assert _error_line(capsys, "gen_ppl") == (
+      f"gen_ppl: error: samples='{samples}' line 2: nests 100,000 levels of JSON arrays and "
+      "objects; at most 256 are read.")

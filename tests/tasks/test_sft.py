@@ -20,6 +20,8 @@ SFT_LENGTH = 80  # the LLaDA fixture's chat template takes 24 tokens of a one-wo
      r":2: no response: the line has no 'response' field; each line is a JSON object"),
     ('{"prompt": "a", "response": "b"}\n\n{"prompt": "a", "response": "b"\n',
      r":3: not JSON \(Expecting .*column 32\); each line is a JSON object"),
+    ('{"prompt": "a", "response": "b"}\n' + "[" * 100_000 + "]" * 100_000 + "\n",
+     r":2: nests 100,000 levels of JSON arrays and objects; at most 256 are read\.$"),
     ('{"prompt": "a", "response": "' + "word " * 100 + '"}\n',
      r":1: prompt \(24 tokens\) \+ response \(500\) \+ EOS do not fit length=80; raise "
      r"task_kwargs.length, or set task_kwargs.truncate=True"),
@@ -50,3 +52,20 @@ def test_sft_rows_are_read_once_and_again_when_the_file_changes(tmp_path):
   data.write_text('{"prompt": "a", "response": "b c d e"}\n{"prompt": "x"}\n')
   with pytest.raises(ValueError, match=rf"^path: {data}:2: no response"):
     sft_data.bind(path=str(data), start=start, length=SFT_LENGTH)
+
+
+def test_a_start_folder_with_deep_config_json_is_one_line(tmp_path):
+  """A start folder's config.json nested 100,000 deep: a RecursionError before, now a
+  ConfigError naming the file and the bound, before anything is built."""
+  from tests.train.test_sft import _sft_config
+  folder = tmp_path / "start"
+  folder.mkdir()
+  (folder / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+  with pytest.raises(train.ConfigError, match=rf"^config field train.init_from: "
+                     rf"{folder}/config.json: nests 100,000 levels of JSON arrays and "
+                     rf"objects; at most 256 are read\.$"):
+    train.train(_sft_config(f"pretrained:{folder}"), str(tmp_path / "w"))
+  assert not os.path.exists(tmp_path / "w")
+  (folder / "config.json").write_text("[]")
+  with pytest.raises(train.ConfigError, match=r"config.json: not a JSON object \(a JSON list\)"):
+    train.train(_sft_config(f"pretrained:{folder}"), str(tmp_path / "w"))

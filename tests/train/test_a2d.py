@@ -217,3 +217,13 @@ def test_bad_a2d_config_is_refused_by_field(name, overrides, message):
   config = _config(name, **overrides)
   with pytest.raises(ConfigError, match=message):
     train.check_config(objectives.resolve_config(config))
+
+
+@pytest.mark.parametrize("name", ["a2d_masked", "a2d_block"])
+def test_a_start_folder_with_deep_config_json_is_refused_by_field(tmp_path, name):
+  """config.json nested 100,000 deep: a RecursionError before, now one line naming it."""
+  (tmp_path / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+  config = _config(name, **{"train.init_from": f"pretrained:{tmp_path}"})
+  with pytest.raises(ConfigError, match=rf"^config field train.init_from: {tmp_path}/config.json"
+                     r": nests 100,000 levels of JSON arrays and objects; at most 256 are read"):
+    train.check_config(objectives.resolve_config(config))
