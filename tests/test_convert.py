@@ -273,3 +273,84 @@ def test_llama_with_rope_scaling_is_written_as_dream(tmp_path):
   ours = np.asarray(jax.jit(lambda p: published.forward(model.config, p, tokens))(model.params))
   want = np.asarray(jax.jit(lambda p: published.forward(chosen.config, p, tokens))(params))
   np.testing.assert_allclose(ours, want, rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# Attacks (issue 55): a linked side file, a vocabulary gap, an OUT.partial not this run's.
+# ----------------------------------------------------------------------------
+
+
+def _copy_of(tmp_path, family="qwen2") -> str:
+  source = str(tmp_path / "input")
+  shutil.copytree(os.path.join(JUDGE, family), source)
+  return source
+
+
+@pytest.mark.parametrize("name", [a2d.TOKENIZER_CONFIG_FILE, a2d.TOKENIZER_FILE,
+                                  "generation_config.json"])
+def test_a_linked_side_file_is_refused_before_anything_is_written(tmp_path, name):
+  # Before: a tokenizer_config.json linked to any JSON file of the machine was read and its
+  # contents written into the output folder (save refuses the same link).
+  source = _copy_of(tmp_path)
+  secret = tmp_path / "secret.json"
+  shutil.copyfile(os.path.join(source, name), secret)
+  os.remove(os.path.join(source, name))
+  os.symlink(secret, os.path.join(source, name))
+  with pytest.raises(ValueError, match=rf"{name}: a symbolic link \(to '{secret}'\); convert "
+                     r"copies only regular files of the input folder"):
+    convert.convert(source, str(tmp_path / "out"), log=lambda m: None)
+  assert sorted(os.listdir(tmp_path)) == ["input", "secret.json"]  # nor OUT, nor OUT.partial
+
+
+def test_a_vocabulary_gap_past_the_bound_is_refused(tmp_path):
+  # Before: one placeholder token a missing id (an 8 MB input: 1.08 GB, 394 MB written).
+  source = _copy_of(tmp_path)
+  path = os.path.join(source, "config.json")
+  with open(path) as f:
+    raw = json.load(f)
+  size = 300  # the fixture tokenizer's ids
+  assert a2d.max_vocab_gap(size) == a2d.MIN_VOCAB_GAP == 1024
+  assert a2d.max_vocab_gap(2_000_000) == 20_000
+  for vocab, refused in ((size + 1024, False), (size + 1025, True), (2_000_000, True)):
+    with open(path, "w") as f:
+      json.dump({**raw, "vocab_size": vocab}, f)
+    if not refused:  # the plan reads no weight: the gap alone decides
+      assert a2d.plan(source).mask_id - size == 1024
+      continue
+    with pytest.raises(ValueError, match=rf"mask_id={vocab}: the tokenizer has 300 ids, so the "
+                       rf"{vocab - size:,} ids between would each be written as a placeholder "
+                       rf"token; at most {a2d.max_vocab_gap(vocab):,} are"):
+      convert.convert(source, str(tmp_path / "out"), log=lambda m: None)
+    assert sorted(os.listdir(tmp_path)) == ["input"]
+  # A reused id far past the tokenizer's last is refused alike; in memory nothing is written.
+  with pytest.raises(ValueError, match=r"mask_id=30000: .* 29,700 ids .* at most 20,000 are "
+                     r".* or reuse an id nearer"):
+    a2d.plan(source, mask_id=30_000)
+  assert a2d.plan(source, mask_id=20_300).mask_id == 20_300  # 20,000 placeholders
+  assert a2d.plan(source, written=False).mask_id == 2_000_000
+
+
+def test_an_existing_out_partial_is_refused_and_kept(tmp_path):
+  # Before: OUT.partial was deleted without a word, whoever made it.
+  partial = tmp_path / "out.partial"
+  partial.mkdir()
+  (partial / "notes.txt").write_text("mine")
+  with pytest.raises(ValueError, match=rf"{partial} exists .*remove it, or choose another out"):
+    convert.convert(os.path.join(JUDGE, "qwen2"), str(tmp_path / "out"), log=lambda m: None)
+  assert (partial / "notes.txt").read_text() == "mine"
+  assert sorted(os.listdir(tmp_path)) == ["out.partial"]
+  os.remove(partial / "notes.txt")
+  os.rmdir(partial)
+  os.symlink(tmp_path / "elsewhere", partial)  # a dangling link is refused, not removed
+  with pytest.raises(ValueError, match="out.partial exists"):
+    convert.convert(os.path.join(JUDGE, "qwen2"), str(tmp_path / "out"), log=lambda m: None)
+  assert os.path.islink(partial)
+
+
+def test_a_failed_conversion_removes_only_its_own_partial(tmp_path, monkeypatch):
+  def fail(*args, **kwargs):
+    raise ValueError("stop")
+  monkeypatch.setattr(a2d, "_check_written", fail)
+  with pytest.raises(ValueError, match="stop"):
+    convert.convert(os.path.join(JUDGE, "qwen2"), str(tmp_path / "out"), log=lambda m: None)
+  assert os.listdir(tmp_path) == []

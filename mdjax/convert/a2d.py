@@ -20,8 +20,10 @@ What changes, and nothing else (every weight of the causal network is kept):
   biases      a Llama input written in a layout with q/k/v biases (Dream, Fast-dLLM v2) gets
               zero biases (the same network).
   tokenizer   copied; the mask token ("<|mask|>") added at the mask id (ids between the
-              tokenizer's last and a reused mask id get placeholders "<|unused_i|>", since a
-              tokenizer.json holds no gaps).
+              tokenizer's last and the mask id get placeholders "<|unused_i|>", since a
+              tokenizer.json holds no gaps: at most `max_vocab_gap` of them, 1,024 or 1% of
+              the rows, else the input is refused). The tokenizer and side files are copied
+              as regular files only: a symbolic link among them is refused, as `save` does.
 
 The layouts (`layout=None` picks by `to`, the shift and the input):
 
@@ -38,7 +40,8 @@ layout cannot express (Llama 3.1's RoPE scaling outside SDAR, a head_dim other t
 heads outside SDAR), with the family's own message.
 
 Bad input is a ValueError naming the argument before anything is written; the folder is
-written under OUT.partial and renamed to OUT at the end, so OUT is whole or absent.
+written under OUT.partial and renamed to OUT at the end, so OUT is whole or absent. An
+OUT.partial that exists already is refused (never deleted: it may not be this run's).
 """
 
 from __future__ import annotations
@@ -69,6 +72,19 @@ DEFAULT_BLOCK = {"fast_dllm_v2": 32, "sdar": 4}  # the published configs' block 
 # The files copied beside the weights (the tokenizer's two edited when a mask token is added).
 TOKENIZER_FILE, TOKENIZER_CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
 SIDE_FILES = ("special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+# The most ids between the tokenizer's last and the mask id, each written as a placeholder
+# token (some 300 bytes in the two tokenizer files): 1,024, or 1% of the embedding rows for a
+# larger vocabulary. A padded vocabulary rounds its rows up to a multiple (of 64 to 2,048:
+# Qwen2.5's 151,936 or 152,064 rows for 151,665 ids leave 271 or 399), well inside; a
+# vocab_size far past the tokenizer's is no padding, and its placeholders grew without bound
+# (an 8 MB input wrote 394 MB). At the bound the tokenizer files grow by a few bytes a row,
+# where a row of the embedding alone holds 2 * d_model bytes or more.
+MIN_VOCAB_GAP = 1024
+
+
+def max_vocab_gap(vocab_size: int) -> int:
+  """The most placeholder ids `convert` writes for an input of `vocab_size` embedding rows."""
+  return max(MIN_VOCAB_GAP, vocab_size // 100)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,12 +204,24 @@ def _token_at(tokenizer, token_id: int) -> str | None:
   return None if tokenizer is None else tokenizer.id_to_token(token_id)
 
 
+def _input_file(input_dir: str, name: str) -> str | None:
+  """The path of the input's side file `name` (None when there is none), refused when it is a
+  symbolic link, as `mdjax.io.save` refuses one: the link could carry any file of the machine
+  (any JSON a tokenizer_config.json link points at) into a folder meant to be shared."""
+  path = os.path.join(input_dir, name)
+  if os.path.islink(path):
+    raise files_lib.UnsafeFile(path, f"{files_lib.link_problem(path)}; convert copies only "
+                               "regular files of the input folder (put the file itself there)")
+  return path if files_lib.regular_file(path) else None
+
+
 def plan(input_dir: str, *, to: str = "masked", block_size: int | None = None,
          mask_id: int | None = None, keep_shift: bool = True, layout: str | None = None,
          dtype: str = "float32", written: bool = True) -> Plan:
   """The conversion's Plan from config.json and tokenizer.json (no weight read); every bad
-  argument a ValueError naming it. written=False skips the check that the layout's
-  config.json expresses the network (an in-memory network, e.g. a RoPE-scaled Llama's)."""
+  argument a ValueError naming it. written=False skips the checks of what would be written:
+  that the layout's config.json expresses the network (an in-memory network, e.g. a
+  RoPE-scaled Llama's) and that the tokenizer's placeholders stay within `max_vocab_gap`."""
   if to not in TARGETS:
     raise ValueError(f"to={to!r} must be one of {TARGETS}.")
   if not isinstance(keep_shift, bool):
@@ -209,6 +237,8 @@ def plan(input_dir: str, *, to: str = "masked", block_size: int | None = None,
     if causal.max_len % block_size or causal.max_len < 2 * block_size:
       raise ValueError(f"block_size={block_size} must divide the input's "
                        f"max_position_embeddings={causal.max_len} into at least two blocks.")
+  for side in (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, *SIDE_FILES):
+    _input_file(input_dir, side)  # a link refused before anything is read or written
   tokenizer = _tokenizer(input_dir)
   size = None if tokenizer is None else tokenizer.get_vocab_size(with_added_tokens=True)
   vocab = causal.vocab_size
@@ -227,6 +257,14 @@ def plan(input_dir: str, *, to: str = "masked", block_size: int | None = None,
     if mask_id in (causal.eos_id, formats.base.config_token_id(raw, "bos_token_id", "input"),
                    formats.base.config_token_id(raw, "pad_token_id", "input")):
       raise ValueError(f"mask_id={mask_id} is the input's EOS, BOS or pad id.")
+  gap = 0 if size is None else mask_id - size  # the placeholders tokenizer.json would get
+  if written and gap > max_vocab_gap(vocab):
+    raise ValueError(
+        f"mask_id={mask_id}: the tokenizer has {size:,} ids, so the {gap:,} ids between would "
+        f"each be written as a placeholder token; at most {max_vocab_gap(vocab):,} are (1,024 "
+        f"or 1% of the {vocab:,} rows of config.json's vocab_size, a padded vocabulary's "
+        "spare rows). Check the input's vocab_size against its tokenizer"
+        + ("." if appended else ", or reuse an id nearer the tokenizer's last."))
   fields = dict(family=name, vocab_size=vocab + appended, mask_id=mask_id, causal=False,
                 logit_shift=keep_shift, block_size=block_size if to == "block" else None,
                 qkv_bias=causal.qkv_bias or name in ("dream", "fast_dllm_v2"))
@@ -314,8 +352,8 @@ def _tokenizer_files(input_dir: str, out: str, plan_: Plan) -> list[str]:
   """tokenizer.json and tokenizer_config.json with the mask token at the mask id (unchanged
   where it is there already); the other side files copied. The names written."""
   written = []
-  path = os.path.join(input_dir, TOKENIZER_FILE)
-  if files_lib.regular_file(path):
+  path = _input_file(input_dir, TOKENIZER_FILE)
+  if path is not None:
     spec = files_lib.read_json(path, TOKENIZER_FILE)
     size = plan_.tokenizer_size
     tokens = list(spec.get("added_tokens") or [])
@@ -327,8 +365,8 @@ def _tokenizer_files(input_dir: str, out: str, plan_: Plan) -> list[str]:
     with files_lib.atomic_write(os.path.join(out, TOKENIZER_FILE), "w") as f:
       json.dump(spec, f, ensure_ascii=False, indent=2)
     written.append(TOKENIZER_FILE)
-    config_path = os.path.join(input_dir, TOKENIZER_CONFIG_FILE)
-    if files_lib.regular_file(config_path):
+    config_path = _input_file(input_dir, TOKENIZER_CONFIG_FILE)
+    if config_path is not None:
       tok_config = files_lib.read_json(config_path, TOKENIZER_CONFIG_FILE)
       decoder = dict(tok_config.get("added_tokens_decoder") or {})
       for token in new:
@@ -340,11 +378,11 @@ def _tokenizer_files(input_dir: str, out: str, plan_: Plan) -> list[str]:
         json.dump(tok_config, f, ensure_ascii=False, indent=2)
       written.append(TOKENIZER_CONFIG_FILE)
   for name in SIDE_FILES:
-    source = os.path.join(input_dir, name)
-    if os.path.islink(source):
-      raise ValueError(f"{source}: a symbolic link; only regular files are copied.")
-    if files_lib.regular_file(source):
-      shutil.copyfile(source, os.path.join(out, name))
+    source = _input_file(input_dir, name)
+    if source is not None:
+      with files_lib.open_regular(source, follow_links=False) as f, \
+           files_lib.atomic_write(os.path.join(out, name)) as copy:
+        shutil.copyfileobj(f, copy)
       written.append(name)
   return written
 
@@ -359,6 +397,15 @@ def _mask_content(spec: dict, mask_id: int) -> str:
 # ----------------------------------------------------------------------------
 # The folder.
 # ----------------------------------------------------------------------------
+
+
+def _check_partial(partial: str) -> None:
+  """A ValueError when `partial` (OUT.partial) exists: a conversion that stopped, or a
+  folder of someone else's that happens to bear the name; never deleted for the user."""
+  if os.path.lexists(partial):
+    raise ValueError(f"{partial} exists (an earlier conversion that did not finish, or another "
+                     "folder of that name); the conversion writes there and deletes only "
+                     "what it made itself: remove it, or choose another out.")
 
 
 def _remove(path: str) -> None:
@@ -383,10 +430,15 @@ def convert(input_dir: str, out_dir: str, *, to: str = "masked", block_size: int
     raise ValueError(f"out={out_dir!r} exists; the conversion writes a new folder.")
   if os.path.abspath(os.fspath(input_dir)) == out:
     raise ValueError(f"out={out_dir!r} is the input folder.")
+  partial = out + ".partial"
+  _check_partial(partial)
   chosen, params, _ = converted(input_dir, to=to, block_size=block_size, mask_id=mask_id,
                                 keep_shift=keep_shift, layout=layout)
-  partial = out + ".partial"
-  _remove(partial)
+  try:
+    os.mkdir(partial)  # this run's own from here: one made meanwhile is refused, not removed
+  except FileExistsError:
+    _check_partial(partial)
+    raise
   try:
     io.save(params, partial, family=chosen.layout, config=chosen.config)
     _tokenizer_files(input_dir, partial, chosen)
