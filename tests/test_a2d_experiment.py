@@ -68,3 +68,15 @@ def test_export_refuses_what_llama_cannot_express(exported, tmp_path):
   bad.objective = "nelbo"
   with pytest.raises(ValueError, match="objective='nelbo'"):
     causal_export.check_exportable(bad)
+
+
+def test_export_refuses_an_existing_partial_and_keeps_it(exported, tmp_path):
+  # Before: OUT.partial was deleted (shutil.rmtree) whoever made it.
+  config, task, params, _ = exported
+  partial = tmp_path / "llama.partial"
+  partial.mkdir()
+  (partial / "notes.txt").write_text("mine")
+  with pytest.raises(ValueError, match=r"llama.partial exists .*remove it, or choose another"):
+    causal_export.write_folder(params, config, task, str(tmp_path / "llama"))
+  assert (partial / "notes.txt").read_text() == "mine"
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["llama.partial"]

@@ -403,9 +403,21 @@ def _check_partial(partial: str) -> None:
   """A ValueError when `partial` (OUT.partial) exists: a conversion that stopped, or a
   folder of someone else's that happens to bear the name; never deleted for the user."""
   if os.path.lexists(partial):
-    raise ValueError(f"{partial} exists (an earlier conversion that did not finish, or another "
-                     "folder of that name); the conversion writes there and deletes only "
-                     "what it made itself: remove it, or choose another out.")
+    raise ValueError(f"{partial} exists (an earlier run that did not finish, or another "
+                     "folder of that name); the folder is written there, and only what this "
+                     "run made is deleted: remove it, or choose another out.")
+
+
+def make_partial(out: str) -> str:
+  """OUT.partial, made by this run (so that a failure may remove it): a ValueError
+  (`_check_partial`'s) when something is there already, made meanwhile too."""
+  partial = out + ".partial"
+  try:
+    os.mkdir(partial)
+  except FileExistsError:
+    _check_partial(partial)
+    raise
+  return partial
 
 
 def _remove(path: str) -> None:
@@ -434,11 +446,7 @@ def convert(input_dir: str, out_dir: str, *, to: str = "masked", block_size: int
   _check_partial(partial)
   chosen, params, _ = converted(input_dir, to=to, block_size=block_size, mask_id=mask_id,
                                 keep_shift=keep_shift, layout=layout)
-  try:
-    os.mkdir(partial)  # this run's own from here: one made meanwhile is refused, not removed
-  except FileExistsError:
-    _check_partial(partial)
-    raise
+  make_partial(out)  # this run's own from here: one made meanwhile is refused, not removed
   try:
     io.save(params, partial, family=chosen.layout, config=chosen.config)
     _tokenizer_files(input_dir, partial, chosen)

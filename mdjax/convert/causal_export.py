@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 from mdjax import files as files_lib
+from mdjax.convert.a2d import make_partial
 from mdjax.models.published import PublishedConfig
 
 START_TOKEN = "<s>"
@@ -112,7 +113,8 @@ def char_tokenizer_json(vocab: str) -> str:
 
 def write_folder(params: dict, config, task, out: str) -> str:
   """Writes a causal Transformer's `params` (a pure dict; `config` its run config, `task` its
-  task) to the Llama folder `out`, built in OUT.partial and renamed at the end."""
+  task) to the Llama folder `out`, built in OUT.partial (refused when it exists: never
+  deleted unless this run made it) and renamed at the end."""
   from mdjax import io
 
   check_exportable(config)
@@ -123,8 +125,7 @@ def write_folder(params: dict, config, task, out: str) -> str:
   out = os.fspath(out)
   if os.path.exists(out):
     raise ValueError(f"out={out!r} exists: the export writes a new folder.")
-  partial = out + ".partial"
-  shutil.rmtree(partial, ignore_errors=True)
+  partial = make_partial(out)  # an OUT.partial there already is refused, never deleted
   try:
     io.save(llama_params(params, llama), partial, config=llama)
     config_path = os.path.join(partial, "config.json")
