@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -104,3 +104,18 @@ def read_rows(path: str, argument: str) -> Iterator[tuple[int, Any]]:
         raise ArgumentError(argument, f"{argument}={path!r} line {number}: not JSON "
                             f"({error.msg}).") from None
       yield number, row
+
+
+def log_rows(lines: Iterable[str], where: str) -> Iterator[dict]:
+  """The JSON objects among `lines` (of the log `where`, such as metrics.jsonl), parsed; every
+  other line is skipped: one cut short by a kill, not JSON, nested deeper than MAX_DEPTH, or
+  not an object. For logs a run appends to, where a bad line is one lost row, not a stop."""
+  for number, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      row = loads(line, f"{where} line {number}")
+    except ValueError:  # JSONDecodeError, or nested too deep (ArgumentError)
+      continue
+    if isinstance(row, dict):
+      yield row

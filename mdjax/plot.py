@@ -7,12 +7,11 @@ imported only when a plot is drawn.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import uuid
 
-from mdjax import cli
+from mdjax import cli, jsonl
 
 CURVES = "curves.png"
 METRICS = "metrics.jsonl"
@@ -24,26 +23,23 @@ class NoMetrics(ValueError):
 
 
 def read_metrics(workdir: str) -> list[dict]:
-  """The rows of WORKDIR/metrics.jsonl (a row cut short by a kill is skipped)."""
+  """The rows of WORKDIR/metrics.jsonl (a line cut short by a kill, nested too deep or not an
+  object is skipped)."""
   path = os.path.join(workdir, METRICS)
   if not os.path.isdir(workdir):
     raise NoMetrics(f"workdir={workdir!r} is not a directory.")
   if not os.path.exists(path):
     raise NoMetrics(f"workdir={workdir!r} holds no {METRICS} (train.py writes it).")
-  rows = []
   with open(path) as f:
-    for line in f:
-      try:
-        rows.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
+    rows = list(jsonl.log_rows(f, path))
   if not rows:
     raise NoMetrics(f"workdir={workdir!r}: {METRICS} holds no rows yet.")
   return rows
 
 
 def _series(rows: list[dict], name: str) -> tuple[list[int], list[float]]:
-  pairs = [(r["step"], r[name]) for r in rows if isinstance(r.get(name), (int, float))]
+  pairs = [(r["step"], r[name]) for r in rows
+           if isinstance(r.get(name), (int, float)) and isinstance(r.get("step"), (int, float))]
   return [s for s, _ in pairs], [v for _, v in pairs]
 
 

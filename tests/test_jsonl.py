@@ -67,3 +67,11 @@ def test_a_deep_row_is_one_line_naming_the_file_line_and_bound(tmp_path):
   path.write_text("[" + deepest + "]\n")
   with pytest.raises(ArgumentError, match=f"line 1: nests {jsonl.MAX_DEPTH + 1} levels"):
     list(jsonl.read_rows(str(path), "input"))
+
+
+def test_log_rows_skip_every_line_that_is_no_row():
+  # A log a run appends to (metrics.jsonl): a line cut short by a kill, nested too deep (a
+  # RecursionError before, issue 55) or not an object is one lost row, never a stop.
+  lines = ['{"step": 1}\n', "\n", DEEP + "\n", "[1, 2]\n", "null\n", '{"step": 2}\n',
+           '{"step": 3, "lo']
+  assert list(jsonl.log_rows(lines, "metrics.jsonl")) == [{"step": 1}, {"step": 2}]

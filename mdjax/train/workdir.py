@@ -170,13 +170,12 @@ def keep_metrics_through(path: str, step: int) -> None:
     return
   kept = []
   with os.fdopen(fd) as f:
-    for line in f:
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError:  # a row cut short by a kill
-        continue
-      if row.get("step", 0) <= step:  # rewritten strict (an older file's bare NaN: null)
-        kept.append(jsonl.dumps(row) + "\n")
+    # A line that is no row (cut short by a kill, nested too deep) or whose step is no number
+    # is dropped with the rows past `step`.
+    for row in jsonl.log_rows(f, path):
+      row_step = row.get("step", 0)
+      if isinstance(row_step, (int, float)) and row_step <= step:
+        kept.append(jsonl.dumps(row) + "\n")  # strict (an older file's bare NaN: null)
   write_atomically(path, "".join(kept))
 
 
@@ -233,7 +232,7 @@ class TrainClock:
     self.previous = 0.0
     if step and os.path.lexists(self.path):
       with os.fdopen(open_own_file(self.path, os.O_RDONLY)) as f:
-        self.previous = float(json.load(f)["seconds"])
+        self.previous = _seconds_of(f.read(), self.path)
     self.start = time.perf_counter()
 
   def save(self, step: int) -> None:
@@ -246,13 +245,10 @@ def run_summary(workdir: str, step: int, num_steps: int) -> str:
   EMA's and the raw weights' when both are logged), wall time, the checkpoint and how to
   plot and sample."""
   rows = []
+  path = os.path.join(workdir, METRICS)
   try:
-    with os.fdopen(open_own_file(os.path.join(workdir, METRICS), os.O_RDONLY)) as f:
-      for line in f:
-        try:
-          rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a row cut short by a kill
-          continue
+    with os.fdopen(open_own_file(path, os.O_RDONLY)) as f:
+      rows = list(jsonl.log_rows(f, path))  # a row cut short by a kill is skipped
   except FileNotFoundError:
     pass
   lines = [f"finished: step {step} of {num_steps}"]
@@ -280,4 +276,19 @@ def read_train_seconds(workdir: str) -> float | None:
   if not os.path.exists(path):
     return None
   with open(path) as f:
-    return float(json.load(f)["seconds"])
+    return _seconds_of(f.read(), path)
+
+
+def _seconds_of(text: str, path: str) -> float:
+  """The "seconds" of train_seconds.json's text; a ValueError naming `path` when it holds no
+  such number (not JSON, nested too deep, another value)."""
+  try:
+    record = jsonl.loads(text, path)
+  except json.JSONDecodeError as error:
+    raise ValueError(f"{path}: not JSON ({error.msg}); it holds {{\"seconds\": number, "
+                     "\"step\": number}.") from None
+  seconds = record.get("seconds") if isinstance(record, dict) else None
+  if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+    raise ValueError(f"{path}: no number \"seconds\" in it; it holds {{\"seconds\": number, "
+                     "\"step\": number}.")
+  return float(seconds)

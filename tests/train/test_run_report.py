@@ -72,6 +72,47 @@ def test_metrics_are_strict_json_with_null_for_nan(tmp_path):
   assert "validation" not in workdir_lib.run_summary(str(tmp_path), 2, 2)
 
 
+DEEP_LINE = "[" * 100_000  # a RecursionError near 1,000 levels in Python's parser
+
+
+def test_a_metrics_line_that_is_no_row_is_skipped_as_a_cut_one(tmp_path):
+  """A metrics.jsonl line nested 100,000 deep (or not an object, or with a step that is no
+  number): a RecursionError traceback (or an AttributeError, a TypeError) from the resume's
+  trim, the end-of-run summary and the plot before (issue 55); now skipped by all three, as
+  a row cut short by a kill is."""
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 1, "loss": 1.0, "val_bits_per_token": 2.0}\n' + DEEP_LINE + "\n"
+                  '[1, 2]\n{"step": "2", "loss": 3.0}\n{"loss": 4.0}\n{"step": 2, "loss": 0.5}\n'
+                  '{"step": 9, "loss": 0.1}\n{"step": 10, "lo')
+  assert [r.get("step") for r in plot.read_metrics(str(tmp_path))] == [1, "2", None, 2, 9]
+  assert plot._series(plot.read_metrics(str(tmp_path)), "loss") == ([1, 2, 9], [1.0, 0.5, 0.1])
+  assert "validation bits/token: final 2 at step 1" in workdir_lib.run_summary(str(tmp_path), 2, 2)
+  workdir_lib.keep_metrics_through(str(path), 2)
+  assert _strict_rows(path) == [{"step": 1, "loss": 1.0, "val_bits_per_token": 2.0},
+                                {"loss": 4.0}, {"step": 2, "loss": 0.5}]
+
+
+def test_a_train_seconds_file_that_holds_no_seconds_is_one_line_naming_it(tmp_path):
+  """train_seconds.json nested 100,000 deep: a RecursionError traceback before (issue 55), on
+  resuming and in `read_train_seconds`; now one ValueError naming the file and the bound."""
+  path = tmp_path / "train_seconds.json"
+  readers = (lambda: train.read_train_seconds(str(tmp_path)),
+             lambda: workdir_lib.TrainClock(str(tmp_path), 5))
+  for text, message in (
+      (DEEP_LINE, "nests 100,000 levels of JSON arrays and objects; at most 256 are read."),
+      ("[1]", 'no number "seconds" in it; it holds {"seconds": number, "step": number}.'),
+      ('{"seconds": ', 'not JSON (Expecting value); it holds {"seconds": number, "step": '
+                      'number}.')):
+    path.write_text(text)
+    for read in readers:
+      with pytest.raises(ValueError) as error:
+        read()
+      assert str(error.value) == f"{path}: {message}"
+  path.write_text('{"seconds": 12.5, "step": 5}')
+  assert train.read_train_seconds(str(tmp_path)) == workdir_lib.TrainClock(
+      str(tmp_path), 5).previous == 12.5
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("finished") / "run"
