@@ -23,12 +23,13 @@ from __future__ import annotations
 import ast
 import fractions
 import itertools
-import json
 import math
 import operator
 import re
 
 import numpy as np
+
+from mdjax import jsonl
 
 # d1's SYSTEM_PROMPT (data_utils.py), shared by its GSM8K and Countdown prompts.
 SYSTEM_PROMPT = """
@@ -125,10 +126,11 @@ def to_d1(puzzle: dict) -> dict:
   return {"input": ",".join(str(n) for n in puzzle["numbers"]), "output": str(puzzle["target"])}
 
 
-def from_d1(record: dict | str) -> dict:
-  """A line (or its dict) of d1's test file as {"numbers", "target"}."""
+def from_d1(record: dict | str, where: str = "countdown record") -> dict:
+  """A line (or its dict) of d1's test file as {"numbers", "target"}; a line nested deeper
+  than `jsonl.MAX_DEPTH` is a ValueError naming `where` (its file and line)."""
   if isinstance(record, str):
-    record = json.loads(record)
+    record = jsonl.loads(record, where)
   return {"numbers": [int(n) for n in record["input"].split(",")],
           "target": int(record["output"])}
 

@@ -209,6 +209,18 @@ def test_countdown_puzzles_are_solvable_and_seeded():
     countdown.generate(2, seed=0, max_number=0)
 
 
+def test_a_deep_countdown_line_is_one_line_naming_it():
+  """A d1 test-file line nested 100,000 deep: a RecursionError traceback before (issue 55);
+  now one ValueError naming the line (`where`) and the bound."""
+  deep = "[" * 100_000 + "]" * 100_000
+  with pytest.raises(ValueError) as error:
+    countdown.from_d1(deep)
+  assert str(error.value) == ("countdown record: nests 100,000 levels of JSON arrays and "
+                              "objects; at most 256 are read.")
+  with pytest.raises(ValueError, match=r"^countdown_cd3_test.jsonl line 2: nests 100,000 "):
+    countdown.from_d1(deep, "countdown_cd3_test.jsonl line 2")
+
+
 def test_prompts_are_d1s_text():
   """sha256 prefixes of the texts d1's data_utils.py builds for these inputs (computed once
   from its code at commit 837888f): a changed character fails."""
