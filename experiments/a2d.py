@@ -36,7 +36,6 @@ runs, on rows it made up).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -49,6 +48,7 @@ sys.path.insert(0, ROOT)
 
 from configs import a2d_block, a2d_masked, shakespeare_causal  # noqa: E402
 from mdjax import convert, diffusion, prepare_data, report, sampling, tasks, train  # noqa: E402
+from mdjax import jsonl  # noqa: E402
 from mdjax.convert import causal_export  # noqa: E402
 from mdjax.evaluate import elbo, gen_ppl  # noqa: E402
 
@@ -176,7 +176,7 @@ def sample_quality(texts: list[str], judge) -> dict:
 def run(n: int, workdir: str = "/tmp/a2d", seed: str = "0", rows_from: str = "") -> dict:
   if rows_from:  # the report again, from the rows of a results file
     with open(rows_from, encoding="utf-8") as f:
-      results = json.load(f)
+      results = jsonl.loads(f.read(), f"rows_from={rows_from!r}", "rows_from")
     return {**results, "goals": goals(results["rows"])}
   seed = int(seed)
   prepared = prepare(workdir, seed)

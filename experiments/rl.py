@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mdjax  # noqa: E402
 from configs import grpo as grpo_config  # noqa: E402
 from configs.base import base_config  # noqa: E402
-from mdjax import report, sampling, train  # noqa: E402
+from mdjax import jsonl, report, sampling, train  # noqa: E402
 from mdjax.rl import trainer  # noqa: E402,F401  (registers 'grpo' and 'wd1')
 from mdjax.tasks import sudoku4  # noqa: E402
 
@@ -112,8 +112,9 @@ def solve_rate(apply_fn, params, canvas, task_params) -> dict:
 
 
 def metrics_of(workdir: str) -> list[dict]:
-  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
+  path = os.path.join(workdir, "metrics.jsonl")
+  with open(path, encoding="utf-8") as f:
+    return list(jsonl.log_rows(f, path))  # as the run's own readers: a bad line skipped
 
 
 def run(workdir: str, out: str) -> dict:

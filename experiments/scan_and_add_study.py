@@ -20,7 +20,6 @@ import sys
 if __package__ in (None, ""):  # run as a script: configs/ and experiments/ live in the repo root
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import json
 import math
 import time
 
@@ -29,7 +28,7 @@ import numpy as np
 
 from configs import scan_and_add_cpu
 from experiments import smoke as smoke_run
-from mdjax import diffusion, metrics, report, sampling, tasks, train
+from mdjax import diffusion, jsonl, metrics, report, sampling, tasks, train
 from mdjax.tasks import scan_and_add as sa
 
 COMMAND_IDS = (1, 9)  # M
@@ -84,8 +83,9 @@ def training_curve(workdir: str, m: int) -> list[dict]:
   if not os.path.exists(path):
     return []
   rows = {}
-  for line in open(path):
-    record = json.loads(line)
+  with open(path) as f:
+    records = list(jsonl.log_rows(f, path))  # as the run's own readers: a bad line skipped
+  for record in records:
     if "sample_correct" in record:  # the last record of a step wins (a resumed run)
       rows[record["step"]] = {"M": m, "step": record["step"],
                               "eval_bits_per_token": record["val_bits_per_token"],

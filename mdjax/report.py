@@ -6,6 +6,7 @@ import os
 from typing import Any, Sequence
 
 from mdjax import files, jsonl
+from mdjax.errors import ArgumentError
 
 
 def write_json(path: str, data: Any) -> None:
@@ -65,6 +66,10 @@ def experiment_main(doc: str, run, write, markdown_name: str, default_n: int,
   args = parser.parse_args()
   if args.n < 1:
     parser.error(f"--n={args.n} must be >= 1")
-  write(run(args.n, **{name: getattr(args, name) for name in options or {}}), args.out)
+  try:
+    results = run(args.n, **{name: getattr(args, name) for name in options or {}})
+  except ArgumentError as error:  # a bad input file (--rows_from): one line, exit status 2
+    parser.error(str(error))
+  write(results, args.out)
   with open(os.path.join(args.out, markdown_name)) as f:
     print(f.read())

@@ -263,3 +263,19 @@ def test_a2d_goals_and_report(tmp_path):
   assert [round(d["difference"], 6) for d in goals["anneal_minus_direct"]] == [0.1, 0.05, 0.0, 0.05]
   assert goals["anneal_seconds_over_direct"] == 1.2
   assert "| masked | ar | 153600 | 75 |" in (out / "a2d.md").read_text()
+
+
+def test_a2d_rows_from_a_deep_file_is_one_line(tmp_path):
+  """--rows_from naming a file nested 100,000 deep: a RecursionError traceback before (issue
+  55); now one usage line naming the flag, the file and the bound, exit status 2."""
+  deep = tmp_path / "deep.json"
+  deep.write_text("[" * 100_000 + "]" * 100_000)
+  proc = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "a2d.py"),
+                         f"--rows_from={deep}", f"--out={tmp_path / 'out'}",
+                         f"--workdir={tmp_path / 'none'}"],
+                        capture_output=True, text=True, cwd=REPO, timeout=120)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert proc.stderr.splitlines()[-1] == (
+      f"a2d.py: error: rows_from='{deep}': nests 100,000 levels of JSON arrays and objects; "
+      "at most 256 are read.")
+  assert not (tmp_path / "none").exists() and not (tmp_path / "out").exists()
