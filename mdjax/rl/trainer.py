@@ -51,7 +51,6 @@ from mdjax.rl import logps as logps_lib
 from mdjax.rl import losses
 from mdjax.rl import rewards as rewards_lib
 from mdjax.rl import sources
-from mdjax.saved_run import saved_config
 from mdjax.tasks import sft as sft_data
 from mdjax.train import objectives, sft, state_io
 from mdjax.train.config_checks import ConfigError
@@ -179,7 +178,10 @@ def resolve_config(config):
     raise ConfigError(f"config field train.init_from: {error}") from None
   resolved = ml_collections.ConfigDict(config.to_dict())
   if kind == "workdir":
-    saved, _ = saved_config(where)
+    try:
+      saved, _ = state_io.start_config(where)  # its sizes checked against its arrays first
+    except ValueError as error:
+      raise ConfigError(f"config field train.init_from: {error}") from None
     if saved.get("task") != config.task:
       raise ConfigError(f"config field task={config.task!r}: the start point {where!r} was "
                         f"trained on task {saved.get('task')!r}.")

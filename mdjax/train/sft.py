@@ -42,7 +42,6 @@ from mdjax import diffusion, formats, io, lora, models
 from mdjax.denoiser import Denoiser
 from mdjax.io import record, tensors
 from mdjax.models import published as published_model
-from mdjax.saved_run import saved_config
 from mdjax.tasks import sft as sft_data
 from mdjax.train import objectives, state_io
 from mdjax.train.config_checks import ConfigError
@@ -76,7 +75,7 @@ def _start_fields(start: str, objective: str = "sft"
     config, _ = sft_data.published_config(where)
     return (_published_fields(config, objective), os.path.join(where, "config.json"),
             config.max_len, config.block_size)
-  saved, _ = saved_config(where)
+  saved, _ = state_io.start_config(where)  # its sizes checked against its arrays first
   return dict(saved.get("model") or {}), f"{where}'s checkpoint", None, None
 
 

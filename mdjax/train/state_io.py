@@ -26,7 +26,7 @@ from absl import logging
 
 from mdjax import lora
 from mdjax import model as model_lib
-from mdjax import tasks
+from mdjax import saved_run, tasks
 from mdjax.tasks import sft as sft_data
 from mdjax.train.state import TrainState, init_state, make_mesh
 from mdjax.train.workdir import refuse_link
@@ -185,20 +185,48 @@ def _saved_sizes(state_metadata) -> dict:
   return sizes
 
 
-def _check_config_fits_arrays(saved_config: dict, state_metadata, step: int) -> None:
+def _check_config_fits_arrays(saved_config: dict, state_metadata, step: int,
+                              start: str | None = None) -> None:
   """CheckpointMismatch where the step's saved config asks for a model of other sizes than
   the arrays it saved (a config edited by hand, or tampered with): checked on the arrays'
   metadata before any model is built, which for `num_layers=10000` took 83 s and 2.7 GB.
-  A run with a start point (`train.init_from`) takes its model's sizes from there."""
-  if (saved_config.get("train") or {}).get("init_from"):
+  A run with a start point (`train.init_from`) takes its model's sizes from there, unless
+  the workdir is itself the start point `start`: a run takes its sizes from this config."""
+  if start is None and (saved_config.get("train") or {}).get("init_from"):
     return
+  sizes = _saved_sizes(state_metadata)
+  where = "" if start is None else f"start={start!r}: "
+  if start is not None and not sizes:  # the run builds an mdjax Transformer from this config
+    raise CheckpointMismatch(
+        f"{where}checkpoint step {step} holds no mdjax Transformer's arrays (a run from a "
+        "published folder keeps its layout): start from a published folder instead, "
+        "train.init_from='pretrained:DIR' (an SFT run's export is WORKDIR/pretrained).")
   model = saved_config.get("model") or {}
-  for field, found in _saved_sizes(state_metadata).items():
+  for field, found in sizes.items():
     if field in model and model[field] != found:
       raise CheckpointMismatch(
-          f"checkpoint step {step}: its config's model.{field}={model[field]!r} does not fit "
-          f"its arrays (model.{field}={found}, from their shapes); the model was not built. "
-          "The config was edited after the save: restore it, or use another workdir.")
+          f"{where}checkpoint step {step}: its config's model.{field}={model[field]!r} does "
+          f"not fit its arrays (model.{field}={found}, from their shapes); the model was not "
+          "built. The config was edited after the save: restore it, or use another workdir.")
+
+
+def start_config(workdir: str) -> tuple[dict, dict]:
+  """(config, task metadata) of a start point's (`train.init_from`: a workdir) newest readable
+  step, its config checked against that step's arrays first (orbax's metadata, no array
+  read): a run builds its model from this config, so one edited after the save is a
+  CheckpointMismatch naming the workdir, never a model of `num_layers=10000` built."""
+  step, config, metadata = saved_run.newest_saved(workdir)
+  try:
+    with quiet_orbax():
+      state = (checkpoint_manager(workdir, read_only=True).item_metadata(step) or {}).get("state")
+  except Exception:  # a missing or unreadable state folder: no sizes to check against
+    state = None
+  if state is None:
+    raise CheckpointMismatch(
+        f"start={workdir!r}: checkpoint step {step} holds no readable array metadata; the "
+        "model's sizes in its config cannot be checked: use another start point.")
+  _check_config_fits_arrays(config, state, step, start=workdir)
+  return config, metadata
 
 
 def _summary(error: BaseException) -> str:

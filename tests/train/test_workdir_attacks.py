@@ -11,11 +11,14 @@ import time
 import types
 
 import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
+from configs import grpo as grpo_config
 from configs import two_color as two_color_config
 import mdjax
-from mdjax import train
+from mdjax import models, train
 from mdjax.train import sft, state_io
 from mdjax.train.workdir import (MetricsLog, TrainClock, UnsafeWorkdir, WorkdirLock,
                                  check_entries, keep_metrics_through)
@@ -282,8 +285,9 @@ def tiny_workdir(tmp_path_factory):
   return workdir
 
 
-def _tampered(tiny_workdir, tmp_path, **model):
-  """A copy of the tiny workdir whose saved config (every step's) asks for `model`."""
+def _tampered(tiny_workdir, tmp_path, init_from=None, **model):
+  """A copy of the tiny workdir whose saved config (every step's) asks for `model` (and names
+  the start point `init_from`)."""
   workdir = str(shutil.copytree(tiny_workdir, tmp_path / "tampered"))
   checkpoints = os.path.join(workdir, "checkpoints")
   for step in os.listdir(checkpoints):
@@ -291,6 +295,8 @@ def _tampered(tiny_workdir, tmp_path, **model):
     with open(path) as f:
       saved = json.load(f)
     saved["model"].update(model)
+    if init_from is not None:
+      saved["train"]["init_from"] = init_from
     with open(path, "w") as f:
       json.dump(saved, f)
   return workdir
@@ -323,3 +329,90 @@ def test_tampered_config_is_refused_before_the_model_is_built(tiny_workdir, tmp_
 def test_untampered_tiny_workdir_loads(tiny_workdir):
   model = mdjax.load(tiny_workdir)
   assert model.config.model.num_layers == 1 and model.step == 5
+
+
+# --- a tampered start point (train.init_from=WORKDIR) --------------------------------------
+
+
+def _run_from(start):
+  """A two-color run from the workdir `start` (objective 'nelbo'), its sizes the start's."""
+  config = _config()
+  config.objective = "nelbo"
+  config.model.update(d_model=None, num_layers=None, num_heads=None, d_ff=None)
+  config.train.init_from = start
+  return config
+
+
+def _never_built(monkeypatch):
+  def never(*args, **kwargs):
+    raise AssertionError("a model was built")
+  monkeypatch.setattr(models, "init", never)
+  monkeypatch.setattr(state_io, "init_state", never)
+
+
+# Before (issue 55): the run took the start's sizes from its config and built the model
+# (num_layers=10000) before the start's arrays were read. A start point with a start point of
+# its own ("chained") is checked too: the run takes its sizes from this config all the same.
+@pytest.mark.parametrize("chained", [False, True])
+def test_a_tampered_start_point_is_refused_before_the_model_is_built(
+    tiny_workdir, tmp_path, monkeypatch, chained):
+  start = _tampered(tiny_workdir, tmp_path, init_from=tiny_workdir if chained else None,
+                    num_layers=10000)
+  _never_built(monkeypatch)
+  began = time.monotonic()
+  with attacks.deadline(20):
+    with pytest.raises(train.ConfigError) as error:
+      train.train(_run_from(start), str(tmp_path / "run"), log=lambda *_: None)
+  message = str(error.value)
+  assert message == (
+      f"config field train.init_from: start={start!r}: checkpoint step 5: its config's "
+      "model.num_layers=10000 does not fit its arrays (model.num_layers=1, from their "
+      "shapes); the model was not built. The config was edited after the save: restore it, "
+      "or use another workdir."), message
+  assert time.monotonic() - began < 10
+  assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_tampered_start_point_of_an_rl_run_is_refused_as_its_config_resolves(
+    tiny_workdir, tmp_path):
+  from mdjax.rl import trainer  # registers the RL objectives
+  start = _tampered(tiny_workdir, tmp_path, d_model=4096)
+  config = grpo_config.get_config()
+  config.task = "two_color"  # the start's
+  config.train.init_from = start
+  with pytest.raises(train.ConfigError, match=(
+      rf"^config field train.init_from: start={start!r}: checkpoint step 5: its config's "
+      r"model.d_model=4096 does not fit its arrays \(model.d_model=32, from their shapes\)")):
+    trainer.resolve_config(config)
+
+
+def _replace_state(workdir, tree=None):
+  """Step 5's arrays removed, or replaced by `tree` (saved as orbax saves a state)."""
+  folder = os.path.join(workdir, "checkpoints", "5", "state")
+  shutil.rmtree(folder, ignore_errors=True)
+  if tree is not None:
+    ocp.Checkpointer(ocp.StandardCheckpointHandler()).save(folder,
+                                                          args=ocp.args.StandardSave(tree))
+
+
+def test_a_start_point_whose_sizes_cannot_be_checked_is_refused(tiny_workdir, tmp_path,
+                                                                 monkeypatch):
+  """A tampered config with no array metadata beside it, or with arrays not of mdjax's
+  Transformer (a published layout): before, the run built num_layers=10000 from it."""
+  _never_built(monkeypatch)
+  start = _tampered(tiny_workdir, tmp_path, num_layers=10000)
+  _replace_state(start)
+  with pytest.raises(train.ConfigError, match=(
+      rf"^config field train.init_from: start={start!r}: checkpoint step 5 holds no readable "
+      r"array metadata; the model's sizes in its config cannot be checked")):
+    train.train(_run_from(start), str(tmp_path / "run"), log=lambda *_: None)
+  _replace_state(start, {"params": {"embed": np.zeros((4, 2), np.float32)}})
+  with pytest.raises(train.ConfigError, match=(
+      rf"^config field train.init_from: start={start!r}: checkpoint step 5 holds no mdjax "
+      r"Transformer's arrays \(a run from a published folder keeps its layout\)")):
+    train.train(_run_from(start), str(tmp_path / "run"), log=lambda *_: None)
+
+
+def test_an_untampered_start_point_resolves_to_its_sizes(tiny_workdir):
+  config = sft.resolve_config(_run_from(tiny_workdir))
+  assert (config.model.num_layers, config.model.d_model, config.model.d_ff) == (1, 32, 64)
