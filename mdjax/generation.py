@@ -27,11 +27,11 @@ def _is_chat(messages) -> bool:
 
 
 def read_prompts(path: str, messages: bool = False) -> list:
-  """The prompts of a JSONL file, one `{"prompt": TEXT}` a line (with messages=True also
-  `{"messages": [{"role": ..., "content": ...}, ...]}`, a chat, read as its list); a
-  ValueError names the line."""
-  shape = "{\"prompt\": TEXT}" + (" or {\"messages\": [{\"role\": ..., \"content\": ...}]}"
-                                  if messages else "")
+  """The prompts of a JSONL file, one `{"prompt": TEXT}` or `{"prompt": [ID, ...]}` (token
+  ids) a line (with messages=True also `{"messages": [{"role": ..., "content": ...}, ...]}`,
+  a chat, read as its list); a ValueError names the line."""
+  shape = "{\"prompt\": TEXT} or {\"prompt\": [ID, ...]}" + (
+      " or {\"messages\": [{\"role\": ..., \"content\": ...}]}" if messages else "")
   prompts = []
   for number, row in jsonl.read_rows(path, "prompts"):
     prompt = row.get("prompt") if isinstance(row, dict) else None
@@ -39,7 +39,7 @@ def read_prompts(path: str, messages: bool = False) -> list:
       prompt = row.get("messages") if _is_chat(row.get("messages")) else None
     if prompt is None or not isinstance(prompt, (str, list)):
       raise ArgumentError("prompts", f"prompts={path!r} line {number} has no \"prompt\" "
-                          f"string: {json.dumps(row)[:80]!r}; each line must be {shape}.")
+                          f"text or ids: {json.dumps(row)[:80]!r}; each line must be {shape}.")
     prompts.append(prompt)
   if not prompts:
     raise ArgumentError("prompts", f"prompts={path!r} holds no prompt; give one {shape} a line.")
@@ -105,6 +105,29 @@ class GenerationPlan:
     return (f"{self.max_new_tokens} new tokens a prompt, block by block: blocks of "
             f"{self.blocks_of} after a window of {self.window} ({self.length // self.blocks_of} "
             f"blocks; the sampler's steps count per block)")
+
+
+MAX_KEY_SEED = 2**32 - 1  # an int key is jax.random.key's seed: 32 bits without x64
+
+
+def check_key(key) -> jax.Array:
+  """`generate`'s key: a `jax.random.key(seed)` (or a legacy `jax.random.PRNGKey(seed)`), or
+  an int seed in [0, 2**32 - 1], read as `jax.random.key(seed)` (what the server does with a
+  request's `seed`). Anything else is an `ArgumentError` naming `key`."""
+  if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+    if not 0 <= key <= MAX_KEY_SEED:
+      raise ArgumentError.invalid("key", key, f"an int key is jax.random.key's seed, in "
+                                  f"[0, {MAX_KEY_SEED}]")
+    return jax.random.key(int(key))
+  dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+  typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+  if (typed and shape == ()) or (not typed and dtype == np.uint32 and shape == (2,)):
+    return key
+  given = (f"an array of shape {tuple(shape)} and dtype {dtype}" if shape is not None
+           else repr(key)[:60])
+  raise ArgumentError("key", f"key={given} is invalid: it must be one jax.random.key(seed) "
+                      f"(shape ()), a jax.random.PRNGKey(seed), or an int seed in "
+                      f"[0, {MAX_KEY_SEED}] (key=s is jax.random.key(s)).")
 
 
 def check_max_new_tokens(max_new_tokens) -> None:
@@ -220,6 +243,11 @@ class Completions(list):
     return np.array([len(c.token_ids) for c in self], np.int32)
 
 
+def _is_id(prompt) -> bool:
+  """A bare integer: a token id where a prompt belongs."""
+  return isinstance(prompt, (int, np.integer)) and not isinstance(prompt, bool)
+
+
 def _is_messages(prompt) -> bool:
   return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
 
@@ -230,17 +258,30 @@ def prompt_ids(model: Model, prompts: Sequence, *, chat: bool = False,
   a chat (a list of {"role", "content"} messages, or a text with chat=True: one user
   message) through the model's chat template, or a sequence of ids. An `ArgumentError`
   (param `where`) names the 1-based line of a prompt that cannot be encoded or holds an id
-  outside [0, vocab) or the mask id (a single prompt named other than "prompts": by its name)."""
+  outside [0, vocab) or the mask id (a single prompt named other than "prompts": by its name),
+  and refuses a bare id where a prompt belongs: a flat [10, 1, 2] is no list of prompts."""
   if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
     raise ArgumentError(where, f"{where} is a {type(prompts).__name__}: give a list of prompts "
                         "(texts, chats or id sequences).")
   if not len(prompts):
     raise ArgumentError(where, f"{where} is empty: give at least one prompt (an empty prompt "
                         "is fine).")
+  if all(_is_id(prompt) for prompt in prompts):
+    # The server's rule: `"prompt": [10, 1, 2]` is one prompt of ids, never three.
+    ids = [int(p) for p in prompts[:8]]
+    more = ", ..." if len(prompts) > 8 else ""
+    flat = ", ".join(map(str, ids)) + more
+    raise ArgumentError(where, f"{where}=[{flat}] is a flat list of ids; {where} is a list of "
+                        f"prompts: give [[{flat}]] for one prompt of these ids (as the server "
+                        f"reads \"prompt\": [{flat}]), or "
+                        f"[{', '.join(f'[{i}]' for i in ids)}{more}] for one-id prompts.")
   limit = model.vocab_size
   encoded = []
   for number, prompt in enumerate(prompts, 1):
     line = f"{where} line {number}" if len(prompts) > 1 or where == "prompts" else where
+    if _is_id(prompt):
+      raise ArgumentError(where, f"{line} is the id {int(prompt)}; a prompt is a text, a chat "
+                          f"or a list of ids ([{int(prompt)}] for that one id).")
     if chat or _is_messages(prompt):
       if not (isinstance(prompt, str) or _is_messages(prompt)):
         raise ArgumentError(where, f"{line} is ids; chat=True needs texts or messages.")
@@ -252,7 +293,7 @@ def prompt_ids(model: Model, prompts: Sequence, *, chat: bool = False,
     if isinstance(prompt, str):
       if model.encode is None:
         raise ArgumentError(where, f"{line} is text; the {model.family!r} model has no text "
-                            "codec: give token ids.")
+                            "codec: give token ids, a list of integers such as [10, 1, 2].")
       try:
         ids = np.asarray(model.encode(prompt), np.int64).reshape(-1)
       except ValueError as error:
@@ -300,7 +341,7 @@ def sampler_plan(model: Model, prompt_length: int, max_new_tokens: int, spec=Non
 
 
 def generate_ids(model: Model, prompts_ids: Sequence[np.ndarray], *, max_new_tokens: int,
-                 key: jax.Array, spec=None, batch_size: int | None = None,
+                 key: jax.Array | int, spec=None, batch_size: int | None = None,
                  blocks_of: int | None = None, window: int | None = None,
                  on_batch: Callable[[int, int], None] | None = None,
                  **knobs) -> tuple[list[np.ndarray], np.ndarray, GenerationPlan, int]:
@@ -312,6 +353,7 @@ def generate_ids(model: Model, prompts_ids: Sequence[np.ndarray], *, max_new_tok
     raise ArgumentError("prompts", "prompts is empty: give at least one prompt (an empty "
                         "prompt is fine).")
   check_max_new_tokens(max_new_tokens)
+  key = check_key(key)
   longest = max(len(p) for p in prompts_ids)
   run = sampler_plan(model, longest, max_new_tokens, spec, **knobs)
   if blocks_of is None and run.blocks_of is not None:
@@ -356,19 +398,21 @@ def generate_ids(model: Model, prompts_ids: Sequence[np.ndarray], *, max_new_tok
   return token_ids, np.asarray(lengths, np.int32), plan, nfe
 
 
-def generate(model: Model, prompts: Sequence, *, max_new_tokens: int, key: jax.Array,
+def generate(model: Model, prompts: Sequence, *, max_new_tokens: int, key: jax.Array | int,
              spec=None, batch_size: int | None = None, chat: bool = False,
              stop_at_eos: bool = True, blocks_of: int | None = None,
              window: int | None = None, on_batch: Callable[[int, int], None] | None = None,
              **knobs) -> Completions:
   """`max_new_tokens` new tokens after each prompt, for any `Model` (`mdjax.load`).
 
-  prompts: texts, chats (lists of {"role", "content"} messages; with chat=True a text is one
-  user message) through the model's chat template, or id sequences (`prompt_ids`).
+  prompts: a list of prompts, each a text, a chat (a list of {"role", "content"} messages;
+  with chat=True a text is one user message) through the model's chat template, or a list of
+  ids (`prompt_ids`): [[10, 1, 2]] is one prompt of ids; a flat [10, 1, 2] is refused.
   spec: any sampler family's spec; None runs the model's default sampler (a published
   checkpoint's reference sampler, a workdir's configured one) with `knobs` (`temperature`,
   `steps`, ...: `model.sampler.knobs`) over its defaults.
-  key: row i draws with `fold_in(key, i)`, and every batch is left-padded to the longest
+  key: a `jax.random.key(seed)` or an int seed (key=s is `jax.random.key(s)`: `check_key`);
+  row i draws with `fold_in(key, i)`, and every batch is left-padded to the longest
   prompt of all, so a completion does not depend on `batch_size` (up to the rounding of
   programs compiled for other batch sizes, which can flip exact near-ties). A model whose
   positions count from each row's first real token (mdjax's, Dream's) gives a prompt the
@@ -383,6 +427,7 @@ def generate(model: Model, prompts: Sequence, *, max_new_tokens: int, key: jax.A
     out = mdjax.generate(model, ["HAMLET."], max_new_tokens=32, key=jax.random.key(0))
     out[0].text
   """
+  key = check_key(key)
   ids = prompt_ids(model, prompts, chat=chat)
   token_ids, lengths, plan, nfe = generate_ids(
       model, ids, max_new_tokens=max_new_tokens, key=key, spec=spec, batch_size=batch_size,

@@ -267,3 +267,41 @@ def test_plan_generation_bad_input(kwargs, match):
     generation.left_padded([np.zeros(3, np.int32)], 6, GEN_V, start=2)
   plan = generation.plan_generation([3, 1], 8, max_len=GEN_LEN, blocks_of=4)
   assert (plan.layout, plan.window, plan.length) == ("blocks", 8, 8)
+
+
+def test_generate_reads_prompts_as_the_server_does_and_names_a_bad_key(monkeypatch):
+  """`generate(m, [10, 1, 2])` drew three one-token completions, where the server reads
+  `"prompt": [10, 1, 2]` as one prompt; `key=0` was a raw JAX TypeError. Now the flat list
+  is refused showing both spellings, an int key is jax.random.key's seed, and a bad key is an
+  ArgumentError naming `key`: all before anything compiles."""
+  from mdjax.errors import ArgumentError
+
+  model = _generation_model()
+  spec = sampling.AncestralSpec(steps=2)
+  sampled = []
+  real = generation.sampling.sample
+  monkeypatch.setattr(generation.sampling, "sample",
+                      lambda *a, **kw: sampled.append(1) or real(*a, **kw))
+  for prompts in ([10, 1, 2], (10, 1, 2), [np.int32(10)]):
+    with pytest.raises(ArgumentError) as error:
+      mdjax.generate(model, prompts, spec=spec, max_new_tokens=2, key=jax.random.key(0))
+    assert error.value.param == "prompts"
+  message = str(error.value)
+  with pytest.raises(ArgumentError) as error:
+    mdjax.generate(model, [10, 1, 2], spec=spec, max_new_tokens=2, key=jax.random.key(0))
+  assert "[[10, 1, 2]] for one prompt" in str(error.value), error.value
+  assert "[[10], [1], [2]] for one-id prompts" in str(error.value), error.value
+  assert "[[10]] for one prompt" in message
+  with pytest.raises(ArgumentError, match=r"line 2 is the id 7; .* \(\[7\] for that one id\)"):
+    mdjax.generate(model, [[1], 7], spec=spec, max_new_tokens=2, key=jax.random.key(0))
+  for key, shown in ((0.5, "key=0.5"), ("0", "key='0'"), (-1, "key=-1"), (2**32, "key=4294967296"),
+                     (jax.random.split(jax.random.key(0), 3), "shape (3,)"), (None, "None")):
+    with pytest.raises(ArgumentError) as error:
+      mdjax.generate(model, [[1, 2]], spec=spec, max_new_tokens=2, key=key)
+    assert error.value.param == "key" and shown in str(error.value), error.value
+    assert "jax.random.key" in str(error.value)
+  assert not sampled  # nothing ran
+  # An int key is jax.random.key's seed (what the server does with a request's seed).
+  seeded = mdjax.generate(model, [[1, 2]], spec=spec, max_new_tokens=2, key=5)
+  keyed = mdjax.generate(model, [[1, 2]], spec=spec, max_new_tokens=2, key=jax.random.key(5))
+  np.testing.assert_array_equal(seeded[0].token_ids, keyed[0].token_ids)
