@@ -52,9 +52,9 @@ _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 10_000, "Number of samples.")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed.")
 _OUT = flags.DEFINE_string("out", None, "Directory for samples.jsonl and metrics.json "
                            "(with --prompts: completions.jsonl).")
-_PROMPTS = flags.DEFINE_string("prompts", None, "A JSONL file of {\"prompt\": TEXT} lines (text "
-                               "tasks): --max_new_tokens after every prompt, any lengths in one "
-                               "batch.")
+_PROMPTS = flags.DEFINE_string("prompts", None, "A JSONL file of {\"prompt\": TEXT} or "
+                               "{\"prompt\": [ID, ...]} lines (ids: a model without text): "
+                               "--max_new_tokens after every prompt, any lengths in one batch.")
 _MAX_NEW_TOKENS = flags.DEFINE_integer(
     "max_new_tokens", None, "With --prompts: tokens generated after each prompt (fewer when a "
     "row ends at EOS), whatever the batch. Past the model's length a block-causal model "
@@ -68,8 +68,9 @@ _DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
                            "With --pretrained: the weights' dtype (default: the checkpoint's).")
 _EOS = flags.DEFINE_bool("eos", True, "End rows at the task's EOS id (text tasks of documents).")
 _LIVE = flags.DEFINE_string(
-    "live", None, "A prompt: its completion (--max_new_tokens, --seed, --sampler and knobs as "
-    "the server reads them) drawn step by step in the terminal through the serving engine.")
+    "live", None, "A prompt (a text, or token ids as a JSON list: --live='[10, 1, 2]'): its "
+    "completion (--max_new_tokens, --seed, --sampler and knobs as the server reads them) drawn "
+    "step by step in the terminal through the serving engine.")
 # Every sampler knob (mdjax.knob_registry: each spec field declared with knob(...), each
 # reference sampler's own) and the notations, default None: the sampler's default.
 sampling_cli.define_flags()
@@ -111,8 +112,10 @@ def complete_prompts(model, spec, knobs: dict) -> None:
     prompts = generation.read_prompts(_PROMPTS.value, messages=True)
   except ValueError as error:
     raise _usage(error) from error
+  except FileNotFoundError:
+    raise app.UsageError(f"--prompts={_PROMPTS.value!r}: no such file.") from None
   except OSError as error:
-    raise app.UsageError(str(error)) from error
+    raise app.UsageError(f"--prompts={_PROMPTS.value!r}: {error.strerror or error}.") from None
   print(f"{_source()} prompts={len(prompts)} sampler={spec or 'default'} "
         f"{' '.join(f'{k}={v}' for k, v in knobs.items())}".rstrip())
   start_time = time.perf_counter()
@@ -263,18 +266,20 @@ def report_samples(task, tokens, metrics: dict) -> None:
 
 
 def live_completion(model) -> None:
-  """--live=TEXT: one completion through `mdjax.serve.terminal.live`, its canvas redrawn
-  every step; the final text printed after it."""
+  """--live=TEXT (or ids, '[10, 1, 2]'): one completion through `mdjax.serve.terminal.live`,
+  its canvas redrawn every step; the final text (an id-only model: ids) printed after it."""
   from mdjax.serve import terminal
   values, given = _flags()
   knobs = {name: values[name] for name in sampling_cli.sampler_flags() & given}
+  prompt = sampling_cli.typed_prompt(_LIVE.value)
   try:
-    completion = terminal.live(model, _LIVE.value, max_new_tokens=_MAX_NEW_TOKENS.value,
+    completion = terminal.live(model, prompt, max_new_tokens=_MAX_NEW_TOKENS.value,
                                seed=_SEED.value, chat=_CHAT.value, knobs=knobs or None,
                                sampler=_SAMPLER.value if "sampler" in given else None)
   except ValueError as error:
     raise _usage(error, prompts="live", prompt="live") from error
-  print(f"--- {_LIVE.value!r} -> {completion.text!r} (finish_reason={completion.finish_reason})")
+  shown = completion.token_ids.tolist() if completion.text is None else completion.text
+  print(f"--- {prompt!r} -> {shown!r} (finish_reason={completion.finish_reason})")
 
 
 def _source() -> str:
@@ -335,10 +340,7 @@ def main(argv):
     raise _usage(error) from error
   if spec.kv_cache != "none" and not apply_fn.offers_cache:
     apply_fn = sampling.recompute_cache(apply_fn)  # an oracle: exact, by recomputation
-  if _PROMPTS.value:
-    if task.encode is None:
-      raise app.UsageError(f"--prompts needs a text task; --task={task.name} has no text "
-                           "encoding.")
+  if _PROMPTS.value:  # ids or text: prompt_ids says which the model takes, naming the line
     return complete_prompts(model.replace(denoiser=apply_fn), spec, {})
   for name, value in (("num_samples", _NUM_SAMPLES.value), ("batch_size", _BATCH.value)):
     if value < 1:

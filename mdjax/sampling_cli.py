@@ -13,6 +13,7 @@ of values and the set of names given, so they run without absl (tests/test_sampl
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Collection, Mapping
 
 import numpy as np
@@ -162,6 +163,20 @@ def pretrained_sampler(model, values: Mapping[str, Any], given: Collection[str])
   takes = model.sampler.knobs
   _refuse_others(given, takes, f"the {model.family} reference sampler (or give --sampler)")
   return None, {name: values[name] for name in takes if name in given}
+
+
+def typed_prompt(text: str) -> str | list[int]:
+  """A prompt typed as one string (`--live`; the live page reads its box the same way): a JSON
+  list of integers (`[10, 1, 2]`) is token ids, anything else text."""
+  stripped = text.strip()
+  if stripped.startswith("[") and stripped.endswith("]"):
+    try:
+      value = json.loads(stripped)
+    except ValueError:
+      return text
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+      return value
+  return text
 
 
 def task_prompt(task: tasks.Task, prompt: str | None, prefix: str | None) -> np.ndarray:

@@ -65,12 +65,13 @@ def pytest_unconfigure(config):
 
 
 def pytest_itemcollected(item):
-  """Tests of the `trained` models share one pytest-xdist worker, which trains them once; they
-  are `slow` (the training takes ~20 s of a loaded worker: the fast subset leaves it out).
-  Marked as each test is collected, before `-m` selects."""
-  if "trained" in getattr(item, "fixturenames", ()):
-    item.add_marker(pytest.mark.xdist_group("trained"))
-    item.add_marker(pytest.mark.slow)
+  """Tests of the `trained` models (and of `id_workdir`) share one pytest-xdist worker, which
+  trains them once; they are `slow` (the training takes ~20 s of a loaded worker: the fast
+  subset leaves it out). Marked as each test is collected, before `-m` selects."""
+  for fixture in ("trained", "id_workdir"):
+    if fixture in getattr(item, "fixturenames", ()):
+      item.add_marker(pytest.mark.xdist_group(fixture))
+      item.add_marker(pytest.mark.slow)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest-xdist's own pass
@@ -104,6 +105,22 @@ def trained(tmp_path_factory):
   for name, causal in (("char", False), ("causal", True)):
     train.train(tiny_config(corpus, causal), str(root / name), log=lambda *a: None)
   return root, corpus
+
+
+@pytest.fixture(scope="session")
+def id_workdir(tmp_path_factory):
+  """A train.py workdir that speaks token ids only, as the quickstart's: configs/
+  scan_and_add_cpu.py (25 positions, no text codec, no chat template) cut to 4 steps."""
+  from configs import scan_and_add_cpu
+  config = scan_and_add_cpu.get_config()
+  config.model.update(d_model=16, num_layers=1, num_heads=2, d_ff=32)
+  config.batch_size, config.eval_batches, config.num_eval_samples = 8, 1, 0
+  config.train.update(num_steps=4, warmup_steps=1)
+  config.checkpoint.update(every=4)
+  config.eval_every = 0
+  workdir = tmp_path_factory.mktemp("ids") / "scan_and_add"
+  train.train(config, str(workdir), log=lambda *a: None)
+  return workdir
 
 
 @pytest.fixture

@@ -108,3 +108,44 @@ def test_every_family_is_choosable(sample_cli, family):
                     *FAMILY_FLAGS[family], "--num_samples=4", "--batch_size=4")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "well_formed" in proc.stdout or "correct" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_prompts_and_live_take_ids_on_an_id_only_workdir(sample_cli, id_workdir, tmp_path):
+  """On a workdir without text (the quickstart's ScanAndAdd), --prompts with id lines was
+  refused ("--prompts needs a text task; --task=scan_and_add has no text encoding", naming a
+  --task never given, and the same for a missing file), and --live had no way to take ids.
+  Now both take ids, completing them as `mdjax.generate(model, [[10, 1, 2]], ...)` does."""
+  import json
+
+  import jax
+
+  import mdjax
+
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text('{"prompt": [10, 1, 2]}\n{"prompt": [10]}\n')
+  proc = sample_cli(f"--workdir={id_workdir}", f"--prompts={prompts}", "--max_new_tokens=4",
+                    "--steps=4", f"--out={tmp_path}")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+  assert [row["prompt"] for row in rows] == [[10, 1, 2], [10]]
+  model = mdjax.load(str(id_workdir))
+  out = mdjax.generate(model, [[10, 1, 2], [10]], max_new_tokens=4, key=jax.random.key(0),
+                       spec=mdjax.sampling.AncestralSpec(steps=4))
+  assert [row["token_ids"] for row in rows] == [ids.tolist() for ids in out.token_ids]
+
+  missing = tmp_path / "nowhere.jsonl"
+  proc = sample_cli(f"--workdir={id_workdir}", f"--prompts={missing}", "--max_new_tokens=4")
+  assert proc.returncode == 1 and f"--prompts={str(missing)!r}: no such file." in proc.stderr
+  text = tmp_path / "text.jsonl"
+  text.write_text('{"prompt": [10]}\n{"prompt": "VALS 1"}\n')
+  proc = sample_cli(f"--workdir={id_workdir}", f"--prompts={text}", "--max_new_tokens=4")
+  assert proc.returncode == 1 and "--task" not in proc.stderr, proc.stderr
+  assert f"--prompts={str(text)!r} line 2 is text" in proc.stderr, proc.stderr
+  assert "give token ids, a list of integers such as [10, 1, 2]" in proc.stderr
+
+  proc = sample_cli(f"--workdir={id_workdir}", "--live=[10, 1, 2]", "--max_new_tokens=4",
+                    "--steps=4", "--seed=3")
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "--- [10, 1, 2] -> " in proc.stdout, proc.stdout[-2000:]
+  proc = sample_cli(f"--workdir={id_workdir}", "--live=VALS 1", "--max_new_tokens=4")
+  assert proc.returncode == 1 and "--live='VALS 1' is text" in proc.stderr, proc.stderr

@@ -116,3 +116,11 @@ def test_a_library_error_names_the_flag_that_gave_its_argument():
                  max_new_tokens="length") == "--length=9 is too many"
   assert message(ArgumentError("seed", "seed=-1 is invalid")) == "seed=-1 is invalid"  # no flag
   assert message(ValueError("steps=0 is bad")) == "steps=0 is bad"  # not an ArgumentError
+
+
+def test_a_typed_prompt_is_ids_when_it_is_a_json_list_of_integers():
+  """--live (and the live page's box) read `[10, 1, 2]` as token ids, anything else as text."""
+  assert sampling_cli.typed_prompt("[10, 1, 2]") == [10, 1, 2]
+  assert sampling_cli.typed_prompt(" [] ") == []
+  for text in ("VALS 1 2", "[1, 2.5]", "[true]", "[1, 2", "[\"a\"]", "10, 1, 2", "[[1]]"):
+    assert sampling_cli.typed_prompt(text) == text

@@ -106,7 +106,7 @@ def live(model, prompt: Any, *, max_new_tokens: int, seed: int, sampler: str | N
   defaults to the prompt's length + max_new_tokens)."""
   from mdjax.serve.engine import Engine  # the engine imports the device stack
 
-  ids = generation.prompt_ids(model, [prompt], chat=chat)[0]
+  ids = generation.prompt_ids(model, [prompt], chat=chat, where="prompt")[0]
   generation.check_max_new_tokens(max_new_tokens)
   # One request: a canvas of just its prompt and new tokens (generate's layout), not the
   # model's whole length (4,096 positions a step for a published Dream).
