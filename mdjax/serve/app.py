@@ -3,17 +3,20 @@
   app = create_app(engine, model, model_name="llada")   # then uvicorn.run(app, ...)
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `"stream": true`: server-sent
-events in OpenAI's chunk format, ending `data: [DONE]`), GET /v1/models, GET /health,
+events in OpenAI's chunk format, ending `data: [DONE]`), GET /v1/models (OpenAI's list, with
+`max_model_len` and an "mdjax" object: what the live page reads), GET /health,
 GET /metrics (Prometheus text) and GET / (the live page, mdjax/serve/page.html).
 
-Request fields: `prompt` (a text, a list of one text, or token ids) or `messages` (through the
-model's chat template), `max_tokens` (default 16, as OpenAI's), `temperature`, `top_p`,
-`top_k`, `seed` (default a fresh random one, returned), `stop` (a string or a list: the text
-is cut before the first one, finish_reason "stop"), `n`, `stream`, `stream_options`
-({"include_usage": true}); mdjax's extensions under sample.py's names: `sampler` (a family of
-`mdjax.sampling.families()`; absent: the model's default sampler), `steps`, `block_length`,
-`threshold`, ... and `mdjax_canvas` (streaming: an `event: canvas` each step with every
-position's text, null where masked). A field the server does not know is a 400 naming it.
+Request fields: `model` (the served id, `GET /v1/models`; absent: the one model served;
+another id is a 404, model_not_found), `prompt` (a text, a list of one text, or token ids:
+`[10, 1, 2]` is one prompt) or `messages` (through the model's chat template), `max_tokens`
+(default 16, as OpenAI's), `temperature`, `top_p`, `top_k`, `seed` (default a fresh random
+one, returned), `stop` (a string or a list: the text is cut before the first one,
+finish_reason "stop"), `n`, `stream`, `stream_options` ({"include_usage": true}); mdjax's
+extensions under sample.py's names: `sampler` (a family of `mdjax.sampling.families()`;
+absent: the model's default sampler), `steps`, `block_length`, `threshold`, ... and
+`mdjax_canvas` (streaming: an `event: canvas` each step with every position's text, null
+where masked). A field the server does not know is a 400 naming it.
 The server's defaults (`defaults`: `python -m mdjax.serve --steps=...`) are knobs a request
 overrides one by one; without them a knob is `mdjax.generate`'s default for the model.
 
@@ -32,12 +35,13 @@ Errors have OpenAI's body, {"error": {"message", "type", "param", "code"}}: 400
 (invalid_request_error, `param` naming the field) for malformed JSON, wrong types, bad values,
 unknown fields or knobs, values past the server's bounds (`steps` past --max_steps, a prompt
 past the canvas, ...: `mdjax.serve.limits`), a Host the server does not answer to, two
-Authorization headers; 401 without `Authorization: Bearer KEY` when the server has a key
-(GET /health and GET / stay open); 408 for a body that does not arrive in time, 413 for one
-over --max_body_bytes, 415 for a POST that is not `application/json` (`mdjax.serve.gate`);
-429 with Retry-After when the engine's queue is full. A client that disconnects cancels its
-job (its rows are freed at the engine's next tick). Shutdown (SIGTERM: uvicorn stops
-accepting and waits for the requests in flight) ends with `engine.stop(drain=True)`.
+Authorization headers; 404 (code model_not_found, `param` "model") for a `model` not served;
+401 without `Authorization: Bearer KEY` when the server has a key (GET /health and GET / stay
+open); 408 for a body that does not arrive in time, 413 for one over --max_body_bytes, 415 for
+a POST that is not `application/json` (`mdjax.serve.gate`); 429 with Retry-After when the
+engine's queue is full. A client that disconnects cancels its job (its rows are freed at the
+engine's next tick). Shutdown (SIGTERM: uvicorn stops accepting and waits for the requests in
+flight) ends with `engine.stop(drain=True)`.
 
 Here: the routes and `create_app`. What reaches a route (the Host allowlist, the API key,
 the body's type, size and time): `mdjax.serve.gate`; a request's fields and their checks,
@@ -62,7 +66,8 @@ from mdjax.errors import ArgumentError
 from mdjax.serve import gate
 from mdjax.serve import metrics as metrics_lib
 from mdjax.serve import streaming
-from mdjax.serve.fields import APIError, check_defaults, model_paths, read_call, validation_error
+from mdjax.serve.fields import (APIError, check_defaults, model_not_found, model_paths,
+                                read_call, validation_error)
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "page.html")
 
@@ -149,10 +154,16 @@ def create_app(engine, model, *, model_name: str, api_key: str | None = None,
     return await serve(request, "chat")
 
   def model_card() -> dict:
+    # Extra fields (OpenAI clients ignore them): max_model_len is vLLM's name for what a
+    # request's prompt and max_tokens share; "mdjax" says what the live page needs.
+    chat = None not in (model.chat_template, model.chat_renderer, model.encode)
     return {"id": model_name, "object": "model", "created": state.created, "owned_by": "mdjax",
+            "max_model_len": int(engine.room),
             "mdjax": {"family": model.family, "max_len": int(model.max_len),
                       "canvas_length": state.canvas_length, "max_batch": state.max_batch,
-                      "max_steps": engine.max_steps}}
+                      "max_steps": engine.max_steps, "text_prompts": model.encode is not None,
+                      "chat_template": chat,
+                      "vocab_size": int(model.vocab_size), "mask_id": int(model.mask_id)}}
 
   @app.get("/v1/models")
   async def models():
@@ -161,8 +172,7 @@ def create_app(engine, model, *, model_name: str, api_key: str | None = None,
   @app.get("/v1/models/{name:path}")
   async def one_model(name: str):
     if name != model_name:
-      raise APIError(404, f"model {name!r} is not served here; this server serves "
-                     f"{model_name!r}.", "model", code="model_not_found")
+      raise model_not_found(name, model_name)
     return model_card()
 
   @app.get("/health")

@@ -48,7 +48,8 @@ IGNORED_TYPES = {"user": str, "metadata": dict}  # any value of the type is acce
 # The request's own scalar fields: their JSON types are checked here (null: the default,
 # which `Call` applies); their ranges, which the engine's limits set, by `Engine.prepare`.
 FIELDS = {knob.name: knob for knob in (
-    Knob("model", str, None, optional=True, help="The served model's id (any is accepted)."),
+    Knob("model", str, None, optional=True,
+         help="The served model's id (GET /v1/models); absent: the one model served."),
     Knob("max_tokens", int, None, optional=True,
          help=f"Tokens generated after the prompt (default {DEFAULT_MAX_TOKENS})."),
     Knob("seed", int, None, optional=True,
@@ -88,6 +89,12 @@ class APIError(Exception):
 def bad(param: str | None, message: str) -> APIError:
   """A 400 about the field `param`."""
   return APIError(400, message, param)
+
+
+def model_not_found(name: str, served: str) -> APIError:
+  """OpenAI's 404 for a model the server does not serve (`code` model_not_found)."""
+  return APIError(404, f"model {name[:80]!r} is not served here; this server serves "
+                  f"{served!r}.", "model", code="model_not_found")
 
 
 # ----------------------------------------------------------------------------
@@ -266,6 +273,10 @@ def read_call(state, raw: bytes, route: str) -> "Call":
     body = model.model_validate(data)
   except pydantic.ValidationError as error:
     raise validation_error(list(error.errors()), route) from None
+  # One model a server: its id, or none (curl's shortest request); another id is OpenAI's
+  # 404, before any work, rather than an answer from a model the client did not ask for.
+  if body.model is not None and body.model != state.model_name:
+    raise model_not_found(body.model, state.model_name)
   return Call(state, body, route)
 
 

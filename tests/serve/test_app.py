@@ -361,3 +361,33 @@ def test_python_m_serve_finishes_its_request_on_sigterm(tmp_path):
     if process.poll() is None:
       process.kill()
       process.wait()
+
+
+def test_an_unknown_model_is_a_404_and_an_absent_one_is_the_served_one(server):
+  """`"model": "nope"` was answered (200) by the model served. Now it is OpenAI's 404,
+  model_not_found naming the field; the served id and an absent `model` are served."""
+  api = client(server)
+  for call in (lambda: api.completions.create(model="nope", prompt="Hi", max_tokens=4),
+               lambda: api.chat.completions.create(
+                   model="nope", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)):
+    with pytest.raises(openai.NotFoundError) as caught:
+      call()
+    assert caught.value.status_code == 404 and caught.value.code == "model_not_found"
+    assert caught.value.param == "model"
+    assert "'nope' is not served here; this server serves 'dream'" in caught.value.message
+  with pytest.raises(openai.NotFoundError):
+    api.models.retrieve("nope")
+  assert api.models.retrieve("dream").id == "dream"
+  out = api.completions.create(model="dream", prompt="Hi", max_tokens=4, seed=0,
+                               extra_body=KNOBS)
+  absent = httpx.post(server.base_url + "/completions", timeout=60, json={
+      "prompt": "Hi", "max_tokens": 4, "seed": 0, **KNOBS})
+  assert absent.status_code == 200 and absent.json()["model"] == "dream"
+  assert absent.json()["choices"][0]["text"] == out.choices[0].text
+  # What the live page reads: the room a request's prompt and max_tokens share, and what the
+  # model takes (the Dream fixture: text and a chat template).
+  card = api.models.list().data[0].model_extra
+  assert card["max_model_len"] == server.engine.room
+  assert card["mdjax"]["text_prompts"] is True and card["mdjax"]["chat_template"] is True
+  assert card["mdjax"]["vocab_size"] == server.model.vocab_size
+  assert card["mdjax"]["mask_id"] == server.model.mask_id
