@@ -162,6 +162,50 @@ def test_page_shows_the_canvas_denoising_and_the_served_answer(page_server, brow
   page.close()
 
 
+def test_page_drives_an_id_only_workdir(id_workdir, browser):
+  """The quickstart's kind of model (ScanAndAdd: token ids only, no chat template, a canvas of
+  25): the page sent text only, chose the chat route and asked 64 tokens, all refused. Now it
+  reads GET /v1/models, takes `[10, 8, 2]` as ids, and fills the canvas after them."""
+  model = mdjax.load(str(id_workdir))
+  server = _Server(model, model_name="quickstart")
+  try:
+    page = browser.new_page()
+    errors = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.goto(server.url + "/")
+    page.wait_for_function("document.getElementById('model').textContent.includes("
+                           "'quickstart')")
+    assert page.input_value("#mode") == "completion"
+    assert page.eval_on_selector('#mode option[value="chat"]', "o => o.disabled")
+    assert "ids" in page.get_attribute("#prompt", "placeholder")
+    assert page.input_value("#max_tokens") == ""  # auto: what fits the canvas
+    page.fill("#prompt", "[10, 8, 2]")
+    room = model.max_len - 3
+    assert page.get_attribute("#max_tokens", "placeholder") == f"auto: {room}"
+    steps, seed = room, 4  # confidence, one position a step
+    for name, value in (("steps", steps), ("seed", seed), ("sampler", "confidence")):
+      page.fill(f"#{name}", str(value))
+    page.click("#send")
+    drawn = _run(page)
+    assert drawn["state"] == "done", drawn["status"]
+    assert not errors
+    frames = drawn["frames"]
+    masked = [sum(t is None for t in f["tokens"]) for f in frames]
+    assert {len(f["tokens"]) for f in frames} == {room} and drawn["cells"] == room
+    assert masked[0] > 0 and masked[-1] == 0 and masked == sorted(masked, reverse=True)
+    assert frames[-1]["step"] == frames[-1]["num_steps"] == steps
+    # The page's prompt is the server's `"prompt": [10, 8, 2]`, one prompt, which is
+    # generate's [[10, 8, 2]] (an int key: jax.random.key's seed, as the server's seed).
+    spec = server.engine.prepare([10, 8, 2], max_new_tokens=room, seed=seed,
+                                 sampler="confidence", knobs={"steps": steps}).spec
+    offline = mdjax.generate(model, [[10, 8, 2]], max_new_tokens=room, key=seed, spec=spec)
+    assert drawn["answer"] == offline[0].text
+    assert frames[-1]["tokens"] == [model.decode([int(t)]) for t in offline[0].token_ids]
+    page.close()
+  finally:
+    server.close()
+
+
 def test_autorun_and_errors(page_server, browser):
   page = browser.new_page()
   page.goto(page_server.url + "/?mode=completion&prompt=Thou&max_tokens=6&steps=3&seed=1"
