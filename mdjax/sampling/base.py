@@ -547,4 +547,8 @@ def make_spec(family: str, length: int | None = None, **knobs) -> SamplerSpec:
   fields = {f.name for f in dataclasses.fields(cls)}
   unknown = sorted(set(knobs) - fields)
   check(not unknown, "knobs", unknown, f"{family} takes {sorted(fields)}")
+  missing = [f.name for f in dataclasses.fields(cls) if f.name not in knobs
+             and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+  check(not missing, missing[0] if missing else "knobs", None,
+        f"the {family} sampler needs {', '.join(missing)} (no default)")
   return cls(**knobs)

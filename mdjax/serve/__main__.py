@@ -16,6 +16,7 @@ docs/serving.md.
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 from typing import NoReturn
@@ -27,7 +28,7 @@ NAME = "mdjax.serve"
 
 
 ENGINE_FLAGS = ("max_batch", "max_queue", "canvas_length", "max_programs", "max_steps",
-                "max_body_bytes")
+                "max_body_bytes", "warm_max_tokens")
 
 
 def _flag_bool(text: str) -> bool:
@@ -61,7 +62,16 @@ def _parser() -> cli.Parser:
   parser.add_argument("--canvas_length", type=int, default=None, help="Positions of each "
                       "row's canvas, prompt included (default: the model's length).")
   parser.add_argument("--max_programs", type=int, default=8, help="Lanes (compiled "
-                      "programs, one a sampler spec) kept at once.")
+                      "programs, one a sampler setting) kept at once; the least recently used "
+                      "idle one is dropped, its memory freed, for a new setting.")
+  parser.add_argument("--new_programs", choices=("compile", "refuse"), default="compile",
+                      help="A request whose setting has no lane: compile one (on a compile "
+                      "thread, while the other lanes keep serving) or refuse it with a 400 "
+                      "(only the server's defaults, warmed at start for each "
+                      "--warm_max_tokens, are served; nothing compiles while serving).")
+  parser.add_argument("--warm_max_tokens", default="16", help="With --new_programs=refuse: "
+                      "the max_tokens values whose default setting is compiled at start "
+                      "(comma separated; default 16, a request's own default).")
   parser.add_argument("--max_steps", type=int, default=None, help="The most denoising steps "
                       "a request may run (steps and the knobs that count steps; default 4 x "
                       "the positions a row holds); more is a 400.")
@@ -76,7 +86,8 @@ def _parser() -> cli.Parser:
                       "(default: the --model path's last part).")
   parser.add_argument("--log_level", default="info",
                       choices=("critical", "error", "warning", "info", "debug", "trace"),
-                      help="uvicorn's log level.")
+                      help="uvicorn's log level (at info, the access log; uvicorn's own "
+                      "start and stop lines from debug).")
   parser.add_argument("--sampler", default=None, help="Sampler family (sample.py's "
                       "--sampler; default: the model's default sampler).")
   knobs = parser.add_argument_group("sampler knobs", "The server's defaults (default: the "
@@ -98,6 +109,18 @@ def _defaults(args) -> dict:
   knobs = {name: knob.parse(getattr(args, name)) for name, knob in every_knob().items()
            if getattr(args, name) is not None}
   return ({"sampler": args.sampler} if args.sampler is not None else {}) | knobs
+
+
+def _warm_max_tokens(text: str) -> list[int]:
+  """--warm_max_tokens's values: positive integers, comma separated."""
+  try:
+    values = [int(part) for part in text.split(",")]
+  except ValueError:
+    values = []
+  if not values or min(values) < 1:
+    raise ArgumentError("warm_max_tokens", f"warm_max_tokens={text!r} is invalid: it must be "
+                        "positive integers separated by commas.")
+  return values
 
 
 def _usage_error(error: ValueError, flags) -> NoReturn:
@@ -156,12 +179,18 @@ def main(argv=None) -> int:
     probe = knobs.get("block_length") or 1
     engine.prepare([], max_new_tokens=min(probe, engine.canvas_length), seed=0,
                    sampler=defaults.get("sampler"), knobs=knobs or None)
+    if args.new_programs == "refuse":
+      for max_tokens in _warm_max_tokens(args.warm_max_tokens):
+        engine.warm(engine.prepare([], max_new_tokens=max_tokens, seed=0,
+                                   sampler=defaults.get("sampler"), knobs=knobs or None))
+      engine.freeze()
   except ValueError as error:
     _usage_error(error, flags | set(ENGINE_FLAGS))
   engine.start()
 
   summary = (f"max_batch={args.max_batch}, max_queue={args.max_queue}, "
              f"canvas_length={engine.canvas_length}, max_programs={args.max_programs}, "
+             f"new_programs={args.new_programs}, "
              f"max_steps={engine.max_steps}, allowed_hosts={','.join(hosts)}"
              + (", api_key set" if args.api_key else "")
              + "".join(f", {k}={v}" for k, v in defaults.items()))
@@ -175,6 +204,8 @@ def main(argv=None) -> int:
 
   config = server.uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
                                  timeout_graceful_shutdown=None)
+  if args.log_level == "info":  # our one line says where it listens; the access log stays
+    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
   # uvicorn catches SIGTERM/SIGINT while it serves, shuts down gracefully (stops accepting,
   # waits for the requests in flight, then the app's shutdown drains the engine) and raises
   # the signal again under the handlers it found: these, so that a graceful stop exits 0.

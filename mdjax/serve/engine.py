@@ -40,6 +40,7 @@ from mdjax.errors import ArgumentError
 from mdjax.model import ConfiguredSampler, Model
 from mdjax.serve import lanes as lane_programs
 from mdjax.serve import limits
+from mdjax.serve.lane_table import LaneTable
 from mdjax.serve.lanes import Lane
 
 Array = jax.Array
@@ -131,6 +132,11 @@ class EngineStats:
   compiles: int
   tokens_per_s: float
   ticks_by_bucket: dict = dataclasses.field(default_factory=dict)  # {bucket: ticks run}
+  max_programs: int = 0  # the lanes it may hold
+  lanes_building: int = 0  # on the compile thread
+  lanes_built: int = 0
+  lanes_evicted: int = 0  # dropped for another setting (their programs and rows freed)
+  lane_state_bytes: int = 0  # device bytes of the lanes' rows
 
 
 class Handle:
@@ -180,7 +186,10 @@ class Engine:
   that may wait for a slot; `submit` beyond it raises `QueueFull`. canvas_length: the
   positions of each row's canvas (default the model's length): a prompt and its
   max_new_tokens must fit in it. max_programs: lanes kept at once (a lane per distinct
-  sampler spec; an idle one is dropped for a new one). max_steps: the most denoising steps a
+  sampler spec and canvas, with its own compiled programs; the least recently used idle
+  one is dropped, programs and rows, for a new one: `lane_table`); a setting with no lane
+  gets one, compiled on a compile thread once the engine runs, until `freeze`. max_steps:
+  the most denoising steps a
   request may run (default `limits.STEPS_PER_POSITION` times the positions a row holds,
   `room`); `prepare` refuses more, and the other knobs that size a request's work past
   their bounds (`mdjax.serve.limits`).
@@ -193,6 +202,7 @@ class Engine:
     self.max_batch = _check_int(max_batch, "max_batch", 1)
     self.max_queue = _check_int(max_queue, "max_queue", 0)
     self.max_programs = _check_int(max_programs, "max_programs", 1)
+    self.frozen = False  # `freeze`: only the settings with a lane are served
     self.canvas_length = _check_int(model.max_len if canvas_length is None else canvas_length,
                                     "canvas_length", 1, model.max_len,
                                     f" (the model holds {model.max_len} positions)")
@@ -202,7 +212,6 @@ class Engine:
     self.max_steps = _check_int(limits.STEPS_PER_POSITION * self.room if max_steps is None
                                 else max_steps, "max_steps", 1)
     model.mask_id  # a causal judge is refused here, with its own message
-    self._lanes: dict[tuple, Lane] = {}
     self._waiting: collections.deque[tuple[Handle, int]] = collections.deque()
     self._cv = threading.Condition()
     self._thread: threading.Thread | None = None
@@ -215,6 +224,9 @@ class Engine:
     self._first_trace = lane_programs.traces()
     self._bucket_ticks = collections.Counter()
     self._chores: collections.deque = collections.deque()  # `warm` calls for the thread
+    self._warm_waiters: list[tuple[Job, threading.Event]] = []  # for a lane being built
+    self._table = LaneTable(slots=self.max_batch, padded=model.takes_padding,
+                            max_programs=self.max_programs, wake=self._wake)
 
   # -- requests ---------------------------------------------------------------
 
@@ -272,9 +284,20 @@ class Engine:
     params = model.params if run.params is None else run.params
     prepared = sampling.prepare(run.denoiser, params, jax.random.key(seed)[None], tokens,
                                 run.spec, mask_id=model.mask_id)
-    return Job(prompt_ids=ids, max_new_tokens=int(max_new_tokens), seed=seed, n=n,
-               denoiser=prepared.denoiser, params=params, tokens_1xS=tokens, valid_1xS=valid,
-               stepper=prepared.stepper, plan=prepared.plan)
+    job = Job(prompt_ids=ids, max_new_tokens=int(max_new_tokens), seed=seed, n=n,
+              denoiser=prepared.denoiser, params=params, tokens_1xS=tokens, valid_1xS=valid,
+              stepper=prepared.stepper, plan=prepared.plan)
+    if self.frozen and job.lane_key not in self._table.lanes:
+      raise ArgumentError("sampler", f"{type(run.spec).__name__} with these settings (and "
+                          f"{max_new_tokens} new tokens) is not among the {len(self.lanes)} "
+                          "settings this server has compiled, and it compiles no others "
+                          "(new_programs=refuse): use the server's default settings.")
+    return job
+
+  def freeze(self) -> None:
+    """From now on `prepare` refuses a setting that has no lane (`warm` made the lanes to
+    keep): nothing compiles while serving, and no lane is dropped."""
+    self.frozen = True
 
   def submit(self, job: Job, on_update: Callable[[RowUpdate], None]) -> Handle:
     """Queues the job's rows; `on_update` hears of each row after every tick (from the
@@ -294,10 +317,13 @@ class Engine:
   def warm(self, job: Job, timeout: float | None = None) -> None:
     """Compiles the programs of `job`'s lane now (its admit, move and every bucket's tick),
     rather than at the first requests that need each; returns when they are compiled.
-    Started, the engine thread does it (it owns the lanes) at its next round. A lane with
-    active rows is left as it is."""
-    if self._thread is None or not self._thread.is_alive():
-      self._warm(job)
+    Started, the engine thread takes it (it owns the lanes) at its next round, and a new
+    lane is built on the compile thread. A lane with active rows is left as it is."""
+    if not self._running():
+      done, errors = threading.Event(), []
+      self._warm(job, done, errors)
+      if errors:
+        raise errors[0]
       return
     chore = (job, threading.Event(), [])
     with self._cv:
@@ -312,25 +338,56 @@ class Engine:
     if chore[2]:
       raise chore[2][0]
 
-  def _warm(self, job: Job) -> None:
-    lane = self._lane_for(job)
-    if lane is not None and not lane.active:
-      lane.warm(job)
+  def _warm(self, job: Job, done: threading.Event, errors: list) -> None:
+    """Warms `job`'s lane, or has the compile thread build it warm; sets `done` (with any
+    error in `errors`) when its programs are compiled."""
+    try:
+      lane = self._table.lane_for(job, background=self._running())
+      building = self._table.pending(job)
+      if building is not None:  # done once the engine thread has taken the lane in
+        building.add_done_callback(
+            lambda future: future.exception() and errors.append(future.exception()))
+        self._warm_waiters.append((job, done))
+        return
+      if lane is not None and not lane.active:
+        lane.warm(job)
+    except Exception as error:
+      errors.append(error)
+    done.set()
 
-  def _run_chores(self) -> None:
+  def _run_chores(self) -> bool:
+    """The `warm` calls asked for, and the news of those waiting for a lane's build."""
     with self._cv:
       chores, self._chores = list(self._chores), collections.deque()
-    for job, done, errors in chores:
-      try:
-        self._warm(job)
-      except Exception as error:
-        errors.append(error)
-      done.set()
+    for chore in chores:
+      self._warm(*chore)
+    self._table.collect()
+    waiting, self._warm_waiters = self._warm_waiters, []
+    for job, done in waiting:
+      if self._table.pending(job) is None:
+        done.set()
+      else:
+        self._warm_waiters.append((job, done))
+    return bool(chores)
+
+  def _running(self) -> bool:
+    return self._thread is not None and self._thread.is_alive()
+
+  def _wake(self) -> None:
+    with self._cv:
+      self._cv.notify()
 
   def _free_slots(self) -> int:
     """Slots that admit at the next tick without waiting (no lane yet: one lane's worth)."""
-    free = sum(lane.owners.count(None) for lane in self._lanes.values())
-    return free + (self.max_batch if len(self._lanes) < self.max_programs else 0)
+    table = self._table
+    free = sum(lane.owners.count(None) for lane in list(table.lanes.values()))
+    room = len(table.lanes) + table.building < self.max_programs
+    return free + (self.max_batch if room else 0)
+
+  @property
+  def lanes(self) -> list[Lane]:
+    """The lanes held now (each one sampler setting's slots and programs)."""
+    return list(self._table.lanes.values())
 
   def _retry_after(self) -> float:
     recent = [seconds for _, seconds, _ in list(self._done_rows)[-256:]]
@@ -351,36 +408,41 @@ class Engine:
       if not drain:
         for handle, _ in self._waiting:
           handle.cancel()
-        for lane in self._lanes.values():
+        for lane in self.lanes:
           for owner in lane.owners:
             if owner is not None:
               owner.handle.cancel()
       self._cv.notify()
     if self._thread is not None:
       self._thread.join(timeout)
+    self._table.close()
 
   def _serve(self) -> None:
     while True:
       with self._cv:
-        busy = (self._waiting or self._chores
-                or any(lane.active for lane in self._lanes.values()))
+        busy = (self._waiting or self._chores or self._warm_waiters
+                or any(lane.active for lane in self.lanes))
         if not busy:
           if self._stopping:
             return
           self._cv.wait(timeout=0.5)
           continue
-      self.run_once()
+      if not self.run_once():  # rows wait for a lane being built: until it is ready
+        with self._cv:
+          self._cv.wait(timeout=0.05)
 
-  def run_once(self) -> None:
-    """One round of the loop: compile what `warm` asked for, drop cancelled rows, admit
-    waiting ones, tick every lane with active rows (on its bucket's program). (The thread
-    calls it; a test or a benchmark may too, unstarted.)"""
-    self._run_chores()
+  def run_once(self) -> bool:
+    """One round of the loop: warm what `warm` asked for, drop cancelled rows, admit
+    waiting ones, tick every lane with active rows (on its bucket's program); whether it
+    did any of that. (The thread calls it; a test or a benchmark may too, unstarted.)"""
+    worked = self._run_chores()
     self._drop_cancelled()
-    self._admit_waiting()
-    for lane in list(self._lanes.values()):
+    worked |= self._admit_waiting()
+    for lane in self.lanes:
       if lane.active:
         self._tick(lane)
+        worked = True
+    return worked
 
   def _drop_cancelled(self) -> None:
     with self._cv:
@@ -389,7 +451,7 @@ class Engine:
         if handle.cancelled:
           handle._close_rows(1)
       self._waiting = collections.deque(kept)
-    for lane in self._lanes.values():
+    for lane in self.lanes:
       cancelled = [slot for slot, owner in enumerate(lane.owners)
                    if owner is not None and owner.handle.cancelled]
       for slot in cancelled:
@@ -397,37 +459,29 @@ class Engine:
       if cancelled:
         lane.release(cancelled, idle=True)  # the last rows move into their slots
 
-  def _lane_for(self, job: Job) -> Lane | None:
-    lane = self._lanes.get(job.lane_key)
-    if lane is not None:
-      return lane
-    if len(self._lanes) >= self.max_programs:
-      idle = [key for key, lane in self._lanes.items() if not lane.active]
-      if not idle:
-        return None
-      del self._lanes[min(idle, key=lambda key: self._lanes[key].last_used)]
-    padded = self.model.takes_padding
-    lane = self._lanes[job.lane_key] = Lane(job, self.max_batch, padded)
-    return lane
-
-  def _admit_waiting(self) -> None:
+  def _admit_waiting(self) -> bool:
+    """Waiting rows into free slots of their lanes (asking for the lanes they lack);
+    whether any left the queue."""
     with self._cv:
       waiting = list(self._waiting)
     admitted = set()
+    background = self._running()
     for index, (handle, choice) in enumerate(waiting):
       try:
-        lane = self._lane_for(handle.job)
+        lane = self._table.lane_for(handle.job, background=background)
         if lane is None or lane.free_slot() is None:
           continue
         lane.admit(handle, choice)
       except Exception as error:  # a program that fails to build fails its request only
         self._fail(handle, choice, error)
       admitted.add(index)
+    self._table.forget_failures()
     if admitted:
       with self._cv:
         taken = {id(waiting[i][0]) * 1000 + waiting[i][1] for i in admitted}
         self._waiting = collections.deque(
             (h, c) for h, c in self._waiting if id(h) * 1000 + c not in taken)
+    return bool(admitted)
 
   def _fail(self, handle: Handle, choice: int, error: Exception) -> None:
     job = handle.job
@@ -445,7 +499,7 @@ class Engine:
         if owner is not None:
           self._fail(owner.handle, owner.choice, error)
           lane.owners[slot] = None
-      self._lanes.pop(lane.key, None)
+      self._table.drop(lane.key)
       return
     self._counts["ticks"] += 1  # one batched denoiser pass
     self._bucket_ticks[bucket] += 1
@@ -490,7 +544,7 @@ class Engine:
     window = [tokens for at, _, tokens in list(self._done_rows) if now - at <= 10.0]
     with self._cv:
       queue_rows = len(self._waiting)
-    lanes = list(self._lanes.values())
+    lanes, table = self.lanes, self._table
     return EngineStats(
         queue_rows=queue_rows, active_rows=sum(lane.active for lane in lanes),
         slots=self.max_batch * max(1, len(lanes)), lanes=len(lanes),
@@ -498,7 +552,10 @@ class Engine:
         completion_tokens=self._counts["completion_tokens"],
         rows_done=self._counts["rows_done"], compiles=lane_programs.traces() - self._first_trace,
         tokens_per_s=sum(window) / 10.0,
-        ticks_by_bucket=dict(sorted(self._bucket_ticks.items())))
+        ticks_by_bucket=dict(sorted(self._bucket_ticks.items())),
+        max_programs=self.max_programs, lanes_building=table.building,
+        lanes_built=table.built, lanes_evicted=table.evicted,
+        lane_state_bytes=table.state_bytes())
 
 
 # Families whose specs name canvas positions: a padded canvas would move them.

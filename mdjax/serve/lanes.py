@@ -87,7 +87,6 @@ def _start_row(denoiser, params, key, tokens_1xS, valid_1xS, plan, *, stepper: S
                   active=jnp.bool_(True))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("slots",))
 def _empty_lane(denoiser, params, key, tokens_1xS, valid_1xS, plan, *, slots, **static):
   """`slots` idle rows (copies of one row, inactive): the lane's fixed shapes."""
   _count_trace()
@@ -96,7 +95,6 @@ def _empty_lane(denoiser, params, key, tokens_1xS, valid_1xS, plan, *, slots, **
   return _placed(rows.replace(active=jnp.zeros((slots,), bool)), static["sharding"])
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("rows",))
 def _admit(denoiser, params, rows, slot, key, tokens_1xS, valid_1xS, plan, **static):
   """The rows with slot `slot` started on a new row."""
   _count_trace()
@@ -105,7 +103,6 @@ def _admit(denoiser, params, rows, slot, key, tokens_1xS, valid_1xS, plan, **sta
   return _placed(rows, static["sharding"])
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("rows",))
 def _move(rows, source, target, *, sharding, **static):
   """The rows with slot `target` holding slot `source`'s row, and slot `source` idle (when
   the two are one slot: that slot idle)."""
@@ -130,8 +127,6 @@ def _put_front(leaf: Array, front: Array, split: int) -> Array:
   return jax.lax.dynamic_update_slice_in_dim(parts, front, 0, axis=1).reshape(leaf.shape)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("num_steps", "bucket", "split"),
-                   donate_argnames=("rows",))
 def _tick(denoiser, params, rows, *, stepper: Stepper, padded, sharding, num_steps, bucket,
           split=1):
   """One step for every active row among the `bucket` front slots (`_front`; each row at
@@ -160,6 +155,30 @@ def _tick(denoiser, params, rows, *, stepper: Stepper, padded, sharding, num_ste
   lengths_B = jax.vmap(lambda r: end.generated_length(
       r.carry.tokens_BxL, r.carry.ctx.editable_BxL, stepper.mask_id)[0])(front)
   return rows, tokens_BxS, front.active, lengths_B, front.index
+
+
+def _own_copy(fn):
+  """A new function object that runs `fn`. jax keeps a program while the function it was
+  traced from lives (its caches hold functions weakly): a lane that jits its own copies
+  takes its compiled programs with it when it is dropped."""
+  @functools.wraps(fn)
+  def run(*args, **kwargs):
+    return fn(*args, **kwargs)
+  return run
+
+
+class Programs:
+  """One lane's compiled programs, jitted afresh for it (`_own_copy`): `empty`, `admit`,
+  `move` and `tick` (one program a bucket). Dropping the lane frees them."""
+
+  def __init__(self):
+    self.empty = jax.jit(_own_copy(_empty_lane), static_argnames=_STATIC + ("slots",))
+    self.admit = jax.jit(_own_copy(_admit), static_argnames=_STATIC,
+                         donate_argnames=("rows",))
+    self.move = jax.jit(_own_copy(_move), static_argnames=_STATIC, donate_argnames=("rows",))
+    self.tick = jax.jit(_own_copy(_tick), static_argnames=_STATIC + ("num_steps", "bucket",
+                                                                     "split"),
+                        donate_argnames=("rows",))
 
 
 @dataclasses.dataclass
@@ -195,8 +214,10 @@ class Lane:
     part = slots // self.split
     self.order = [(i % self.split) * part + i // self.split for i in range(slots)]
     self.owners: list[Slot | None] = [None] * slots
-    self.rows = _empty_lane(job.denoiser, job.params, jax.random.key(0), job.tokens_1xS,
-                            job.valid_1xS, job.plan, slots=slots, **_lane_static(self.static))
+    self.programs = Programs()
+    self.rows = self.programs.empty(job.denoiser, job.params, jax.random.key(0),
+                                    job.tokens_1xS, job.valid_1xS, job.plan, slots=slots,
+                                    **_lane_static(self.static))
     self.ticks_by_bucket: collections.Counter[int] = collections.Counter()
     self.last_used = time.monotonic()
 
@@ -223,8 +244,9 @@ class Lane:
   def admit(self, handle, choice: int) -> None:
     slot, job = self.free_slot(), handle.job
     key = jax.random.fold_in(jax.random.key(job.seed), choice)  # generate's row key
-    self.rows = _admit(job.denoiser, self.params, self.rows, np.int32(slot), key,
-                       job.tokens_1xS, job.valid_1xS, job.plan, **_lane_static(self.static))
+    self.rows = self.programs.admit(job.denoiser, self.params, self.rows, np.int32(slot), key,
+                                    job.tokens_1xS, job.valid_1xS, job.plan,
+                                    **_lane_static(self.static))
     self.owners[slot] = Slot(handle, choice, time.monotonic())
     self.last_used = time.monotonic()
 
@@ -236,15 +258,15 @@ class Lane:
     for slot in sorted(slots, key=position.__getitem__, reverse=True):
       last = self.order[self.active - 1]
       if last != slot or idle:
-        self.rows = _move(self.rows, np.int32(last), np.int32(slot),
-                          **_lane_static(self.static))
+        self.rows = self.programs.move(self.rows, np.int32(last), np.int32(slot),
+                                       **_lane_static(self.static))
       self.owners[slot], self.owners[last] = self.owners[last], None  # last == slot: None
 
   def tick(self, bucket: int | None = None):
     """One tick of the `bucket` program (default: the lane's bucket): (tokens_NxS,
     active_N, lengths_N, steps_N) indexed by slot, filled for the ticked slots."""
     bucket = self.bucket() if bucket is None else bucket
-    self.rows, tokens, active, lengths, steps = _tick(
+    self.rows, tokens, active, lengths, steps = self.programs.tick(
         self.static["denoiser"], self.params, self.rows, num_steps=self.num_steps,
         bucket=bucket, split=self.split, **_lane_static(self.static))
     self.ticks_by_bucket[bucket] += 1
@@ -263,9 +285,11 @@ class Lane:
     change nothing)."""
     if self.active:
       raise RuntimeError("warm() runs on an idle lane only")
-    self.rows = _admit(job.denoiser, self.params, self.rows, np.int32(0), jax.random.key(0),
-                       job.tokens_1xS, job.valid_1xS, job.plan, **_lane_static(self.static))
-    self.rows = _move(self.rows, np.int32(0), np.int32(0), **_lane_static(self.static))
+    static = _lane_static(self.static)
+    self.rows = self.programs.admit(job.denoiser, self.params, self.rows, np.int32(0),
+                                    jax.random.key(0), job.tokens_1xS, job.valid_1xS,
+                                    job.plan, **static)
+    self.rows = self.programs.move(self.rows, np.int32(0), np.int32(0), **static)
     counted = self.ticks_by_bucket.copy()  # these ticks serve nobody: not counted
     for bucket in sorted({self.bucket(active) for active in range(1, self.slots + 1)}):
       self.tick(bucket)

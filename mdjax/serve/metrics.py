@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 import threading
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -23,6 +24,14 @@ ENGINE_METRICS = (
     ("mdjax_active_rows", "active_rows", "gauge", "Rows being denoised."),
     ("mdjax_slots", "slots", "gauge", "Slots of the lanes held (max_batch a lane)."),
     ("mdjax_lanes", "lanes", "gauge", "Lanes (compiled programs, one a sampler spec) held."),
+    ("mdjax_max_programs", "max_programs", "gauge", "The most lanes held at once "
+     "(--max_programs): the bound on compiled programs and their rows."),
+    ("mdjax_lanes_building", "lanes_building", "gauge", "Lanes being compiled on the compile "
+     "thread."),
+    ("mdjax_lanes_built_total", "lanes_built", "counter", "Lanes built."),
+    ("mdjax_lanes_evicted_total", "lanes_evicted", "counter", "Idle lanes dropped for a new "
+     "setting, their programs and rows freed."),
+    ("mdjax_lane_state_bytes", "lane_state_bytes", "gauge", "Device bytes of the lanes' rows."),
     ("mdjax_ticks_total", "ticks", "counter", "Engine ticks (one denoising step of every "
      "active row)."),
     ("mdjax_denoiser_calls_total", "denoiser_calls", "counter", "Denoiser passes run."),
@@ -33,6 +42,15 @@ ENGINE_METRICS = (
     ("mdjax_tokens_per_second", "tokens_per_s", "gauge",
      "Completion tokens per second over the last 10 s."),
 )
+
+
+def resident_bytes() -> int | None:
+  """This process's resident memory (Linux's /proc/self/statm; None elsewhere)."""
+  try:
+    with open("/proc/self/statm") as f:
+      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  except (OSError, ValueError, IndexError):
+    return None
 
 
 def _number(value) -> str:
@@ -106,6 +124,11 @@ class Metrics:
                 "# TYPE mdjax_bucket_ticks_total counter"]
       lines += [f'mdjax_bucket_ticks_total{{bucket="{bucket}"}} {count}'
                 for bucket, count in sorted(getattr(stats, "ticks_by_bucket", {}).items())]
+    resident = resident_bytes()
+    if resident is not None:
+      lines += ["# HELP process_resident_memory_bytes Resident memory of the server's process.",
+                "# TYPE process_resident_memory_bytes gauge",
+                f"process_resident_memory_bytes {resident}"]
     with self._lock:
       lines += ["# HELP mdjax_requests_total API requests answered, by HTTP status.",
                 "# TYPE mdjax_requests_total counter"]

@@ -94,3 +94,19 @@ def test_one_name_one_type(monkeypatch):
   monkeypatch.setitem(sampling.base._BY_NAME, "zz_clash", Family())
   with pytest.raises(TypeError, match="knob 'steps' is a str in family 'zz_clash'"):
     knobs.all_knobs()
+
+
+def test_make_spec_names_a_required_field_left_out():
+  """A family whose spec has a field with no default (speculative's k): `make_spec` names
+  it (was a TypeError quoting SpeculativeSpec.__init__, a 21-line traceback in sample.py)."""
+  for family, registered in sampling.families().items():
+    required = [f.name for f in dataclasses.fields(registered.spec_type)
+                if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING]
+    if not required:
+      continue
+    with pytest.raises(ArgumentError) as error:
+      sampling.make_spec(family)
+    assert error.value.param == required[0] and f"needs {required[0]}" in str(error.value)
+  with pytest.raises(ArgumentError, match="needs k"):
+    sampling.make_spec("speculative")

@@ -243,7 +243,7 @@ def test_a_lone_request_ticks_the_one_row_program(dream_model):
   drive(engine, [engine.submit(job, listener)])
   stats = engine.stats()
   assert stats.ticks_by_bucket == {1: stats.ticks} and stats.ticks >= 1
-  lane, = engine._lanes.values()
+  lane, = engine.lanes
   assert lane.ticks_by_bucket == {1: stats.ticks}
   np.testing.assert_array_equal(listener.completions[0].completion.token_ids,
                                 offline(dream_model, "Hi there", job)[0].token_ids)
@@ -268,7 +268,7 @@ def test_rows_stay_packed_when_middle_rows_leave(dream_model):
     engine.run_once()  # job 0 is a step ahead: it finishes first, from the front slot
     handles += [submit(1), submit(2), submit(3), submit(4)]
     engine.run_once()
-    lane, = engine._lanes.values()
+    lane, = engine.lanes
     assert lane.active == 5 and _packed(lane)
     middle = lane.order[2]
     assert lane.owners[middle].handle is handles[2]
@@ -349,7 +349,7 @@ def test_buckets_on_a_mesh_tick_an_equal_share_on_each_device():
     listen = lambda i: lambda u: got[i].__setitem__(u.choice, u.completion)
     first = engine.submit(jobs[0], listen(0))
     engine.run_once()
-    lane, = engine._lanes.values()
+    lane, = engine.lanes
     assert lane.split == 4 and lane.order == [0, 2, 4, 6, 1, 3, 5, 7]
     assert engine.stats().ticks_by_bucket == {{4: 1}}
     second = engine.submit(jobs[1], listen(1))
