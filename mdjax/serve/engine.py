@@ -37,9 +37,9 @@ import numpy as np
 
 from mdjax import generation, sampling
 from mdjax.errors import ArgumentError
-from mdjax.model import ConfiguredSampler, Model
+from mdjax.model import Model
 from mdjax.serve import lanes as lane_programs
-from mdjax.serve import limits
+from mdjax.serve import limits, served
 from mdjax.serve.lane_table import LaneTable
 from mdjax.serve.lanes import Lane
 
@@ -264,11 +264,11 @@ class Engine:
     limits.check_knobs(knobs, max_steps=self.max_steps, room=room)
     limits.check_prompt_size(prompt, where=where, room=room, max_bytes=self.max_prompt_bytes)
     if sampler is not None:
-      model = model.replace(sampler=_named_sampler(model, sampler, knobs))
+      model = model.replace(sampler=served.named_sampler(model, sampler, knobs))
     ids = generation.prompt_ids(model, [prompt], where=where)[0]
     run = generation.sampler_plan(model, len(ids), max_new_tokens, None, **knobs)
     family = sampling.family_of(run.spec)
-    why = _not_served(run, family)
+    why = served.why_not_served(run, family)
     if why:
       name = (f"sampler={sampler!r}" if sampler else
               f"the model's default sampler ({type(run.spec).__name__})")
@@ -556,42 +556,3 @@ class Engine:
         max_programs=self.max_programs, lanes_building=table.building,
         lanes_built=table.built, lanes_evicted=table.evicted,
         lane_state_bytes=table.state_bytes())
-
-
-# Families whose specs name canvas positions: a padded canvas would move them.
-_POSITIONAL = ("ordered", "field_order")
-
-
-def _not_served(run, family) -> str | None:
-  """Why a sampler cannot run one step at a time on a lane's canvas (None: it can)."""
-  if run.blocks_of is not None:
-    return "it generates block by block past the canvas"
-  if family.composite:
-    return "it runs rounds of its own, not one step at a time"
-  if run.spec.kv_cache != "none":
-    return f"kv_cache={run.spec.kv_cache!r} keeps a cache per block"
-  if run.spec.record_trajectory:
-    return "record_trajectory keeps every step (the canvas events stream them)"
-  if family.name in _POSITIONAL:
-    return "its spec names canvas positions"
-  return None
-
-
-def _named_sampler(model: Model, sampler: str, knobs: dict) -> ConfiguredSampler:
-  """A sampler family by name (sample.py's --sampler) as the default sampler: the model's
-  reference defaults (greedy for a published checkpoint) for knobs not given, its EOS."""
-  known = sorted(sampling.families()) + ["left_to_right"]
-  if not isinstance(sampler, str) or sampler not in known:
-    raise ArgumentError.invalid("sampler", sampler, f"it must be a sampler family's name: one "
-                                f"of {', '.join(known)}")
-  family = sampling.families().get(sampler)
-  why = ("it runs rounds of its own, not one step at a time" if family and family.composite
-         else "its spec names canvas positions" if sampler in _POSITIONAL else None)
-  if why:  # refused before its spec is built (its required fields are no request's)
-    raise ArgumentError("sampler", f"sampler={sampler!r} is not served: {why}; use "
-                        "mdjax.generate (or sample.py) for it.")
-  named = ConfiguredSampler(family=sampler, eos_id=model.eos_id)
-  fields = set(named.knobs)
-  defaults = {} if model.sampler is None else dict(model.sampler.spec_defaults)
-  inherited = {k: v for k, v in defaults.items() if k in fields and k not in knobs}
-  return dataclasses.replace(named, settings=tuple(sorted(inherited.items())))

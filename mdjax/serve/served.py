@@ -1,0 +1,48 @@
+"""Which samplers a lane serves (one step at a time on a padded canvas), and a sampler family
+named by a request as the model's default sampler."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mdjax import sampling
+from mdjax.errors import ArgumentError
+from mdjax.model import ConfiguredSampler, Model
+
+# Families whose specs name canvas positions: a padded canvas would move them.
+POSITIONAL = ("ordered", "field_order")
+
+
+def why_not_served(run, family) -> str | None:
+  """Why a sampler cannot run one step at a time on a lane's canvas (None: it can)."""
+  if run.blocks_of is not None:
+    return "it generates block by block past the canvas"
+  if family.composite:
+    return "it runs rounds of its own, not one step at a time"
+  if run.spec.kv_cache != "none":
+    return f"kv_cache={run.spec.kv_cache!r} keeps a cache per block"
+  if run.spec.record_trajectory:
+    return "record_trajectory keeps every step (the canvas events stream them)"
+  if family.name in POSITIONAL:
+    return "its spec names canvas positions"
+  return None
+
+
+def named_sampler(model: Model, sampler: str, knobs: dict) -> ConfiguredSampler:
+  """A sampler family by name (sample.py's --sampler) as the default sampler: the model's
+  reference defaults (greedy for a published checkpoint) for knobs not given, its EOS."""
+  known = sorted(sampling.families()) + ["left_to_right"]
+  if not isinstance(sampler, str) or sampler not in known:
+    raise ArgumentError.invalid("sampler", sampler, f"it must be a sampler family's name: one "
+                                f"of {', '.join(known)}")
+  family = sampling.families().get(sampler)
+  why = ("it runs rounds of its own, not one step at a time" if family and family.composite
+         else "its spec names canvas positions" if sampler in POSITIONAL else None)
+  if why:  # refused before its spec is built (its required fields are no request's)
+    raise ArgumentError("sampler", f"sampler={sampler!r} is not served: {why}; use "
+                        "mdjax.generate (or sample.py) for it.")
+  named = ConfiguredSampler(family=sampler, eos_id=model.eos_id)
+  fields = set(named.knobs)
+  defaults = {} if model.sampler is None else dict(model.sampler.spec_defaults)
+  inherited = {k: v for k, v in defaults.items() if k in fields and k not in knobs}
+  return dataclasses.replace(named, settings=tuple(sorted(inherited.items())))
