@@ -43,11 +43,6 @@ class LaneTable:
     """Lanes being built on the compile thread."""
     return len(self._building)
 
-  def has_room(self) -> bool:
-    """Whether a new setting could get a lane now (one free, or an idle one to drop)."""
-    return (len(self.lanes) + len(self._building) < self.max_programs
-            or any(not lane.active for lane in self.lanes.values()))
-
   def collect(self) -> None:
     """Takes in the lanes the compile thread has finished (or the errors it met)."""
     for key, future in list(self._building.items()):
@@ -96,8 +91,8 @@ class LaneTable:
 
   def state_bytes(self) -> int:
     """Device bytes of the lanes' rows (their programs' code is not counted)."""
-    return sum(leaf.nbytes for lane in self.lanes.values()
-               for leaf in jax.tree.leaves(lane.rows))
+    lanes = list(self.lanes.values())  # a copy: `Engine.stats` runs on other threads
+    return sum(leaf.nbytes for lane in lanes for leaf in jax.tree.leaves(lane.rows))
 
   def close(self) -> None:
     """Stops the compile thread (a build under way finishes; queued ones are dropped)."""
