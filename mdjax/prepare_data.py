@@ -4,9 +4,9 @@
   python -m mdjax.prepare_data --input=a.jsonl,b.jsonl --text_field=content \\
       --tokenizer=path/to/tokenizer.json --out=/data/web --validation_fraction=0.01
 
-Inputs: .txt files (one document per file, or, with --documents=paragraph, the pieces
-between blank lines), .jsonl files (one document per line, its `--text_field`), or folders
-of them (searched recursively, in sorted order). Tokenizers: `char` (the corpus's characters,
+Inputs: .txt and .md files (text: one document per file, or, with --documents=paragraph,
+the pieces between blank lines), .jsonl files (one document per line, its `--text_field`), or
+folders of them (searched recursively, in sorted order; other files are skipped, and named). Tokenizers: `char` (the corpus's characters,
 found in a first pass), `bpe:N` (byte-level BPE of N ids trained on the first
 `--bpe_training_chars` characters of the documents: a bounded prefix, so memory stays bounded),
 or a `tokenizers` JSON file (any HF tokenizer.json; its end-of-document token is
@@ -38,13 +38,16 @@ from typing import Iterator
 from mdjax import cli, jsonl
 from mdjax import files as files_lib
 from mdjax.data import shards
-from mdjax.tokenizers import BpeTokenizer, CharTokenizer
+from mdjax.errors import ArgumentError
+from mdjax.tokenizers import BpeTokenizer, CharTokenizer, UnencodableText
 
 DOCUMENTS = ("file", "paragraph")
 # The validation split is called small below this many windows of configs/corpus.py's length.
 FEW_WINDOWS, WINDOW = 4, 128
 MIN_FRACTION = 1e-12
-EXTENSIONS = (".txt", ".jsonl")
+TEXT_EXTENSIONS = (".txt", ".md")  # read as plain text
+EXTENSIONS = TEXT_EXTENSIONS + (".jsonl",)
+SKIPPED_SHOWN = 5  # skipped files named in the notice
 PARAGRAPH = "\n\n"
 
 
@@ -52,23 +55,32 @@ class UsageError(ValueError):
   """A flag's value refused before any input is read (exit status 2 on the command line)."""
 
 
-def input_files(inputs: list[str]) -> list[str]:
-  """The files named, folders expanded (their .txt and .jsonl files, recursively, sorted)."""
-  files = []
+def input_files(inputs: list[str]) -> tuple[list[str], list[str]]:
+  """(the files read, the files skipped): the files named, folders expanded (their .txt, .md
+  and .jsonl files, recursively, sorted; their other files skipped)."""
+  files, skipped = [], []
   for item in inputs:
     if os.path.isdir(item):
-      found = sorted(os.path.join(root, n) for root, _, names in os.walk(item) for n in names
-                     if n.endswith(EXTENSIONS))
-      if not found:
-        raise ValueError(f"--input={item!r} is a folder without .txt or .jsonl files.")
-      files += found
+      found = sorted(os.path.join(root, n) for root, _, names in os.walk(item) for n in names)
+      read = [path for path in found if path.endswith(EXTENSIONS)]
+      if not read:
+        raise ValueError(f"--input={item!r} is a folder without .txt, .md or .jsonl files.")
+      files += read
+      skipped += [path for path in found if not path.endswith(EXTENSIONS)]
     elif os.path.isfile(item):
       if not item.endswith(EXTENSIONS):
-        raise ValueError(f"--input={item!r}: must be a .txt or .jsonl file, or a folder.")
+        raise ValueError(f"--input={item!r}: must be a .txt, .md or .jsonl file, or a folder.")
       files.append(item)
     else:
       raise ValueError(f"--input={item!r}: no such file or folder.")
-  return files
+  return files, skipped
+
+
+def skipped_notice(skipped: list[str]) -> str:
+  """The line naming the files a folder held that are not read."""
+  shown = ", ".join(skipped[:SKIPPED_SHOWN])
+  more = f" and {len(skipped) - SKIPPED_SHOWN} more" if len(skipped) > SKIPPED_SHOWN else ""
+  return (f"skipped {len(skipped)} file(s) that are not .txt, .md or .jsonl: {shown}{more}.")
 
 
 def _txt_pieces(path: str, documents: str, chunk_chars: int) -> Iterator[tuple[str, bool]]:
@@ -195,7 +207,7 @@ def count_documents(files: list[str], documents: str, text_field: str, chunk_cha
   for path in files:
     if count >= enough:
       break
-    if documents == "file" and path.endswith(".txt"):
+    if documents == "file" and path.endswith(TEXT_EXTENSIONS):
       count += os.path.getsize(path) > 0
       continue
     has_text = False
@@ -280,8 +292,10 @@ def prepare(inputs: list[str], tokenizer: str, out: str, validation_fraction: fl
   checked first (UsageError), then the inputs are counted, then tokenized."""
   _check_flags(documents, validation_fraction, shard_tokens, chunk_chars, bpe_training_chars,
                tokenizer)
-  files = input_files(inputs)
+  files, skipped = input_files(inputs)
   _check_out(out)
+  if skipped:
+    _say(skipped_notice(skipped))
   cut = None  # with too few documents: the first character of the held-out tail
   if validation_fraction > 0:
     enough = documents_to_hold_one_out(validation_fraction)
@@ -300,8 +314,13 @@ def prepare(inputs: list[str], tokenizer: str, out: str, validation_fraction: fl
                                         bpe_training_chars, eos_token, total_bytes)
   built = _new_build_folder(out)
   try:
-    manifest = _write(built, files, tok, tokenizer_entry, validation_fraction, cut,
-                      shard_tokens, documents, text_field, chunk_chars, total_bytes)
+    try:
+      manifest = _write(built, files, tok, tokenizer_entry, validation_fraction, cut,
+                        shard_tokens, documents, text_field, chunk_chars, total_bytes)
+    except UnencodableText as error:  # a tokenizer.json without the corpus's characters
+      raise ArgumentError("tokenizer", f"--tokenizer={tokenizer!r} cannot encode the input: "
+                          f"{error} Prepare with a tokenizer that covers the text (e.g. "
+                          "--tokenizer=char or bpe:N).") from None
     if not manifest["splits"]["train"]["tokens"]:
       raise ValueError(f"--input={','.join(inputs)!r}: no training document (the inputs are "
                        "empty or every document went to validation).")
@@ -385,9 +404,10 @@ def _write(folder, files, tok, tokenizer_entry, validation_fraction, cut, shard_
 
 
 def main(argv=None) -> int:
-  parser = cli.Parser("prepare_data", prog="python -m mdjax.prepare_data", description=__doc__.split("\n")[0])
+  parser = cli.Parser("prepare_data", prog="python -m mdjax.prepare_data",
+                      description=__doc__.split("\n")[0])
   parser.add_argument("--input", required=True,
-                      help="comma-separated .txt / .jsonl files or folders of them")
+                      help="comma-separated .txt / .md / .jsonl files or folders of them")
   parser.add_argument("--tokenizer", required=True, help="char, bpe:N or a tokenizer.json")
   parser.add_argument("--out", required=True,
                       help="the folder to write (new, or one without a manifest.json)")
@@ -411,7 +431,7 @@ def main(argv=None) -> int:
                        args.validation_fraction, args.shard_tokens, args.documents,
                        args.text_field, args.chunk_chars, args.bpe_training_chars,
                        args.eos_token)
-  except UsageError as error:
+  except (UsageError, ArgumentError) as error:
     return cli.report("prepare_data", error, cli.USAGE)
   except (ValueError, OSError, UnicodeDecodeError) as error:
     return cli.report("prepare_data", error, cli.RUNTIME)

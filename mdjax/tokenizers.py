@@ -6,6 +6,7 @@ byte-level BPE of the `tokenizers` package with the end-of-document token `EOS_T
 its ids. Both encode to int32 arrays, decode the mask id (`size`) as `mask_char` (a
 character the vocabulary does not hold) and are saved with every checkpoint (`metadata`).
 `characters_of` counts the characters ids code, the denominator of bits per character.
+Text a tokenizer has no ids for is an `UnencodableText` (a ValueError) naming the character.
 
 `load_hf_tokenizer(folder)` reads a checkpoint folder's tokenizer.json into a
 `tokenizers.Tokenizer` (None without one); `tokenizer_failure` tells the library's refusals
@@ -36,6 +37,10 @@ TOKENIZER_FILE = "tokenizer.json"  # a Hugging Face folder's tokenizer
 # ----------------------------------------------------------------------------
 # mdjax's tokenizers.
 # ----------------------------------------------------------------------------
+
+
+class UnencodableText(ValueError):
+  """Text holding a character the tokenizer has no id for (and no unknown token)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +91,7 @@ class CharTokenizer:
     if not known.all():
       unknown = sorted({text[i] for i in np.flatnonzero(~known)})
       first = int(np.flatnonzero(~known)[0])
-      raise ValueError(
+      raise UnencodableText(
           f"text holds {len(unknown)} character(s) outside the tokenizer's vocabulary: "
           f"{unknown!r} (first at index {first}); the vocabulary is {self.vocab!r}.")
     return order[where].astype(np.int32)
@@ -170,22 +175,20 @@ class BpeTokenizer:
   def encode(self, text: str) -> np.ndarray:
     """Ids of `text` (int32)."""
     self._check(text)
-    ids = [i for e in self._tok.encode_batch(_bpe_pieces(text), add_special_tokens=False)
-           for i in e.ids]
+    ids = [i for e in _encode_pieces(self._tok, _bpe_pieces(text)) for i in e.ids]
     return np.asarray(ids, np.int32)
 
   def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
     for t in texts:
       self._check(t)
-    return [np.asarray(e.ids, np.int32)
-            for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+    return [np.asarray(e.ids, np.int32) for e in _encode_pieces(self._tok, list(texts))]
 
   def encode_many(self, texts: Sequence[str]) -> list[np.ndarray]:
     """`[self.encode(t) for t in texts]`, in one call to the tokenizer (all cores)."""
     for t in texts:
       self._check(t)
     pieces = [_bpe_pieces(t) for t in texts]
-    flat = self._tok.encode_batch([p for ps in pieces for p in ps], add_special_tokens=False)
+    flat = _encode_pieces(self._tok, [p for ps in pieces for p in ps])
     out, at = [], 0
     for ps in pieces:
       out.append(np.asarray([i for e in flat[at:at + len(ps)] for i in e.ids], np.int32))
@@ -205,6 +208,42 @@ class BpeTokenizer:
         run = []
     out.append(self._tok.decode(run))
     return "".join(out)
+
+
+def _refuses(tok, text: str) -> bool:
+  try:
+    tok.encode(text, add_special_tokens=False)
+  except BaseException as error:  # a Rust panic is a BaseException (PanicException)
+    if not tokenizer_failure(error):
+      raise
+    return True
+  return False
+
+
+def _encode_pieces(tok, pieces: list[str]) -> list:
+  """`tok.encode_batch(pieces)` (a `tokenizers.Tokenizer`); text it refuses (a WordLevel
+  vocabulary without an unknown token) is an `UnencodableText` naming the first character
+  it cannot encode, found by halving the first refused piece (the error path only)."""
+  try:
+    return tok.encode_batch(pieces, add_special_tokens=False)
+  except BaseException as error:
+    if not tokenizer_failure(error):
+      raise
+    why = (str(error).splitlines() or [type(error).__name__])[0][:200]
+  for piece in pieces:
+    if not _refuses(tok, piece):
+      continue
+    accepted, refused = 0, len(piece)  # prefix lengths: the shortest refused one ends at it
+    while refused - accepted > 1:
+      middle = (accepted + refused) // 2
+      if _refuses(tok, piece[:middle]):
+        refused = middle
+      else:
+        accepted = middle
+    context = piece[max(0, refused - 20):refused + 20]
+    raise UnencodableText(f"text holds {piece[refused - 1]!r} (in {context!r}), which the "
+                          f"tokenizer has no id for ({why}).")
+  raise UnencodableText(f"the tokenizer cannot encode the text ({why}).")
 
 
 def characters_of(tokenizer, ids) -> int:

@@ -26,6 +26,19 @@ def test_a_folders_tokenizer_json(tmp_path):
     tokenizers.load_hf_tokenizer(str(tmp_path))
 
 
+def test_text_a_tokenizer_json_cannot_encode_names_the_character():
+  # A WordLevel vocabulary without an unknown token: the library's bare Exception becomes a
+  # ValueError naming the first character it has no id for, in every encode path.
+  from mdjax.convert.causal_export import char_tokenizer_json
+  from mdjax.data.shards import HfTokenizer
+  tok = HfTokenizer(char_tokenizer_json(" abc"), "<s>")
+  assert tok.encode("ab c").tolist() == [1, 2, 0, 3]
+  for encode in (tok.encode, lambda t: tok.encode_batch([t]), lambda t: tok.encode_many([t])):
+    with pytest.raises(tokenizers.UnencodableText, match=r"text holds 'x' \(in 'ab cx b'\), "
+                       "which the tokenizer has no id for \\(WordLevel error"):
+      encode("ab cx b")
+
+
 @pytest.mark.slow
 def test_the_data_rooms_import_no_task():
   code = ("import sys, mdjax.data, mdjax.tokenizers\n"

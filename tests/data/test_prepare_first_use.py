@@ -164,3 +164,37 @@ def test_command_line_errors_are_one_line_with_their_status(tmp_path, capsys):
   # Runtime (the inputs): exit status 1.
   (folder / "bad.txt").write_bytes(b"\xff")
   assert "bad.txt is not UTF-8" in error_of(good[:2] + [f"--out={tmp_path / 'o2'}"], 1)
+
+
+def test_a_tokenizer_json_without_the_texts_characters_is_one_line(tmp_path, capsys):
+  # A character-level tokenizer.json with no unknown token (what causal_export writes): the
+  # tokenizers library raises "WordLevel error: Missing [UNK] token" from inside a batch.
+  from mdjax.convert.causal_export import char_tokenizer_json
+  vocab = tmp_path / "tokenizer.json"
+  vocab.write_text(char_tokenizer_json("\n abdehlorw"), encoding="utf-8")
+  (tmp_path / "in.txt").write_text("hello world\nhello zebra\n", encoding="utf-8")
+  out = tmp_path / "out"
+  status = main([f"--input={tmp_path / 'in.txt'}", f"--tokenizer={vocab}", "--eos_token=<s>",
+                 f"--out={out}"])
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert status == 2, err
+  assert err.startswith(f"prepare_data: error: --tokenizer='{vocab}' cannot encode the input: "
+                        "text holds 'z' (in 'hello zebra\\n'), which the tokenizer has no id for "
+                        "(WordLevel error: Missing [UNK] token"), err
+  assert sorted(os.listdir(tmp_path)) == ["in.txt", "tokenizer.json"]  # no partial --out
+
+
+def test_md_files_are_text_and_skipped_files_are_named(tmp_path, capsys):
+  folder = tmp_path / "notes"
+  (folder / "sub").mkdir(parents=True)
+  (folder / "a.md").write_text("# Notes\n\nsome text\n", encoding="utf-8")
+  (folder / "sub" / "b.txt").write_text("more text\n", encoding="utf-8")
+  (folder / "c.pdf").write_bytes(b"%PDF")
+  (folder / "d.html").write_text("<p>", encoding="utf-8")
+  manifest = prepare([str(folder)], "char", str(tmp_path / "out"), validation_fraction=0.3)
+  assert [os.path.basename(i["path"]) for i in manifest["inputs"]] == ["a.md", "b.txt"]
+  assert (f"prepare_data: skipped 2 file(s) that are not .txt, .md or .jsonl: {folder}/c.pdf, "
+          f"{folder}/d.html.") in capsys.readouterr().err
+  # A single .md file is text too.
+  single = prepare([str(folder / "a.md")], "char", str(tmp_path / "one"), validation_fraction=0.3)
+  assert single["splits"]["train"]["tokens"] > 0
