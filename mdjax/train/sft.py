@@ -199,18 +199,28 @@ class PublishedView:
                                                                 block_size=block_size))
 
 
-def _same_tokenizer(model, task, where: str) -> None:
-  """A text / corpus task must read the start's ids: its tokenizer is the start's."""
+def _data_field(config) -> str:
+  """The config field naming a text / corpus task's data, as `field=value`."""
+  for name in ("data_dir", "text_path"):
+    value = config.task_kwargs.get(name)
+    if value is not None:
+      return f"task_kwargs.{name}={value!r}"
+  return f"task={config.task!r}"
+
+
+def _same_tokenizer(config, model, task, where: str) -> None:
+  """A text / corpus task must read the start's ids: its tokenizer is the start's (a
+  ConfigError naming the task's data field otherwise)."""
   ours = getattr(getattr(task, "tokenizer", None), "_tok", None)
   theirs = model.tokenizer
   if theirs is None:
-    raise ValueError(f"start {where}: no tokenizer.json; a text or corpus task needs the "
-                     "start's tokenizer.")
+    raise ConfigError(f"config field train.init_from: start {where}: no tokenizer.json; a text "
+                      "or corpus task needs the start's tokenizer.")
   if ours is None or ours.get_vocab(with_added_tokens=True) != theirs.get_vocab(
       with_added_tokens=True):
-    raise ValueError(f"start {where}: the task's tokenizer ({task.description}) is not the "
-                     "start's; prepare the corpus with --tokenizer="
-                     f"{os.path.join(where, 'tokenizer.json')}.")
+    raise ConfigError(f"config field {_data_field(config)}: the task's tokenizer "
+                      f"({task.description}) is not the start's ({where}); prepare the corpus "
+                      f"with --tokenizer={os.path.join(where, 'tokenizer.json')}.")
 
 
 def start_model(config, task):
@@ -226,9 +236,10 @@ def start_model(config, task):
     model = io.load(where)
     vocab = None
     if config.task != "sft":  # a text / corpus task: the start's tokenizer, maybe fewer ids
-      _same_tokenizer(model, task, where)
+      _same_tokenizer(config, model, task, where)
       if task.vocab_size > model.vocab_size:
-        raise ValueError(f"start {where}: {model.vocab_size} ids, the task {task.vocab_size}.")
+        raise ConfigError(f"config field {_data_field(config)}: the task has "
+                          f"{task.vocab_size} ids, the start {where} {model.vocab_size}.")
       vocab = None if task.vocab_size == model.vocab_size else task.vocab_size
     elif model.vocab_size != task.vocab_size:
       raise ValueError(f"start {where}: {model.vocab_size} ids, the task {task.vocab_size}.")

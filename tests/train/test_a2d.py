@@ -185,7 +185,8 @@ def test_nelbo_and_sft_start_from_a_converted_folder(tmp_path):
   other.task_kwargs = ml_collections.ConfigDict(dict(text_path=str(text), length=16,
                                                      validation_fraction=0.25))
   other = objectives.resolve_config(other)
-  with pytest.raises(ValueError, match="the task's tokenizer .* is not the start's"):
+  with pytest.raises(ConfigError, match="config field task_kwargs.text_path=.*: the task's "
+                     "tokenizer .* is not the start's"):
     objectives.start_model(other, train.tasks.from_config(other))
   # SFT on top: configs/sft.py from the converted folder (its tokenizer, its 301 ids).
   rows = tmp_path / "chat.jsonl"  # the fixture has no chat template: plain prompts
@@ -227,3 +228,26 @@ def test_a_start_folder_with_deep_config_json_is_refused_by_field(tmp_path, name
   with pytest.raises(ConfigError, match=rf"^config field train.init_from: {tmp_path}/config.json"
                      r": nests 100,000 levels of JSON arrays and objects; at most 256 are read"):
     train.check_config(objectives.resolve_config(config))
+
+
+def test_a_corpus_of_another_tokenizer_is_one_line_from_train_py(tmp_path):
+  # configs/a2d_block.py on a corpus prepared with --tokenizer=char: refused naming the
+  # corpus field and the tokenizer to prepare with (was a 27-line traceback), before any step.
+  import subprocess
+  import sys
+  from mdjax.prepare_data import prepare
+  (tmp_path / "t.txt").write_text("to be or not to be\n" * 100, encoding="utf-8")
+  prepare([str(tmp_path / "t.txt")], "char", str(tmp_path / "corpus"), validation_fraction=0.3)
+  proc = subprocess.run(
+      [sys.executable, "train.py", "--config=configs/a2d_block.py",
+       f"--workdir={tmp_path / 'run'}", f"--config.task_kwargs.data_dir={tmp_path / 'corpus'}"],
+      cwd=REPO, capture_output=True, text=True, timeout=120,
+      env=dict(os.environ, PYTHONPATH=REPO))
+  assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+  block = os.path.join(A2D, "block")
+  assert proc.stderr.startswith(
+      f"train.py: error: config field task_kwargs.data_dir='{tmp_path / 'corpus'}': the task's "
+      "tokenizer (CorpusTask("), proc.stderr
+  assert proc.stderr.endswith(f"is not the start's ({block}); prepare the corpus with "
+                              f"--tokenizer={block}/tokenizer.json.\n"), proc.stderr
+  assert not os.path.exists(tmp_path / "run")
