@@ -230,6 +230,7 @@ def test_a_start_folder_with_deep_config_json_is_refused_by_field(tmp_path, name
     train.check_config(objectives.resolve_config(config))
 
 
+@pytest.mark.slow
 def test_a_corpus_of_another_tokenizer_is_one_line_from_train_py(tmp_path):
   # configs/a2d_block.py on a corpus prepared with --tokenizer=char: refused naming the
   # corpus field and the tokenizer to prepare with (was a 27-line traceback), before any step.
