@@ -1,13 +1,18 @@
 """RL on Sudoku 4x4 (d1's diffu-GRPO, or wd1) from a trained workdir: set train.init_from.
 
+  python train.py --config=configs/sudoku4.py --workdir=/tmp/sudoku4   # the start, ~2 min
   python train.py --config=configs/grpo.py --workdir=/tmp/sudoku_grpo \
-      --config.train.init_from=/tmp/sudoku4   # a workdir trained on task sudoku4
+      --config.train.init_from=/tmp/sudoku4
 
 Per step: batch_size / rl.num_generations puzzles, G completions each by `sampler` (one
 compiled call), rewards (rl.rewards: 'sudoku4_solved', the exact check; 'sudoku', d1's rule),
 group advantages, rl.num_iterations inner updates (mdjax.rl.trainer). --config.objective=wd1
 trains wd1's weighted likelihood instead; rl.estimator="elbo" reads the MC-ELBO instead of
 d1's one-step log-probabilities. The model fields come from the start point.
+
+Every rl field takes a command-line value: --config.rl.rewards=sudoku,sudoku4_solved (or
+'("sudoku", "sudoku4_solved")'), --config.rl.reward_weights=1.0,0.5 (unset: 1 each),
+--config.rl.prompts=FILE.jsonl.
 """
 
 import ml_collections
@@ -33,11 +38,16 @@ def get_config():
       beta=0.04,
       p_mask_prompt=0.15,
       cfg_scale=0.0,
-      estimator="one_step",  # or "elbo"
+      estimator="one_step",  # or "elbo", "trajectory"
       elbo_samples=4,
       scale_by_std=False,
-      rewards=["sudoku4_solved"],  # the exact check; "sudoku": d1's fraction of blanks right
-      reward_weights=None,
+      rewards=("sudoku4_solved",),  # the exact check; "sudoku": d1's fraction of blanks right
+      # Typed placeholders (None until set), so that a command line can set them.
+      reward_weights=config_dict.placeholder(tuple),  # None: 1 each
+      prompts=config_dict.placeholder(str),  # text prompts' JSONL (task 'sft': its own file)
+      max_prompt_length=200,  # text prompts only, as the two below
+      max_completion_length=256,
+      chat=True,
   )
   # d1's rollouts: LLaDA's low-confidence decoding (the drawn token's probability, LLaDA's
   # even counts), at temperature 1 here; 4 steps for the 16 cells.

@@ -49,8 +49,8 @@ def get_config():
   c.rl.update(num_generations=6, num_iterations=12, epsilon=0.5, beta=0.04, p_mask_prompt=0.15,
               cfg_scale=0.0, estimator="one_step", max_prompt_length=200,
               max_completion_length=256, chat=True,
-              rewards=["gsm8k_xmlcount", "gsm8k_soft_format", "gsm8k_strict_format",
-                       "gsm8k_int", "gsm8k_correctness"])
+              rewards=("gsm8k_xmlcount", "gsm8k_soft_format", "gsm8k_strict_format",
+                       "gsm8k_int", "gsm8k_correctness"))
   c.sampler.update(family="confidence", steps=128, block_length=32, score="prob",
                    count_rule="even", temperature=0.9)
   return c

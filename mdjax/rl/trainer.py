@@ -131,9 +131,12 @@ def rl_options(config) -> dict:
            "be an integer >= 1")
   opts["sampler_steps"] = steps  # the trajectory's passes
   names = opts["rewards"]
-  if isinstance(names, str) or not names or not all(isinstance(n, str) for n in names):
+  if isinstance(names, str):  # "sudoku,sudoku4_solved"
+    names = (names,)
+  if not names or not all(isinstance(n, str) for n in names):
     refuse("rewards", "must be a non-empty list of reward names")
-  opts["rewards"] = tuple(names)
+  # A command line's --config.rl.rewards=a,b arrives as ("a,b",).
+  names = opts["rewards"] = tuple(n.strip() for joined in names for n in joined.split(","))
   for name in names:
     if name not in rewards_lib.names():
       refuse("rewards", f"{name!r} is not a registered reward; registered: "

@@ -246,3 +246,63 @@ def test_a_lora_run_trains_the_adapters_and_rolls_out_on_merged_weights(start, t
   merged, *_ = trainer.rollout(begin.denoiser, lora.merge(final.params, lora_config), key,
                                prompts, 2, 16, spec, sudoku4.MASK_ID)
   np.testing.assert_array_equal(adapted, merged)
+
+
+# ----------------------------------------------------------------------------
+# The command line: every rl field from train.py's flags; the documented start config.
+# ----------------------------------------------------------------------------
+
+
+def _train_py(*flags):
+  import subprocess
+  import sys
+  from tests.paths import REPO
+  return subprocess.run([sys.executable, "train.py", "--config=configs/grpo.py", *flags],
+                        cwd=REPO, capture_output=True, text=True, timeout=120,
+                        env=dict(os.environ, PYTHONPATH=REPO))
+
+
+# A value of each rl field other than its default, as a command line gives it.
+RL_FLAGS = {"num_generations": "4", "num_iterations": "2", "epsilon": "0.2", "beta": "0.0",
+            "p_mask_prompt": "0.5", "cfg_scale": "0.5", "estimator": "elbo", "elbo_samples": "2",
+            "scale_by_std": "True", "rewards": "sudoku,sudoku4_solved",
+            "reward_weights": "1.0,0.5", "prompts": "prompts.jsonl", "max_prompt_length": "40",
+            "max_completion_length": "8", "chat": "False"}
+
+
+def test_every_rl_field_is_set_by_train_py_flags(tmp_path):
+  # ml_collections refused a list or None field (rl.rewards, rl.reward_weights); every field
+  # is now in configs/grpo.py with a type a flag sets, and the checks accept the values.
+  assert sorted(grpo_config.get_config().rl) == sorted(RL_FLAGS) == sorted(trainer.DEFAULTS)
+  proc = _train_py(f"--workdir={tmp_path / 'w'}",
+                   *(f"--config.rl.{name}={value}" for name, value in RL_FLAGS.items()))
+  # Past every rl check, to the start point the run needs (none given).
+  assert proc.returncode == 2 and proc.stderr == (
+      "train.py: error: config field train.init_from='': objective 'grpo' fine-tunes a trained "
+      "model: an mdjax workdir or 'pretrained:DIR'.\n"), proc.stderr[-3000:]
+
+
+def test_rl_flags_reach_the_checks_as_values(tmp_path):
+  proc = _train_py(f"--workdir={tmp_path / 'w'}", "--config.rl.rewards=sudoku,sudoku4_solved",
+                   "--config.rl.reward_weights=(1.0,)")
+  assert proc.returncode == 2 and proc.stderr == (
+      "train.py: error: config field rl.reward_weights=(1.0,): must be None or 2 finite "
+      "numbers (one per reward).\n"), proc.stderr[-3000:]
+
+
+def test_the_sudoku4_config_makes_a_start_grpo_fine_tunes(tmp_path):
+  """configs/sudoku4.py (docs/post_training.md's start), shrunk by fields as flags would:
+  it trains, and configs/grpo.py runs a step from it with two weighted rewards."""
+  from configs import sudoku4 as sudoku4_config
+  c = sudoku4_config.get_config()
+  c.model.update(d_model=16, num_layers=1, num_heads=2, d_ff=32)  # the module's shapes
+  c.train.update(num_steps=2, warmup_steps=0)
+  c.batch_size, c.log_every = 8, 2
+  c.checkpoint.every = 2
+  start = str(tmp_path / "start")
+  assert int(train.train(c, start, log=_quiet).step) == 2
+  rl = _config(start, steps=1)
+  rl.rl.update(rewards=("sudoku", "sudoku4_solved"), reward_weights=(1.0, 0.5))
+  train.train(rl, str(tmp_path / "grpo"), log=_quiet)
+  (row,) = _rows(str(tmp_path / "grpo"))
+  assert np.isfinite(row["loss"]) and {"reward_sudoku", "reward_sudoku4_solved"} <= set(row)
