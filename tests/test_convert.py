@@ -245,7 +245,12 @@ def test_cli_one_line_naming_the_field(tmp_path, capsys):
                               f"--out={out}"])
   err = capsys.readouterr().err
   assert status == 2 and len(err.strip().splitlines()) == 1, err
-  assert err.startswith("error: mask_id=7 is the tokenizer's token")
+  assert err.startswith("mdjax.convert: error: mask_id=7 is the tokenizer's token")  # named
+  with pytest.raises(SystemExit) as usage:  # argparse's errors: the same name, one line
+    convert_main.main([f"--input={JUDGE}/qwen2", "--to=sideways", f"--out={out}"])
+  err = capsys.readouterr().err
+  assert usage.value.code == 2 and err.startswith("mdjax.convert: error: argument --to: "), err
+  assert len(err.strip().splitlines()) == 1, err
   assert os.listdir(tmp_path) == []
   os.makedirs(out / "x")
   with pytest.raises(ValueError, match="out=.* exists"):
@@ -354,3 +359,11 @@ def test_a_failed_conversion_removes_only_its_own_partial(tmp_path, monkeypatch)
   with pytest.raises(ValueError, match="stop"):
     convert.convert(os.path.join(JUDGE, "qwen2"), str(tmp_path / "out"), log=lambda m: None)
   assert os.listdir(tmp_path) == []
+
+
+def test_causal_export_errors_name_the_program(tmp_path, capsys):
+  from mdjax.convert import causal_export
+  status = causal_export.main([f"--workdir={tmp_path}", f"--out={tmp_path / 'llama'}"])
+  err = capsys.readouterr().err
+  assert status == 2 and err == (f"mdjax.convert.causal_export: error: workdir={str(tmp_path)!r} "
+                                 "holds no checkpoint.\n"), err

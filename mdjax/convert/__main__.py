@@ -2,19 +2,22 @@
 [--no_shift] [--layout=dream|llada|sdar|fast_dllm_v2] --out=DIR
 
 Writes the diffusion folder of a causal Llama / Qwen2 / Qwen3 folder (`mdjax.convert.a2d`).
-Bad input is one line on stderr naming the field, exit status 2, and no output folder.
+Bad input is one line on stderr, `mdjax.convert: error: ...` naming the field, exit status 2
+(1 for a failed read or write), and no output folder.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from mdjax import cli
 from mdjax.convert import a2d
+
+NAME = "mdjax.convert"
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m mdjax.convert", description=__doc__.split(
+  parser = cli.Parser(NAME, prog="python -m mdjax.convert", description=__doc__.split(
       "\n\n")[1])
   parser.add_argument("--input", required=True, help="the causal folder (config.json, "
                       "safetensors, tokenizer.json)")
@@ -34,8 +37,9 @@ def main(argv=None) -> int:
                 mask_id=args.mask_id, keep_shift=not args.no_shift, layout=args.layout,
                 log=lambda message: print(message, file=sys.stderr))
   except ValueError as error:
-    print(f"error: {error}", file=sys.stderr)
-    return 2
+    return cli.report(NAME, error, cli.USAGE)
+  except OSError as error:
+    return cli.report(NAME, error, cli.RUNTIME)
   return 0
 
 

@@ -171,10 +171,11 @@ def export_fresh(config, out: str, *, seed: int = 0) -> str:
 
 
 def main(argv=None) -> int:
-  import argparse
+  from mdjax import cli
 
-  parser = argparse.ArgumentParser(prog="python -m mdjax.convert.causal_export",
-                                   description=__doc__.splitlines()[0])
+  name = "mdjax.convert.causal_export"
+  parser = cli.Parser(name, prog="python -m mdjax.convert.causal_export",
+                      description=__doc__.splitlines()[0])
   parser.add_argument("--workdir", required=True, help="a mdjax workdir (objective 'causal')")
   parser.add_argument("--out", required=True, help="the Llama folder to write")
   parser.add_argument("--step", type=int, default=None, help="a checkpoint step (default newest)")
@@ -182,8 +183,9 @@ def main(argv=None) -> int:
   try:
     out = export(args.workdir, args.out, step=args.step)
   except ValueError as error:
-    print(f"error: {error}", file=sys.stderr)
-    return 2
+    return cli.report(name, error, cli.USAGE)
+  except OSError as error:
+    return cli.report(name, error, cli.RUNTIME)
   print(f"wrote {out}", file=sys.stderr)
   return 0
 
