@@ -147,7 +147,9 @@ class Model:
 class ConfiguredSampler:
   """A default sampler by family name and settings (`sampling.make_spec`): a workdir's
   `config.sampler`, or ancestral for a task's exact denoiser. `eos_id` ends rows at the
-  model's EOS when the spec leaves it unset; `steps` defaults to one token a step."""
+  model's EOS when the spec leaves it unset; `steps` defaults to `max_new_tokens` (as many steps
+  as new tokens: an ancestral step still reveals any number of positions, so two_color's
+  oracle writes invalid pairs at 1/(2K) = 25% with K = 2)."""
 
   family: str = "ancestral"
   settings: tuple[tuple[str, Any], ...] = ()

@@ -270,3 +270,15 @@ def test_results_index_lists_every_results_file():
   listed = set(re.findall(r"^\| `([^`]+)` \|", index, flags=re.M))
   present = {name for name in os.listdir(os.path.join(ROOT, "results")) if name != "README.md"}
   assert present == listed, (sorted(present - listed), sorted(listed - present))
+
+
+def test_each_listing_of_the_sampler_families_is_the_registry():
+  """A page that lists `families()` lists every registered family (generation.md once listed
+  11 of the 15)."""
+  from mdjax import sampling
+  listing = re.compile(r"families\(\)`[^(:\n]*[:(]\s*(\w+(?:,\s*\w+)+)\)")
+  found = [(page, sorted(re.split(r",\s*", m.group(1))))
+           for page in PAGES for m in listing.finditer(_read(page))]
+  assert len(found) >= 2, found  # generation.md and samplers.md
+  for page, names in found:
+    assert names == sorted(sampling.families()), page

@@ -135,3 +135,33 @@ def test_an_oracle_completes_id_prompts():
   assert [ids.tolist() for ids in out.token_ids] == [[0], [1]] and out.texts is not None
   with pytest.raises(ValueError, match=r"takes no padding .* give prompts of one length"):
     mdjax.generate(model, [[], [1]], spec=spec, max_new_tokens=1, key=jax.random.key(0))
+
+
+def test_the_oracles_default_sampler_writes_the_invalid_rate_the_docs_state():
+  # generation.md said "ancestral, one token a step", which reads as exact; the default runs
+  # K = max_new_tokens ancestral steps, and two_color's invalid rate is 1/(2K) = 25% at K = 2.
+  import re
+  with open(os.path.join(REPO, "docs", "generation.md"), encoding="utf-8") as f:
+    row = next(line for line in f if line.startswith('| a task name (`"two_color"`'))
+  stated = re.search(r"invalid pairs at 1/\(2K\) = (\d+)%", row)
+  assert stated and "one token a step" not in row, row
+  model, n = mdjax.load("two_color"), 4000
+  out = mdjax.generate(model, [[]] * n, max_new_tokens=2, key=jax.random.key(0))
+  invalid = float(np.mean([ids[0] != ids[1] for ids in out.token_ids]))
+  expected = int(stated.group(1)) / 100
+  assert abs(invalid - expected) < 4 * np.sqrt(expected * (1 - expected) / n), invalid
+  exact = mdjax.generate(model, [[]] * n, max_new_tokens=2, key=jax.random.key(0),
+                         spec=sampling.RandomOrderSpec())
+  assert all(ids[0] == ids[1] for ids in exact.token_ids)  # one position a step: exact
+
+
+def test_a_workdirs_default_steps_are_its_configs_else_max_new_tokens():
+  # docs/serving.md said a workdir's default steps follow max_tokens; they are the config's
+  # sampler.steps, and max_new_tokens only where the config leaves them None.
+  from mdjax.model import ConfiguredSampler
+  model = mdjax.load("two_color")
+  for settings, tokens, steps in (((("steps", 24),), 3, 24), ((("steps", 24),), 2, 24),
+                                  ((("steps", None),), 2, 2)):
+    sampler = ConfiguredSampler("ancestral", settings)
+    plan = sampler.plan(model, prompt_length=0, max_new_tokens=tokens)
+    assert plan.spec.steps == steps, (settings, tokens, plan.spec)
