@@ -90,7 +90,7 @@ def reference_bits_per_char(workdir: str, task: tasks.Task, tokens_NxL: np.ndarr
     raise app.UsageError(f"--reference={workdir!r} has windows of {reference.max_len} "
                          f"characters; the samples have {task.length}.")
   bits_N = elbo.causal_bits(reference.denoiser, reference.params, tokens_NxL,
-                                  start_id=reference.mask_id)
+                            start_id=reference.task.mask_id)  # its windows' start id
   return float(bits_N.mean() / task.length)
 
 
@@ -302,6 +302,7 @@ def load_model():
                          "sample a trained model with --workdir=DIR.")
   try:
     model = mdjax.load(path, **{k: v for k, v in kwargs.items() if v is not None})
+    model.mask_id  # a causal LM is refused here, with its own message
   except (ValueError, OSError) as error:
     raise app.UsageError(str(error)) from error
   if _WORKDIR.value:

@@ -17,6 +17,7 @@ import numpy as np
 
 from mdjax import sampling
 from mdjax.denoiser import Denoiser
+from mdjax.errors import ArgumentError
 
 WORKDIR_FAMILY = "mdjax"  # a model trained by train.py
 ORACLE_FAMILY = "oracle"  # a task's exact denoiser
@@ -61,7 +62,8 @@ class Model:
   task's exact denoiser. vocab_size: the ids a prompt or a sample may hold are [0,
   vocab_size), the mask id among them (a published LLaDA, Dream) or just past them (mdjax's
   models, MDLM, BD3-LM: mask id V). max_len: the positions it holds.
-  mask_id: None for a causal judge (reading `mask_id` is then a ValueError). eos_id / eot_id /
+  mask_id: None for a causal LM, a judge or a workdir of objective 'causal' (reading `mask_id`
+  is then an ArgumentError, a ValueError). eos_id / eot_id /
   pad_id: end of sequence, end of turn, the id left padding carries (never attended).
   encode(text, add_special_tokens=False) -> ids and decode(ids) -> text: its text codec (None
   for an id-only model). tokenizer: the codec's own object (a `tokenizers.Tokenizer`, a task's
@@ -113,9 +115,15 @@ class Model:
   @property
   def mask_id(self) -> int:
     if self.mask_id_or_none is None:  # every diffusion entry point reads it first
-      raise ValueError(f"this {self.family!r} checkpoint is a causal LM: it has no mask id and "
-                       "is not sampled by the diffusion samplers; it scores samples "
-                       "(mdjax.evaluate.generative_perplexity).")
+      if self.family == WORKDIR_FAMILY:
+        raise ArgumentError("model", f"workdir {self.source!r} holds a causal LM (objective "
+                            "'causal'), not a denoiser: the diffusion samplers do not sample "
+                            "it. It scores samples (sample.py --reference, mdjax.evaluate."
+                            "generative_perplexity) and draws left to right by mdjax.evaluate."
+                            "causal_sample.")
+      raise ArgumentError("model", f"this {self.family!r} checkpoint is a causal LM: it has no "
+                          "mask id and is not sampled by the diffusion samplers; it scores "
+                          "samples (mdjax.evaluate.generative_perplexity).")
     return self.mask_id_or_none
 
   @property
@@ -190,12 +198,14 @@ def task_codec(task) -> tuple[Callable | None, Callable | None]:
 
 
 def task_model(task, denoiser, params, *, family: str = WORKDIR_FAMILY,
-               sampler: DefaultSampler | None = None, **fields) -> Model:
+               sampler: DefaultSampler | None = None, causal: bool = False, **fields) -> Model:
   """The `Model` of a task's denoiser: a trained one (a workdir) or its exact one (family
-  "oracle": fixed positions, no padding)."""
+  "oracle": fixed positions, no padding). `causal`: a left-to-right LM trained on the task
+  (objective 'causal'), which has no mask id for the samplers (its start id is the task's)."""
   encode, decode = task_codec(task)
   return Model(denoiser=denoiser, params=params, family=family, vocab_size=task.vocab_size,
-               max_len=task.length, mask_id_or_none=task.mask_id, eos_id=task.eos_id,
+               max_len=task.length, mask_id_or_none=None if causal else task.mask_id,
+               eos_id=task.eos_id,
                encode=encode, decode=decode, tokenizer=task.tokenizer,
                sampler=sampler or ConfiguredSampler(eos_id=task.eos_id), task=task,
                takes_padding=family != ORACLE_FAMILY,

@@ -494,7 +494,8 @@ def load(workdir: str, step: int | None = None, log: Callable[[str], None] = _wa
   """The trained model of a workdir (a `mdjax.Model`, family "mdjax", its `task` and
   `config` the saved ones, its default sampler `config.sampler`): its newest readable
   checkpoint, or `step`. A LoRA run's (`train.lora`) is its adapters merged into the base
-  (`lora.merged`): plain params of the base layout, the base denoiser.
+  (`lora.merged`): plain params of the base layout, the base denoiser. A causal run's
+  (objective 'causal') has no mask id (`Model.mask_id` refuses the diffusion samplers).
 
   Reads only (a read-only workdir is fine); an unreadable newest checkpoint is reported in
   one line through `log` and the previous one is used. Orbax's own warnings are silenced.
@@ -536,7 +537,8 @@ def load(workdir: str, step: int | None = None, log: Callable[[str], None] = _wa
   sampler = model_lib.ConfiguredSampler(config.sampler.family, tuple(sorted(settings.items())),
                                         eos_id=built["task"].eos_id)
   return model_lib.task_model(built["task"], apply_fn, params, sampler=sampler,
-                              config=config, step=step, source=workdir)
+                              causal=config.get("objective") == "causal", config=config,
+                              step=step, source=workdir)
 
 
 def load_for_sampling(workdir: str, step: int | None = None):

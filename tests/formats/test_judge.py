@@ -92,3 +92,11 @@ def test_layout_refuses_what_it_cannot_express(tmp_path):
   assert again.config == model("llama").config
   for a, b in zip(jax.tree.leaves(again.params), jax.tree.leaves(model("llama").params)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_sample_py_refuses_a_published_causal_lm_in_one_line(sample_cli):
+  # Was an AttributeError traceback ('NoneType' object has no attribute 'knobs').
+  proc = sample_cli(f"--pretrained={os.path.join(FIXTURES, 'llama')}", "--num_samples=2")
+  assert proc.returncode == 1 and proc.stderr.strip().endswith(
+      "this 'llama' checkpoint is a causal LM: it has no mask id and is not sampled by the "
+      "diffusion samplers; it scores samples (mdjax.evaluate.generative_perplexity)."), proc.stderr

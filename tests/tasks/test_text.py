@@ -224,6 +224,27 @@ def test_sample_cli_errors(trained, sample_cli):
   assert "invalid_fraction  0.0" in proc.stdout
 
 
+def test_a_causal_workdir_is_refused_by_the_diffusion_samplers(trained, sample_cli):
+  # configs/shakespeare_causal.py's workdir was sampled by the diffusion samplers without a
+  # word (its next-token outputs read as denoiser logits); it stays a judge and a reference.
+  import mdjax
+  from mdjax.errors import ArgumentError
+  from mdjax.evaluate import gen_ppl
+  root, _ = trained
+  causal = str(root / "causal")
+  refusal = (f"workdir {causal!r} holds a causal LM (objective 'causal'), not a denoiser: the "
+             "diffusion samplers do not sample it.")
+  proc = sample_cli(f"--workdir={causal}", "--num_samples=2")
+  assert proc.returncode == 1 and refusal in proc.stderr, proc.stderr[-2000:]
+  model = mdjax.load(causal)
+  assert model.causal
+  with pytest.raises(ArgumentError, match="holds a causal LM") as info:
+    mdjax.generate(model, ["Thou"], max_new_tokens=4, key=jax.random.key(0))
+  assert info.value.param == "model" and str(info.value).startswith(refusal)
+  judge = gen_ppl.load_judge(model)  # still a judge, its start id the task's mask id
+  assert judge.start_id == model.task.mask_id
+
+
 # ----------------------------------------------------------------------------
 # One's own text: the config override, any character, sampling without the corpus.
 # ----------------------------------------------------------------------------
