@@ -431,7 +431,7 @@ def main(argv=None) -> int:
                        args.validation_fraction, args.shard_tokens, args.documents,
                        args.text_field, args.chunk_chars, args.bpe_training_chars,
                        args.eos_token)
-  except (UsageError, ArgumentError) as error:
+  except UsageError as error:
     return cli.report("prepare_data", error, cli.USAGE)
   except (ValueError, OSError, UnicodeDecodeError) as error:
     return cli.report("prepare_data", error, cli.RUNTIME)
