@@ -15,7 +15,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.schedule_kwargs = ml_collections.ConfigDict()  # e.g. power=3 for "polynomial"
   c.num_devices = 0  # 0: all local devices
   c.log_every = 50
-  c.eval_every = 0  # 0: evaluate only at the end
+  c.eval_every = 0  # evaluate every this many steps (0: never before the end)
+  c.eval_at_end = True  # and after the last step (False: no end-of-run evaluation)
   c.eval_batches = 4
   c.num_eval_samples = 200
   c.log_tensorboard = False  # also write metrics for TensorBoard (needs tensorboardX)

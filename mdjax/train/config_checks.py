@@ -148,7 +148,7 @@ def check_config(config) -> None:
       if not _number(lambda v: v >= 0, ">= 0")[0](value):
         refuse(f"train.lr_scales.{name}", value, "must be a finite number >= 0 (a multiplier "
                "of train.lr; 0 freezes)")
-  for path in ("model.remat", "train.measure_peak_flops"):
+  for path in ("model.remat", "train.measure_peak_flops", "eval_at_end"):
     value = _field(config, path)
     if value is not _ABSENT and not isinstance(value, bool):
       refuse(path, value, "must be True or False")

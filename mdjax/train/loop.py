@@ -238,6 +238,16 @@ def _evaluation(config, task: tasks.Task, apply_fn, state: TrainState, eval_loss
   return record
 
 
+def _evaluation_work(config, state: TrainState) -> str:
+  """What `_evaluation` computes, in words."""
+  work = f"{config.eval_batches} held-out batch(es)"
+  if state.ema_params is not None:
+    work += " for the EMA and the raw weights each"
+  if objectives.get(config.objective).samples and config.num_eval_samples:
+    work += f", {config.num_eval_samples} samples by sampler {config.sampler.family!r}"
+  return work
+
+
 def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
   num_devices = config.get("num_devices") or None
   if num_devices and distributed.is_multiprocess() and num_devices != jax.device_count():
@@ -330,7 +340,9 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
       step += 1
       pending = (step_metrics, step)
       save_now = step % config.checkpoint.every == 0 or step == num_steps
-      eval_now = step == num_steps or bool(config.eval_every and step % config.eval_every == 0)
+      periodic = bool(config.eval_every and step % config.eval_every == 0)
+      at_end = step == num_steps and config.get("eval_at_end", True)  # older configs lack it
+      eval_now = periodic or at_end
       if save_now or eval_now:
         # Never save a state whose loss was not finite; its row goes with the checkpoint.
         report(*pending)
@@ -342,9 +354,12 @@ def _train(config, workdir: str, log, interrupts: Interrupts) -> TrainState:
           clock.save(step)
         saved_step = step
       if eval_now:
+        if at_end:  # it may take minutes: say what runs and how to skip it
+          log(("\n" if tty else "") + f"end-of-run evaluation: {_evaluation_work(config, state)}"
+              " (--config.eval_at_end=False skips it)")
         record = {"step": step, **_evaluation(config, task, apply_fn, state, eval_loss)}
         metrics.write(record)
-        log(("\n" if tty else "") + "eval " + " ".join(
+        log(("\n" if tty and not at_end else "") + "eval " + " ".join(
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
       if save_now:
         curves.draw(last=step == num_steps)

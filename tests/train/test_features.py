@@ -223,3 +223,23 @@ def test_bf16_remat_accumulation_at_1024_keeps_float32_weights_and_logs_mfu(tmp_
   assert "tensor<2x1024x32xbf16>, tensor<32x96xbf16>" in text  # the qkv projection
   assert re.search(r"exponential %\w+ : tensor<2x2x1024x1024xf32>", text)  # the softmax
   assert "tensor<32x84xbf16>) -> tensor<2x1024x84xf32>" in text  # the head, into float32
+
+
+@pytest.mark.slow
+def test_the_end_of_run_evaluation_is_announced_and_eval_at_end_false_skips_it(tmp_path):
+  # configs/corpus.py's 40 steps spent 3 of 8 minutes in it, with eval_every=0 too.
+  config = _tiny(**{"train.num_steps": 2, "train.warmup_steps": 0, "checkpoint.every": 2,
+                    "log_every": 1, "eval_batches": 1, "num_eval_samples": 4})
+  for eval_at_end in (True, False):
+    config.eval_at_end = eval_at_end
+    workdir, lines = tmp_path / str(eval_at_end), []
+    train.train(config, str(workdir), log=lines.append)
+    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    evals = [r["step"] for r in rows if "val_bits_per_token" in r]
+    notice = [line for line in lines if line.startswith("end-of-run evaluation: ")]
+    if eval_at_end:
+      assert evals == [2] and notice == [
+          "end-of-run evaluation: 1 held-out batch(es), 4 samples by sampler 'random_order' "
+          "(--config.eval_at_end=False skips it)"], lines
+    else:
+      assert evals == [] and notice == [], lines

@@ -137,7 +137,7 @@ BAD_CONFIGS = [
     ("num_eval_samples", -3), ("checkpoint.every", 0), ("checkpoint.keep", 0),
     ("model.d_model", 0), ("model.num_layers", 0), ("model.num_heads", 0),
     ("model.num_heads", 3), ("model.d_ff", -4), ("sampler.steps", 0),
-    ("objective", "elbo"), ("log_tensorboard", "yes"),
+    ("objective", "elbo"), ("log_tensorboard", "yes"), ("eval_at_end", "no"),
 ]
 
 
