@@ -48,12 +48,17 @@ def steady_client(base_url: str, model_name: str, fields: dict, stop: threading.
     seed += 1
 
 
-def new_settings(base_url: str, model_name: str, fields: dict, count: int) -> dict:
-  """`count` requests, each with its own temperature: {status: requests}."""
+def new_settings(base_url: str, model_name: str, fields: dict, count: int,
+                 min_seconds: float, rss_mb: list) -> dict:
+  """`count` requests, each with its own temperature (again from the first while fewer than
+  `min_seconds` have passed, so a fast refusal is still measured against the steady
+  client), the RSS after each of the first `count` in `rss_mb`: {status: requests}."""
   import openai
   api = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
   statuses: dict[str, int] = {}
-  for i in range(count):
+  started, sent = time.perf_counter(), 0
+  while sent < count or time.perf_counter() - started < min_seconds:
+    i, sent = sent % count, sent + 1
     try:
       api.completions.create(model=model_name, prompt="JULIET.\nO Romeo", seed=i,
                              **{**fields, "temperature": 0.5 + i / 100})
@@ -61,6 +66,8 @@ def new_settings(base_url: str, model_name: str, fields: dict, count: int) -> di
     except openai.APIStatusError as error:
       status = str(error.status_code)
     statuses[status] = statuses.get(status, 0) + 1
+    if sent <= count:
+      rss_mb.append(resident_bytes() / 2**20)
   return statuses
 
 
@@ -102,7 +109,8 @@ def run_mode(model, mode: str, args, log=print) -> dict:
     sampler.start()
     steady.start()
     started = time.perf_counter()
-    statuses = new_settings(base, "bench", fields, args.settings)
+    rss_mb: list[float] = []
+    statuses = new_settings(base, "bench", fields, args.settings, args.quiet_s, rss_mb)
     settings_s = time.perf_counter() - started
     stop.set()
     steady.join()
@@ -117,13 +125,27 @@ def run_mode(model, mode: str, args, log=print) -> dict:
              rss_before_mb=rss_before / 2**20, rss_peak_mb=peak[0] / 2**20,
              rss_after_mb=rss_after / 2**20,
              rss_growth_per_setting_mb=(rss_after - rss_before) / 2**20 / args.settings,
+             rss_mb_after_setting=rss_mb,
+             # The default setting holds a lane: after setting max_programs - 2 (from 0) every
+             # lane is held and each new setting drops one, so from there on the RSS should
+             # stay flat (the bound), whatever the number of settings.
+             rss_growth_once_full_mb=_growth_once_full(rss_mb, args.max_programs - 2),
              lanes_built=stats.lanes_built, lanes_evicted=stats.lanes_evicted,
              lanes_held=stats.lanes, compiles=stats.compiles)
+  log(f"{mode}: RSS after each setting {[round(mb) for mb in rss_mb]} MB")
   log(f"{mode}: p99 {quiet_row['p99_s']:.3f} s quiet -> {during_row['p99_s']:.3f} s during "
       f"({row['p99_ratio']:.2f}x); RSS {row['rss_before_mb']:.0f} -> {row['rss_after_mb']:.0f}"
       f" MB (peak {row['rss_peak_mb']:.0f}); {statuses}; {stats.lanes_built} lanes built, "
       f"{stats.lanes_evicted} evicted, {settings_s:.0f} s")
   return row
+
+
+def _growth_once_full(rss_mb: list, full: int) -> float | None:
+  """The most the RSS rose above its value after setting `full` (None: too few)."""
+  full = max(0, full)
+  if len(rss_mb) <= full + 1:
+    return None
+  return max(rss_mb[full + 1:]) - rss_mb[full]
 
 
 def _after(count: int) -> threading.Event:
