@@ -4,6 +4,7 @@
   a published Hugging Face folder (config.json), or a torch / Lightning .ckpt
                                                          -> `mdjax.io.load`
   a task's name ("two_color", "oracle:scan_and_add")    -> the task's exact denoiser
+      (noise="uniform" / "hybrid" / a `mdjax.noise` process: exact under that process)
 
 Whatever it was, the result is one `mdjax.Model`, which `mdjax.generate`, sample.py, the
 lm-eval model and generative perplexity take as it is.
@@ -14,7 +15,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from mdjax import errors
 from mdjax import mesh as mesh_lib
+from mdjax import noise as noise_lib
 from mdjax import io, tasks, train
 from mdjax.model import ORACLE_FAMILY, Model, task_model
 
@@ -42,19 +45,24 @@ def kind_of(path: str) -> str:
 
 
 def load(path: str, *, dtype: str | None = None, mesh=None, step: int | None = None,
-         task_kwargs: dict | None = None, **kwargs: Any) -> Model:
+         task_kwargs: dict | None = None, noise=None, **kwargs: Any) -> Model:
   """The model at `path` (module docstring) as a `Model`.
 
   dtype: a published checkpoint's ("float32", "bfloat16"; None keeps the checkpoint's).
   mesh: the params stored sharded over it (the FSDP rule of `mdjax.mesh`). step: a
   workdir's checkpoint step (default the newest readable). task_kwargs: an oracle task's
-  parameters. Other keywords go to the loader of that kind (`mdjax.io.load`'s config= and
+  parameters. noise: an oracle's noise process, by name ("absorbing", "uniform", "hybrid",
+  each with the linear schedule) or as a `mdjax.noise` process value; the model is the exact
+  posterior p(x0_i | x_t) under it, by enumerating the task's law (`Task.support`; a task
+  whose law is too large says so), with params the enumerated law and `Model.noise` the
+  process. None (the default) is the task's own absorbing oracle. Other keywords go to the loader of that kind (`mdjax.io.load`'s config= and
   ema=, `train.load`'s log=). Every argument that does not apply to the kind found is a
   ValueError naming it.
   """
   kind = kind_of(path)
-  given = {"dtype": dtype, "step": step, "task_kwargs": task_kwargs}
-  applies = {"workdir": ("step",), "published": ("dtype",), "oracle": ("task_kwargs",)}[kind]
+  given = {"dtype": dtype, "step": step, "task_kwargs": task_kwargs, "noise": noise}
+  applies = {"workdir": ("step",), "published": ("dtype",),
+             "oracle": ("task_kwargs", "noise")}[kind]
   wrong = [name for name, value in given.items() if value is not None and name not in applies]
   if wrong:
     raise ValueError(f"{wrong[0]}={given[wrong[0]]!r} does not apply to {path!r}, a {kind} "
@@ -72,7 +80,24 @@ def load(path: str, *, dtype: str | None = None, mesh=None, step: int | None = N
     task = tasks.get(name, task_kwargs)
     if task.exact_denoiser is None:
       raise ValueError(f"task={name!r} has no exact denoiser to load.")
-    model = task_model(task, task.exact_denoiser, None, family=ORACLE_FAMILY, source=name)
+    model = oracle_model(task, name, noise)
   if mesh is not None and model.params is not None:
     model = model.replace(params=mesh_lib.shard_params(mesh, model.params))
   return model
+
+
+def oracle_model(task, name: str, noise=None) -> Model:
+  """The task's exact denoiser as a Model: its own (absorbing) one, or under `noise`."""
+  if noise is None:
+    return task_model(task, task.exact_denoiser, None, family=ORACLE_FAMILY, source=name)
+  process = noise_lib.as_process(noise, task.vocab_size)
+  if isinstance(process, noise_lib.Absorbing):  # t-free: the task's own oracle is exact
+    return task_model(task, task.exact_denoiser, None, family=ORACLE_FAMILY, source=name,
+                      noise=process)
+  if task.support is None:
+    raise errors.ArgumentError("noise", f"noise={noise!r} is invalid for task {name!r}: it "
+                               "has no enumerable law (Task.support), so no exact denoiser "
+                               "under other noise; only noise=None or 'absorbing'.")
+  support = task.support()
+  return task_model(task, noise_lib.exact_denoiser(process), support.arrays,
+                    family=ORACLE_FAMILY, source=name, noise=process)

@@ -75,6 +75,9 @@ class Model:
   Dream), so it can be served on a longer canvas (`mdjax.serve`); LLaDA's positions are
   absolute.
 
+  noise: the `mdjax.noise` process the denoiser is exact under or was trained for (None:
+  absorbing, what every sampler assumes).
+
   Where it came from: config (a workdir's ConfigDict, a published PublishedConfig /
   DiTConfig), source (the folder or workdir), task (a workdir's or oracle's `Task`), step (a
   workdir's checkpoint step); a published folder's hf_config (config.json as read), buffers
@@ -98,6 +101,7 @@ class Model:
   sampler: DefaultSampler | None = None
   takes_padding: bool = True
   padding_invariant: bool = False
+  noise: Any = None
   config: Any = None
   source: str | None = None
   task: Any = None

@@ -24,8 +24,9 @@ class Task:
   {name: float}`. Optional (None when the task has none): `validation_data` (held-out draws;
   defaults to `sample_data`), `checks(tokens_BxL) -> {name: bool_B}`, `exact_denoiser` (the
   denoiser contract, exact), `is_impossible(tokens_BxL) -> bool_B`, `encode(text) -> ids`,
-  `tokenizer`, `eos_id` (text of documents: the end-of-sequence id), `params` (the bound task
-  parameters), `corpus` and `validation_windows(n)` (text). `metadata` is what a checkpoint keeps to rebuild the task with the same ids.
+  `tokenizer`, `eos_id` (text of documents: the end-of-sequence id), `support() ->
+  mdjax.noise.Support` (the law enumerated, for exact denoisers under any noise process; an
+  ArgumentError where it is too large to enumerate), `params` (the bound task parameters), `corpus` and `validation_windows(n)` (text). `metadata` is what a checkpoint keeps to rebuild the task with the same ids.
   `inputs_sha256`: a hash of what the task was built from (a prepared corpus's data; an SFT
   run's examples and published start point), which a resumed run matches in place of the
   paths that name them, so a workdir and its inputs may move.
@@ -42,6 +43,7 @@ class Task:
   validation_data: Callable[[jax.Array, int], jax.Array] | None = None
   checks: Callable[[Any], dict] | None = None
   exact_denoiser: Callable | None = None
+  support: Callable[[], Any] | None = None
   is_impossible: Callable[[Any], Any] | None = None
   encode: Callable[[str], Any] | None = None
   tokenizer: Any = None

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from fractions import Fraction
 
@@ -35,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mdjax.noise import exact
 from mdjax.tasks import permutation
 from mdjax.tasks.base import Task
 
@@ -239,6 +241,28 @@ def make_exact_denoiser(params: Params = Params()):
   return exact_denoiser
 
 
+@functools.lru_cache(maxsize=4)
+def support(params: Params = Params()) -> exact.Support:
+  """The law enumerated: every ordered prompt of n distinct items from m, with each output of
+  the kind (copy: 1, replace: n, shuffle: n!), uniform."""
+  n, m = params.n, params.m
+  outputs = {"copy": 1, "replace": n, "shuffle": math.factorial(n)}[params.kind]
+  count = math.perm(m, n) * outputs
+  exact.check_enumerable(f"list_{params.kind}", count, params.length, params.vocab_size)
+  prompts_PxN = np.array(list(itertools.permutations(range(m), n)), np.int32)
+  if params.kind == "copy":
+    out_PxKxN = prompts_PxN[:, None]
+  elif params.kind == "shuffle":
+    orders_KxN = np.array(list(itertools.permutations(range(n))))
+    out_PxKxN = prompts_PxN[:, orders_KxN]
+  else:
+    at_KxN = np.eye(n, dtype=bool)
+    out_PxKxN = np.where(at_KxN[None], params.marker, prompts_PxN[:, None])
+  rows = np.concatenate([np.broadcast_to(prompts_PxN[:, None], out_PxKxN.shape), out_PxKxN], -1)
+  return exact.Support.of_sequences(rows.reshape(count, params.length), np.full(count, 1.0 / count),
+                                    params.vocab_size)
+
+
 def is_impossible(tokens_BxL, params: Params = Params()):
   return ~exact_probs(tokens_BxL, params)[1]
 
@@ -329,4 +353,4 @@ def make_task(params: Params = Params()) -> Task:
               mask_id=params.mask_id, sample_data=bound(sample_data), decode=bound(decode),
               sample_metrics=bound(sample_metrics), checks=bound(checks),
               is_impossible=bound(is_impossible), exact_denoiser=make_exact_denoiser(params),
-              params=params)
+              support=bound(support), params=params)

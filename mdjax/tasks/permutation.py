@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from fractions import Fraction
 
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mdjax.noise import exact
 from mdjax.tasks.base import Task
 
 
@@ -174,6 +176,15 @@ def _check_sizes(n: int, steps: int) -> None:
     raise ValueError(f"steps={steps!r} must be a positive integer.")
 
 
+@functools.lru_cache(maxsize=4)
+def support(params: Params = DEFAULT) -> exact.Support:
+  """The law enumerated: the n! permutations, uniform (n <= 8 fits)."""
+  count = math.factorial(params.n)
+  exact.check_enumerable("permutation", count, params.n, params.n)
+  perms = np.array(list(itertools.permutations(range(params.n))), np.int32)
+  return exact.Support.of_sequences(perms, np.full(count, 1.0 / count), params.n)
+
+
 def bind(**params_kwargs) -> Task:
   """This task with other parameters (`Params(**params_kwargs)`) as a Task value."""
   fields = {f.name for f in dataclasses.fields(Params)}
@@ -192,4 +203,4 @@ def make_task(params: Params = DEFAULT) -> Task:
               mask_id=params.mask_id, sample_data=bound(sample_data), decode=bound(decode),
               sample_metrics=bound(sample_metrics), checks=bound(checks),
               is_impossible=bound(is_impossible), exact_denoiser=make_exact_denoiser(params),
-              params=params)
+              support=bound(support), params=params)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mdjax.noise import exact
 from mdjax.tasks.base import Task
 
 VALS, OPS, ANS, PAD, MASK_ID = 10, 11, 12, 13, 14
@@ -168,7 +169,8 @@ def make_task(params: Params = DEFAULT) -> Task:
   return Task(name="scan_and_add", length=params.length, vocab_size=VOCAB_SIZE, mask_id=MASK_ID,
               sample_data=bound(sample_data), decode=bound(decode),
               sample_metrics=bound(sample_metrics), checks=bound(checks),
-              is_impossible=bound(is_impossible), exact_denoiser=denoiser, params=params)
+              is_impossible=bound(is_impossible), exact_denoiser=denoiser, support=bound(support),
+              params=params)
 
 
 # ----------------------------------------------------------------------------
@@ -294,6 +296,44 @@ def make_exact_denoiser(params: Params = DEFAULT):
 
 
 exact_denoiser = make_exact_denoiser(DEFAULT)
+
+
+@functools.lru_cache(maxsize=4)
+def support(params: Params = DEFAULT) -> exact.Support:
+  """The law enumerated as a mixture of product laws: one component per (arrangement, value x
+  read by the first add, value y by the second; x = y where both adds read one head), with
+  the answer its digits, the other values uniform digits and each command uniform over its
+  kind's ids."""
+  p = params
+  arr_Ax2 = arrangements(p)
+  heads_Ax2 = arr_Ax2 - np.arange(2)[None]
+  x_K, y_K = np.divmod(np.arange(NUM_DIGITS**2), NUM_DIGITS)
+  a_S, k_S = np.divmod(np.arange(len(arr_Ax2) * NUM_DIGITS**2), NUM_DIGITS**2)
+  h1_S, h2_S = heads_Ax2[a_S, 0], heads_Ax2[a_S, 1]
+  keep_S = (h1_S != h2_S) | (x_K[k_S] == y_K[k_S])
+  a_S, x_S, y_S, h1_S, h2_S = a_S[keep_S], x_K[k_S][keep_S], y_K[k_S][keep_S], h1_S[keep_S], h2_S[keep_S]
+  count = len(a_S)
+  exact.check_enumerable("scan_and_add", count, p.length, VOCAB_SIZE)
+  eye = np.eye(VOCAB_SIZE, dtype=np.float32)
+  laws = np.zeros((count, p.length, VOCAB_SIZE), np.float32)
+  for pos, marker in ((0, VALS), (p.ans_marker_pos, ANS), (p.ops_marker_pos, OPS)):
+    laws[:, pos] = eye[marker]
+  values_SxNxV = np.broadcast_to(np.pad(np.full(NUM_DIGITS, 1.0 / NUM_DIGITS, np.float32),
+                                        (0, VOCAB_SIZE - NUM_DIGITS)), (count, p.n, VOCAB_SIZE)).copy()
+  rows = np.arange(count)
+  values_SxNxV[rows, h1_S] = eye[x_S]
+  values_SxNxV[rows, h2_S] = eye[y_S]
+  laws[:, p.value_pos] = values_SxNxV
+  for pos, digit_S in zip(p.answer_pos, answer_digits(x_S % p.modulus + y_S % p.modulus)):
+    laws[:, pos] = eye[digit_S]
+  add_V = eye[p.add_ids].mean(0)
+  right_V = eye[p.right_ids].mean(0)
+  is_add_SxC = np.zeros((count, p.num_commands), bool)
+  is_add_SxC[rows, arr_Ax2[a_S, 0]] = True
+  is_add_SxC[rows, arr_Ax2[a_S, 1]] = True
+  laws[:, p.command_pos] = np.where(is_add_SxC[..., None], add_V, right_V)
+  probs_S = np.where(h1_S == h2_S, 1.0 / NUM_DIGITS, 1.0 / NUM_DIGITS**2) / len(arr_Ax2)
+  return exact.Support(laws, probs_S.astype(np.float32))
 
 
 def is_impossible(tokens_BxL: jax.Array, params: Params = DEFAULT) -> jax.Array:

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mdjax.noise import exact
 from mdjax.tasks.base import Task
 
 NUM_DIGITS = 4
@@ -137,6 +138,18 @@ def _exact_probs(tokens_BxL, prior_LxV, given_probability: float):
   return jnp.where(visible[..., None], onehot, probs), possible_B
 
 
+@functools.lru_cache(maxsize=4)
+def support(params: Params = DEFAULT) -> exact.Support:
+  """The law enumerated: one component per solved grid (uniform), each prompt cell its digit
+  with probability given_probability else BLANK, each solution cell its digit."""
+  grid_GxC = grids()
+  digits_GxCxV = np.eye(VOCAB_SIZE, dtype=np.float32)[grid_GxC]
+  blank_V = np.eye(VOCAB_SIZE, dtype=np.float32)[BLANK]
+  prompt = params.given_probability * digits_GxCxV + (1.0 - params.given_probability) * blank_V
+  laws = np.concatenate([prompt, digits_GxCxV], 1).astype(np.float32)
+  return exact.Support(laws, np.full(len(grid_GxC), 1.0 / len(grid_GxC), np.float32))
+
+
 def make_exact_denoiser(params: Params = DEFAULT):
   """The denoiser contract for these parameters (its params and t_B are unused)."""
 
@@ -226,4 +239,4 @@ def make_task(params: Params = DEFAULT) -> Task:
               sample_data=bound(sample_data), decode=bound(decode),
               sample_metrics=bound(sample_metrics), checks=bound(checks),
               is_impossible=bound(is_impossible), exact_denoiser=make_exact_denoiser(params),
-              params=params)
+              support=bound(support), params=params)

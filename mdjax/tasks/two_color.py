@@ -14,6 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from mdjax.noise import exact
 from mdjax.tasks.base import Task
 
 RED, BLUE = 0, 1
@@ -68,9 +69,14 @@ def sample_metrics(tokens_BxL: jax.Array) -> dict[str, float]:
   return {"invalid_fraction": float(invalid_fraction(tokens_BxL))}
 
 
+def support() -> exact.Support:
+  """The law enumerated: "red red" and "blue blue", 1/2 each."""
+  return exact.Support.of_sequences([[RED, RED], [BLUE, BLUE]], [0.5, 0.5], VOCAB_SIZE)
+
+
 TASK = Task(name="two_color", length=LENGTH, vocab_size=VOCAB_SIZE, mask_id=MASK_ID,
             sample_data=sample_data, decode=decode, sample_metrics=sample_metrics,
-            exact_denoiser=exact_denoiser)
+            exact_denoiser=exact_denoiser, support=support)
 
 
 def bind(**task_kwargs) -> Task:
