@@ -55,8 +55,8 @@ def load(path: str, *, dtype: str | None = None, mesh=None, step: int | None = N
   each with the linear schedule) or as a `mdjax.noise` process value; the model is the exact
   posterior p(x0_i | x_t) under it, by enumerating the task's law (`Task.support`; a task
   whose law is too large says so), with params the enumerated law and `Model.noise` the
-  process. None (the default) is the task's own absorbing oracle. Other keywords go to the loader of that kind (`mdjax.io.load`'s config= and
-  ema=, `train.load`'s log=). Every argument that does not apply to the kind found is a
+  process. None (the default) is the task's own absorbing oracle. Other keywords go to the
+  loader of that kind (`mdjax.io.load`'s config= and ema=, `train.load`'s log=). Every argument that does not apply to the kind found is a
   ValueError naming it.
   """
   kind = kind_of(path)

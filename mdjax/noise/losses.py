@@ -3,8 +3,8 @@
 For any interpolating process (`mdjax.noise.process`) the continuous-time NELBO of a sequence
 (GIDD, von Rütte et al. 2025, Thm. 3.6) is
 
-    NELBO(x0) = int_0^1 E_{z ~ q_t(.|x0)} sum_i w_t(z_i, x0_i) [ KL(q_t(.|x0_i) || q_t(.|w_i))
-                                                               + D_IS(q_t(z_i|x0_i) / q_t(z_i|w_i)) ] dt,
+    NELBO(x0) = int_0^1 E_{z ~ q_t(.|x0)} sum_i w_t(z_i, x0_i) [KL(q_t(.|x0_i) || q_t(.|w_i))
+                                                   + D_IS(q_t(z_i|x0_i) / q_t(z_i|w_i))] dt,
 
 with the ELBO weight w_t(z, x0) = omega_t(z) / q_t(z | x0) (omega: the process's jump rates),
 D_IS(r) = r - log r - 1, and w_i the model's plug-in weights: the denoiser's posterior p(x0_i |

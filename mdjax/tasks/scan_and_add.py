@@ -311,15 +311,17 @@ def support(params: Params = DEFAULT) -> exact.Support:
   a_S, k_S = np.divmod(np.arange(len(arr_Ax2) * NUM_DIGITS**2), NUM_DIGITS**2)
   h1_S, h2_S = heads_Ax2[a_S, 0], heads_Ax2[a_S, 1]
   keep_S = (h1_S != h2_S) | (x_K[k_S] == y_K[k_S])
-  a_S, x_S, y_S, h1_S, h2_S = a_S[keep_S], x_K[k_S][keep_S], y_K[k_S][keep_S], h1_S[keep_S], h2_S[keep_S]
+  a_S, x_S, y_S = a_S[keep_S], x_K[k_S][keep_S], y_K[k_S][keep_S]
+  h1_S, h2_S = h1_S[keep_S], h2_S[keep_S]
   count = len(a_S)
   exact.check_enumerable("scan_and_add", count, p.length, VOCAB_SIZE)
   eye = np.eye(VOCAB_SIZE, dtype=np.float32)
   laws = np.zeros((count, p.length, VOCAB_SIZE), np.float32)
   for pos, marker in ((0, VALS), (p.ans_marker_pos, ANS), (p.ops_marker_pos, OPS)):
     laws[:, pos] = eye[marker]
-  values_SxNxV = np.broadcast_to(np.pad(np.full(NUM_DIGITS, 1.0 / NUM_DIGITS, np.float32),
-                                        (0, VOCAB_SIZE - NUM_DIGITS)), (count, p.n, VOCAB_SIZE)).copy()
+  uniform_digit_V = np.pad(np.full(NUM_DIGITS, 1.0 / NUM_DIGITS, np.float32),
+                           (0, VOCAB_SIZE - NUM_DIGITS))
+  values_SxNxV = np.broadcast_to(uniform_digit_V, (count, p.n, VOCAB_SIZE)).copy()
   rows = np.arange(count)
   values_SxNxV[rows, h1_S] = eye[x_S]
   values_SxNxV[rows, h2_S] = eye[y_S]
