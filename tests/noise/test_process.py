@@ -187,3 +187,21 @@ def test_bad_input_names_the_argument():
     assert info.value.param == param, (param, str(info.value))
   assert noise.get("hybrid", V, schedule="cosine").schedule == diffusion.CosineSchedule()
   assert math.isclose(noise.Hybrid(vocab_size=V).scale, 2 * 0.1 / 0.9)
+
+
+@pytest.mark.parametrize("schedule", [diffusion.CosineSchedule(), diffusion.PolynomialSchedule(
+    power=3.0), diffusion.LogLinearSchedule()], ids=repr)
+@pytest.mark.parametrize("name", NAMES)
+def test_derivatives_under_any_schedule(name, schedule):
+  """`derivatives` is the time derivative of `coefficients` (central differences) for other
+  schedules too (hybrid: GIDD's process at tau = 1 - alpha_schedule(t), by the chain rule)."""
+  p = noise.get(name, V, schedule=schedule)
+  t_B = jnp.array([0.1, 0.35, 0.6, 0.85])
+  h = 1e-3
+  up, down = p.coefficients(t_B + h), p.coefficients(t_B - h)
+  for got, hi, lo in zip(p.derivatives(t_B), up, down):
+    np.testing.assert_allclose(np.asarray(got), (np.asarray(hi) - np.asarray(lo)) / (2 * h),
+                               rtol=2e-3, atol=2e-3)
+  alpha, mask, uniform = p.coefficients(t_B)
+  np.testing.assert_allclose(np.asarray(alpha + mask + uniform), 1.0, atol=1e-6)
+  assert (np.asarray(p.jump_rates(t_B)) >= 0).all()
