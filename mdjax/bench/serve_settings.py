@@ -85,7 +85,7 @@ def run_mode(model, mode: str, args, log=print) -> dict:
   fields = dict(max_tokens=args.max_tokens, temperature=1.0,
                 extra_body=dict(steps=args.steps))
   with running(model, model_name="bench", max_batch=args.max_batch,
-               max_programs=args.max_programs) as server:
+               max_programs=args.max_programs, canvas_length=args.canvas_length) as server:
     engine = server.engine
     if mode == "refuse":  # the default setting is the one this server compiles
       engine.warm(engine.prepare("ROMEO.\nBut soft", max_new_tokens=args.max_tokens, seed=0,
@@ -175,6 +175,8 @@ def main(argv: Sequence[str] | None = None, log=print) -> dict:
   parser.add_argument("--max_programs", type=int, default=4)
   parser.add_argument("--max_batch", type=int, default=4)
   parser.add_argument("--max_tokens", type=int, default=16)
+  parser.add_argument("--canvas_length", type=int, default=None,
+                      help="each row's canvas (default: the model's length)")
   parser.add_argument("--steps", type=int, default=16)
   parser.add_argument("--quiet_s", type=float, default=20.0)
   parser.add_argument("--modes", default=",".join(MODES))
