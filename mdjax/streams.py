@@ -32,6 +32,7 @@ class StepStream(enum.IntEnum):
   SELECT = 3  # Gumbel noise of MaskGIT's choice temperature
   SCORE = 4  # the `random` confidence score
   ORDER = 5  # a random write order (drawn once, from the INIT key)
+  RENOISE = 6  # uniform tokens that re-noise the positions a step does not keep
   DRAFT = 10  # speculative drafts
   ACCEPT = 11  # speculative acceptance tests
   RESIDUAL = 12  # speculative residual draws
@@ -44,7 +45,7 @@ class RowStream(enum.IntEnum):
   EVAL_DATA = 1 << 30  # training: held-out batches, never a training step's batch
   LOCAL_ROUND = 0x3FFFFFFF  # localized remasking: round r uses LOCAL_ROUND - r
   LOCAL_CHOICE = 0x7FFFFFFE  # localized remasking: the remask choice within a round
-  INIT = 0x7FFFFFFF  # sampling: draws made once before the loop (a random order)
+  INIT = 0x7FFFFFFF  # sampling: draws made once before the loop (a random order, a prior canvas)
 
 
 def check_steps(num_steps: int) -> None:

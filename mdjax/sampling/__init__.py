@@ -32,12 +32,14 @@ from mdjax.sampling.kv_cache import offers_cache, recompute_cache
 from mdjax.sampling.block_generation import BlocksResult, sample_blocks
 from mdjax.sampling.guidance import classifier_free
 from mdjax.sampling.reveal import time_grid
+from mdjax.sampling.revising import with_noise
 from mdjax.sampling.scores import SCORES
 # Each family module registers its family on import.
 from mdjax.sampling.families.ancestral import AncestralSpec
 from mdjax.sampling.families.bd3lm import BD3LMSpec
 from mdjax.sampling.families.confidence import ConfidenceSpec
 from mdjax.sampling.families.defer import DeferSpec
+from mdjax.sampling.families.diffusion_gemma import DiffusionGemmaSpec
 from mdjax.sampling.families.dream import DreamSpec
 from mdjax.sampling.families.entropy_bounded import EntropyBoundedSpec
 from mdjax.sampling.families.fast_dllm_v2 import FastDllmV2Spec
@@ -49,6 +51,7 @@ from mdjax.sampling.families.random_order import RandomOrderSpec
 from mdjax.sampling.families.remask import RemaskSpec
 from mdjax.sampling.families.revision import RevisionSpec
 from mdjax.sampling.families.speculative import SpeculativeSpec
+from mdjax.sampling.families.uniform_ancestral import UniformAncestralSpec
 # Importing the subpackage bound its module to the name `families`; the registry function
 # keeps the public name (the modules stay importable as `mdjax.sampling.families.<name>`).
 from mdjax.sampling.base import families  # noqa: E402,F811
@@ -56,10 +59,10 @@ from mdjax.sampling.base import families  # noqa: E402,F811
 __all__ = [
     "AncestralSpec", "BD3LMSpec", "BlocksResult", "BoundDenoiser", "Canvas", "Carry",
     "ConfidenceSpec", "Counters", "Prepared", "Stepper", "prepare",
-    "DeferSpec", "Denoiser", "DreamSpec", "EndOfRow", "classifier_free",
+    "DeferSpec", "Denoiser", "DiffusionGemmaSpec", "DreamSpec", "EndOfRow", "classifier_free",
     "EntropyBoundedSpec", "Family", "FastDllmV2Spec", "FieldOrderSpec", "IDLE_FRACTION_TO_SKIP", "KV_CACHES", "LocalRemaskSpec", "MDLMSpec", "OrderedSpec",
     "RandomOrderSpec", "RemaskSpec",
-    "RevisionSpec", "SCORES", "SampleResult", "SamplerSpec", "SpeculativeSpec", "families",
+    "RevisionSpec", "SCORES", "UniformAncestralSpec", "with_noise", "SampleResult", "SamplerSpec", "SpeculativeSpec", "families",
     "family_of", "lower", "make_spec", "num_steps", "offers_cache", "parse_groups", "parse_write_order",
     "recompute_cache", "register", "row_keys", "sample", "sample_blocks", "sample_python_loop",
     "time_grid",

@@ -446,6 +446,15 @@ class Family:
   rewrites: ClassVar[bool] = False  # visible tokens may change or return to the mask (never idle)
   # decodes semi-autoregressive blocks (`block_length`): a KV cache can serve its window
   decodes_blocks: ClassVar[bool] = False
+  # A rewriting family whose rows may stop before the last step (`active_rows` says which
+  # still run): the program may then jump over the steps after every row stopped.
+  stops_early: ClassVar[bool] = False
+  # The noise processes (`mdjax.noise` names) whose models it samples; None: any, read as
+  # absorbing (every family before uniform noise). `mdjax.generate` checks `Model.noise`.
+  noise_kinds: ClassVar[tuple[str, ...] | None] = None
+  # Its canvas holds no mask during the run (uniform noise), so "every position before the
+  # EOS is written" says nothing: the family ends rows at EOS itself, once its run is over.
+  ends_rows_at_the_end: ClassVar[bool] = False
 
   def bench_spec(self, steps: int, length: int) -> SamplerSpec:
     """The spec `mdjax.bench` times: the family at its defaults with K = `steps` on a
@@ -472,9 +481,19 @@ class Family:
     """The per-step plan: a StepPlan pytree of numpy arrays with leading axis K."""
     raise NotImplementedError
 
+  def start(self, spec, core: Core, ctx: Context) -> Core:
+    """The core the first step reads: the canvas as given (a family over a noise process
+    without a mask draws the process's prior at the generated positions)."""
+    return core
+
   def init(self, spec, core: Core, ctx: Context):
     """The family's own carry beside the core (None when it has none)."""
     return None
+
+  def active_rows(self, spec, core: Core, aux, ctx: Context) -> Array:
+    """Per row: still sampling at this step (`rounds_B` counts these steps): by default a
+    row with a masked editable position."""
+    return ctx.masked(core.tokens_BxL).any(-1)
 
   def idle_steps(self, spec, canvas: Canvas, plan) -> float | None:
     """How many steps will have nothing to write in any row (host, before tracing):

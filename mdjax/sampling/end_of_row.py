@@ -5,7 +5,9 @@ is finished: it stops changing, its editable positions after i become EOS, and i
 generated length is the editable positions before i. `EndOfRow.of(spec)` is the policy the
 driver, composite families and block-by-block generation ask, so none of them branches on
 the id: `EndOfRow` itself (no id) leaves every row open and the program as it is;
-`EndAtEos` ends rows at their EOS.
+`EndAtEos` ends rows at their EOS; `EndAfterRun` (uniform noise, whose canvas holds tokens
+everywhere from the start) leaves every row open during the run and only counts the
+generated length: such a family fills after each row's first EOS itself, at its last step.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, Callable, ClassVar
 import jax
 import jax.numpy as jnp
 
-from mdjax.sampling.base import Context, Core
+from mdjax.sampling.base import Context, Core, family_of
 
 Array = jax.Array
 
@@ -30,8 +32,11 @@ class EndOfRow:
 
   @staticmethod
   def of(spec) -> "EndOfRow":
-    """The policy of a spec: its `eos_id`, or none."""
-    return EndOfRow() if spec.eos_id is None else EndAtEos(spec.eos_id)
+    """The policy of a spec: its `eos_id`, or none (`EndAfterRun` for a family whose canvas
+    holds no mask)."""
+    if spec.eos_id is None:
+      return EndOfRow()
+    return (EndAfterRun if family_of(spec).ends_rows_at_the_end else EndAtEos)(spec.eos_id)
 
   def check_vocabulary(self, vocab_size: int, mask_id: int | None = None) -> None:
     """Raises ValueError when the EOS id is not a token id: in [0, V) and not the mask id
@@ -123,3 +128,18 @@ class EndAtEos(EndOfRow):
   def after_block(self, block_BxW, ended_B, written_BxW):
     block_BxW = jnp.where(ended_B[:, None], self.eos_id, block_BxW)
     return block_BxW, ended_B | ((block_BxW == self.eos_id) & written_BxW).any(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class EndAfterRun(EndAtEos):
+  """Rows of a canvas without masks: an EOS drawn mid-run is noise like any token, so no row
+  finishes during the run (every method of `EndOfRow`); the family writes EOS after each
+  row's first EOS once its run is over (DiffusionGemma truncates at stop tokens after its
+  loop), and the generated length counts the positions before it."""
+
+  leaves_idle_steps: ClassVar[bool] = False
+  open = EndOfRow.open
+  finish = EndOfRow.finish
+  any_open = EndOfRow.any_open
+  open_rows = EndOfRow.open_rows
+  unless_ended = EndOfRow.unless_ended

@@ -96,7 +96,7 @@ def skips_idle_steps(family: Family, spec, canvas: Canvas | None = None, plan=No
     return False
   if EndOfRow.of(spec).leaves_idle_steps:
     return True
-  if family.rewrites:
+  if family.rewrites and not family.stops_early:
     return False
   if spec.skip_idle_steps or canvas is None:
     return True
@@ -158,8 +158,9 @@ def start_canvas(key, tokens_BxL, fixed_BxL, mask_id: int, valid_BxL=None,
 
 def init_loop(family: Family, spec, denoiser: BoundDenoiser, core: Core, ctx: Context,
               cached: bool) -> LoopState:
-  """The loop's state at step 0: the family's carry beside the core, the reuse slot when it
-  reuses logits, the KV cache when `cached`."""
+  """The loop's state at step 0: the core the family starts from (`Family.start`), its
+  carry beside it, the reuse slot when it reuses logits, the KV cache when `cached`."""
+  core = family.start(spec, core, ctx)
   reuse = None
   if family.reuses_logits(spec):
     out = jax.eval_shape(denoiser, core.tokens_BxL, 1.0)
@@ -187,7 +188,7 @@ def advance(family: Family, spec, denoiser: BoundDenoiser, ctx: Context, state: 
     keep = lambda logits: (logits, kv_cache.skipped(state.kv, inputs.kv_plan))
   end = EndOfRow.of(spec)
   full_ctx, ctx = ctx, end.open(ctx, core.tokens_BxL)  # finished rows freeze
-  active_B = ctx.masked(core.tokens_BxL).any(-1)
+  active_B = family.active_rows(spec, core, state.aux, ctx)
   reuse = state.reuse
   if reuse is not None:
     called = jnp.any(core.tokens_BxL != reuse.tokens_BxL)
@@ -207,8 +208,8 @@ def needs_call(family: Family, spec, ctx: Context, state: LoopState, plan) -> Ar
   (their update would leave everything as it is)."""
   core, end = state.core, EndOfRow.of(spec)
   open_ctx = end.open(ctx, core.tokens_BxL)
-  need = jnp.array(True) if family.rewrites else family.needs_call(spec, core, state.aux,
-                                                                    open_ctx, plan)
+  always = family.rewrites and not family.stops_early
+  need = jnp.array(True) if always else family.needs_call(spec, core, state.aux, open_ctx, plan)
   return need & end.any_open(core.tokens_BxL, ctx)
 
 
@@ -349,12 +350,13 @@ class Stepper:
 
   def done(self, carry: Carry, index) -> Array:
     """Per row: finished before step `index` (the steps are spent, or, for a family that
-    never rewrites, the row has nothing left to write, or it has ended at EOS)."""
-    tokens_BxL, ctx = carry.tokens_BxL, carry.ctx
+    never rewrites, the row has nothing left to write, or a family whose rows stop early
+    stopped it, or it has ended at EOS)."""
+    tokens_BxL, ctx, family = carry.tokens_BxL, carry.ctx, self.family
     num_steps = self.num_steps(tokens_BxL.shape[1])
     open_B = EndOfRow.of(self.spec).open_rows(tokens_BxL, ctx)
-    if not self.family.rewrites:
-      open_B &= ctx.masked(tokens_BxL).any(-1)
+    if not family.rewrites or family.stops_early:
+      open_B &= family.active_rows(self.spec, carry.state.core, carry.state.aux, ctx)
     return (index >= num_steps) | ~open_B
 
   def result(self, carry: Carry, trajectory_KxBxL=None) -> SampleResult:
