@@ -3,6 +3,7 @@ checkpoint) and prints metrics; completions go through `mdjax.generate`.
 
   python sample.py --workdir=/tmp/quickstart --sampler=confidence --steps=25
   python sample.py --task=two_color --oracle --sampler=ancestral --steps=8
+  python sample.py --task=two_color --oracle --noise=uniform --sampler=uniform_ancestral --steps=8
   python sample.py --workdir=/tmp/shakespeare --prefix="ROMEO." --suffix="love." --steps=32
   python sample.py --pretrained=/data/LLaDA-8B-Instruct --prompts=prompts.jsonl --chat \
       --max_new_tokens=128 --steps=128 --block_length=32 --dtype=bfloat16
@@ -28,6 +29,9 @@ from mdjax import cli, generation, jsonl, loader, sampling, sampling_cli, tasks
 
 _TASK = flags.DEFINE_enum("task", "two_color", sorted(tasks.TASKS), "Task (with --oracle).")
 _ORACLE = flags.DEFINE_bool("oracle", False, "Use the task's exact denoiser (no --workdir).")
+_NOISE = flags.DEFINE_enum("noise", None, ["absorbing", "uniform", "hybrid"],
+                           "With --oracle: the task's exact denoiser under this noise process "
+                           "(mdjax.load(task, noise=...)); default its own absorbing one.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "A train.py workdir to sample from.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
 _BATCH = flags.DEFINE_integer("batch_size", 1000, "Rows per sampler call.")
@@ -296,7 +300,7 @@ def load_model():
   elif _PRETRAINED.value:
     path, kwargs = _PRETRAINED.value, {"dtype": _DTYPE.value}
   else:
-    path, kwargs = loader.ORACLE_PREFIX + _TASK.value, {}
+    path, kwargs = loader.ORACLE_PREFIX + _TASK.value, {"noise": _NOISE.value}
   if not _PRETRAINED.value and not _WORKDIR.value and tasks.get(_TASK.value).exact_denoiser is None:
     raise app.UsageError(f"--task={_TASK.value} has no exact denoiser (its joint is unknown); "
                          "sample a trained model with --workdir=DIR.")
@@ -337,6 +341,7 @@ def main(argv):
     spec = sampling_cli.sampler_spec(_SAMPLER.value, values, given, length=task.length,
                                      task=task)
     spec = sampling_cli.with_task_eos(spec, task, values, given)
+    spec = sampling.with_noise(spec, model.noise)  # the model's process, as generate does
   except (ValueError, TypeError) as error:
     raise _usage(error) from error
   if spec.kv_cache != "none" and not apply_fn.offers_cache:

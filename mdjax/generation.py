@@ -356,6 +356,8 @@ def generate_ids(model: Model, prompts_ids: Sequence[np.ndarray], *, max_new_tok
   key = check_key(key)
   longest = max(len(p) for p in prompts_ids)
   run = sampler_plan(model, longest, max_new_tokens, spec, **knobs)
+  # A family over a noise process takes the model's (as the mask id comes from the model).
+  run = dataclasses.replace(run, spec=sampling.with_noise(run.spec, model.noise))
   if blocks_of is None and run.blocks_of is not None:
     blocks_of, window = run.blocks_of, run.window if window is None else window
   plan = plan_generation([len(p) for p in prompts_ids], max_new_tokens, max_len=model.max_len,

@@ -19,7 +19,7 @@ from mdjax import errors
 from mdjax import mesh as mesh_lib
 from mdjax import noise as noise_lib
 from mdjax import io, tasks, train
-from mdjax.model import ORACLE_FAMILY, Model, task_model
+from mdjax.model import ORACLE_FAMILY, ConfiguredSampler, Model, task_model
 
 ORACLE_PREFIX = "oracle:"
 CKPT_SUFFIXES = (".ckpt", ".pt", ".pth")  # a torch checkpoint `mdjax.io.load` reads
@@ -99,5 +99,8 @@ def oracle_model(task, name: str, noise=None) -> Model:
                                "has no enumerable law (Task.support), so no exact denoiser "
                                "under other noise; only noise=None or 'absorbing'.")
   support = task.support()
+  # Its default sampler is the exact reverse kernel of its process (the absorbing
+  # families do not sample uniform or hybrid noise).
+  sampler = ConfiguredSampler(family="uniform_ancestral", eos_id=task.eos_id)
   return task_model(task, noise_lib.exact_denoiser(process), support.arrays,
-                    family=ORACLE_FAMILY, source=name, noise=process)
+                    family=ORACLE_FAMILY, source=name, noise=process, sampler=sampler)

@@ -253,10 +253,11 @@ MODE_FLAGS = {
                        "(with --blocks_of alone: --length)"),
 }
 SOURCE_FLAGS = {"task": ("oracle", "the workdir's checkpoint fixes the task"),
+                "noise": ("oracle", "a trained model's noise process is its own"),
                 "step": ("workdir", "it picks a checkpoint of --workdir")}
 # What --pretrained does not read: the task, its canvas and its EOS (the reference samplers
 # have their own EOS knobs).
-NOT_PRETRAINED = ("task", "step", "prompt", "prefix", "suffix", "reference", "blocks_of",
+NOT_PRETRAINED = ("task", "noise", "step", "prompt", "prefix", "suffix", "reference", "blocks_of",
                   "context", "eos") + EOS_KNOBS
 # What --live does not read: it completes one prompt through the serving engine.
 NOT_LIVE = ("prompts", "num_samples", "prompt", "prefix", "suffix", "reference", "blocks_of",

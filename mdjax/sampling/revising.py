@@ -63,13 +63,13 @@ def with_noise(spec, process: noise_lib.NoiseProcess | None):
   """`spec` with its `noise` taken from a model's process (None: absorbing) where unset; an
   `ArgumentError` when the family does not sample that process or the spec names another."""
   family = family_of(spec)
-  if family.noise_kinds is None:
-    return spec
+  kinds = family.noise_kinds or ("absorbing",)
   name = "absorbing" if process is None else process.name
-  if name not in family.noise_kinds:
+  if name not in kinds:
     raise ArgumentError("spec", f"the {family.name} sampler samples models under "
-                        f"{' or '.join(family.noise_kinds)} noise; this model's noise is "
-                        f"{name} (mdjax.load(..., noise=...) picks an oracle's).")
+                        f"{' or '.join(kinds)} noise; this model's noise is {name} "
+                        "(uniform_ancestral samples every process; mdjax.load(..., noise=...) "
+                        "picks an oracle's).")
   if not hasattr(spec, "noise"):
     return spec
   given = spec.noise
