@@ -84,6 +84,7 @@ FAMILY_FLAGS = {
     "bd3lm": ["--steps=25", "--temperature=0.5"],
     "confidence": ["--steps=5", "--threshold=0.9"],
     "defer": ["--steps=5"],
+    "diffusion_gemma": ["--noise=uniform", "--steps=8"],  # uniform-noise models only
     "dream": ["--steps=10", "--temperature=0"],
     "entropy_bounded": ["--steps=10", "--gamma=0.3", "--block_length=5", "--kv_cache=dual",
                         "--refresh_every=2"],
@@ -96,6 +97,7 @@ FAMILY_FLAGS = {
     "remask": ["--steps=6", "--eta=0.02"],
     "revision": ["--steps=5"],
     "speculative": ["--k=3"],
+    "uniform_ancestral": ["--noise=hybrid", "--steps=8"],
     "left_to_right": [],
 }
 

@@ -28,6 +28,8 @@ pytestmark = pytest.mark.slow
 
 # A value for each flag (not its default), and the flags its sampler family needs.
 LOCAL_REMASK = {"sampler": "local_remask"}
+# DiffusionGemma's rule samples uniform-noise models: an oracle under --noise=uniform.
+GEMMA = {"sampler": "diffusion_gemma", "noise": "uniform"}
 FLAG_VALUES = {
     "task": ("scan_and_add", {}), "oracle": ("true", {}), "workdir": ("/elsewhere", {}),
     "step": ("3", {}), "batch_size": ("1", {}), "prompt": ("1,0", {}), "prefix": ("Thou", {}),
@@ -70,6 +72,10 @@ FLAG_VALUES = {
     "sigma": ("rescale", {"sampler": "remask"}),
     "noise_removal": ("false", {"sampler": "mdlm"}),
     "per_row_count": ("true", {"sampler": "dream"}),
+    "noise": ("uniform", {"sampler": "uniform_ancestral"}),
+    "entropy_bound": ("0.5", GEMMA), "max_temperature": ("0.9", GEMMA),
+    "min_temperature": ("0.3", GEMMA), "exponent": ("2.0", GEMMA), "early_stop": ("true", GEMMA),
+    "final_renoise": ("true", GEMMA),
     # The reference samplers' own (LLaDA2, SDAR, BD3-LM): refused with the LLaDA fixture.
     "minimal_topk": ("2", {}), "denoising_steps": ("2", {}), "eb_threshold": ("0.5", {}),
     "remasking_strategy": ("sequential", {}), "confidence_threshold": ("0.5", {}),
@@ -120,9 +126,9 @@ class Recorder:
   def load(self, path, step=None, dtype=None, **kw):
     """`mdjax.load`: the tiny LLaDA fixture for --pretrained, the real oracle for --oracle,
     a workdir's model whose denoiser is never called otherwise."""
-    self.calls.append(("load", path, step, dtype))
+    self.calls.append(("load", path, step, dtype, sorted(kw.items())))
     if path.startswith(loader.ORACLE_PREFIX):
-      return self.real_load(path)
+      return self.real_load(path, **kw)
     if path == "/ckpt":
       return self.checkpoint
 
@@ -209,9 +215,12 @@ def test_every_flag_in_every_mode_is_used_or_refused(sample_cli, text_task, tmp_
   assert not unnamed, f"refusals that do not name the flag: {unnamed}"
   # --order needs a task with named fields (scan_and_add), which a workdir of text is not:
   # its family is refused there, so --order cannot be ignored either. Nothing else is.
+  # DiffusionGemma's knobs need a uniform-noise model, which only --oracle --noise=uniform is.
   family_refused = {key for key, outcome in table.items() if outcome == "family refused"}
-  assert family_refused == {(mode, "order")
-                            for mode in ("workdir", "prompts", "blocks", "pretrained")}
+  assert family_refused == {(mode, name)
+                            for mode in ("workdir", "prompts", "blocks", "pretrained")
+                            for name in ("order", *(n for n, (_, needs) in FLAG_VALUES.items()
+                                                    if needs is GEMMA))}
   # The ones the modes exist for are used there.
   for mode, name in (("prompts", "max_new_tokens"), ("prompts", "blocks_of"),
                      ("blocks", "length"), ("blocks", "context"), ("workdir", "step"),

@@ -44,6 +44,7 @@ SEED = 0
 ALL_STEPS = tuple(range(1, 33))  # the closed form's sweep
 STEPS = (1, 2, 4, 8, 16, 32)  # every other sampler's
 HYBRID_P_UNIFORM = 0.1  # GIDD's default share of uniform noise
+FLOOR = 1e-4  # where the log-scale plot draws an invalid rate of 0
 
 
 # ----------------------------------------------------------------------------
@@ -248,15 +249,15 @@ def plot(rows: list[dict], path: str) -> str:
                     and r["sampler"] == name), key=lambda r: r["steps"])
       color = plt.cm.tab10(i % 10)
       ks = [r["steps"] for r in pts]
-      ax.errorbar(ks, [max(r["invalid"], 1e-4) for r in pts], yerr=[r["stderr"] for r in pts],
+      ax.errorbar(ks, [max(r["invalid"], FLOOR) for r in pts], yerr=[r["stderr"] for r in pts],
                   marker="o", ms=3, lw=1, capsize=2, color=color, label=f"{process}: {name}")
-      exact = [(r["steps"], r["exact"]) for r in pts if r["exact"] is not None]
+      exact = [(r["steps"], max(r["exact"], FLOOR)) for r in pts if r["exact"] is not None]
       if exact:
         ax.plot(*zip(*exact), ls="--", lw=1, color=color)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("denoiser calls K")
-    ax.set_ylabel("invalid fraction (dashed: exact)")
+    ax.set_ylabel(f"invalid fraction (dashed: exact; 0 drawn at {FLOOR:g})")
     ax.set_title(task)
     ax.legend(fontsize=7)
   fig.tight_layout()
