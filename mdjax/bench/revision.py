@@ -173,7 +173,8 @@ def samplers(vocab_size: int) -> list[Sampler]:
   ]
 
 
-def _invalid_fn(task) -> Callable:
+def invalid_fn(task) -> Callable:
+  """Per row: the law cannot produce it (two_color: the colors differ)."""
   if task.name == "two_color":
     return lambda tokens: np.asarray(tokens)[:, 0] != np.asarray(tokens)[:, 1]
   return lambda tokens: np.asarray(task.is_impossible(jnp.asarray(tokens)))
@@ -202,7 +203,7 @@ def exact_value(task, sampler: Sampler, model, steps: int) -> float | None:
   start[:process.vocab_size] = uniform_1 / process.vocab_size
   if process.has_mask:
     start[process.mask_id] = mask_1
-  return chain_invalid(model, _invalid_fn(task), sampler.law(steps), steps, start)
+  return chain_invalid(model, invalid_fn(task), sampler.law(steps), steps, start)
 
 
 def sweep(task_list: Sequence[tuple[str, dict | None]], rows: int, seed: int,
@@ -211,7 +212,7 @@ def sweep(task_list: Sequence[tuple[str, dict | None]], rows: int, seed: int,
   out = []
   for task_name, task_kwargs in task_list:
     task = tasks.get(task_name, task_kwargs)
-    invalid_fn = _invalid_fn(task)
+    invalid_fn = invalid_fn(task)
     canvas = np.full((rows, task.length), task.mask_id, np.int32)
     for sampler in samplers(task.vocab_size):
       model = _model(task_name, task_kwargs, sampler.process, task.vocab_size)

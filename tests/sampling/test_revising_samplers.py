@@ -113,7 +113,7 @@ def test_the_two_color_closed_form_is_the_chain_and_the_sampled_rate():
   law = revision.ancestral_law(model.noise)
   start = np.array([0.5, 0.5])
   for k in range(1, 33):
-    chain = revision.chain_invalid(model, revision._invalid_fn(task), law, k, start)
+    chain = revision.chain_invalid(model, revision.invalid_fn(task), law, k, start)
     assert abs(chain - float(revision.two_color_uniform_invalid(k))) < 1e-6, k
   assert revision.two_color_uniform_invalid(2) == pytest.approx(17 / 50)
   rows = 20_000
@@ -136,7 +136,7 @@ def test_diffusion_gemma_two_steps_on_two_color_in_closed_form():
   model = mdjax.load("two_color", noise="uniform")
   spec = sampling.DiffusionGemmaSpec(steps=2)
   assert diffusion_gemma.anneal(spec, np.array([1.0, 0.5])) == pytest.approx([0.8, 0.6])
-  chain = revision.chain_invalid(model, revision._invalid_fn(model.task),
+  chain = revision.chain_invalid(model, revision.invalid_fn(model.task),
                                  revision.gemma_law(spec), 2, np.array([0.5, 0.5]))
   assert chain == pytest.approx(want, abs=1e-6)
   rows = 20_000
