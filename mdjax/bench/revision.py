@@ -212,7 +212,7 @@ def sweep(task_list: Sequence[tuple[str, dict | None]], rows: int, seed: int,
   out = []
   for task_name, task_kwargs in task_list:
     task = tasks.get(task_name, task_kwargs)
-    invalid_fn = invalid_fn(task)
+    is_invalid = invalid_fn(task)
     canvas = np.full((rows, task.length), task.mask_id, np.int32)
     for sampler in samplers(task.vocab_size):
       model = _model(task_name, task_kwargs, sampler.process, task.vocab_size)
@@ -223,7 +223,7 @@ def sweep(task_list: Sequence[tuple[str, dict | None]], rows: int, seed: int,
         spec = sampling.with_noise(sampler.spec(k), model.noise)
         result = sampling.sample(model.denoiser, model.params, key, canvas, spec,
                                  mask_id=task.mask_id)
-        bad = invalid_fn(np.asarray(result.tokens_BxL))
+        bad = is_invalid(np.asarray(result.tokens_BxL))
         p = float(bad.mean())
         exact = exact_value(task, sampler, model, k)
         out.append({"task": task_name, "process": sampler.process, "sampler": sampler.name,
