@@ -267,6 +267,7 @@ class Engine:
       model = model.replace(sampler=served.named_sampler(model, sampler, knobs))
     ids = generation.prompt_ids(model, [prompt], where=where)[0]
     run = generation.sampler_plan(model, len(ids), max_new_tokens, None, **knobs)
+    run = dataclasses.replace(run, spec=sampling.with_noise(run.spec, model.noise))
     family = sampling.family_of(run.spec)
     why = served.why_not_served(run, family)
     if why:

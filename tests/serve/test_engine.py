@@ -367,3 +367,23 @@ def test_buckets_on_a_mesh_tick_an_equal_share_on_each_device():
     print("MESH BUCKETS OK")
   """)
   run_on_cpu_devices(code, 4, "MESH BUCKETS OK")
+
+
+@pytest.mark.parametrize("noise,sampler", [("uniform", None), ("uniform", "diffusion_gemma"),
+                                           ("hybrid", None)])
+def test_revising_samplers_are_served_as_generate_samples_them(noise, sampler):
+  """A uniform or hybrid oracle's samplers (uniform_ancestral, its default, and
+  DiffusionGemma's rule) take the model's noise process on a lane as `generate` does: every
+  row equals the offline one (was: the spec reached the lane without its process)."""
+  model = mdjax.load("oracle:two_color", noise=noise)
+  engine = Engine(model, max_batch=4)
+  job = engine.prepare([], max_new_tokens=2, seed=3, n=4, sampler=sampler,
+                       knobs=dict(steps=4))
+  listener = Listener()
+  drive(engine, [engine.submit(job, listener)])
+  want = mdjax.generate(model, [[]] * 4, max_new_tokens=2, key=jax.random.key(3),
+                        spec=job.spec)
+  assert getattr(job.spec, "noise", model.noise) == model.noise  # gemma's rule: uniform only
+  for choice in range(4):
+    np.testing.assert_array_equal(listener.completions[choice].completion.token_ids,
+                                  want[choice].token_ids)
