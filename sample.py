@@ -1,7 +1,7 @@
 """Samples any model `mdjax.load` reads (a workdir, a task's exact oracle, a published
 checkpoint) and prints metrics; completions go through `mdjax.generate`.
 
-  python sample.py --workdir=/tmp/quickstart --sampler=confidence --steps=25
+  python sample.py --workdir=/tmp/mdjax_quickstart --sampler=confidence --steps=64
   python sample.py --task=two_color --oracle --sampler=ancestral --steps=8
   python sample.py --task=two_color --oracle --noise=uniform --sampler=uniform_ancestral --steps=8
   python sample.py --workdir=/tmp/shakespeare --prefix="ROMEO." --suffix="love." --steps=32

@@ -3,8 +3,8 @@
 The face: `load(path) -> Model` (a train.py workdir, a published folder, a task's exact
 denoiser) and `generate(model, prompts, ...)` (completions for any model, one key rule).
 
-    model = mdjax.load("/tmp/quickstart")
-    out = mdjax.generate(model, ["HAMLET."], max_new_tokens=32, key=jax.random.key(0))
+    model = mdjax.load("/tmp/mdjax_quickstart")  # the README quickstart's workdir
+    out = mdjax.generate(model, ["OTHELLO."], max_new_tokens=40, key=jax.random.key(0))
     logits_BxLxV = model.denoiser(model.params, tokens_BxL, t_B)
 """
 
