@@ -13,6 +13,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.objective = "nelbo"  # or "mlm"
   c.schedule = "linear"  # masking schedule of the NELBO and of evaluation
   c.schedule_kwargs = ml_collections.ConfigDict()  # e.g. power=3 for "polynomial"
+  # The forward noise process of objective 'nelbo' (mdjax.noise): "absorbing" (MD4's masking,
+  # its NELBO), "uniform" (UDLM's NELBO) or "hybrid" (GIDD's mask + uniform mix, its NELBO).
+  c.noise = "absorbing"
+  c.hybrid = ml_collections.ConfigDict(dict(p_uniform=0.1, gamma=1.0))  # noise="hybrid" only
+  # GIDD's loss weighting (noise "uniform" / "hybrid"): "elbo" (the NELBO itself), "clip" (the
+  # ELBO weights clipped to [min_loss_weight, max_loss_weight]), "dynamic" (hybrid only).
+  c.gidd = ml_collections.ConfigDict(dict(weighting="elbo", min_loss_weight=0.0,
+                                          max_loss_weight=2.0))
   c.num_devices = 0  # 0: all local devices
   c.log_every = 50
   c.eval_every = 0  # evaluate every this many steps (0: never before the end)

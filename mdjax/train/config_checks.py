@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from mdjax import lora, sampling, tasks
+from mdjax import errors, lora, noise, sampling, tasks
 from mdjax.train import objectives
 
 
@@ -49,6 +49,11 @@ CONFIG_RANGES = (
     ("checkpoint.every", _integer(1)), ("checkpoint.keep", _integer(1)),
     ("block_nelbo.t_min", _number(lambda v: 0 <= v < 1, "in [0, 1)")),
     ("block_nelbo.t_max", _number(lambda v: 0 < v <= 1, "in (0, 1]")),
+    ("hybrid.p_uniform", _number(lambda v: 0 <= v < 1, "in [0, 1)")),
+    # gamma in (0, 2] keeps GIDD's forward jump rates >= 0 (mdjax.noise.Hybrid).
+    ("hybrid.gamma", _number(lambda v: 0 < v <= 2, "in (0, 2]")),
+    ("gidd.min_loss_weight", _number(lambda v: v >= 0, ">= 0")),
+    ("gidd.max_loss_weight", _number(lambda v: v > 0, "> 0")),
 )
 
 # The objectives' names, live: those registered on import (`objectives.register`) join it.
@@ -111,6 +116,7 @@ def check_config(config) -> None:
       sampling.make_spec(family, length=1, **knobs)
     except (ValueError, TypeError) as error:
       raise ConfigError(f"config field sampler ({family}): {error}") from None
+  _check_noise(config, refuse)
   block_size = _field(config, "model.block_size")
   if block_size is not _ABSENT and block_size is not None:
     if not _integer(1)[0](block_size):
@@ -165,3 +171,45 @@ def check_config(config) -> None:
     except ImportError:
       refuse("log_tensorboard", tensorboard,
              "needs the tensorboardX package (pip install 'mdjax[tensorboard]')")
+
+
+def _check_noise(config, refuse) -> None:
+  """`noise`, the hybrid's fields and GIDD's weighting (`gidd`), each refused by field."""
+  name = _field(config, "noise")
+  if name is _ABSENT:
+    return
+  if name not in noise.PROCESSES:
+    refuse("noise", name, f"must be one of {tuple(noise.PROCESSES)}")
+  weighting = _field(config, "gidd.weighting")
+  low, high = _field(config, "gidd.min_loss_weight"), _field(config, "gidd.max_loss_weight")
+  if weighting is not _ABSENT and weighting not in noise.WEIGHTINGS:
+    refuse("gidd.weighting", weighting, f"must be one of {noise.WEIGHTINGS}")
+  if low is not _ABSENT and high is not _ABSENT and low > high:
+    refuse("gidd.min_loss_weight", low, f"must be at most gidd.max_loss_weight={high}")
+  if name == "absorbing":
+    if weighting not in (_ABSENT, "elbo"):
+      refuse("gidd.weighting", weighting, "must be 'elbo' with noise='absorbing' (MD4's NELBO; "
+             "GIDD's weightings train noise='uniform' or 'hybrid')")
+    return
+  if weighting == "dynamic" and name != "hybrid":
+    refuse("gidd.weighting", weighting, f"must be 'elbo' or 'clip' with noise={name!r} "
+           "('dynamic' weighs GIDD's hybrid process)")
+  if config.objective != "nelbo":
+    refuse("noise", name, f"needs objective='nelbo' (UDLM's / GIDD's NELBO), not "
+           f"{config.objective!r}")
+  block_size = _field(config, "model.block_size")
+  if block_size not in (_ABSENT, None):
+    refuse("model.block_size", block_size, f"must be None with noise={name!r} (the block NELBO "
+           "masks: absorbing noise only)")
+  samples = _field(config, "num_eval_samples")
+  if samples not in (_ABSENT, 0):
+    refuse("num_eval_samples", samples, f"must be 0 with noise={name!r}: the evaluation's "
+           "samplers start from an all-mask canvas (absorbing noise); the held-out NELBO is "
+           "still reported")
+  if name == "hybrid":  # a field the hybrid process does not take
+    try:
+      objectives.noise_process(config, 1)
+    except errors.ArgumentError as error:
+      if error.param in ("schedule", "vocab_size"):
+        raise
+      raise ConfigError(f"config field hybrid.{error.param}: {error}") from None

@@ -6,7 +6,8 @@ its held-out evaluation reports, whether evaluation draws samples, and what a fi
 exports. The train state (`state.init_state`, `state.make_loss_fn`) and loop (`loop.train`)
 ask the table and name no objective.
 
-Built in here: 'nelbo' (MD4's NELBO; the block NELBO for `model.block_size` models), 'mlm'
+Built in here: 'nelbo' (MD4's NELBO; the block NELBO for `model.block_size` models; under
+`config.noise` "uniform" or "hybrid" UDLM's / GIDD's NELBO, `mdjax.noise.gidd_loss`), 'mlm'
 (BERT-style corruption) and 'causal' (next-token cross-entropy). An objective elsewhere
 registers itself on import (`register`), as `mdjax.train.sft` does for 'sft' (and gives
 'nelbo' its start points), `mdjax.train.a2d` for 'a2d' and `mdjax.rl` for 'grpo' and 'wd1';
@@ -22,6 +23,7 @@ from typing import Any, Callable
 import ml_collections
 
 from mdjax import diffusion
+from mdjax import noise as noise_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +109,37 @@ def masking_schedule(config) -> diffusion.Schedule:
   return diffusion.get_schedule(config.schedule, **kwargs)
 
 
+def noise_name(config) -> str:
+  """The configured forward process's name; "absorbing" for a config written before `noise`."""
+  return config.get("noise", "absorbing")
+
+
+def _plain(value) -> dict:
+  return value.to_dict() if hasattr(value, "to_dict") else dict(value or {})
+
+
+def noise_process(config, vocab_size: int) -> noise_lib.NoiseProcess:
+  """The configured forward process over `vocab_size` tokens: `noise` with the masking
+  `schedule` and, for "hybrid", the `hybrid` fields (p_uniform, gamma)."""
+  name = noise_name(config)
+  fields = _plain(config.get("hybrid")) if name == "hybrid" else {}
+  return noise_lib.get(name, vocab_size, schedule=masking_schedule(config), **fields)
+
+
+def process_fields(config) -> dict:
+  """What fixes the process a model was trained under (a config or a saved config's dict),
+  compared on resume: the noise's name and, for uniform or hybrid noise, the schedule and
+  the hybrid's fields (an absorbing run's schedule may change on resume, as before)."""
+  name = noise_name(config)
+  fields = {"noise": name}
+  if name != "absorbing":
+    fields.update(schedule=config.get("schedule"),
+                  schedule_kwargs=_plain(config.get("schedule_kwargs")))
+  if name == "hybrid":
+    fields["hybrid"] = _plain(config.get("hybrid"))
+  return fields
+
+
 def block_nelbo_options(config) -> dict:
   """t_min, t_max and antithetic of the block NELBO (config.block_nelbo, defaults if absent)."""
   options = dict(t_min=1e-5, t_max=1.0, antithetic=True)
@@ -120,6 +153,10 @@ def block_nelbo_options(config) -> dict:
 
 
 def _nelbo_fn(config, apply_fn, task, training: bool) -> Callable:
+  if noise_name(config) != "absorbing":  # UDLM's / GIDD's; held out: the NELBO itself
+    weighting = _plain(config.get("gidd")) if training else {}
+    return functools.partial(noise_lib.gidd_loss, apply_fn,
+                             process=noise_process(config, task.vocab_size), **weighting)
   schedule = masking_schedule(config)
   if config.model.get("block_size") is not None:
     options = block_nelbo_options(config) if training else {}
@@ -129,13 +166,15 @@ def _nelbo_fn(config, apply_fn, task, training: bool) -> Callable:
 
 
 def nelbo_loss_fn(config, apply_fn, task) -> Callable:
-  """MD4's NELBO; for a block_size model the block NELBO with `block_nelbo_options`."""
+  """MD4's NELBO; for a block_size model the block NELBO with `block_nelbo_options`; under
+  uniform or hybrid `noise`, `noise.gidd_loss` with the `gidd` weighting."""
   return _nelbo_fn(config, apply_fn, task, training=True)
 
 
 def held_out_nelbo_fn(config, apply_fn, task) -> Callable:
   """The held-out NELBO: for a block_size model the block NELBO over the full time range (a
-  bound, whatever range training clips to)."""
+  bound, whatever range training clips to); under uniform or hybrid noise the NELBO of that
+  process (GIDD's weighting "elbo", whatever weighting training uses)."""
   return _nelbo_fn(config, apply_fn, task, training=False)
 
 

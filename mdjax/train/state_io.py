@@ -28,6 +28,7 @@ from mdjax import lora
 from mdjax import model as model_lib
 from mdjax import saved_run, tasks
 from mdjax.tasks import sft as sft_data
+from mdjax.train import objectives
 from mdjax.train.state import TrainState, init_state, make_mesh
 from mdjax.train.workdir import refuse_link
 
@@ -155,7 +156,9 @@ def _check_model_matches(saved: dict, config, step: int, saved_inputs: str | Non
         f"{_as_dict(train.get('lr_scales')) or {}} (frozen: {frozen})")
   for name, saved_value, value in (("task", saved.get("task"), config.task),
                                    ("task_kwargs", saved_kwargs, kwargs),
-                                   ("train.lora", saved_lora, wanted_lora)):
+                                   ("train.lora", saved_lora, wanted_lora),
+                                   ("noise", objectives.process_fields(saved),
+                                    objectives.process_fields(config))):
     if saved_value != value:
       diffs[name] = (saved_value, value)
   if diffs:
@@ -495,7 +498,9 @@ def load(workdir: str, step: int | None = None, log: Callable[[str], None] = _wa
   `config` the saved ones, its default sampler `config.sampler`): its newest readable
   checkpoint, or `step`. A LoRA run's (`train.lora`) is its adapters merged into the base
   (`lora.merged`): plain params of the base layout, the base denoiser. A causal run's
-  (objective 'causal') has no mask id (`Model.mask_id` refuses the diffusion samplers).
+  (objective 'causal') has no mask id (`Model.mask_id` refuses the diffusion samplers). A
+  run under uniform or hybrid noise (`config.noise`) has its process as `Model.noise`
+  (None: absorbing).
 
   Reads only (a read-only workdir is fine); an unreadable newest checkpoint is reported in
   one line through `log` and the previous one is used. Orbax's own warnings are silenced.
@@ -536,9 +541,11 @@ def load(workdir: str, step: int | None = None, log: Callable[[str], None] = _wa
   settings = {k: v for k, v in config.sampler.to_dict().items() if k != "family"}
   sampler = model_lib.ConfiguredSampler(config.sampler.family, tuple(sorted(settings.items())),
                                         eos_id=built["task"].eos_id)
+  process = (None if objectives.noise_name(config) == "absorbing" else
+             objectives.noise_process(config, built["task"].vocab_size))
   return model_lib.task_model(built["task"], apply_fn, params, sampler=sampler,
                               causal=config.get("objective") == "causal", config=config,
-                              step=step, source=workdir)
+                              step=step, source=workdir, noise=process)
 
 
 def load_for_sampling(workdir: str, step: int | None = None):
