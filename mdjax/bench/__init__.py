@@ -19,7 +19,8 @@ and kv_cache.
 Single benchmarks, each `python -m mdjax.bench.NAME` from the repository root: `dit` and
 `pretrained` (mdjax against the reference PyTorch loops of tests/reference/, the
 `[reference]` extra), `pretrained_gpu`, `step_profile` (uses overhead and timing),
-`train_memory` and `eos` (EOS early stop; experiments/eos_long.py). They use timing at most.
+`train_memory`, `eos` (EOS early stop; experiments/eos_long.py) and `noise_text` (absorbing,
+uniform and hybrid noise on Shakespeare at equal training tokens). They use timing at most.
 """
 
 from mdjax.bench.report import write
