@@ -149,3 +149,20 @@ def test_absorbing_stays_the_default_and_the_configs_name_their_process():
     assert loss_fn.func is noise.gidd_loss
     assert loss_fn.keywords["process"] == objectives.noise_process(config, task.vocab_size)
   assert objectives.noise_process(hybrid, 65) == noise.Hybrid(vocab_size=65, p_uniform=0.1)
+
+
+def test_the_text_benchmark_runs_one_model_at_equal_tokens():
+  # python -m mdjax.bench.noise_text: the three runs differ in their process alone.
+  from mdjax.bench import noise_text
+  runs = noise_text.configs(steps=400)
+  assert sorted(runs) == sorted(noise_text.PROCESSES)
+  for name, config in runs.items():
+    assert config.noise == name and config.train.num_steps == 400
+    train.check_config(config)
+  plain = []
+  for config in runs.values():
+    fields = config.to_dict()
+    for field in ("noise", "hybrid", "gidd"):
+      fields.pop(field)
+    plain.append(fields)
+  assert plain[0] == plain[1] == plain[2] and plain[0]["model"]["time_conditioning"]
