@@ -201,11 +201,11 @@ def _check_noise(config, refuse) -> None:
   if block_size not in (_ABSENT, None):
     refuse("model.block_size", block_size, f"must be None with noise={name!r} (the block NELBO "
            "masks: absorbing noise only)")
-  samples = _field(config, "num_eval_samples")
-  if samples not in (_ABSENT, 0):
-    refuse("num_eval_samples", samples, f"must be 0 with noise={name!r}: the evaluation's "
-           "samplers start from an all-mask canvas (absorbing noise); the held-out NELBO is "
-           "still reported")
+  samples, family = _field(config, "num_eval_samples"), _field(config, "sampler.family")
+  kinds = sampling.families()[family].noise_kinds if family in sampling.families() else None
+  if samples not in (_ABSENT, 0) and name not in (kinds or ("absorbing",)):
+    refuse("sampler.family", family, f"must sample {name} noise to draw the evaluation's "
+           f"num_eval_samples={samples} (e.g. 'uniform_ancestral'), or set num_eval_samples=0")
   if name == "hybrid":  # a field the hybrid process does not take
     try:
       objectives.noise_process(config, 1)

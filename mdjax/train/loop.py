@@ -96,8 +96,12 @@ def evaluate(config, task: tasks.Task, params, loss_fn_eval) -> dict:
 
 
 def sample_and_score(config, task: tasks.Task, apply_fn, params) -> dict:
+  """Sample metrics of `num_eval_samples` draws of `config.sampler`; under uniform or hybrid
+  noise the sampler is told the run's process (`sampling.with_noise`)."""
   spec = sampling.make_spec(config.sampler.family, length=task.length,
                             **{k: v for k, v in config.sampler.to_dict().items() if k != "family"})
+  if objectives.noise_name(config) != "absorbing":
+    spec = sampling.with_noise(spec, objectives.noise_process(config, task.vocab_size))
   out = sampling.sample(apply_fn, params, jax.random.key(config.seed + 2),
                         task.empty_canvas(config.num_eval_samples), spec, mask_id=task.mask_id)
   return {f"sample_{k}": v for k, v in task.sample_metrics(np.asarray(out.tokens_BxL)).items()}

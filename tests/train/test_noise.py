@@ -35,7 +35,8 @@ def _rows(workdir):
 
 
 @pytest.mark.parametrize("noise_name, changes, process", [
-    ("uniform", {}, noise.Uniform(vocab_size=2)),
+    ("uniform", {"sampler.family": "uniform_ancestral", "sampler.steps": 4,
+                 "num_eval_samples": 64}, noise.Uniform(vocab_size=2)),
     ("hybrid", {"hybrid.p_uniform": 0.3, "gidd.weighting": "dynamic"},
      noise.Hybrid(vocab_size=2, p_uniform=0.3)),
 ])
@@ -69,6 +70,11 @@ def test_a_run_resumes_bit_for_bit_and_loads_with_its_process(tmp_path, noise_na
     _, aux = noise.gidd_loss(model.denoiser, model.params, key, x, process=process)
     values.append(float(aux["bits_per_token"]))
   assert evals[-1]["val_bits_per_token"] == pytest.approx(np.mean(values), rel=1e-5)
+  if config.num_eval_samples:  # drawn by a sampler of the process, as mdjax.generate draws
+    assert 0 <= evals[-1]["sample_invalid_fraction"] <= 1
+    out = mdjax.generate(model, [[]] * 3, max_new_tokens=2, key=0)
+    assert model.sampler.family == "uniform_ancestral"
+    assert [len(ids) for ids in out.token_ids] == [2, 2, 2]
   # The process decides what the model means: another one is refused on resume.
   for other in ({"noise": "absorbing", "num_eval_samples": 10, "gidd.weighting": "elbo"},
                 {"noise": "hybrid" if noise_name == "uniform" else "uniform",
@@ -106,7 +112,10 @@ def test_the_held_out_nelbo_falls_below_the_independent_colours(tmp_path, noise_
 
 @pytest.mark.parametrize("changes, field", [
     ({"noise": "gaussian"}, "noise"),
-    ({"noise": "uniform", "num_eval_samples": 5}, "num_eval_samples"),
+    ({"noise": "uniform", "num_eval_samples": 5}, "sampler.family"),
+    ({"noise": "hybrid", "num_eval_samples": 5, "sampler.family": "diffusion_gemma",
+      "sampler.steps": 4},
+     "sampler.family"),
     ({"noise": "uniform", "objective": "mlm"}, "noise"),
     ({"noise": "uniform", "model.block_size": 1, "model.time_conditioning": False},
      "model.block_size"),
@@ -162,7 +171,7 @@ def test_the_text_benchmark_runs_one_model_at_equal_tokens():
   plain = []
   for config in runs.values():
     fields = config.to_dict()
-    for field in ("noise", "hybrid", "gidd"):
+    for field in ("noise", "hybrid", "gidd", "sampler"):
       fields.pop(field)
     plain.append(fields)
   assert plain[0] == plain[1] == plain[2] and plain[0]["model"]["time_conditioning"]
