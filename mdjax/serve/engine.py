@@ -189,10 +189,9 @@ class Engine:
   sampler spec and canvas, with its own compiled programs; the least recently used idle
   one is dropped, programs and rows, for a new one: `lane_table`); a setting with no lane
   gets one, compiled on a compile thread once the engine runs, until `freeze`. max_steps:
-  the most denoising steps a
-  request may run (default `limits.STEPS_PER_POSITION` times the positions a row holds,
-  `room`); `prepare` refuses more, and the other knobs that size a request's work past
-  their bounds (`mdjax.serve.limits`).
+  the most denoising steps a request may run (default `limits.STEPS_PER_POSITION` times the
+  positions a row holds, `room`); `prepare` refuses more, and the other knobs that size a
+  request's work past their bounds (`mdjax.serve.limits`).
   """
 
   def __init__(self, model: Model, *, max_batch: int = 8, max_queue: int = 64,
