@@ -67,16 +67,17 @@ def _published_fields(config, objective: str) -> dict:
 
 
 def _start_fields(start: str, objective: str = "sft"
-                  ) -> tuple[dict, str, int | None, int | None]:
+                  ) -> tuple[dict, str, int | None, int | None, str]:
   """(model fields, where they were read, the longest sequence or None, the block size of a
-  block-causal published start or None) of a start point."""
+  block-causal published start or None, the noise it was trained under) of a start point."""
   kind, where = sft_data.split_start(start)
   if kind == "pretrained":
     config, _ = sft_data.published_config(where)
     return (_published_fields(config, objective), os.path.join(where, "config.json"),
-            config.max_len, config.block_size)
+            config.max_len, config.block_size, "absorbing")
   saved, _ = state_io.start_config(where)  # its sizes checked against its arrays first
-  return dict(saved.get("model") or {}), f"{where}'s checkpoint", None, None
+  return (dict(saved.get("model") or {}), f"{where}'s checkpoint", None, None,
+          objectives.noise_name(saved))
 
 
 def resolve_config(config):
@@ -96,9 +97,14 @@ def resolve_config(config):
                       "(configs/sft.py), or objective 'nelbo' or 'a2d' on a text or corpus "
                       "task (configs/a2d_masked.py).")
   try:
-    fields, where, max_len, block = _start_fields(init_from, objective)
+    fields, where, max_len, block, start_noise = _start_fields(init_from, objective)
   except ValueError as error:
     raise ConfigError(f"config field train.init_from: {error}") from None
+  if start_noise != objectives.noise_name(config):
+    raise ConfigError(f"config field noise={objectives.noise_name(config)!r}: the start point "
+                      f"was trained under {start_noise!r} noise ({where}), and a fine-tuned "
+                      "model keeps its process (sft and a2d fine-tune absorbing models; "
+                      f"objective 'nelbo' continues under --config.noise={start_noise}).")
   resolved = ml_collections.ConfigDict(config.to_dict())
   defaults = {f.name: f.default for f in dataclasses.fields(models.TransformerConfig)
               if f.default is not dataclasses.MISSING}

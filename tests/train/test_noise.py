@@ -175,3 +175,21 @@ def test_the_text_benchmark_runs_one_model_at_equal_tokens():
       fields.pop(field)
     plain.append(fields)
   assert plain[0] == plain[1] == plain[2] and plain[0]["model"]["time_conditioning"]
+
+
+@pytest.mark.slow
+def test_a_start_point_of_another_process_is_refused_by_the_noise_field(tmp_path):
+  """Fine-tuning from a uniform run (`train.init_from`) under absorbing noise is a
+  ConfigError naming `noise` before a model is built (was: the run silently trained the
+  uniform model as an absorbing one); under its own process it resolves."""
+  from mdjax.train import sft
+  start = tmp_path / "start"
+  train.train(_tiny("uniform", **{"train.num_steps": 2, "train.warmup_steps": 1,
+                                  "checkpoint.every": 2, "eval_every": 0,
+                                  "eval_at_end": False}), str(start), log=_quiet)
+  config = two_color.get_config()
+  config.train.init_from = str(start)
+  with pytest.raises(train.ConfigError, match=r"noise='absorbing'.*'uniform' noise"):
+    sft.resolve_config(config)
+  config.noise, config.model.time_conditioning = "uniform", True  # as the start was trained
+  assert sft.resolve_config(config).noise == "uniform"
