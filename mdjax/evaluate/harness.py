@@ -34,6 +34,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from mdjax import generation, loader, sampling, tasks
+from mdjax.errors import ArgumentError
 from mdjax.evaluate.loglikelihood import ESTIMATORS, loglikelihood
 from mdjax.evaluate.rolling import loglikelihood_rolling
 from mdjax.model import Model
@@ -141,6 +142,10 @@ def word_codec(task) -> tuple[Callable, Callable]:
 def backend_of(model: Model, add_special_tokens: bool = True) -> Backend:
   """The adapter's view of a model: a published checkpoint's tokenizer (BOS before a
   sequence with add_special_tokens, as LLaDA's eval), a task's codec, or a task's words."""
+  if model.noise is not None:  # the estimators mask positions: an absorbing model's bound
+    raise ArgumentError("model", f"the {model.family!r} model at {model.source!r} denoises "
+                        f"{model.noise.name} noise; lm-eval's log-likelihoods are estimated "
+                        "by masking (absorbing noise) and would not bound its likelihood.")
   if model.encode is not None:
     special = add_special_tokens and model.task is None  # a task's codec has no BOS
     encode = lambda text: list(model.encode(text, add_special_tokens=special))

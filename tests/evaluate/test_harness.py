@@ -211,3 +211,16 @@ def test_trained_workdir(trained):
       key=jax.random.key(0), mask_id=model.backend.mask_id, num_samples=4, batch_size=4,
       rows=2)
   assert direct.num_windows == 2 and rolled[0] == pytest.approx(direct.estimate, rel=1e-6)
+
+
+def test_a_model_of_uniform_or_hybrid_noise_is_refused():
+  """lm-eval's log-likelihoods mask positions (absorbing noise): a uniform or hybrid model is
+  an ArgumentError naming `model` (was: a number that bounds nothing)."""
+  harness = pytest.importorskip("mdjax.evaluate.harness")
+  import mdjax
+  from mdjax.errors import ArgumentError
+  assert harness.backend_of(mdjax.load("oracle:two_color")).model.noise is None
+  for noise in ("uniform", "hybrid"):
+    with pytest.raises(ArgumentError, match=f"denoises {noise} noise") as error:
+      harness.backend_of(mdjax.load("oracle:two_color", noise=noise))
+    assert error.value.param == "model"
