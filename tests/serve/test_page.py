@@ -97,6 +97,18 @@ def browser():
     browser.close()
 
 
+def _send(page, fields: dict, errors: list) -> dict:
+  """Fills the form's `fields`, sends, and returns what the page drew once it is done (no
+  error on the page meanwhile)."""
+  for name, value in fields.items():
+    page.fill(f"#{name}", str(value))
+  page.click("#send")
+  drawn = _run(page)
+  assert drawn["state"] == "done", drawn["status"]
+  assert not errors
+  return drawn
+
+
 def _run(page, timeout_s=120) -> dict:
   """Waits for the page's request to end; what the page drew."""
   page.wait_for_function("['done', 'error'].includes(document.getElementById('status')"
@@ -123,13 +135,8 @@ def test_page_shows_the_canvas_denoising_and_the_served_answer(page_server, brow
   page.fill("#prompt", prompt)
   # confidence: max_tokens / steps positions a step, so the last is written at step K (an
   # ancestral row may fill its canvas early and leave before step K).
-  for name, value in (("max_tokens", max_tokens), ("steps", steps), ("seed", seed),
-                      ("sampler", "confidence")):
-    page.fill(f"#{name}", str(value))
-  page.click("#send")
-  drawn = _run(page)
-  assert drawn["state"] == "done", drawn["status"]
-  assert not errors
+  drawn = _send(page, dict(max_tokens=max_tokens, steps=steps, seed=seed,
+                           sampler="confidence"), errors)
 
   frames = drawn["frames"]
   assert frames, "no canvas event reached the page"
@@ -183,12 +190,7 @@ def test_page_drives_an_id_only_workdir(id_workdir, browser):
     room = model.max_len - 3
     assert page.get_attribute("#max_tokens", "placeholder") == f"auto: {room}"
     steps, seed = room, 4  # confidence, one position a step
-    for name, value in (("steps", steps), ("seed", seed), ("sampler", "confidence")):
-      page.fill(f"#{name}", str(value))
-    page.click("#send")
-    drawn = _run(page)
-    assert drawn["state"] == "done", drawn["status"]
-    assert not errors
+    drawn = _send(page, dict(steps=steps, seed=seed, sampler="confidence"), errors)
     frames = drawn["frames"]
     masked = [sum(t is None for t in f["tokens"]) for f in frames]
     assert {len(f["tokens"]) for f in frames} == {room} and drawn["cells"] == room
