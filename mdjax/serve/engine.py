@@ -62,6 +62,9 @@ class RowUpdate:
 
   canvas_ids: the row's max_new_tokens generated positions (the mask id where masked).
   committed: leading generated positions that are final (their text will not change).
+  final: each generated position's token is final: written by a sampler that never rewrites
+    a written token, or the row finished (a rewriting sampler's written tokens are
+    provisional until then).
   completion: set once, when the row finished: what `mdjax.generate` returns for it.
   """
 
@@ -71,6 +74,7 @@ class RowUpdate:
   canvas_ids: np.ndarray
   masked: np.ndarray
   committed: int
+  final: np.ndarray
   completion: generation.Completion | None = None
   error: str | None = None
 
@@ -487,7 +491,7 @@ class Engine:
     job = handle.job
     empty = np.full(job.max_new_tokens, job.mask_id, np.int32)
     handle._send(RowUpdate(choice, 0, job.num_steps, empty, empty == job.mask_id, 0,
-                           error=f"{type(error).__name__}: {error}"))
+                           np.zeros(job.max_new_tokens, bool), error=f"{type(error).__name__}: {error}"))
     handle._close_rows(1)
 
   def _tick(self, lane: Lane) -> None:
@@ -522,12 +526,11 @@ class Engine:
         length = min(int(lengths_N[slot]), job.max_new_tokens)
         completion = generation.completion_of(self.model, job.prompt_ids, canvas_ids, length,
                                               job.max_new_tokens)
-      if lane.family.rewrites and not finished:
-        committed = 0
-      else:
-        committed = int(np.argmax(masked)) if masked.any() else job.max_new_tokens
+      provisional = lane.family.rewrites and not finished
+      final = np.zeros_like(masked) if provisional else ~masked
+      committed = int(np.argmin(final)) if not final.all() else job.max_new_tokens
       owner.handle._send(RowUpdate(owner.choice, int(steps_N[slot]), job.num_steps,
-                                   canvas_ids, masked, committed, completion))
+                                   canvas_ids, masked, committed, final, completion))
       if finished:
         left.append(slot)
         owner.handle._close_rows(1)

@@ -91,12 +91,15 @@ class Pieces:
     return text
 
   def canvas(self, update) -> dict:
-    """The `event: canvas` data: every position's text, None where masked."""
+    """The `event: canvas` data: every position's text (None where masked), which of them
+    are final (the rest are provisional: a rewriting sampler may still change them), and
+    the committed prefix's length (the positions the text stream has covered)."""
     return {"choice": int(update.choice), "step": int(update.step),
             "num_steps": int(update.num_steps),
             "tokens": [None if m else self(int(t)) for t, m in
                        zip(np.asarray(update.canvas_ids).tolist(),
-                           np.asarray(update.masked).tolist())]}
+                           np.asarray(update.masked).tolist())],
+            "final": np.asarray(update.final).tolist(), "committed": int(update.committed)}
 
 
 def engine_error(message: str) -> APIError:

@@ -142,6 +142,29 @@ def test_canvas_events_only_when_asked(server):
   assert all(t is not None for t in events[-1]["tokens"])
   masked = [sum(t is None for t in e["tokens"]) for e in events]
   assert masked == sorted(masked, reverse=True)
+  for e in events:  # a sampler that never rewrites: every written token is final
+    assert e["final"] == [t is not None for t in e["tokens"]]
+    assert e["committed"] == (e["final"] + [False]).index(False)
+
+
+def canvas_events(server, body) -> list[dict]:
+  text = httpx.post(server.base_url + "/completions", json={**body, "mdjax_canvas": True},
+                    timeout=60).text
+  return [json.loads(block.split("data: ", 1)[1]) for block in text.split("\n\n")
+          if block.startswith("event: canvas")]
+
+
+@pytest.mark.slow
+def test_a_rewriting_samplers_tokens_are_provisional_until_its_row_finishes(server):
+  body = {"model": "dream", "prompt": "Hi", "max_tokens": 6, "seed": 1, "stream": True,
+          "sampler": "remask", "steps": 4, "eta": 0.5, "temperature": 1.0}
+  events = canvas_events(server, body)
+  assert [e["step"] for e in events] == [1, 2, 3, 4]
+  written = [sum(t is not None for t in e["tokens"]) for e in events]
+  assert written[0] > 0  # provisional tokens exist before the end
+  for e in events[:-1]:
+    assert not any(e["final"]) and e["committed"] == 0
+  assert all(events[-1]["final"]) and events[-1]["committed"] == 6
 
 
 @pytest.mark.slow

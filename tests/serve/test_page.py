@@ -169,6 +169,29 @@ def test_page_shows_the_canvas_denoising_and_the_served_answer(page_server, brow
   page.close()
 
 
+def test_page_marks_a_rewriting_samplers_tokens_provisional(page_server, browser):
+  """remask may return a written token to the mask until its row finishes: the page draws
+  its written cells dashed (data-provisional) until the last frame, where all are final."""
+  page = browser.new_page()
+  errors = []
+  page.on("pageerror", lambda error: errors.append(str(error)))
+  page.goto(page_server.url + "/")
+  page.select_option("#mode", "completion")
+  page.fill("#prompt", "Thou")
+  drawn = _send(page, dict(max_tokens=8, steps=4, seed=2, sampler="remask"), errors)
+  frames = drawn["frames"]
+  assert [f["step"] for f in frames] == [1, 2, 3, 4]
+  count = "document.querySelectorAll('#canvas .cell[data-provisional=\"1\"]').length"
+  for index, frame in enumerate(frames[:-1], start=1):
+    page.evaluate(f"window.mdjaxShowFrame({index})")
+    written = sum(t is not None for t in frame["tokens"])
+    assert not any(frame["final"]) and page.evaluate(count) == written
+  assert sum(t is not None for t in frames[0]["tokens"]) > 0  # something was provisional
+  page.evaluate(f"window.mdjaxShowFrame({len(frames)})")
+  assert all(frames[-1]["final"]) and page.evaluate(count) == 0
+  page.close()
+
+
 def test_page_drives_an_id_only_workdir(id_workdir, browser):
   """The quickstart's kind of model (ScanAndAdd: token ids only, no chat template, a canvas of
   25): the page sent text only, chose the chat route and asked 64 tokens, all refused. Now it
