@@ -8,8 +8,9 @@ events in OpenAI's chunk format, ending `data: [DONE]`), GET /v1/models (OpenAI'
 GET /metrics (Prometheus text) and GET / (the live page, mdjax/serve/page.html).
 
 Request fields: `model` (the served id, `GET /v1/models`; absent: the one model served;
-another id is a 404, model_not_found), `prompt` (a text, a list of one text, or token ids:
-`[10, 1, 2]` is one prompt) or `messages` (through the model's chat template), `max_tokens`
+another id is a 404, model_not_found), `prompt` (a text or token ids, `[10, 1, 2]` is one
+prompt; or a list of texts or of id lists, several prompts: prompt i runs with seed + i, its
+choices at i * n + j) or `messages` (through the model's chat template), `max_tokens`
 (default 16, as OpenAI's), `temperature`, `top_p`, `top_k`, `seed` (default a fresh random
 one, returned), `stop` (a string or a list: the text is cut before the first one,
 finish_reason "stop"), `n`, `stream`, `stream_options` ({"include_usage": true}); mdjax's

@@ -134,15 +134,8 @@ def _stop(value):
   return stop
 
 
-def _prompt(prompt):
-  """The completions route's prompt: a text or token ids (one prompt a request)."""
-  given = prompt
-  if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list))
-                                                          for p in prompt):
-    raise ArgumentError("prompt", f"prompt holds {len(prompt)} prompts; give one a request "
-                        "(n= for several completions of it).")
-  if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-    prompt = prompt[0]  # a batch of one
+def _one_prompt(prompt, given):
+  """A text or token ids (an array), checked."""
   if isinstance(prompt, str):
     return prompt
   if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
@@ -153,7 +146,15 @@ def _prompt(prompt):
                           "are integers >= 0 below the model's vocabulary size.")
     return np.asarray(prompt, np.int64)
   raise ArgumentError("prompt", f"prompt={json.dumps(given)[:80]} is invalid: it must be a "
-                      "string, a list of one string, or a list of token ids.")
+                      "string, token ids, or a list of strings or of token-id lists.")
+
+
+def _prompt(prompt) -> list:
+  """The completions route's prompts: a text or token ids is one prompt; a list of texts or
+  of token-id lists is several (OpenAI's batch), each a text or an id array."""
+  if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+    return [_one_prompt(p, prompt) for p in prompt]
+  return [_one_prompt(prompt, prompt)]
 
 
 class TextPart(pydantic.BaseModel):
@@ -341,18 +342,37 @@ class Call:
     self.knobs = {k: v for k, v in state.defaults.items() if k != "sampler"}
     self.knobs.update({name: getattr(body, name) for name in request_knobs()
                        if getattr(body, name) is not None})
-    prompt = [m.as_dict() for m in body.messages] if self.chat else body.prompt
-    try:
-      self.job = state.engine.prepare(prompt, max_new_tokens=self.max_tokens, seed=self.seed,
-                                      n=self.n, sampler=self.sampler,
-                                      knobs=dict(self.knobs) or None, where=self.prompt_field,
-                                      new_tokens=self.max_tokens_field)
-    except ArgumentError as error:  # checked once, by the engine: its param is the field
+    prompts = [[m.as_dict() for m in body.messages]] if self.chat else body.prompt
+    rows, room = len(prompts) * self.n, state.engine.max_n
+    if len(prompts) > 1 and rows > room:  # bounded before any prompt is tokenized
+      raise bad("prompt", f"{len(prompts)} prompts x n={self.n} is {rows} rows; one request "
+                f"may ask for at most {room} (max_batch {state.engine.max_batch}, max_queue "
+                f"{state.engine.max_queue}).")
+    if self.seed + len(prompts) - 1 > MAX_SEED:
+      raise bad("seed", f"seed={self.seed} with {len(prompts)} prompts passes {MAX_SEED} "
+                "(prompt i runs with seed + i).")
+    try:  # checked once, by the engine: its param is the field
+      self.jobs = [state.engine.prepare(prompt, max_new_tokens=self.max_tokens,
+                                        seed=self.seed + i, n=self.n, sampler=self.sampler,
+                                        knobs=dict(self.knobs) or None,
+                                        where=self.prompt_field,
+                                        new_tokens=self.max_tokens_field)
+                   for i, prompt in enumerate(prompts)]
+    except ArgumentError as error:
       raise bad((error.param or "").removeprefix("spec.") or None,
                 public(state, str(error))) from None
     except ValueError as error:  # a model's own refusal that names no argument
       raise bad(None, public(state, str(error))) from None
-    self.prompt_ids = self.job.prompt_ids
+    self.job = self.jobs[0]
+
+  @property
+  def rows(self) -> int:
+    """The response's choices: n for each prompt, prompt by prompt."""
+    return len(self.jobs) * self.n
+
+  def seed_of(self, choice: int) -> int:
+    """The seed choice `choice` ran with: prompt i's rows run with seed + i."""
+    return self.seed + choice // self.n
 
   def extension(self) -> dict:
     """What reproduces the response: the response's top-level "mdjax" field."""

@@ -7,6 +7,7 @@ goes away.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -114,7 +115,7 @@ class Run:
   def __init__(self, call: Call, request: Request):
     from mdjax.serve.engine import QueueFull  # the engine imports the device stack
     self.call, self.request = call, request
-    self.rows = [Row(call) for _ in range(call.n)]
+    self.rows = [Row(call) for _ in range(call.rows)]
     self.ident = ("chatcmpl-" if call.chat else "cmpl-") + uuid.uuid4().hex
     self.created = int(time.time())
     self.updates: asyncio.Queue = asyncio.Queue()
@@ -122,12 +123,18 @@ class Run:
     self.gone = False  # the client went away
     loop = asyncio.get_running_loop()
 
-    def on_update(update):  # the engine's thread
-      loop.call_soon_threadsafe(self.updates.put_nowait, update)
+    def on_update(first: int):  # prompt i's choices follow the n choices of each before it
+      def put(update):  # the engine's thread
+        update = dataclasses.replace(update, choice=first + update.choice)
+        loop.call_soon_threadsafe(self.updates.put_nowait, update)
+      return put
 
+    self.handles = []
     try:
-      self.handle = call.state.engine.submit(call.job, on_update)
+      for i, job in enumerate(call.jobs):
+        self.handles.append(call.state.engine.submit(job, on_update(i * call.n)))
     except QueueFull as error:
+      self.cancel()  # the prompts submitted before it
       retry = max(1, math.ceil(error.retry_after))
       raise APIError(429, f"the server's queue is full ({error}); retry after {retry} s.",
                      type_="rate_limit_error", code="queue_full",
@@ -153,8 +160,9 @@ class Run:
       yield row, update
 
   def cancel(self) -> None:
-    if not self.handle.done:
-      self.handle.cancel()
+    for handle in self.handles:
+      if not handle.done:
+        handle.cancel()
 
   async def _watch(self) -> None:
     while (await self.request.receive())["type"] != "http.disconnect":
@@ -171,7 +179,7 @@ class Run:
     self.cancel()
 
   def usage(self) -> dict:
-    prompt = len(self.call.prompt_ids)
+    prompt = sum(len(job.prompt_ids) for job in self.call.jobs)
     completion = sum(len(r.token_ids) for r in self.rows)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
@@ -187,7 +195,7 @@ class Run:
 async def complete(call: Call, request: Request) -> Response:
   """The whole response once every row finished (499, nothing sent, if the client left)."""
   async with Run(call, request) as run:
-    texts = [""] * call.n
+    texts = [""] * call.rows
     async for row, update in run.row_updates():
       if update.completion is not None:
         texts[update.choice] = row.final(update.completion)
@@ -196,7 +204,7 @@ async def complete(call: Call, request: Request) -> Response:
   choices = []
   for index, (row, text) in enumerate(zip(run.rows, texts)):
     choice = {"index": index, "finish_reason": row.finish_reason, "logprobs": None,
-              "mdjax": {"token_ids": row.token_ids}}
+              "mdjax": {"token_ids": row.token_ids, "seed": call.seed_of(index)}}
     if call.chat:
       choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -235,7 +243,7 @@ def stream(call: Call, request: Request) -> StreamingResponse:
   async def events():
     async with run:
       if call.chat:
-        for index in range(call.n):
+        for index in range(call.rows):
           yield sse(chunk(index, "", role=True))
       try:
         async for row, update in run.row_updates():
@@ -244,7 +252,8 @@ def stream(call: Call, request: Request) -> StreamingResponse:
           if update.completion is not None:
             delta = row.final(update.completion)
             yield sse(chunk(update.choice, delta, row.finish_reason,
-                            extra={"token_ids": row.token_ids}))
+                            extra={"token_ids": row.token_ids,
+                                   "seed": call.seed_of(update.choice)}))
           elif delta := row.committed_text(update):
             yield sse(chunk(update.choice, delta))
       except APIError as error:  # the engine failed: the error as an event, then [DONE]

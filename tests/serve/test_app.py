@@ -77,6 +77,36 @@ def test_completions_equal_offline_generate(server):
 
 
 @pytest.mark.slow
+def test_a_batch_of_prompts_equals_each_prompt_offline(server):
+  """OpenAI's batch: `prompt` a list of texts or of id lists. Prompt i runs with seed + i;
+  its n choices follow the n of each prompt before it (index i * n + j), each equal to
+  `mdjax.generate` of that prompt alone with its seed."""
+  api = client(server)
+  prompts, seed, n = ["Hello", [40, 69], "Hi"], 21, 1
+  ids = [server.model.encode("Hello"), [40, 69], server.model.encode("Hi")]
+  expected = [offline(server, p, max_tokens=6, seed=seed + i, n=n, knobs=KNOBS)[1][0]
+              for i, p in enumerate(ids)]
+  out = api.completions.create(model="dream", prompt=prompts, max_tokens=6, seed=seed,
+                               extra_body=KNOBS)
+  assert [c.index for c in out.choices] == [0, 1, 2]
+  assert [ids_of(c) for c in out.choices] == [e.token_ids.tolist() for e in expected]
+  assert [c.text for c in out.choices] == [e.text for e in expected]
+  assert [c.model_extra["mdjax"]["seed"] for c in out.choices] == [21, 22, 23]
+  assert out.usage.prompt_tokens == sum(len(p) for p in ids)
+  streamed = {}
+  for chunk in api.completions.create(model="dream", prompt=prompts, max_tokens=6,
+                                      seed=seed, stream=True, extra_body=KNOBS):
+    for c in chunk.choices:
+      if c.finish_reason:
+        streamed[c.index] = ids_of(c)
+  assert [streamed[i] for i in range(3)] == [ids_of(c) for c in out.choices]
+  two = api.completions.create(model="dream", prompt=["Hello", "Hi"], max_tokens=6, seed=seed,
+                               n=2, extra_body=KNOBS)  # index i * n + j
+  hi = offline(server, ids[2], max_tokens=6, seed=seed + 1, n=2, knobs=KNOBS)[1]
+  assert [ids_of(c) for c in two.choices[2:]] == [e.token_ids.tolist() for e in hi]
+
+
+@pytest.mark.slow
 def test_chat_streamed_and_not_equal_offline(server):
   api = client(server)
   messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
@@ -214,7 +244,8 @@ BAD = [
     ("completions", b'{"prompt": "Hi", "max_tokens": 4', None),
     ("completions", [1, 2], None),
     ("completions", {"prompt": 3}, "prompt"),
-    ("completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("completions", {"prompt": ["a", "b"], "n": 3}, "prompt"),  # 6 rows: past max_batch
+    ("completions", {"prompt": ["a", 3]}, "prompt"),
     ("completions", {"prompt": [1, 2, 1000]}, "prompt"),
     ("completions", {"prompt": "Hi", "max_tokens": "4"}, "max_tokens"),
     ("completions", {"prompt": "Hi", "max_tokens": 0}, "max_tokens"),

@@ -46,9 +46,18 @@ def test_unknown_missing_and_nested_fields_name_the_top_level_field():
 
 
 def test_prompt_and_stop_shapes():
-  assert fields.CompletionRequest.model_validate({"prompt": ["Hi"]}).prompt == "Hi"
-  assert fields.CompletionRequest.model_validate({"prompt": [[1, 2]]}).prompt.tolist() == [1, 2]
-  assert _error(fields.CompletionRequest, {"prompt": ["a", "b"]}).param == "prompt"
+  def prompts(prompt):
+    return fields.CompletionRequest.model_validate({"prompt": prompt}).prompt
+
+  assert prompts("Hi") == prompts(["Hi"]) == ["Hi"]
+  assert [p.tolist() for p in prompts([1, 2])] == [[1, 2]]
+  assert [p.tolist() for p in prompts([[1, 2]])] == [[1, 2]]
+  assert prompts(["a", "b"]) == ["a", "b"]  # OpenAI's batch: several prompts
+  assert [p.tolist() for p in prompts([[1], [2, 3]])] == [[1], [2, 3]]
+  mixed = prompts(["a", [4]])
+  assert mixed[0] == "a" and mixed[1].tolist() == [4]
+  for bad in ([["a"]], [[1, 2.5]], [[1], [True]], ["a", [-1]]):
+    assert _error(fields.CompletionRequest, {"prompt": bad}).param == "prompt", bad
   assert fields.CompletionRequest.model_validate({"prompt": "x", "stop": "."}).stop == ["."]
   error = _error(fields.CompletionRequest, {"prompt": "x", "stop": ["."] * 17})
   assert error.param == "stop" and "at most 16" in error.message
