@@ -9,7 +9,8 @@ orders), FieldOrderSpec (write orders over fields, confidence within a field;
 a random order), SpeculativeSpec (exact parallel sampling by speculative
 verification), DeferSpec (PUNT-style test-and-defer), RevisionSpec (D3IM-style
 direct revision), LocalRemaskSpec (PURE-style localized remasking), MDLMSpec (MDLM's
-ddpm_cache sampler) and BD3LMSpec (BD3-LM's first-hitting and nucleus update inside a block).
+ddpm_cache sampler), BD3LMSpec (BD3-LM's first-hitting and nucleus update inside a block) and
+LLaDA21Spec (LLaDA2.1's threshold decoding with token-to-token edits).
 Semi-autoregressive blocks inside one canvas (`sampling.semi_autoregressive`) are the `block_length` knob of
 ancestral, confidence and entropy-bounded decoding; with `kv_cache="dual"` they decode each
 block against a KV cache (`sampling.kv_cache`). Block-by-block generation
@@ -44,6 +45,7 @@ from mdjax.sampling.families.dream import DreamSpec
 from mdjax.sampling.families.entropy_bounded import EntropyBoundedSpec
 from mdjax.sampling.families.fast_dllm_v2 import FastDllmV2Spec
 from mdjax.sampling.families.field_order import FieldOrderSpec, parse_write_order
+from mdjax.sampling.families.llada21 import LLaDA21Spec
 from mdjax.sampling.families.local_remask import LocalRemaskSpec
 from mdjax.sampling.families.mdlm import MDLMSpec
 from mdjax.sampling.families.ordered import OrderedSpec, parse_groups
@@ -60,7 +62,7 @@ __all__ = [
     "AncestralSpec", "BD3LMSpec", "BlocksResult", "BoundDenoiser", "Canvas", "Carry",
     "ConfidenceSpec", "Counters", "Prepared", "Stepper", "prepare",
     "DeferSpec", "Denoiser", "DiffusionGemmaSpec", "DreamSpec", "EndOfRow", "classifier_free",
-    "EntropyBoundedSpec", "Family", "FastDllmV2Spec", "FieldOrderSpec", "IDLE_FRACTION_TO_SKIP", "KV_CACHES", "LocalRemaskSpec", "MDLMSpec", "OrderedSpec",
+    "EntropyBoundedSpec", "Family", "FastDllmV2Spec", "FieldOrderSpec", "IDLE_FRACTION_TO_SKIP", "KV_CACHES", "LLaDA21Spec", "LocalRemaskSpec", "MDLMSpec", "OrderedSpec",
     "RandomOrderSpec", "RemaskSpec",
     "RevisionSpec", "SCORES", "UniformAncestralSpec", "with_noise", "SampleResult", "SamplerSpec", "SpeculativeSpec", "families",
     "family_of", "lower", "make_spec", "num_steps", "offers_cache", "parse_groups", "parse_write_order",
