@@ -327,3 +327,31 @@ def test_published_defaults_token_for_token_through_generate():
     expected = row["generated"]
     assert EOS_ID not in expected and completion.token_ids.tolist() == expected
   assert out.plan.blocks_of == 32
+
+
+@pytest.mark.slow
+def test_served_rows_equal_generate_offline():
+  """On a lane (rows stepped by the server, the second request's a step behind the first's)
+  every row equals `generate`'s, token for token: temperature 1 on the permutation oracle,
+  so the keys decide the tokens, and threshold 0.4, so some steps write two masks."""
+  from mdjax.serve.engine import Engine
+  model = mdjax.load("permutation")
+  engine = Engine(model, max_batch=4)
+  jobs, handles, done = [], [], {}
+  for seed in (3, 4):
+    job = engine.prepare([], max_new_tokens=model.max_len, seed=seed, n=2, sampler="llada21",
+                         knobs=dict(threshold=0.4, temperature=1.0))
+    listen = lambda update, seed=seed: update.completion is not None and done.__setitem__(
+        (seed, update.choice), update.completion.token_ids)
+    jobs.append(job), handles.append(engine.submit(job, listen))
+    engine.run_once()
+  for _ in range(200):
+    if all(h.done for h in handles):
+      break
+    engine.run_once()
+  assert len(done) == 4
+  for job in jobs:
+    want = mdjax.generate(model, [[]] * 2, max_new_tokens=model.max_len,
+                          key=jax.random.key(job.seed), spec=job.spec)
+    for choice in range(2):
+      np.testing.assert_array_equal(done[job.seed, choice], want[choice].token_ids)
