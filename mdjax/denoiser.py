@@ -9,7 +9,12 @@ The plain contract is `denoiser(params, tokens_BxL, t_B) -> logits_BxLxV` (with
       values, and a pass over W positions against them;
   block_size: its attention is block-causal with blocks of this many positions;
   block_pair(params, noisy_BxL, clean_BxL, t_B) -> logits_BxLxV
-      the block-diffusion training pass (`diffusion.block_nelbo_loss`).
+      the block-diffusion training pass (`diffusion.block_nelbo_loss`);
+  encode_condition(params, shaped_logits_BxLxV) -> condition
+      self-conditioning (DiffusionGemma): the input the next step's `apply(...,
+      condition=condition)` takes, made from this step's shaped logits. `apply` then admits
+      `condition=` (absent: the first step's, no previous prediction); a denoiser without
+      `encode_condition` never receives it, so every other denoiser is unchanged.
 
 A new pretrained denoiser provides `apply` and whichever of these it has, and `max_len`,
 the positions it holds, where it knows them (a `mdjax.Model` gives its denoiser its own).
@@ -24,7 +29,7 @@ import dataclasses
 from typing import Any, Callable
 
 # The passes a denoiser may offer beside `apply`.
-PASSES = ("prefill", "decode", "block_size", "block_pair")
+PASSES = ("prefill", "decode", "block_size", "block_pair", "encode_condition")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +47,7 @@ class Denoiser:
   decode: Callable | None = None  # (params, cache, tokens_BxW, start, t_B, valid_BxL=None)
   block_size: int | None = None  # block-causal attention's block (None: no blocks)
   block_pair: Callable | None = None  # (params, noisy_BxL, clean_BxL, t_B) -> logits_BxLxV
+  encode_condition: Callable | None = None  # (params, shaped_logits_BxLxV) -> condition
   max_len: int | None = dataclasses.field(default=None, compare=False)
 
   def __post_init__(self):
@@ -56,11 +62,21 @@ class Denoiser:
     equal wrappers of one function share compiled programs)."""
     return apply_fn if isinstance(apply_fn, Denoiser) else cls(apply_fn)
 
-  def __call__(self, params, tokens_BxL, t_B, valid_BxL=None):
-    """The plain contract; `valid_BxL` reaches `apply` only when given."""
-    if valid_BxL is None:
-      return self.apply(params, tokens_BxL, t_B)
-    return self.apply(params, tokens_BxL, t_B, valid_BxL=valid_BxL)
+  def __call__(self, params, tokens_BxL, t_B, valid_BxL=None, condition=None):
+    """The plain contract; `valid_BxL` and `condition` reach `apply` only when given (a
+    condition only to a denoiser that makes one: `encode_condition`)."""
+    extra = {} if valid_BxL is None else {"valid_BxL": valid_BxL}
+    if condition is not None:
+      if self.encode_condition is None:
+        raise ValueError("condition= given to a denoiser without self-conditioning "
+                         "(encode_condition is None).")
+      extra["condition"] = condition
+    return self.apply(params, tokens_BxL, t_B, **extra)
+
+  @property
+  def self_conditions(self) -> bool:
+    """Whether `apply` takes the previous step's prediction (`encode_condition`)."""
+    return self.encode_condition is not None
 
   @property
   def offers_cache(self) -> bool:

@@ -3,6 +3,8 @@
   a train.py workdir (a folder with checkpoints/)      -> `mdjax.train.load`
   a published Hugging Face folder (config.json), or a torch / Lightning .ckpt
                                                          -> `mdjax.io.load`
+  gemma's params checkpoint (an orbax folder: DiffusionGemma)
+                                                         -> `mdjax.io.gemma_params.load`
   a task's name ("two_color", "oracle:scan_and_add")    -> the task's exact denoiser
       (noise="uniform" / "hybrid" / a `mdjax.noise` process: exact under that process)
 
@@ -19,6 +21,7 @@ from mdjax import errors
 from mdjax import mesh as mesh_lib
 from mdjax import noise as noise_lib
 from mdjax import io, tasks, train
+from mdjax.io import gemma_params
 from mdjax.model import ORACLE_FAMILY, ConfiguredSampler, Model, task_model
 
 ORACLE_PREFIX = "oracle:"
@@ -33,7 +36,7 @@ def kind_of(path: str) -> str:
     return "oracle"
   if os.path.isdir(os.path.join(src, "checkpoints")):
     return "workdir"
-  if (os.path.isfile(os.path.join(src, "config.json")) or
+  if (os.path.isfile(os.path.join(src, "config.json")) or gemma_params.is_checkpoint(src) or
       (os.path.isfile(src) and src.endswith(CKPT_SUFFIXES)) or
       (os.path.isdir(src) and any(n.endswith(".ckpt") for n in os.listdir(src)))):
     return "published"
@@ -67,6 +70,8 @@ def load(path: str, *, dtype: str | None = None, mesh=None, step: int | None = N
   if wrong:
     raise ValueError(f"{wrong[0]}={given[wrong[0]]!r} does not apply to {path!r}, a {kind} "
                      f"(its arguments: {', '.join(applies) or 'none'}).")
+  if kind == "published" and gemma_params.is_checkpoint(os.fspath(path)):
+    return gemma_params.load(path, dtype=dtype, mesh=mesh, **kwargs)
   if kind == "published":
     return io.load(path, dtype=dtype, mesh=mesh, **kwargs)
   if kind == "workdir":

@@ -1,8 +1,9 @@
 """The published model formats, one file each, and their one registry.
 
 A format's file (`llada`, `dream`, `sdar`, `fast_dllm_v2`, `llada2`, `mdlm`, `bd3lm`, `llama`,
-`qwen2`) holds all mdjax knows of that published family: config.json <-> its config (with
-what the params cannot express refused by key), its tensors <-> params, the denoiser, its
+`qwen2`, `diffusion_gemma`) holds all mdjax knows of that published family: config.json (or
+another layout's tree) <-> its config (with what the params cannot express refused by key),
+its tensors <-> params, the denoiser, its
 special ids and length, save-time rules, its reference sampler (`Format.sampler`) and the
 reference code's own sampling call on ids (`llada.generate`, `dream.diffusion_generate`,
 `mdlm.mdlm_sample`, `bd3lm.bd3lm_sample`). A new format is its file and one line below.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from mdjax.formats.base import Format, Leaf
 from mdjax.formats.bd3lm import BD3LMFormat
+from mdjax.formats.diffusion_gemma import DiffusionGemmaFormat
 from mdjax.formats.dream import DreamFormat
 from mdjax.formats.fast_dllm_v2 import FastDllmV2Format
 from mdjax.formats.llada import LLaDAFormat
@@ -33,6 +35,7 @@ FORMATS: dict[str, Format] = {fmt.family: fmt for fmt in (
     BD3LMFormat(),
     LlamaFormat(),
     Qwen2Format(),
+    DiffusionGemmaFormat(),
 )}
 
 
