@@ -256,6 +256,8 @@ def draw_samples(task, apply_fn, params, spec) -> None:
 
 def report_samples(task, tokens, metrics: dict) -> None:
   """Prints --show decoded samples and the metrics; writes them to --out."""
+  if "invalid_fraction" in metrics and "valid" not in metrics:  # two_color: its validity too
+    metrics = {"valid": round(1.0 - metrics["invalid_fraction"], 6), **metrics}
   for row in tokens[:_NUM_SHOWN.value]:
     print(f"   {task.decode(row)}" if task.encode is None else f"--- {task.decode(row)}")
   width = max(map(len, metrics))

@@ -36,6 +36,7 @@ def get_config():
       num_iterations=4,  # inner updates per rollout batch (d1: 12 on LLaDA-8B)
       epsilon=0.5,  # d1's train.yaml
       beta=0.04,
+      kl_estimator="k3",  # d1's; "k2": its gradient is KL(policy || ref)'s (post_training.md)
       p_mask_prompt=0.15,
       cfg_scale=0.0,
       estimator="one_step",  # or "elbo", "trajectory"

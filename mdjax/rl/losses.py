@@ -77,8 +77,11 @@ def _check_shapes(logps, completion_mask, **others) -> None:
       raise ValueError(f"{name} has shape {value.shape}; expected {expected}.")
 
 
+KL_ESTIMATORS = ("k3", "k2")
+
+
 def grpo_loss(logps, old_logps, ref_logps, advantages, completion_mask, *, epsilon: float,
-              beta: float) -> tuple[Array, dict[str, Array]]:
+              beta: float, kl_estimator: str = "k3") -> tuple[Array, dict[str, Array]]:
   """d1's diffu-GRPO loss of one inner iteration, and its metrics.
 
   logps [B, C]: the policy's per-token log-probabilities (`per_token_logps_fn`, with this
@@ -89,17 +92,29 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, completion_mask, *, epsil
   including the first EOS).
 
     ratio = exp(logps - old_logps);  A-term = -min(ratio A, clip(ratio, 1 - eps, 1 + eps) A)
-    kl = exp(ref - logps) - (ref - logps) - 1   (k3, per token)
+    kl = exp(ref - logps) - (ref - logps) - 1   (k3, per token; d1's)
     loss = sum(mask * (A-term + beta kl)) / sum(mask)
+
+  kl_estimator="k2" puts (logps - ref)^2 / 2 in the loss instead. Differentiated through
+  logps at tokens drawn from the policy, k3's expected gradient is that of KL(ref || policy),
+  the mass-covering direction, whose pull on a logit does not vanish as the policy leaves the
+  reference; k2's is that of KL(policy || ref), the KL the objective names (on-policy: the
+  first inner iteration). tests/rl/test_losses.py checks both by enumeration. With k3 a
+  mode-seeking optimum is out of reach: on prompt-less two_color at one step the policy
+  stops where validity = 1 - beta G / (G - 1) (0.954 at d1's beta 0.04, G 8); with k2 it
+  goes to 1 (docs/post_training.md).
 
   metrics: clip_ratio, d1's (TRL's of its time) definition, the masked fraction of tokens
   where ratio A < clip(ratio) A (the unclipped term is the smaller one, so the minimum is
-  NOT the clipped one); kl, the masked mean of the k3 KL (only when beta != 0, as d1 logs).
+  NOT the clipped one); kl, the masked mean of the k3 KL (only when beta != 0, as d1 logs;
+  k3 whatever `kl_estimator`: its value is an unbiased estimate of KL(policy || ref)).
   """
   if not (is_number(epsilon) and epsilon >= 0):
     raise ValueError(f"epsilon={epsilon!r} must be a number >= 0.")
   if not (is_number(beta) and beta >= 0):
     raise ValueError(f"beta={beta!r} must be a number >= 0.")
+  if kl_estimator not in KL_ESTIMATORS:
+    raise ValueError(f"kl_estimator={kl_estimator!r} must be one of {KL_ESTIMATORS}.")
   if (ref_logps is None) != (beta == 0):
     raise ValueError(f"ref_logps is {'None' if ref_logps is None else 'given'} with "
                      f"beta={beta!r}: the reference's log-probabilities are needed exactly "
@@ -123,7 +138,9 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, completion_mask, *, epsil
   metrics = {}
   if beta != 0:
     per_token_kl = jnp.exp(ref_logps - logps) - (ref_logps - logps) - 1
-    per_token_loss = per_token_loss + beta * per_token_kl
+    per_token_penalty = (per_token_kl if kl_estimator == "k3"
+                         else 0.5 * jnp.square(logps - ref_logps))
+    per_token_loss = per_token_loss + beta * per_token_penalty
     metrics["kl"] = (per_token_kl * completion_mask).sum() / tokens
   loss = (per_token_loss * completion_mask).sum() / tokens
   is_clipped = (per_token_loss1 < per_token_loss2).astype(jnp.float32)

@@ -21,9 +21,15 @@
                        prompt + completion is the task's decoded row ("VALS 3 1 ..."),
                        target the task's Params (None: the default task).
   two_color_valid      both colors equal (`two_color.invalid_fraction` is 0): 1 or 0.
+  permutation_valid    the row is a permutation (`permutation.checks`'s "valid"); target
+                       the task's Params (None: the default task).
+  list_valid           the list task's check (`lists.checks`'s "valid": the output is the
+                       prompt copied, with one item replaced, or shuffled); target the
+                       task's Params, whose `kind` says which ('->' is ignored).
   sudoku4_solved       mdjax's 4x4 Sudoku solved (`sudoku4.checks`'s "solved"); prompt +
                        completion the decoded row (its cells in order; '/', '->' ignored).
 
+`TASK_CHECKS` names each id task's exact check (the default reward of an RL run on it).
 For the token tasks a trainer passes `model.decode` of the prompt ids and of the completion
 ids; the functions read the tokens of the two texts in order. A function that raises or
 returns NaN, None, an infinity or a non-number stops `compute` with a `RewardError` naming it,
@@ -39,7 +45,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from mdjax.tasks import countdown, scan_and_add, sudoku4, two_color
+from mdjax.tasks import countdown, lists, permutation, scan_and_add, sudoku4, two_color
 
 RewardFn = Callable[[str, str, object], float]
 _REGISTRY: dict[str, RewardFn] = {}
@@ -225,20 +231,22 @@ D1_GSM8K = ("gsm8k_xmlcount", "gsm8k_soft_format", "gsm8k_strict_format", "gsm8k
 # --- the exact tasks: their own checks on the decoded rows --------------------------------
 
 
-def _scan_and_add_params(target) -> scan_and_add.Params:
+def _task_params(target, params_type, default):
+  """An exact check's task parameters: None (the default task), the Params or its kwargs."""
   if target is None:
-    return scan_and_add.DEFAULT
-  if isinstance(target, scan_and_add.Params):
+    return default
+  if isinstance(target, params_type):
     return target
   if isinstance(target, dict):
-    return scan_and_add.Params(**target)
-  raise ValueError(f"target={target!r} must be None, a scan_and_add.Params or its kwargs.")
+    return params_type(**target)
+  raise ValueError(f"target={target!r} must be None, a {params_type.__qualname__} of "
+                   f"{params_type.__module__} or its kwargs.")
 
 
 @register("scan_and_add_correct")
 def scan_and_add_correct(prompt: str, completion: str, target) -> float:
   """1 when the row's answer is the sum its commands read (`checks`'s "correct")."""
-  params = _scan_and_add_params(target)
+  params = _task_params(target, scan_and_add.Params, scan_and_add.DEFAULT)
   names = {"VALS": scan_and_add.VALS, "OPS": scan_and_add.OPS, "ANS": scan_and_add.ANS,
            "PAD": scan_and_add.PAD, "?": scan_and_add.MASK_ID}
   words = f"{prompt} {completion}".split()
@@ -253,6 +261,34 @@ def two_color_valid(prompt: str, completion: str, target) -> float:
   """1 when the two colors are equal (neither masked)."""
   words = f"{prompt} {completion}".split()
   return float(len(words) == two_color.LENGTH and words[0] == words[1] and words[0] != "?")
+
+
+@register("permutation_valid")
+def permutation_valid(prompt: str, completion: str, target) -> float:
+  """1 when the row holds each of 0..n-1 once (`permutation.checks`'s "valid")."""
+  params = _task_params(target, permutation.Params, permutation.DEFAULT)
+  ids = [int(w) if w.isdigit() else -1 for w in f"{prompt} {completion}".split()]
+  if len(ids) != params.length:
+    return 0.0
+  return float(permutation.checks(np.array([ids]), params)["valid"][0])
+
+
+@register("list_valid")
+def list_valid(prompt: str, completion: str, target) -> float:
+  """1 when the output is the kind's function of the prompt (`lists.checks`'s "valid")."""
+  params = _task_params(target, lists.Params, lists.Params())
+  words = [w for w in f"{prompt} {completion}".split() if w != "->"]
+  ids = [params.marker if w == "X" else int(w) if w.isdigit() else -1 for w in words]
+  if len(ids) != params.length:
+    return 0.0
+  return float(lists.checks(np.array([ids]), params)["valid"][0])
+
+
+# Each id task's exact check, by the task's name.
+TASK_CHECKS = {"two_color": "two_color_valid", "permutation": "permutation_valid",
+               "list_copy": "list_valid", "list_replace": "list_valid",
+               "list_shuffle": "list_valid", "sudoku4": "sudoku4_solved",
+               "scan_and_add": "scan_and_add_correct"}
 
 
 @register("sudoku4_solved")

@@ -1,5 +1,5 @@
-"""Where an RL run's prompts come from (`mdjax.rl.trainer`): an id task whose rows are a
-prompt then its answer (Sudoku 4x4), or a JSONL of text prompts for a published chat model.
+"""Where an RL run's prompts come from (`mdjax.rl.trainer`): an id task (its rows a prompt,
+possibly empty, then its completion), or a JSONL of text prompts for a published chat model.
 A source draws a step's `Prompts` from the step's key and turns completions into the texts
 the rewards read."""
 
@@ -26,20 +26,39 @@ class Prompts:
   targets: list
 
 
-class IdTaskSource:
-  """Prompts of an id task whose rows are a prompt then its answer (Sudoku 4x4: 16 + 16
-  cells): fresh draws of the task's law, a function of the key. The rewards read the
-  task's decoding of the prompt ids, the completion as d1's answer text
-  ("<answer>DIGITS</answer>") and the target {"puzzle", "solution"} (d1's CSV strings)."""
+def _scan_and_add_prompt(params) -> int:
+  return params.n + 1  # VALS and the values; the completion: ANS, the answer, OPS, commands
 
-  PROMPT_LENGTHS = {"sudoku4": 16}
+
+# Leading positions an id task's prompt holds, of the task's parameters (None: prompt-less,
+# the completion is the whole row).
+PROMPT_LENGTHS = {
+    "two_color": lambda params: 0,
+    "permutation": lambda params: 0,
+    "list_copy": lambda params: params.prompt_length,
+    "list_replace": lambda params: params.prompt_length,
+    "list_shuffle": lambda params: params.prompt_length,
+    "sudoku4": lambda params: sudoku4.CELLS,
+    "scan_and_add": _scan_and_add_prompt,
+}
+
+
+class IdTaskSource:
+  """Prompts of an id task: the first `prompt_length` positions of fresh draws of the task's
+  law, a function of the key (`PROMPT_LENGTHS`: none for two_color and permutation, the
+  list for the list tasks, the puzzle for Sudoku 4x4, VALS and the values for ScanAndAdd);
+  the completion is the rest of the row. The rewards read the task's decoding of the prompt
+  ids and of the completion ids, and the task's parameters as the target (the exact checks
+  of `rewards.TASK_CHECKS` take them). Sudoku 4x4 keeps d1's forms, so that d1's `sudoku`
+  reward reads them too: the completion as "<answer>DIGITS</answer>", the target
+  {"puzzle", "solution"} (d1's CSV strings)."""
 
   def __init__(self, task: tasks.Task):
-    if task.name not in self.PROMPT_LENGTHS:
-      raise ConfigError(f"config field task={task.name!r}: RL prompts come from "
-                        f"{sorted(self.PROMPT_LENGTHS)} or rl.prompts (a JSONL file).")
+    if task.name not in PROMPT_LENGTHS:
+      raise ConfigError(f"config field task={task.name!r}: RL prompts come from the id tasks "
+                        f"{sorted(PROMPT_LENGTHS)} or rl.prompts (a JSONL file).")
     self.task = task
-    self.prompt_length = self.PROMPT_LENGTHS[task.name]
+    self.prompt_length = PROMPT_LENGTHS[task.name](task.params)
     self.completion_length = task.length - self.prompt_length
     self.mask_id = task.mask_id
     self.eos_id = None
@@ -47,14 +66,18 @@ class IdTaskSource:
   def draw(self, key: jax.Array, count: int) -> Prompts:
     rows = np.asarray(self.task.sample_data(key, count))
     prompt_ids = rows[:, :self.prompt_length]
+    if self.task.name == "sudoku4":
+      targets = [{"puzzle": r["Puzzle"], "solution": r["Solution"]} for r in sudoku4.to_d1(rows)]
+    else:
+      targets = [self.task.params] * count
     return Prompts(ids_PxLp=prompt_ids, valid_PxLp=None,
-                   texts=[self.task.decode(row) for row in prompt_ids],
-                   targets=[{"puzzle": r["Puzzle"], "solution": r["Solution"]}
-                            for r in sudoku4.to_d1(rows)])
+                   texts=[self.task.decode(row) for row in prompt_ids], targets=targets)
 
   def completion_texts(self, ids_BxL: np.ndarray, completion_mask_BxC) -> list[str]:
     del completion_mask_BxC
-    return [f"<answer>{r['Solution']}</answer>" for r in sudoku4.to_d1(ids_BxL)]
+    if self.task.name == "sudoku4":
+      return [f"<answer>{r['Solution']}</answer>" for r in sudoku4.to_d1(ids_BxL)]
+    return [self.task.decode(row) for row in np.asarray(ids_BxL)[:, self.prompt_length:]]
 
 
 class JsonlSource:
@@ -98,7 +121,7 @@ class JsonlSource:
 
 
 def make_source(config, task, opts: dict):
-  """The run's prompts: an id task's (Sudoku 4x4), or a JSONL's for a published start (task
+  """The run's prompts: an id task's (`IdTaskSource`), or a JSONL's for a published start (task
   'sft': `rl.prompts`, by default its `task_kwargs.path`)."""
   if config.task == "sft" or opts["prompts"] is not None:
     path = opts["prompts"] or config.task_kwargs.get("path")

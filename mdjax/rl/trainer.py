@@ -3,20 +3,22 @@
 `train.py --config=configs/grpo.py --workdir=W` runs, per step (`train.num_steps` of them):
 
   1. prompts: `batch_size / rl.num_generations` of them, a function of (seed, step) (a
-     resumed run sees what an uninterrupted one would): an id task's prompt cells (Sudoku
-     4x4: positions 0-15), or, for a published chat model (task 'sft'), lines of a JSONL
+     resumed run sees what an uninterrupted one would): an id task's prompt cells
+     (`sources.IdTaskSource`: none for two_color, the puzzle for Sudoku 4x4, ...), or, for
+     a published chat model (task 'sft'), lines of a JSONL
      (`sources.JsonlSource`: its tokenizer and chat template, left padded to
      `rl.max_prompt_length`);
   2. rollouts: G = `rl.num_generations` completions of each prompt by `config.sampler` (any
      mdjax sampler spec; d1's: LLaDA's semi-autoregressive low-confidence decoding), one
      compiled call per batch, the parameters its traced arguments;
-  3. rewards on the host (`rl.rewards`: names in `mdjax.rl.rewards`, e.g. 'sudoku4_solved'
-     (the exact check) or 'sudoku' (d1's rule)), their weighted sum, group advantages;
+  3. rewards on the host (`rl.rewards`: names in `mdjax.rl.rewards`, by default an id task's
+     exact check (`rewards.TASK_CHECKS`), or e.g. 'sudoku' (d1's rule)), their weighted
+     sum, group advantages;
   4. the log-probabilities of the policy before the updates ("old") and of the reference
      (the start point, frozen; with LoRA the base with the adapters off) for
      `rl.num_iterations` mask keys, one per inner iteration;
   5. `rl.num_iterations` updates (d1's inner loop; update i reads mask key i) of the loss of
-     `config.objective`: 'grpo' (`losses.grpo_loss`: clipped ratio, k3 KL) or 'wd1'
+     `config.objective`: 'grpo' (`losses.grpo_loss`: clipped ratio, `rl.kl_estimator`) or 'wd1'
      (`losses.wd1_loss`), the log-probabilities by `rl.estimator`: "one_step" (d1's
      `forward_process`: the completion masked, prompt tokens with `p_mask_prompt`) or
      "elbo" (the completion's MC-ELBO, one log-probability per row).
@@ -65,13 +67,15 @@ DEFAULTS = dict(
     num_generations=6,  # G completions per prompt (d1: 6)
     num_iterations=12,  # inner updates per rollout batch, each with its own mask key (d1: 12)
     epsilon=0.5,  # the ratio's clip range (d1's train.yaml: 0.5)
-    beta=0.04,  # the k3 KL's weight (d1: 0.04; 0: no reference pass)
+    beta=0.04,  # the KL penalty's weight (d1: 0.04; 0: no reference pass)
+    kl_estimator="k3",  # the penalty: "k3" (d1's; its gradient is KL(ref || policy)'s) or "k2"
     p_mask_prompt=0.15,  # one_step: each prompt token masked with this probability (d1: 0.15)
     cfg_scale=0.0,  # one_step: classifier-free guidance of the log-probabilities (d1: 0)
     estimator="one_step",  # or "elbo" (the MC-ELBO)
     elbo_samples=4,  # elbo: Monte Carlo samples per row
     scale_by_std=False,  # advantages divided by the group's std (d1: False)
-    rewards=("sudoku4_solved",),  # `mdjax.rl.rewards` names, summed with `reward_weights`
+    rewards=None,  # `mdjax.rl.rewards` names, summed with `reward_weights`; None: an id
+    #                task's exact check (`rewards.TASK_CHECKS`)
     reward_weights=None,  # None: 1 each
     prompts=None,  # text prompts: a JSONL (`sources.JsonlSource`); None: task 'sft''s own file
     max_prompt_length=200,  # text prompts: left padded (or cut from the left) to this
@@ -119,6 +123,8 @@ def rl_options(config) -> dict:
     refuse("epsilon", "must be a finite number > 0")
   if not number(opts["beta"]) or opts["beta"] < 0:
     refuse("beta", "must be a finite number >= 0")
+  if opts["kl_estimator"] not in losses.KL_ESTIMATORS:
+    refuse("kl_estimator", f"must be one of {losses.KL_ESTIMATORS}")
   if not number(opts["p_mask_prompt"]) or not 0 <= opts["p_mask_prompt"] <= 1:
     refuse("p_mask_prompt", "must be a number in [0, 1]")
   if not number(opts["cfg_scale"]) or opts["cfg_scale"] < 0:
@@ -131,6 +137,12 @@ def rl_options(config) -> dict:
            "be an integer >= 1")
   opts["sampler_steps"] = steps  # the trajectory's passes
   names = opts["rewards"]
+  task_check = rewards_lib.TASK_CHECKS.get(config.get("task"))
+  if names is None:
+    if task_check is None:
+      refuse("rewards", f"task {config.get('task')!r} has no exact check: name the reward "
+             f"functions ({rewards_lib.names()})")
+    names = (task_check,)
   if isinstance(names, str):  # "sudoku,sudoku4_solved"
     names = (names,)
   if not names or not all(isinstance(n, str) for n in names):
@@ -141,6 +153,9 @@ def rl_options(config) -> dict:
     if name not in rewards_lib.names():
       refuse("rewards", f"{name!r} is not a registered reward; registered: "
              f"{rewards_lib.names()}")
+    if name in rewards_lib.TASK_CHECKS.values() and name != task_check:
+      refuse("rewards", f"{name!r} is the exact check of another task; task "
+             f"{config.get('task')!r}'s is {task_check!r}")
   weights = opts["reward_weights"]
   if weights is not None:
     if len(weights) != len(names) or not all(number(w) for w in weights):
@@ -286,7 +301,7 @@ def _logps_fn(opts: dict, denoiser, prompt_length: int, mask_id: int):
 def _loss(objective: str, opts: dict, logps, old, ref, advantages_B, mask):
   if objective == "grpo":
     return losses.grpo_loss(logps, old, ref, advantages_B, mask, epsilon=opts["epsilon"],
-                            beta=opts["beta"])
+                            beta=opts["beta"], kl_estimator=opts["kl_estimator"])
   return losses.wd1_loss(logps, advantages_B, mask, group_size=opts["num_generations"])
 
 

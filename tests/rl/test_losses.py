@@ -138,6 +138,37 @@ def test_grpo_loss_gradient_of_one_iteration():
   np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("kl_estimator", ["k3", "k2"])
+def test_the_kl_penalty_gradient_in_expectation_over_the_policy(kl_estimator):
+  """The penalty is differentiated through logps at tokens the policy drew. Its gradient in
+  the policy's logits, averaged over the tokens by their probabilities (enumerated), is
+  k3's: the gradient of KL(ref || policy), the mass-covering KL (in a logit, policy - ref: a
+  pull that does not vanish as the policy leaves the reference, which stalls mode seeking);
+  k2's: the gradient of KL(policy || ref), the KL the objective names."""
+  policy_logits_V = jnp.asarray([1.5, -0.3, 0.2, -2.0])
+  ref_logp_V = jax.nn.log_softmax(jnp.asarray([0.1, 0.4, -0.2, 0.3]))
+
+  def penalty(logits_V, token):
+    logp_V = jax.nn.log_softmax(logits_V)
+    loss, _ = rl.grpo_loss(logp_V[token][None, None], None, ref_logp_V[token][None, None],
+                           jnp.zeros((1,)), jnp.ones((1, 1)), epsilon=0.2, beta=1.0,
+                           kl_estimator=kl_estimator)
+    return loss  # advantage 0: the penalty alone
+
+  policy_V = jax.nn.softmax(policy_logits_V)
+  expected = sum(policy_V[x] * jax.grad(penalty)(policy_logits_V, x) for x in range(4))
+  if kl_estimator == "k3":
+    kl = lambda logits: (jnp.exp(ref_logp_V) * (ref_logp_V - jax.nn.log_softmax(logits))).sum()
+  else:
+    kl = lambda logits: (jax.nn.softmax(logits) * (jax.nn.log_softmax(logits) - ref_logp_V)).sum()
+  np.testing.assert_allclose(np.asarray(expected), np.asarray(jax.grad(kl)(policy_logits_V)),
+                             rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="kl_estimator='k1' must be one of"):
+    rl.grpo_loss(
+        jnp.zeros((1, 1)), None, jnp.zeros((1, 1)), jnp.zeros((1,)), jnp.ones((1, 1)),
+        epsilon=0.2, beta=1.0, kl_estimator="k1")
+
+
 def wd1_numpy(logps, advantages, mask, negative=True):
   """wd1's compute_loss (rev_grpo_trainer.py) on one batch: softmax over dim 0."""
   softmax = lambda a: np.exp(a - a.max()) / np.exp(a - a.max()).sum()
