@@ -76,6 +76,9 @@ FLAG_VALUES = {
     "entropy_bound": ("0.5", GEMMA), "max_temperature": ("0.9", GEMMA),
     "min_temperature": ("0.3", GEMMA), "exponent": ("2.0", GEMMA), "early_stop": ("true", GEMMA),
     "final_renoise": ("true", GEMMA),
+    "editing_threshold": ("0.5", {"sampler": "llada21"}),
+    "max_post_steps": ("2", {"sampler": "llada21"}),
+    "num_to_transfer": ("2", {"sampler": "llada21"}),
     # The reference samplers' own (LLaDA2, SDAR, BD3-LM): refused with the LLaDA fixture.
     "minimal_topk": ("2", {}), "denoising_steps": ("2", {}), "eb_threshold": ("0.5", {}),
     "remasking_strategy": ("sequential", {}), "confidence_threshold": ("0.5", {}),

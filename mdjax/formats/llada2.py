@@ -26,6 +26,7 @@ import re
 from typing import ClassVar
 
 from mdjax import sampling
+from mdjax.errors import ArgumentError
 from mdjax.formats.base import (
   TORCH_DTYPES,
   Format,
@@ -62,15 +63,32 @@ QKV = ("q", "k", "v")
 
 
 def plan(model, *, prompt_length: int, max_new_tokens: int, block_length: int | None = None,
-         steps: int = 32, threshold: float = 0.95, minimal_topk: int = 1,
-         temperature: float = 0.0, top_p: float | None = None, top_k: int | None = None
-         ) -> SamplerPlan:
+         steps: int | None = None, threshold: float | None = None, minimal_topk: int = 1,
+         temperature: float = 0.0, top_p: float | None = None, top_k: int | None = None,
+         editing_threshold: float | None = None, max_post_steps: int | None = None,
+         num_to_transfer: int | None = None) -> SamplerPlan:
   """LLaDA2MoeModelLM.generate for `max_new_tokens` new tokens (gen_length): blocks of
   `block_length` (default the model's block size, 32), min(steps, max_new_tokens //
-  minimal_topk) steps a block, the threshold rule with the block's even schedule as floor."""
+  minimal_topk) steps a block (steps default 32), the threshold rule (default 0.95) with the
+  block's even schedule as floor.
+
+  With `editing_threshold` (or `max_post_steps`): LLaDA2.1's generate instead, its joint
+  threshold decoder (`sampling.LLaDA21Spec`: masks written above `threshold`, default 0.95,
+  written tokens of the block edited above `editing_threshold`, default 0.9, then up to
+  `max_post_steps` edit-only steps, `num_to_transfer` masks a step at least); `steps`, if
+  given, bounds a block's steps."""
   block = model.config.block_size if block_length is None else block_length
   check_int(max_new_tokens, "max_new_tokens", 1)
   check_int(block, "block_length", 1)
+  if editing_threshold is not None or max_post_steps is not None:
+    return _editing_plan(model, prompt_length, max_new_tokens, block, steps, threshold,
+                         minimal_topk, temperature, top_p, top_k, editing_threshold,
+                         max_post_steps, num_to_transfer)
+  if num_to_transfer is not None:
+    raise ArgumentError.invalid("num_to_transfer", num_to_transfer, "it is a knob of "
+                                "LLaDA2.1's editing decoder: give editing_threshold too")
+  steps = 32 if steps is None else steps
+  threshold = 0.95 if threshold is None else threshold
   check_int(steps, "steps", 1)
   check_int(minimal_topk, "minimal_topk", 1)
   per_block = min(steps, max_new_tokens // minimal_topk)
@@ -84,13 +102,7 @@ def plan(model, *, prompt_length: int, max_new_tokens: int, block_length: int | 
     check_number(top_p, "top_p", "must be None or lie in (0, 1]", lambda x: 0 < x <= 1)
   if top_k is not None:
     check_int(top_k, "top_k", 1)
-  # The window holds the prompt and the whole generation in whole blocks: the reference
-  # attends to every block before the current one.
-  window = -(-(prompt_length + max_new_tokens) // block) * block
-  if window + block > model.config.max_len:
-    raise ValueError(f"prompt_length={prompt_length} + max_new_tokens={max_new_tokens} does "
-                     f"not fit the model's max_len={model.config.max_len} (in blocks of "
-                     f"block_length={block}, one more for the last).")
+  window = _window(model, prompt_length, max_new_tokens, block)
   spec = sampling.ConfidenceSpec(
       steps=per_block, score="prob", score_transformed=True, count_rule="even_block",
       # The reference commits probabilities strictly above the threshold: at 1.0 none, the
@@ -102,12 +114,42 @@ def plan(model, *, prompt_length: int, max_new_tokens: int, block_length: int | 
   return SamplerPlan(denoiser=denoiser, spec=spec, blocks_of=block, window=window)
 
 
+def _window(model, prompt_length: int, max_new_tokens: int, block: int) -> int:
+  """The positions the prompt and the whole generation take in whole blocks (the reference
+  attends to every block before the current one); a ValueError past the model's length."""
+  window = -(-(prompt_length + max_new_tokens) // block) * block
+  if window + block > model.config.max_len:
+    raise ValueError(f"prompt_length={prompt_length} + max_new_tokens={max_new_tokens} does "
+                     f"not fit the model's max_len={model.config.max_len} (in blocks of "
+                     f"block_length={block}, one more for the last).")
+  return window
+
+
+def _editing_plan(model, prompt_length, max_new_tokens, block, steps, threshold,
+                  minimal_topk, temperature, top_p, top_k, editing_threshold,
+                  max_post_steps, num_to_transfer) -> SamplerPlan:
+  """LLaDA2.1's generate (`plan`'s docstring): the llada21 family block by block, on the
+  same block-causal network and exact cache as LLaDA2.0's decoder."""
+  if minimal_topk != 1:  # LLaDA2.1's generate computes it and never reads it
+    raise ArgumentError.invalid("minimal_topk", minimal_topk, "LLaDA2.1's editing decoder "
+                                "(editing_threshold) does not read it: leave it at 1")
+  knobs = dict(threshold=threshold, editing_threshold=editing_threshold,
+               max_post_steps=max_post_steps, num_to_transfer=num_to_transfer, steps=steps,
+               top_p=None if top_p is None else float(top_p), top_k=top_k)
+  spec = sampling.LLaDA21Spec(temperature=float(temperature), eos_id=model.eos_id,
+                              **{k: v for k, v in knobs.items() if v is not None})
+  window = _window(model, prompt_length, max_new_tokens, block)
+  denoiser = published.denoiser(dataclasses.replace(model.config, block_size=block))
+  return SamplerPlan(denoiser=denoiser, spec=spec, blocks_of=block, window=window)
+
+
 class Sampler:
   """LLaDA2MoeModelLM.generate as a model's default sampler: its defaults (blocks of 32,
-  32 steps, threshold 0.95), greedy unless a temperature is given."""
+  32 steps, threshold 0.95), greedy unless a temperature is given; LLaDA2.1's editing
+  generate with `editing_threshold` (`plan`)."""
 
   knobs = ("block_length", "steps", "threshold", "minimal_topk", "temperature", "top_p",
-           "top_k")
+           "top_k", "editing_threshold", "max_post_steps", "num_to_transfer")
   # Its own knobs (the others are the spec knobs of their names, `sampling.knobs`).
   own_knobs = (Knob("minimal_topk", int, 1, minimum=1, help="LLaDA2: a block runs "
                     "min(steps, max_new_tokens // minimal_topk) steps."),)

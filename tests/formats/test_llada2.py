@@ -50,7 +50,8 @@ def test_config_and_tokenizer():
   assert np.abs(np.asarray(m.params["moe_layers"]["expert_bias"])).min() > 0  # read, not zeros
   assert m.decode(m.encode("hi")) == "hi"
   assert m.sampler.knobs == ("block_length", "steps", "threshold", "minimal_topk",
-                             "temperature", "top_p", "top_k")
+                             "temperature", "top_p", "top_k", "editing_threshold",
+                             "max_post_steps", "num_to_transfer")  # LLaDA2.1's last
 
 
 def test_published_config_maps():

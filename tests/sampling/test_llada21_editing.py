@@ -330,6 +330,42 @@ def test_published_defaults_token_for_token_through_generate():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c["name"])
+def test_the_llada2_default_sampler_with_editing_threshold_is_llada21s_generate(case):
+  """The llada2 checkpoint's own sampler, given `editing_threshold` (LLaDA2.1's knobs, as
+  its generate takes them), runs the published LLaDA2.1 generate: each row's tokens."""
+  m = family_fixtures.model("llada2")
+  kwargs = case["kwargs"]
+  knobs = {k: v for k, v in kwargs.items() if k != "gen_length"}
+  for row in case["rows"]:  # one at a time, as the published generate runs them
+    (completion,) = mdjax.generate(m, [row["prompt"]], max_new_tokens=kwargs["gen_length"],
+                                   key=0, **knobs)
+    expected = row["generated"]  # a completion stops before its EOS
+    ended = EOS_ID in expected
+    expected = expected[:expected.index(EOS_ID)] if ended else expected
+    assert completion.token_ids.tolist() == expected, (case["name"], row["seed"])
+    assert completion.finish_reason == ("stop" if ended else "length")
+
+
+def test_the_llada2_default_sampler_plans_llada21_only_with_editing_knobs():
+  m = family_fixtures.model("llada2")
+  plain = m.sampler.plan(m, prompt_length=4, max_new_tokens=8)
+  assert isinstance(plain.spec, sampling.ConfidenceSpec)
+  editing = m.sampler.plan(m, prompt_length=4, max_new_tokens=8, editing_threshold=0.5,
+                           threshold=0.7)
+  assert editing.spec == sampling.LLaDA21Spec(threshold=0.7, editing_threshold=0.5,
+                                              temperature=0.0, eos_id=m.eos_id)
+  assert editing.blocks_of == plain.blocks_of == m.config.block_size
+  with pytest.raises(ArgumentError, match="minimal_topk"):
+    m.sampler.plan(m, prompt_length=4, max_new_tokens=8, editing_threshold=0.5,
+                   minimal_topk=2)
+  with pytest.raises(ArgumentError, match="editing_threshold"):
+    m.sampler.plan(m, prompt_length=4, max_new_tokens=8, editing_threshold=1.5)
+  with pytest.raises(ArgumentError, match="num_to_transfer"):  # LLaDA2.0's has no such knob
+    m.sampler.plan(m, prompt_length=4, max_new_tokens=8, num_to_transfer=2)
+
+
+@pytest.mark.slow
 def test_served_rows_equal_generate_offline():
   """On a lane (rows stepped by the server, the second request's a step behind the first's)
   every row equals `generate`'s, token for token: temperature 1 on the permutation oracle,
