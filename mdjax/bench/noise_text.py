@@ -21,7 +21,7 @@ drawn by `mdjax.generate` (row i with fold_in(key(SEED), i)), with
 `evaluate.generative_perplexity` (its start token first, one window per sample), beside each
 sample's unigram entropy (nats) over its characters; the held-out windows are the reference
 row (the data's own gen-ppl and entropy; log2 of that gen-ppl is the judge's bits/char).
-Written atomically to `out` (JSON), seeds fixed.
+Written atomically to `out` (JSON) and a PNG beside it (`plot`), seeds fixed.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 import mdjax
-from mdjax import evaluate, noise, report, sampling, train
+from mdjax import evaluate, files, noise, report, sampling, train
 from mdjax.bench import timing
 
 PROCESSES = ("absorbing", "uniform", "hybrid")
@@ -187,6 +187,38 @@ TABLE_HEADER = (f"{'process':13s} {'sampler':18s} {'steps':>5} {'gen-ppl':>8}   
                 f"{'entropy':>6}   {'se':>5}")
 
 
+def plot(gen_rows: list[dict], path: str) -> str:
+  """gen-ppl and entropy against sampling steps, one curve per (process, sampler), ± SE bars;
+  the held-out text's as a dotted line."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  reference = next(r for r in gen_rows if r["steps"] is None)
+  sampled = [r for r in gen_rows if r["steps"] is not None]
+  curves = list(dict.fromkeys((r["process"], r["sampler"]) for r in sampled))
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+  for ax, key, label in ((axes[0], "gen_ppl", "generative perplexity (per char)"),
+                         (axes[1], "entropy", "unigram entropy of a sample (nats)")):
+    for i, (process, sampler) in enumerate(curves):
+      pts = [r for r in sampled if (r["process"], r["sampler"]) == (process, sampler)]
+      ax.errorbar([r["steps"] for r in pts], [r[key] for r in pts],
+                  yerr=[r[key + "_se"] for r in pts], marker="o", ms=3, lw=1, capsize=2,
+                  color=plt.cm.tab10(i % 10), label=f"{process}: {sampler}")
+    ax.axhline(reference[key], ls=":", color="k", lw=1, label="held-out text")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sampling steps")
+    ax.set_ylabel(label)
+  axes[0].set_yscale("log")
+  axes[0].legend(fontsize=7)
+  fig.suptitle(f"Shakespeare, judge {reference['judge']}", fontsize=9)
+  fig.tight_layout()
+  with files.atomic_write(path) as f:
+    fig.savefig(f, format="png", dpi=110)
+  plt.close(fig)
+  return path
+
+
 def judge_summary(path: str, steps: int, tokens_per_step: int) -> dict:
   """Where the judge is and how good: its periodic held-out bits/char, the last of them."""
   rows = [json.loads(line) for line in open(os.path.join(path, "metrics.jsonl"))]
@@ -253,7 +285,8 @@ def main(argv=None) -> None:
   result = run(args.steps, args.workdir, args.judge_steps, args.samples)
   result["seconds"] = round(time.perf_counter() - start, 1)
   report.write_json(args.out, result)
-  print(f"wrote {args.out} in {result['seconds']:.0f} s")
+  path = plot(result["gen_ppl"], os.path.splitext(args.out)[0] + ".png")
+  print(f"wrote {args.out} and {path} in {result['seconds']:.0f} s")
 
 
 if __name__ == "__main__":

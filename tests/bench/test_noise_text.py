@@ -67,5 +67,7 @@ def test_tiny_gen_ppl_rows_have_the_schema_and_numbers_in_range(tmp_path):
     assert math.isfinite(r["entropy_se"]) and r["entropy_se"] >= 0.0, r
   for r in rows:
     assert r["steps"] == 2 and len(r["example"]) == length
+  png = noise_text.plot([reference] + rows, str(tmp_path / "noise_text.png"))
+  assert (tmp_path / "noise_text.png").stat().st_size > 0 and png.endswith(".png")
   # Samples differ from one another: the standard errors are not all zero.
   assert any(r["gen_ppl_se"] > 0 for r in rows) and any(r["entropy_se"] > 0 for r in rows)
