@@ -90,6 +90,8 @@ FAMILY_FLAGS = {
                         "--refresh_every=2"],
     "fast_dllm_v2": ["--steps=10", "--threshold=0.9"],
     "field_order": ["--order=[VOA][v×9]o×10[ht1]"],
+    "learned_commit": ["--steps=10", "--block_length=5", "--filter_file=" + os.path.join(
+        ROOT, "tests", "fixtures", "learned_commit", "width5.json")],  # example_filter(5)
     "llada21": ["--threshold=0.7", "--editing_threshold=0.5", "--max_post_steps=2",
                 "--block_length=5"],
     "local_remask": ["--steps=5", "--refill_steps=3", "--rounds=1", "--window=1"],

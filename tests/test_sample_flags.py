@@ -30,6 +30,7 @@ pytestmark = pytest.mark.slow
 LOCAL_REMASK = {"sampler": "local_remask"}
 # DiffusionGemma's rule samples uniform-noise models: an oracle under --noise=uniform.
 GEMMA = {"sampler": "diffusion_gemma", "noise": "uniform"}
+FILTER = os.path.join(REPO, "tests", "fixtures", "learned_commit", "width5.json")
 FLAG_VALUES = {
     "task": ("scan_and_add", {}), "oracle": ("true", {}), "workdir": ("/elsewhere", {}),
     "step": ("3", {}), "batch_size": ("1", {}), "prompt": ("1,0", {}), "prefix": ("Thou", {}),
@@ -79,6 +80,10 @@ FLAG_VALUES = {
     "editing_threshold": ("0.5", {"sampler": "llada21"}),
     "max_post_steps": ("2", {"sampler": "llada21"}),
     "num_to_transfer": ("2", {"sampler": "llada21"}),
+    # learned_commit's filter file (a notation) and knobs; the recorders never check its width.
+    "filter_file": (FILTER, {"sampler": "learned_commit"}),
+    "accept_threshold": ("0.5", {"sampler": "learned_commit", "filter_file": FILTER}),
+    "eot_exit": ("true", {"sampler": "learned_commit", "filter_file": FILTER}),
     # The reference samplers' own (LLaDA2, SDAR, BD3-LM): refused with the LLaDA fixture.
     "minimal_topk": ("2", {}), "denoising_steps": ("2", {}), "eb_threshold": ("0.5", {}),
     "remasking_strategy": ("sequential", {}), "confidence_threshold": ("0.5", {}),

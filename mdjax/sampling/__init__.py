@@ -45,6 +45,7 @@ from mdjax.sampling.families.dream import DreamSpec
 from mdjax.sampling.families.entropy_bounded import EntropyBoundedSpec
 from mdjax.sampling.families.fast_dllm_v2 import FastDllmV2Spec
 from mdjax.sampling.families.field_order import FieldOrderSpec, parse_write_order
+from mdjax.sampling.families.learned_commit import LearnedCommitSpec
 from mdjax.sampling.families.llada21 import LLaDA21Spec
 from mdjax.sampling.families.local_remask import LocalRemaskSpec
 from mdjax.sampling.families.mdlm import MDLMSpec
@@ -68,4 +69,5 @@ __all__ = [
     "family_of", "lower", "make_spec", "num_steps", "offers_cache", "parse_groups", "parse_write_order",
     "recompute_cache", "register", "row_keys", "sample", "sample_blocks", "sample_python_loop",
     "time_grid",
+    "LearnedCommitSpec",
 ]
