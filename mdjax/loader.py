@@ -21,6 +21,7 @@ from mdjax import errors
 from mdjax import mesh as mesh_lib
 from mdjax import noise as noise_lib
 from mdjax import io, tasks, train
+from mdjax import quantize as quantize_lib
 from mdjax.io import gemma_params
 from mdjax.model import ORACLE_FAMILY, ConfiguredSampler, Model, task_model
 
@@ -48,7 +49,8 @@ def kind_of(path: str) -> str:
 
 
 def load(path: str, *, dtype: str | None = None, mesh=None, step: int | None = None,
-         task_kwargs: dict | None = None, noise=None, **kwargs: Any) -> Model:
+         task_kwargs: dict | None = None, noise=None, quantize: str | None = None,
+         **kwargs: Any) -> Model:
   """The model at `path` (module docstring) as a `Model`.
 
   dtype: a published checkpoint's ("float32", "bfloat16"; None keeps the checkpoint's).
@@ -58,24 +60,31 @@ def load(path: str, *, dtype: str | None = None, mesh=None, step: int | None = N
   each with the linear schedule) or as a `mdjax.noise` process value; the model is the exact
   posterior p(x0_i | x_t) under it, by enumerating the task's law (`Task.support`; a task
   whose law is too large says so), with params the enumerated law and `Model.noise` the
-  process. None (the default) is the task's own absorbing oracle. Other keywords go to the
+  process. None (the default) is the task's own absorbing oracle. quantize: "int8" or
+  "int4" stores a workdir's or a published checkpoint's weight matrices as integers with
+  float scales, dequantized where each is used (`mdjax.quantize`; None: float weights).
+  Other keywords go to the
   loader of that kind (`mdjax.io.load`'s config= and ema=, `train.load`'s log=). Every argument that does not apply to the kind found is a
   ValueError naming it.
   """
+  quantize_lib.check_mode(quantize)
   kind = kind_of(path)
-  given = {"dtype": dtype, "step": step, "task_kwargs": task_kwargs, "noise": noise}
-  applies = {"workdir": ("step",), "published": ("dtype",),
+  given = {"dtype": dtype, "step": step, "task_kwargs": task_kwargs, "noise": noise,
+           "quantize": quantize}
+  applies = {"workdir": ("step", "quantize"), "published": ("dtype", "quantize"),
              "oracle": ("task_kwargs", "noise")}[kind]
   wrong = [name for name, value in given.items() if value is not None and name not in applies]
   if wrong:
     raise ValueError(f"{wrong[0]}={given[wrong[0]]!r} does not apply to {path!r}, a {kind} "
                      f"(its arguments: {', '.join(applies) or 'none'}).")
   if kind == "published" and gemma_params.is_checkpoint(os.fspath(path)):
-    return gemma_params.load(path, dtype=dtype, mesh=mesh, **kwargs)
+    return quantize_lib.quantize_model(gemma_params.load(path, dtype=dtype, mesh=mesh,
+                                                         **kwargs), quantize)
   if kind == "published":
-    return io.load(path, dtype=dtype, mesh=mesh, **kwargs)
+    return quantize_lib.quantize_model(io.load(path, dtype=dtype, mesh=mesh, **kwargs),
+                                       quantize)
   if kind == "workdir":
-    model = train.load(path, step, **kwargs)
+    model = quantize_lib.quantize_model(train.load(path, step, **kwargs), quantize)
   else:
     if kwargs:
       raise ValueError(f"{sorted(kwargs)[0]}= does not apply to a task's exact denoiser.")
