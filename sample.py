@@ -70,6 +70,10 @@ _CHAT = flags.DEFINE_bool("chat", False, "With --pretrained: each prompt through
                           "checkpoint's chat template (a user turn; or {\"messages\": [...]}).")
 _DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"],
                            "With --pretrained: the weights' dtype (default: the checkpoint's).")
+_QUANTIZE = flags.DEFINE_enum(
+    "quantize", None, ["int8", "int4"], "With --workdir or --pretrained: weight-only integer "
+    "weights (mdjax.load(quantize=...)): the matrices stored as int8 (int4) with float "
+    "scales, dequantized where each is used; default float.")
 _EOS = flags.DEFINE_bool("eos", True, "End rows at the task's EOS id (text tasks of documents).")
 _LIVE = flags.DEFINE_string(
     "live", None, "A prompt (a text, or token ids as a JSON list: --live='[10, 1, 2]'): its "
@@ -298,9 +302,9 @@ def load_model():
   """The model of --workdir, --oracle (--task's exact denoiser) or --pretrained, by
   `mdjax.load`; a bad source is a usage error."""
   if _WORKDIR.value:
-    path, kwargs = _WORKDIR.value, {"step": _STEP.value}
+    path, kwargs = _WORKDIR.value, {"step": _STEP.value, "quantize": _QUANTIZE.value}
   elif _PRETRAINED.value:
-    path, kwargs = _PRETRAINED.value, {"dtype": _DTYPE.value}
+    path, kwargs = _PRETRAINED.value, {"dtype": _DTYPE.value, "quantize": _QUANTIZE.value}
   else:
     path, kwargs = loader.ORACLE_PREFIX + _TASK.value, {"noise": _NOISE.value}
   if not _PRETRAINED.value and not _WORKDIR.value and tasks.get(_TASK.value).exact_denoiser is None:
@@ -312,10 +316,15 @@ def load_model():
   except (ValueError, OSError) as error:
     raise app.UsageError(str(error)) from error
   if _WORKDIR.value:
-    print(f"workdir={_WORKDIR.value} step={model.step}")
+    print(f"workdir={_WORKDIR.value} step={model.step}{_quantized()}")
   elif _PRETRAINED.value:
-    print(f"pretrained={_PRETRAINED.value} family={model.family} dtype={model.config.dtype}")
+    print(f"pretrained={_PRETRAINED.value} family={model.family} dtype={model.config.dtype}"
+          f"{_quantized()}")
   return model
+
+
+def _quantized() -> str:
+  return f" quantize={_QUANTIZE.value}" if _QUANTIZE.value else ""
 
 
 def main(argv):

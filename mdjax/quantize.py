@@ -177,16 +177,22 @@ def quantize_model(model: Model, mode: str | None) -> Model:
   if mode is None:
     return model
   network = network_of(model)
-  params, denoiser = model.params, model.denoiser
-  if (network == "dit" and not model.config.time_conditioning
-      and denoiser == dit.denoiser(model.config)):
-    params = _fold(model.config, params)
-    denoiser = dit.denoiser(model.config, folded=True)
+  denoiser, params = float_layout(model)
   return model.replace(params=quantize_params(params, QUANTIZED[network], mode),
                        denoiser=denoiser)
 
 
-_fold = jax.jit(dit.fold, static_argnums=0)
+def float_layout(model: Model):
+  """(denoiser, float params) that `quantize_model` quantizes: the model's own, or for a
+  time-free DiT on its default denoiser the folded ones (`dit.fold`)."""
+  config = model.config
+  if (isinstance(config, DiTConfig) and not config.time_conditioning
+      and model.denoiser == dit.denoiser(config)):
+    return dit.denoiser(config, folded=True), fold(config, model.params)
+  return model.denoiser, model.params
+
+
+fold = jax.jit(dit.fold, static_argnums=0)  # the DiT's adaLN folded into its weights, once
 
 
 def is_quantized(params) -> bool:

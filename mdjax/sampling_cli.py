@@ -291,6 +291,9 @@ def check_modes(values: Mapping[str, Any], given: Collection[str]) -> None:
   if bool(values["workdir"]) + values["oracle"] + bool(values["pretrained"]) != 1:
     raise ValueError("give exactly one of --workdir=DIR, --oracle and --pretrained=DIR.")
   where = source(values)
+  if "quantize" in given and where == "oracle":
+    raise ValueError("--quantize does not apply with --oracle: a task's exact denoiser has no "
+                     "weight matrices (it applies with --workdir or --pretrained).")
   if values["live"] is not None:
     for name in NOT_LIVE:
       if name in given:

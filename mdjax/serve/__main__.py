@@ -49,6 +49,10 @@ def _parser() -> cli.Parser:
   parser.add_argument("--step", type=int, default=None, help="A workdir's checkpoint step.")
   parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                       help="A published checkpoint's weights' dtype.")
+  parser.add_argument("--quantize", choices=("int8", "int4"), default=None,
+                      help="Weight-only integer weights of a workdir or a published "
+                      "checkpoint (mdjax.load(quantize=...)): matrices stored as int8 (int4) "
+                      "with float scales, dequantized where each is used; default float.")
   parser.add_argument("--devices", type=int, default=None, help="Serve on a mesh of this "
                       "many local devices (the weights sharded by the FSDP rule, a lane's "
                       "rows split over them; default: one device).")
@@ -160,7 +164,8 @@ def main(argv=None) -> int:
         raise ArgumentError("devices", f"devices={args.devices} is invalid: it must be in [1, "
                             f"{len(jax.local_devices())}] (the local devices).")
       mesh = mesh_lib.make_mesh(args.devices)
-    model = mdjax.load(args.model, step=args.step, dtype=args.dtype, mesh=mesh)
+    model = mdjax.load(args.model, step=args.step, dtype=args.dtype, mesh=mesh,
+                       quantize=args.quantize)
   except ValueError as error:
     _usage_error(error, flags)
   except OSError as error:
