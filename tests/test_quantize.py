@@ -149,6 +149,13 @@ def test_a_bad_value_is_an_error_naming_quantize(value):
   assert error.value.param == "quantize" and "'int8'" in str(error.value)
 
 
+def test_a_quantized_model_is_not_saved(tmp_path):
+  model = quantize.quantize_model(mdjax.load(FIXTURES["llama"]), "int8")
+  with pytest.raises(ValueError, match="save: the params are quantized"):
+    mdjax.io.save(model, str(tmp_path / "out"))
+  assert not (tmp_path / "out").exists()
+
+
 def test_a_model_without_matrices_is_refused_naming_quantize():
   with pytest.raises(ValueError, match="quantize='int8' does not apply"):
     mdjax.load("two_color", quantize="int8")

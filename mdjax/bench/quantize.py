@@ -83,7 +83,7 @@ def logit_error(float_model, quantized, tokens_BxL, scored_BxL) -> dict:
   b = np.asarray(jax.jit(quantized.denoiser.apply)(quantized.params, tokens_BxL, t_B))
   finite = np.isfinite(a) & np.isfinite(b)
   top = float(np.abs(a[finite]).max())
-  error = np.abs(a - b)[finite]
+  error = np.abs(a[finite] - b[finite])
   scored = np.asarray(scored_BxL, bool)
   return {"max_logit": top, "max_rel_error": float(error.max() / top),
           "mean_rel_error": float(error.mean() / top),

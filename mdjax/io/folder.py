@@ -34,7 +34,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mdjax import files as files_lib
-from mdjax import formats
+from mdjax import formats, quantize
 from mdjax.formats import base as format_base
 from mdjax.io import lightning
 from mdjax.io import tensors as tensors_lib
@@ -429,6 +429,10 @@ def save(model_or_params, path: str, *, family: str | None = None,
     raise ValueError(f"save: a {model.family!r} model is not a published checkpoint (families: "
                      f"{', '.join(formats.FORMATS)})")
   params = model.params if model else model_or_params
+  if quantize.is_quantized(params):
+    raise ValueError("save: the params are quantized (mdjax.load(..., quantize=...)); a "
+                     "published folder holds float weights: save the model loaded without "
+                     "quantize")
   config = config or (model.config if model else None)
   if config is None:
     raise ValueError("save: a params pytree needs config= (a PublishedConfig or DiTConfig)")
