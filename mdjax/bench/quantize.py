@@ -16,7 +16,8 @@ quantize=mode)`):
     windows with half their positions masked): max and mean |logit - float logit| over the
     finite logits, divided by the largest |float logit|; argmax agreement at masked positions.
   token agreement: the model's default sampler (temperature 0 where it has one, the same
-    key) on PROMPTS prompts of MAX_NEW_TOKENS new tokens: the fraction of generated
+    key) on PROMPTS prompts of MAX_NEW_TOKENS new tokens (fewer where the model's window is
+    shorter): the fraction of generated
     positions equal to float's, and of rows equal whole.
   NELBO (trained model): bits per character of held-out windows under its process, float and
     quantized on the same windows and noise draws, and their paired difference with the
@@ -91,8 +92,11 @@ def logit_error(float_model, quantized, tokens_BxL, scored_BxL) -> dict:
 
 
 def _generate(model, prompts, knobs):
+  new = MAX_NEW_TOKENS  # a block-causal model generates past its window, block by block
+  if model.denoiser.block_size is None:
+    new = min(new, model.max_len - max(len(p) for p in prompts))
   try:
-    ids, _, _, _ = generation.generate_ids(model, prompts, max_new_tokens=MAX_NEW_TOKENS,
+    ids, _, _, _ = generation.generate_ids(model, prompts, max_new_tokens=new,
                                            key=jax.random.key(SEED), **knobs)
   except ValueError as error:  # a knob the sampler lacks
     if knobs:
