@@ -17,9 +17,9 @@ to +-127 (+-7), so each weight moves by at most half its scale.
 
 Kept in float, by name (`QUANTIZED`): the embedding (a row gather, not a matmul), every
 norm weight and bias (vectors read in float32, a rounding there shifts whole activations),
-the MoE router and expert bias (a top-k choice: a rounded score can switch which experts
-run), and the DiT's noise embedding (`sigma_map`, small). A time-free DiT (MDLM, BD3-LM as
-published) is folded first (`dit.fold`: the adaLN terms into the norms and the output
+the MoE routers, their scales and expert biases (a top-k choice: a rounded score can switch
+which experts run), DiffusionGemma's tied embedding (also its head), and the DiT's noise
+embedding (`sigma_map`, small). A time-free DiT (MDLM, BD3-LM as published) is folded first (`dit.fold`: the adaLN terms into the norms and the output
 matrices) and quantized folded, as its reference sampler runs it.
 
 Why not Google's qwix (docs/serving.md, "Quantized weights"): its model API quantizes Flax
@@ -44,6 +44,7 @@ import numpy as np
 from mdjax.errors import ArgumentError
 from mdjax.model import WORKDIR_FAMILY, Model
 from mdjax.models import dit
+from mdjax.models.diffusion_gemma import DiffusionGemmaConfig
 from mdjax.models.dit import DiTConfig
 from mdjax.models.published import PublishedConfig
 
@@ -59,6 +60,10 @@ QUANTIZED = {
                   "experts_up", "experts_down", "shared_gate", "shared_up", "shared_down"),
     "dit": ("qkv", "attn_out", "mlp_in", "mlp_out", "ada", "linear"),
     "mdjax": ("kernel",),  # every nnx.Linear: qkv, proj, mlp_in, mlp_out, head, ada, time_mlp
+    # gemma's einsum layouts: the scale runs along axis -2 whichever axis it is (per output
+    # channel for q, k, kv, the linears; per input channel of the gatings, [.., 2, F, D]).
+    "diffusion_gemma": ("q", "k", "kv", "o", "mlp_gating", "mlp_linear", "mlp2_gating",
+                        "mlp2_linear", "experts_gating", "experts_linear", "gating", "linear"),
 }
 
 
@@ -147,6 +152,8 @@ def network_of(model: Model) -> str:
     return "published"
   if isinstance(model.config, DiTConfig):
     return "dit"
+  if isinstance(model.config, DiffusionGemmaConfig):
+    return "diffusion_gemma"
   if model.family == WORKDIR_FAMILY:
     return "mdjax"
   raise ArgumentError("quantize", f"quantize does not apply to the {model.family!r} model: "

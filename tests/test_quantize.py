@@ -20,7 +20,7 @@ FIXTURES = {name: os.path.join(REPO, "tests/fixtures", path) for name, path in {
     "llada": "pretrained/llada", "dream": "pretrained/dream", "llada2": "llada2",
     "sdar": "sdar", "fast_dllm_v2": "fast_dllm_v2", "mdlm": "dit/mdlm",
     "mdlm_time": "dit/mdlm_time", "bd3lm": "dit/bd3lm", "llama": "judge/llama",
-    "qwen2": "judge/qwen2"}.items()}
+    "qwen2": "judge/qwen2", "diffusion_gemma": "diffusion_gemma/params"}.items()}
 is_quantized_leaf = lambda x: isinstance(x, quantize.QuantizedWeight)
 
 
@@ -68,9 +68,9 @@ def _first_order_bound(apply, float_params, quantized_params, picked):
 
 
 def _canvas(model, key=0, batch=2, length=16):
-  """Prompt tokens, then masks (a causal judge: tokens only)."""
+  """Prompt tokens, then masks (a causal judge, a uniform-noise model: tokens only)."""
   tokens = jax.random.randint(jax.random.key(key), (batch, length), 0, model.vocab_size)
-  if model.mask_id_or_none is None:
+  if model.mask_id_or_none is None or model.noise is not None:
     return tokens
   tokens = jnp.where(tokens == model.mask_id, 0, tokens)
   return tokens.at[:, length // 2:].set(model.mask_id)
