@@ -19,8 +19,9 @@ Kept in float, by name (`QUANTIZED`): the embedding (a row gather, not a matmul)
 norm weight and bias (vectors read in float32, a rounding there shifts whole activations),
 the MoE routers, their scales and expert biases (a top-k choice: a rounded score can switch
 which experts run), DiffusionGemma's tied embedding (also its head), and the DiT's noise
-embedding (`sigma_map`, small). A time-free DiT (MDLM, BD3-LM as published) is folded first (`dit.fold`: the adaLN terms into the norms and the output
-matrices) and quantized folded, as its reference sampler runs it.
+embedding (`sigma_map`, small). A time-free DiT (MDLM, BD3-LM as published) is folded
+first (`dit.fold`: the adaLN terms into the norms and the output matrices) and quantized
+folded, as its reference sampler runs it.
 
 Why not Google's qwix (docs/serving.md, "Quantized weights"): its model API quantizes Flax
 modules it intercepts (rules match module paths; PTQ finds a weight among the current
@@ -51,7 +52,8 @@ from mdjax.models.published import PublishedConfig
 Array = jax.Array
 
 MODES = {"int8": 8, "int4": 4}  # mode -> bits
-INT4_GROUP = 32  # input rows sharing an int4 scale (gcd with the input size when it is not a multiple)
+# Input rows sharing an int4 scale (its gcd with the input size when that is no multiple).
+INT4_GROUP = 32
 
 # The matrices each network multiplies by (the last name of the leaf's path); nothing else is
 # quantized (module docstring: what stays float and why).
