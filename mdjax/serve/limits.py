@@ -49,9 +49,11 @@ STEP_KNOBS = {  # each sizes the plan and the denoiser passes of a request
     "denoising_steps": "SDAR's steps a block",
     "steps_per_block": "BD3-LM's steps a block",
     "rounds": "local_remask's repair rounds",
+    "max_post_steps": "LLaDA2.1's edit-only steps a block",
 }
 POSITION_KNOBS = {  # a count of canvas positions: past the canvas it means nothing
     "block_length", "block_size", "sub_block_length", "seeds", "window", "k", "minimal_topk",
+    "num_to_transfer",
 }
 GROUP_KNOBS = {"score_groups"}
 FREE_KNOBS = {  # integer knobs without a server bound, and why
