@@ -186,6 +186,17 @@ def transformed_probs(logits: Array, spec) -> Array:
                                          spec.min_p), -1)
 
 
+def proposal_probs(logits_BxLxV: Array, spec) -> Array:
+  """The distribution a threshold decoder's proposal is drawn from, whose probabilities its
+  thresholds read: the EOS knobs, then temperature, top-k, top-p; T = 0 is the plain
+  softmax (the references' greedy branch reads its probabilities, not a one-hot)."""
+  logits_BxLxV = eos_logits(logits_BxLxV, spec.eos_id, spec.eos_penalty, spec.eos_never)
+  if spec.temperature == 0.0:
+    return jax.nn.softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
+  return jax.nn.softmax(transform_logits(logits_BxLxV, spec.temperature, spec.top_k,
+                                         spec.top_p, spec.min_p), axis=-1)
+
+
 def value_probs(logits_BxLxV: Array, values_BxL: Array) -> tuple[Array, Array]:
   """Untransformed softmax and the probability of each drawn value."""
   probs_BxLxV = jax.nn.softmax(logits_BxLxV.astype(jnp.float32), axis=-1)

@@ -74,16 +74,6 @@ def _row_positions(ctx, length: int) -> Array:
   return pos_1xL if ctx.shift_B is None else pos_1xL - ctx.shift_B[:, None]
 
 
-def _probs(spec: FastDllmV2Spec, logits_BxLxV: Array) -> Array:
-  """The distribution a proposal is drawn from (temperature 0: the plain softmax)."""
-  logits_BxLxV = transforms.eos_logits(logits_BxLxV, spec.eos_id, spec.eos_penalty,
-                                       spec.eos_never)
-  if spec.temperature == 0.0:
-    return jax.nn.softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
-  return jax.nn.softmax(transforms.transform_logits(
-      logits_BxLxV, spec.temperature, spec.top_k, spec.top_p, spec.min_p), axis=-1)
-
-
 @register
 class FastDllmV2(Family):
   name = "fast_dllm_v2"
@@ -117,7 +107,7 @@ class FastDllmV2(Family):
 
     values_BxL = transforms.draw_values(step.keys_B, logits_BxLxV, shift_B=step.shift_B,
                                         **spec.transform)
-    probs_BxLxV = _probs(spec, logits_BxLxV)
+    probs_BxLxV = transforms.proposal_probs(logits_BxLxV, spec)
     conf_BxL = jnp.take_along_axis(probs_BxLxV, values_BxL[..., None], axis=-1)[..., 0]
     cand_BxL = masked_BxL & (pos_BxL // sub == (first_B // sub)[:, None])
     score_BxL = jnp.where(cand_BxL, conf_BxL, -jnp.inf)

@@ -139,17 +139,6 @@ def _per_block(spec: LLaDA21Spec, length: int) -> int:
   return spec.steps or (spec.block_length or length) + spec.max_post_steps
 
 
-def _probs(spec: LLaDA21Spec, logits_BxLxV: Array) -> Array:
-  """The distribution the proposals come from, whose probabilities the thresholds read
-  (temperature 0: the plain softmax, as the reference's greedy branch)."""
-  logits_BxLxV = transforms.eos_logits(logits_BxLxV, spec.eos_id, spec.eos_penalty,
-                                       spec.eos_never)
-  if spec.temperature == 0.0:
-    return jax.nn.softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
-  return jax.nn.softmax(transforms.transform_logits(
-      logits_BxLxV, spec.temperature, spec.top_k, spec.top_p, spec.min_p), axis=-1)
-
-
 def _block(carry: LLaDA21Carry, ctx) -> Array:
   """Each row's current block (B x L): empty once the row has finished."""
   return ctx.editable_BxL & (carry.block_id_BxL == carry.block_B[:, None])
@@ -213,8 +202,8 @@ class LLaDA21(Family):
     active_B = running_B & (has_mask_B | (carry.post_B < spec.max_post_steps))
     values_BxL = transforms.draw_values(step.keys_B, logits_BxLxV, shift_B=step.shift_B,
                                         **spec.transform)
-    conf_BxL = jnp.take_along_axis(_probs(spec, logits_BxLxV), values_BxL[..., None],
-                                   axis=-1)[..., 0]
+    probs_BxLxV = transforms.proposal_probs(logits_BxLxV, spec)
+    conf_BxL = jnp.take_along_axis(probs_BxLxV, values_BxL[..., None], axis=-1)[..., 0]
     # M2T: above the threshold, else the num_to_transfer most confident.
     above_BxL = masked_BxL & (conf_BxL > spec.threshold)
     k_B = jnp.minimum(spec.num_to_transfer, masked_BxL.sum(-1))
