@@ -39,8 +39,10 @@ def get_config():
       kl_estimator="k3",  # d1's; "k2": its gradient is KL(policy || ref)'s (post_training.md)
       p_mask_prompt=0.15,
       cfg_scale=0.0,
-      estimator="one_step",  # or "elbo", "trajectory"
+      estimator="one_step",  # or "elbo", "trajectory", "coupled" (DiffuCoder's mask pairs)
       elbo_samples=4,
+      coupled_t_min=0.2,  # coupled: the pair's mask ratio t ~ U[0.2, 0.8] (DiffuCoder's)
+      coupled_t_max=0.8,
       scale_by_std=False,
       rewards=("sudoku4_solved",),  # the exact check; "sudoku": d1's fraction of blanks right
       # Typed placeholders (None until set), so that a command line can set them.

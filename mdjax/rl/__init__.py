@@ -13,12 +13,13 @@ registers the training objectives 'grpo' and 'wd1' (`mdjax.rl.trainer`: `train.p
 """
 
 from mdjax.rl import prompts, rewards
-from mdjax.rl.logps import (elbo_logps_fn, per_token_logps, per_token_logps_fn,
-                             trajectory_logps_fn)
+from mdjax.rl.logps import (complementary_masks, coupled_logps_fn, elbo_logps_fn,
+                             per_token_logps, per_token_logps_fn, trajectory_logps_fn)
 from mdjax.rl.losses import completion_mask, group_advantages, grpo_loss, wd1_loss
 from mdjax.rl.rewards import RewardError
 from mdjax.rl import trainer  # registers the objectives 'grpo' and 'wd1'
 
-__all__ = ["RewardError", "completion_mask", "elbo_logps_fn", "group_advantages", "grpo_loss",
+__all__ = ["RewardError", "complementary_masks", "completion_mask", "coupled_logps_fn",
+           "elbo_logps_fn", "group_advantages", "grpo_loss",
            "per_token_logps", "per_token_logps_fn", "prompts", "rewards", "trainer",
            "trajectory_logps_fn", "wd1_loss"]

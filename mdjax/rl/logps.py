@@ -18,7 +18,15 @@ tight in expectation for an exact denoiser, differentiable in the params.
 canvas of the sampler step that wrote it (`SampleResult.write_step_BxL`): one pass a step, the
 log-probability of the parallel decode the sampler actually ran.
 
-All three are functional (params an argument, `prompt_length` and the settings static) for a
+`coupled_logps_fn`: coupled-GRPO's estimate (DiffuCoder, apple/ml-diffucoder,
+`src/open_r1/coupled_grpo.py` `forward_process` + `selective_log_softmax`): a mask ratio t
+uniform in [t_min, t_max], one uniform draw per completion position splitting the completion
+into a mask M and its complement, so each position is masked in exactly one of the pair; three
+passes (the completion fully masked; M masked; the complement masked), and per position
+(log p_full + log p_pair / w) / 2 with log p_pair from the pass that masked it and w = t for M,
+1 - t for the complement.
+
+All four are functional (params an argument, `prompt_length` and the settings static) for a
 trainer to jit and differentiate; `per_token_logps` is the first for a `mdjax.Model`.
 """
 
@@ -156,6 +164,56 @@ def trajectory_logps_fn(denoiser, params, ids_BxL, write_step_BxL, prompt_length
     return jnp.where(write_BxL[:, prompt_length:] == step, logp_BxC, 0.0)
 
   return jax.lax.map(step_logps, jnp.arange(num_steps)).sum(0)
+
+
+COUPLED_T_RANGE = (0.2, 0.8)  # DiffuCoder's `random.uniform(0.2, 0.8)`
+
+
+def complementary_masks(key: Array, num_rows: int, completion_length: int, *,
+                        t_min: float = COUPLED_T_RANGE[0], t_max: float = COUPLED_T_RANGE[1]
+                        ) -> tuple[Array, Array]:
+  """coupled-GRPO's pair of masks: (is_first_BxC bool, t float32 scalar). The first mask of a
+  position is `u < t` for its own uniform u, the second is its complement, so every position
+  is masked in exactly one mask of the pair (DiffuCoder's `u > t` differs only at u == t).
+  One t for the whole batch, as DiffuCoder draws it per call."""
+  t_key, u_key = jax.random.split(key)
+  t = jax.random.uniform(t_key, (), jnp.float32, t_min, t_max)
+  u_BxC = jax.random.uniform(u_key, (num_rows, completion_length))
+  return u_BxC < t, t
+
+
+def coupled_logps_fn(denoiser, params, ids_BxL, prompt_length: int, key: Array, *,
+                     mask_id: int, t_min: float = COUPLED_T_RANGE[0],
+                     t_max: float = COUPLED_T_RANGE[1], valid_BxL=None) -> Array:
+  """coupled-GRPO's per-position estimate, float32 [B, C] (module docstring): one mask pair
+  from `key` (`complementary_masks`), three passes in one denoiser call of 3 B rows, the
+  prompt never masked (DiffuCoder's forward_process leaves it). Its value is DiffuCoder's
+  weighted average, not a log-probability: the pair's term divides by t or 1 - t (its
+  expectation over the pair's draw is about twice the position's log-probability under a
+  partly masked completion)."""
+  _check(ids_BxL, prompt_length, mask_id)
+  if not (is_number(t_min) and is_number(t_max) and 0.0 < t_min <= t_max < 1.0):
+    raise ValueError(f"(t_min, t_max)=({t_min!r}, {t_max!r}) must satisfy 0 < t_min <= t_max "
+                     "< 1 (the pair divides by t and 1 - t).")
+  denoiser = Denoiser.of(denoiser)
+  ids_BxL = jnp.asarray(ids_BxL, jnp.int32)
+  batch, length = ids_BxL.shape
+  completion = length - prompt_length
+  first_BxC, t = complementary_masks(key, batch, completion, t_min=t_min, t_max=t_max)
+  hidden_3xBxC = jnp.stack([jnp.ones_like(first_BxC), first_BxC, ~first_BxC])
+  prompt_3xBxP = jnp.zeros((3, batch, prompt_length), bool)
+  hidden_3xBxL = jnp.concatenate([prompt_3xBxP, hidden_3xBxC], -1)
+  noisy_NxL = jnp.where(hidden_3xBxL, mask_id, ids_BxL[None]).reshape(3 * batch, length)
+  t_N = hidden_3xBxC.mean(-1).reshape(-1).astype(jnp.float32)
+  valid = None if valid_BxL is None else jnp.tile(jnp.asarray(valid_BxL, bool), (3, 1))
+  logits_NxLxV = denoiser_logits(denoiser, params, noisy_NxL, t_N, valid, prompt_length,
+                                 mask_id, 0.0)
+  logp_NxCxV = jax.nn.log_softmax(_no_mask(logits_NxLxV[:, prompt_length:], mask_id), -1)
+  target_NxC = jnp.tile(ids_BxL[:, prompt_length:], (3, 1))
+  logp_3xBxC = jnp.take_along_axis(logp_NxCxV, target_NxC[..., None], -1)[..., 0].reshape(
+      3, batch, completion)
+  pair_BxC = jnp.where(first_BxC, logp_3xBxC[1] / t, logp_3xBxC[2] / (1.0 - t))
+  return (logp_3xBxC[0] + pair_BxC) / 2
 
 
 def per_token_logps(model, ids_BxL, prompt_length: int, *, key: Array,

@@ -21,7 +21,8 @@
      `config.objective`: 'grpo' (`losses.grpo_loss`: clipped ratio, `rl.kl_estimator`) or 'wd1'
      (`losses.wd1_loss`), the log-probabilities by `rl.estimator`: "one_step" (d1's
      `forward_process`: the completion masked, prompt tokens with `p_mask_prompt`) or
-     "elbo" (the completion's MC-ELBO, one log-probability per row).
+     "elbo" (the completion's MC-ELBO, one log-probability per row), "trajectory" or
+     "coupled" (coupled-GRPO's complementary mask pair, `logps.coupled_logps_fn`).
 
 The start is `train.init_from`: an mdjax workdir or "pretrained:DIR", its float32 parameters;
 with `train.lora.rank` > 0 only adapters train. Checkpoints are the supervised loop's
@@ -60,7 +61,7 @@ from mdjax.train.state import TrainState, init_state, make_mesh, make_optimizer
 from mdjax.train.workdir import MetricsLog, TrainClock, keep_metrics_through, run_summary
 
 OBJECTIVE_NAMES = sft.RL_OBJECTIVES  # declared there (a workdir loads without this module)
-ESTIMATORS = ("one_step", "elbo", "trajectory")
+ESTIMATORS = ("one_step", "elbo", "trajectory", "coupled")
 
 # config.rl's fields and their defaults (d1's diffu-GRPO config where it has one).
 DEFAULTS = dict(
@@ -71,8 +72,10 @@ DEFAULTS = dict(
     kl_estimator="k3",  # the penalty: "k3" (d1's; its gradient is KL(ref || policy)'s) or "k2"
     p_mask_prompt=0.15,  # one_step: each prompt token masked with this probability (d1: 0.15)
     cfg_scale=0.0,  # one_step: classifier-free guidance of the log-probabilities (d1: 0)
-    estimator="one_step",  # or "elbo" (the MC-ELBO)
+    estimator="one_step",  # or "elbo" (the MC-ELBO), "trajectory", "coupled" (DiffuCoder's)
     elbo_samples=4,  # elbo: Monte Carlo samples per row
+    coupled_t_min=logps_lib.COUPLED_T_RANGE[0],  # coupled: the mask ratio t ~ U[min, max]
+    coupled_t_max=logps_lib.COUPLED_T_RANGE[1],  # (DiffuCoder: 0.2, 0.8)
     scale_by_std=False,  # advantages divided by the group's std (d1: False)
     rewards=None,  # `mdjax.rl.rewards` names, summed with `reward_weights`; None: an id
     #                task's exact check (`rewards.TASK_CHECKS`)
@@ -131,6 +134,10 @@ def rl_options(config) -> dict:
     refuse("cfg_scale", "must be a finite number >= 0")
   if opts["estimator"] not in ESTIMATORS:
     refuse("estimator", f"must be one of {ESTIMATORS}")
+  if not (number(opts["coupled_t_min"]) and 0 < opts["coupled_t_min"] < 1):
+    refuse("coupled_t_min", "must be a number in (0, 1) (the pair divides by t and 1 - t)")
+  if not (number(opts["coupled_t_max"]) and opts["coupled_t_min"] <= opts["coupled_t_max"] < 1):
+    refuse("coupled_t_max", f"must be a number in [rl.coupled_t_min={opts['coupled_t_min']}, 1)")
   steps = config.get("sampler", {}).get("steps")
   if opts["estimator"] == "trajectory" and not (integer(steps) and steps >= 1):
     refuse("estimator", f"'trajectory' scores each sampler step: sampler.steps={steps!r} must "
@@ -289,6 +296,10 @@ def _logps_fn(opts: dict, denoiser, prompt_length: int, mask_id: int):
     return lambda params, ids_BxL, valid_BxL, key, write_BxL: logps_lib.per_token_logps_fn(
         denoiser, params, ids_BxL, prompt_length, key, mask_id=mask_id,
         p_mask_prompt=opts["p_mask_prompt"], cfg_scale=opts["cfg_scale"], valid_BxL=valid_BxL)
+  if opts["estimator"] == "coupled":
+    return lambda params, ids_BxL, valid_BxL, key, write_BxL: logps_lib.coupled_logps_fn(
+        denoiser, params, ids_BxL, prompt_length, key, mask_id=mask_id,
+        t_min=opts["coupled_t_min"], t_max=opts["coupled_t_max"], valid_BxL=valid_BxL)
   if opts["estimator"] == "trajectory":
     return lambda params, ids_BxL, valid_BxL, key, write_BxL: logps_lib.trajectory_logps_fn(
         denoiser, params, ids_BxL, write_BxL, prompt_length, mask_id=mask_id,

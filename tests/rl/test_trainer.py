@@ -266,6 +266,7 @@ def _train_py(*flags):
 RL_FLAGS = {"num_generations": "4", "num_iterations": "2", "epsilon": "0.2", "beta": "0.0",
             "kl_estimator": "k2",
             "p_mask_prompt": "0.5", "cfg_scale": "0.5", "estimator": "elbo", "elbo_samples": "2",
+            "coupled_t_min": "0.3", "coupled_t_max": "0.7",
             "scale_by_std": "True", "rewards": "sudoku,sudoku4_solved",
             "reward_weights": "1.0,0.5", "prompts": "prompts.jsonl", "max_prompt_length": "40",
             "max_completion_length": "8", "chat": "False"}
