@@ -24,7 +24,7 @@ from configs.base import base_config
 def get_config():
   c = base_config()
   c.task = "sudoku4"
-  c.objective = "grpo"  # or "wd1"
+  c.objective = "grpo"  # or "wd1", "spg"
   c.batch_size = 64  # completions per step: 8 puzzles x num_generations
   c.log_every = 1
   c.num_eval_samples = 0
@@ -44,6 +44,12 @@ def get_config():
       coupled_t_min=0.2,  # coupled: the pair's mask ratio t ~ U[0.2, 0.8] (DiffuCoder's)
       coupled_t_max=0.8,
       scale_by_std=False,
+      # objective 'spg' (SPG's defaults; it reads no rl.estimator, epsilon or beta):
+      spg_negative="mix",  # a negative-advantage row's bound: "mix", "eubo" or "elbo"
+      spg_mix_weight=0.5,
+      spg_eubo_beta=1.5,
+      spg_num_draws=2,
+      spg_block_length=config_dict.placeholder(int),  # None: sampler.block_length or all
       rewards=("sudoku4_solved",),  # the exact check; "sudoku": d1's fraction of blanks right
       # Typed placeholders (None until set), so that a command line can set them.
       reward_weights=config_dict.placeholder(tuple),  # None: 1 each

@@ -7,19 +7,20 @@
 
 `per_token_logps_fn` / `elbo_logps_fn` are the functional forms a trainer jits (params an
 argument); `grpo_loss` is d1's diffu-GRPO, `wd1_loss` wd1's weighted likelihood;
-`mdjax.rl.rewards` is the registry of reward functions (text -> float). Importing `mdjax.rl`
-registers the training objectives 'grpo' and 'wd1' (`mdjax.rl.trainer`: `train.py
+`mdjax.rl.rewards` is the registry of reward functions (text -> float); `mdjax.rl.spg`
+SPG's sandwiched bounds and loss. Importing `mdjax.rl` registers the training objectives
+'grpo', 'wd1' and 'spg' (`mdjax.rl.trainer`: `train.py
 --config=configs/grpo.py`).
 """
 
-from mdjax.rl import prompts, rewards
+from mdjax.rl import prompts, rewards, spg
 from mdjax.rl.logps import (complementary_masks, coupled_logps_fn, elbo_logps_fn,
                              per_token_logps, per_token_logps_fn, trajectory_logps_fn)
 from mdjax.rl.losses import completion_mask, group_advantages, grpo_loss, wd1_loss
 from mdjax.rl.rewards import RewardError
-from mdjax.rl import trainer  # registers the objectives 'grpo' and 'wd1'
+from mdjax.rl import trainer  # registers the objectives 'grpo', 'wd1' and 'spg'
 
 __all__ = ["RewardError", "complementary_masks", "completion_mask", "coupled_logps_fn",
            "elbo_logps_fn", "group_advantages", "grpo_loss",
-           "per_token_logps", "per_token_logps_fn", "prompts", "rewards", "trainer",
+           "per_token_logps", "per_token_logps_fn", "prompts", "rewards", "spg", "trainer",
            "trajectory_logps_fn", "wd1_loss"]

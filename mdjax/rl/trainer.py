@@ -1,4 +1,4 @@
-"""RL with verifiable rewards: the objectives 'grpo' (d1's diffu-GRPO) and 'wd1'.
+"""RL with verifiable rewards: the objectives 'grpo' (d1's diffu-GRPO), 'wd1' and 'spg'.
 
 `train.py --config=configs/grpo.py --workdir=W` runs, per step (`train.num_steps` of them):
 
@@ -18,8 +18,9 @@
      (the start point, frozen; with LoRA the base with the adapters off) for
      `rl.num_iterations` mask keys, one per inner iteration;
   5. `rl.num_iterations` updates (d1's inner loop; update i reads mask key i) of the loss of
-     `config.objective`: 'grpo' (`losses.grpo_loss`: clipped ratio, `rl.kl_estimator`) or 'wd1'
-     (`losses.wd1_loss`), the log-probabilities by `rl.estimator`: "one_step" (d1's
+     `config.objective`: 'grpo' (`losses.grpo_loss`: clipped ratio, `rl.kl_estimator`), 'wd1'
+     (`losses.wd1_loss`) or 'spg' (`spg.spg_loss` on its own block-wise ELBO / EUBO, `rl.spg_*`;
+     it reads no `rl.estimator`), the log-probabilities by `rl.estimator`: "one_step" (d1's
      `forward_process`: the completion masked, prompt tokens with `p_mask_prompt`) or
      "elbo" (the completion's MC-ELBO, one log-probability per row), "trajectory" or
      "coupled" (coupled-GRPO's complementary mask pair, `logps.coupled_logps_fn`).
@@ -54,6 +55,7 @@ from mdjax.rl import logps as logps_lib
 from mdjax.rl import losses
 from mdjax.rl import rewards as rewards_lib
 from mdjax.rl import sources
+from mdjax.rl import spg as spg_lib
 from mdjax.tasks import sft as sft_data
 from mdjax.train import objectives, sft, state_io
 from mdjax.train.config_checks import ConfigError
@@ -77,6 +79,12 @@ DEFAULTS = dict(
     coupled_t_min=logps_lib.COUPLED_T_RANGE[0],  # coupled: the mask ratio t ~ U[min, max]
     coupled_t_max=logps_lib.COUPLED_T_RANGE[1],  # (DiffuCoder: 0.2, 0.8)
     scale_by_std=False,  # advantages divided by the group's std (d1: False)
+    # objective 'spg' (SPG's sudoku/gsm8k scripts and config defaults):
+    spg_negative="mix",  # the bound of a negative-advantage row: "mix", "eubo" or "elbo"
+    spg_mix_weight=0.5,  # mix: w EUBO + (1 - w) ELBO
+    spg_eubo_beta=1.5,  # the EUBO's power beta >= 1 (SPG: 1.0 sudoku, 1.5 gsm8k/math)
+    spg_num_draws=2,  # block-wise masked copies per row and inner iteration (SPG's num_t)
+    spg_block_length=None,  # None: the sampler's block_length, else the whole completion
     rewards=None,  # `mdjax.rl.rewards` names, summed with `reward_weights`; None: an id
     #                task's exact check (`rewards.TASK_CHECKS`)
     reward_weights=None,  # None: 1 each
@@ -168,6 +176,11 @@ def rl_options(config) -> dict:
     if len(weights) != len(names) or not all(number(w) for w in weights):
       refuse("reward_weights", f"must be None or {len(names)} finite numbers (one per reward)")
     opts["reward_weights"] = tuple(float(w) for w in weights)
+  problem = spg_lib.option_problem(opts)
+  if problem:
+    refuse(*problem)
+  block = config.get("sampler", {}).get("block_length")
+  opts["sampler_block_length"] = block if integer(block) else None  # spg's default blocks
   for name in ("scale_by_std", "chat"):
     if not isinstance(opts[name], bool):
       refuse(name, "must be True or False")
@@ -288,10 +301,19 @@ def _unused_loss_fn(config, apply_fn, task):
 # ----------------------------------------------------------------------------
 
 
-def _logps_fn(opts: dict, denoiser, prompt_length: int, mask_id: int):
-  """(params, ids_BxL, valid_BxL or None, key, write_step_BxL) -> log-probabilities: B x C per
-  token ("one_step"; "trajectory": each token under the canvas of the rollout step that wrote
-  it), or B x 1, the completion's MC-ELBO as one log-probability ("elbo")."""
+def _logps_fn(objective: str, opts: dict, denoiser, prompt_length: int, mask_id: int):
+  """(params, ids_BxL, valid_BxL or None, key, write_step_BxL, completion mask_BxC) ->
+  log-probabilities: B x C per token ("one_step"; "trajectory": each token under the canvas
+  of the rollout step that wrote it; "coupled"), or B x 1, the completion's MC-ELBO as one
+  log-probability ("elbo"); objective 'spg': B x 2, each row's ELBO and EUBO."""
+  if objective == "spg":
+    return functools.partial(spg_lib.trainer_bounds, denoiser, opts, prompt_length, mask_id)
+  fn = _estimator_fn(opts, denoiser, prompt_length, mask_id)
+  return lambda params, ids_BxL, valid_BxL, key, write_BxL, mask_BxC: fn(
+      params, ids_BxL, valid_BxL, key, write_BxL)
+
+
+def _estimator_fn(opts: dict, denoiser, prompt_length: int, mask_id: int):
   if opts["estimator"] == "one_step":
     return lambda params, ids_BxL, valid_BxL, key, write_BxL: logps_lib.per_token_logps_fn(
         denoiser, params, ids_BxL, prompt_length, key, mask_id=mask_id,
@@ -313,6 +335,9 @@ def _loss(objective: str, opts: dict, logps, old, ref, advantages_B, mask):
   if objective == "grpo":
     return losses.grpo_loss(logps, old, ref, advantages_B, mask, epsilon=opts["epsilon"],
                             beta=opts["beta"], kl_estimator=opts["kl_estimator"])
+  if objective == "spg":
+    return spg_lib.spg_loss(logps[:, 0], logps[:, 1], advantages_B, mask,
+                            negative=opts["spg_negative"], mix_weight=opts["spg_mix_weight"])
   return losses.wd1_loss(logps, advantages_B, mask, group_size=opts["num_generations"])
 
 
@@ -329,7 +354,7 @@ def needs_reference(config, opts: dict) -> bool:
 class Programs:
   """The jitted functions of a run (compiled once: parameters are arguments)."""
 
-  all_logps: object  # (params, ids, valid, mask keys N, write steps) -> N x B x C
+  all_logps: object  # (params, ids, valid, mask keys N, write steps, mask) -> N x B x C
   update: object  # (params, opt_state, ids, valid, key, old, ref, adv, mask, write steps)
   #                 -> (params, opt_state, metrics)
 
@@ -349,14 +374,14 @@ def _programs(objective: str, opts_items: tuple, apply_fn, ref_apply_fn, train_j
               prompt_length: int, mask_id: int) -> Programs:
   opts = dict(opts_items)
   optimizer = make_optimizer(ml_collections.ConfigDict(json.loads(train_json)))
-  policy = _logps_fn(opts, apply_fn, prompt_length, mask_id)
-  reference = _logps_fn(opts, ref_apply_fn, prompt_length, mask_id)
+  policy = _logps_fn(objective, opts, apply_fn, prompt_length, mask_id)
+  reference = _logps_fn(objective, opts, ref_apply_fn, prompt_length, mask_id)
 
-  def all_logps(fn, params, ids_BxL, valid_BxL, keys_N, write_BxL):
-    return jax.lax.map(lambda key: fn(params, ids_BxL, valid_BxL, key, write_BxL), keys_N)
+  def all_logps(fn, params, ids_BxL, valid_BxL, keys_N, write_BxL, mask):
+    return jax.lax.map(lambda key: fn(params, ids_BxL, valid_BxL, key, write_BxL, mask), keys_N)
 
   def loss(params, ids_BxL, valid_BxL, key, old, ref, advantages_B, mask, write_BxL):
-    logps = policy(params, ids_BxL, valid_BxL, key, write_BxL)
+    logps = policy(params, ids_BxL, valid_BxL, key, write_BxL, mask)
     return _loss(objective, opts, logps, old, ref, advantages_B, mask)
 
   def update(params, opt_state, ids_BxL, valid_BxL, key, old, ref, advantages_B, mask,
@@ -507,13 +532,13 @@ def run(config, workdir: str, log, interrupts):
       valid = None if prompts.valid_PxLp is None else jnp.asarray(np.concatenate(
           [np.repeat(prompts.valid_PxLp, group, axis=0),
            np.ones((len(ids_BxL), source.completion_length), bool)], 1))
-      mask = jnp.asarray(mask_BxC if opts["estimator"] != "elbo"
+      mask = jnp.asarray(mask_BxC if opts["estimator"] != "elbo" or config.objective == "spg"
                          else np.ones((len(ids_BxL), 1), np.float32))
       write = jnp.asarray(write_BxL)
-      old_all = (programs.all_logps["policy"](params, ids, valid, mask_keys, write)
+      old_all = (programs.all_logps["policy"](params, ids, valid, mask_keys, write, mask)
                  if needs_old(config, opts) else None)
-      ref_all = (programs.all_logps["reference"](ref_of(params), ids, valid, mask_keys, write)
-                 if needs_reference(config, opts) else None)
+      ref_all = (programs.all_logps["reference"](ref_of(params), ids, valid, mask_keys, write,
+                                                 mask) if needs_reference(config, opts) else None)
       inner = []
       for i in range(opts["num_iterations"]):
         params, opt_state, m = programs.update(

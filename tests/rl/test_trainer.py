@@ -224,6 +224,21 @@ def test_the_trajectory_estimator_scores_the_rollouts_own_steps(start, tmp_path)
     train.train(bad, str(tmp_path / "bad"), log=_quiet)
 
 
+def test_the_spg_objective_runs_its_block_wise_bounds(start, tmp_path):
+  """objective 'spg': one step in blocks of 4 of the 16 cells; its metrics are the bounds
+  (the ELBO of a completion is below 0; the EUBO of the same draws above the ELBO)."""
+  c = _config(start, steps=1, spg_block_length=4, spg_num_draws=2)
+  c.objective = "spg"
+  workdir = str(tmp_path / "w")
+  train.train(c, workdir, log=_quiet)
+  (row,) = _rows(workdir)
+  assert np.isfinite(row["loss"]) and row["elbo"] < 0 and row["eubo"] > row["elbo"]
+  bad = _config(start, steps=1, spg_eubo_beta=0.5)
+  bad.objective = "spg"
+  with pytest.raises(ConfigError, match=r"rl.spg_eubo_beta=0.5: must be a number >= 1"):
+    train.train(bad, str(tmp_path / "bad"), log=_quiet)
+
+
 def test_a_lora_run_trains_the_adapters_and_rolls_out_on_merged_weights(start, tmp_path):
   """With LoRA the base stays the start's, the adapters move, and a rollout on the weights
   merged once per step draws the tokens the adapted denoiser draws (the same weights, W +
@@ -266,7 +281,9 @@ def _train_py(*flags):
 RL_FLAGS = {"num_generations": "4", "num_iterations": "2", "epsilon": "0.2", "beta": "0.0",
             "kl_estimator": "k2",
             "p_mask_prompt": "0.5", "cfg_scale": "0.5", "estimator": "elbo", "elbo_samples": "2",
-            "coupled_t_min": "0.3", "coupled_t_max": "0.7",
+            "coupled_t_min": "0.3", "coupled_t_max": "0.7", "spg_negative": "eubo",
+            "spg_mix_weight": "0.25", "spg_eubo_beta": "2.0", "spg_num_draws": "3",
+            "spg_block_length": "4",
             "scale_by_std": "True", "rewards": "sudoku,sudoku4_solved",
             "reward_weights": "1.0,0.5", "prompts": "prompts.jsonl", "max_prompt_length": "40",
             "max_completion_length": "8", "chat": "False"}

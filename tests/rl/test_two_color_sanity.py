@@ -95,7 +95,7 @@ def _exact_validity(workdir) -> float:
 
 
 # One override set per estimator/objective after d1 (docs/post_training.md, their figures).
-AFTER_D1 = {"coupled": dict(estimator="coupled")}
+AFTER_D1 = {"coupled": ("grpo", dict(estimator="coupled")), "spg": ("spg", {})}
 
 
 @pytest.mark.parametrize("name", sorted(AFTER_D1))
@@ -104,7 +104,8 @@ def test_the_estimators_after_d1_solve_the_sanity_task(two_color_start, tmp_path
   error) goes from the start's 1/2 to >= 0.95 (measured: docs/post_training.md)."""
   config = grpo_two_color.get_config()
   config.train.init_from = two_color_start
-  config.rl.update(**AFTER_D1[name])
+  config.objective, overrides = AFTER_D1[name]
+  config.rl.update(**overrides)
   tuned = str(tmp_path / name)
   train.train(config, tuned, log=_quiet)
   before, after = _exact_validity(two_color_start), _exact_validity(tuned)
