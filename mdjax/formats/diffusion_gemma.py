@@ -203,27 +203,31 @@ def expected_shapes(config: DiffusionGemmaConfig) -> dict[tuple[str, ...], tuple
 
 
 def plan(model, *, prompt_length: int, max_new_tokens: int, steps: int = 48,
-         entropy_bound: float | None = None, max_temperature: float | None = None,
-         min_temperature: float | None = None, exponent: float | None = None,
-         early_stop: bool | None = None, final_renoise: bool | None = None) -> SamplerPlan:
-  """mdjax's `diffusion_gemma` family (knobs left None: its defaults, the reference's) over
-  one canvas of `max_new_tokens` after the prompt, the prompt run as the encoder
+         entropy_bound: float = 0.1, max_temperature: float = 0.8,
+         min_temperature: float = 0.4, exponent: float = 1.0, early_stop: bool = True,
+         entropy_stop: float | None = 0.005) -> SamplerPlan:
+  """gemma's `DiffusionSampler` (the defaults of its `Sampler` / `ChatSampler`: 48 steps,
+  entropy bound 0.1, temperature 0.8 -> 0.4, early stop once the argmax is stable and the
+  mean entropy at most 0.005) over one canvas of `max_new_tokens` after the prompt, drawn as
+  its `sample_next_canvas` draws with the row's key (the `diffusion_gemma` family's
+  reference_draws, self-conditioning, final re-noising); the prompt runs as the encoder
   (`forward`'s prompt_length: the left-padded prompt's width)."""
-  knobs = dict(entropy_bound=entropy_bound, max_temperature=max_temperature,
-               min_temperature=min_temperature, exponent=exponent, early_stop=early_stop,
-               final_renoise=final_renoise)
-  spec = sampling.make_spec("diffusion_gemma", steps=steps, eos_id=model.eos_id, **knobs)
+  spec = sampling.make_spec(
+      "diffusion_gemma", steps=steps, entropy_bound=entropy_bound,
+      max_temperature=max_temperature, min_temperature=min_temperature, exponent=exponent,
+      early_stop=early_stop, entropy_stop=entropy_stop, final_renoise=True,
+      self_condition=True, condition_width=model.config.d_model, reference_draws=True,
+      canvas_length=max_new_tokens, eos_id=model.eos_id)
   return SamplerPlan(denoiser=network.denoiser(model.config, prompt_length), spec=spec)
 
 
 class Sampler:
-  """DiffusionGemma's sampler as a model's default (`plan`): uniform draws, temperature
-  annealed 0.8 -> 0.4, entropy bound 0.1, 48 steps. Not yet gemma's `DiffusionSampler` key
-  for key (no self-conditioning, one canvas, no cache of committed canvases): the next step
-  of issue 58."""
+  """gemma's `DiffusionSampler` as a model's default (`plan`), one canvas as wide as the
+  generation (gemma denoises canvases of 256 in turn, each appended to the cache: the next
+  step of issue 58)."""
 
   knobs = ("steps", "entropy_bound", "max_temperature", "min_temperature", "exponent",
-           "early_stop", "final_renoise")
+           "early_stop", "entropy_stop")
   own_knobs = ()
   spec_defaults: dict = {}
 

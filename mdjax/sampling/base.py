@@ -412,10 +412,25 @@ class BoundDenoiser:
 
     return jax.tree.map(rows, given)
 
-  def __call__(self, tokens_NxL: Array, t, row_major: bool = False) -> Array:
+  def __call__(self, tokens_NxL: Array, t, row_major: bool = False,
+               condition: Array | None = None) -> Array:
     t_N = jnp.full((tokens_NxL.shape[0],), t, jnp.float32)
-    return self._no_mask(self.model.apply(self.params, tokens_NxL, t_N,
-                                          **self.rows_for(tokens_NxL.shape[0], row_major)))
+    rows = self.rows_for(tokens_NxL.shape[0], row_major)
+    if condition is not None:  # self-conditioning: only a denoiser that makes one takes it
+      self._check_conditions()
+      rows = {**rows, "condition": condition}
+    return self._no_mask(self.model.apply(self.params, tokens_NxL, t_N, **rows))
+
+  def encode_condition(self, shaped_NxLxV: Array) -> Array:
+    """The next call's self-conditioning input from a step's shaped logits
+    (`Denoiser.encode_condition`); a ValueError for a denoiser without one."""
+    self._check_conditions()
+    return self.model.encode_condition(self.params, shaped_NxLxV)
+
+  def _check_conditions(self):
+    if self.model.encode_condition is None:
+      raise ValueError("self-conditioning needs a denoiser that makes its input "
+                       "(Denoiser.encode_condition); this one has none.")
 
   def prefill(self, tokens_BxL: Array, t_B: Array):
     """The model's full pass that returns its cache: (logits_BxLxV, cache)."""
@@ -509,9 +524,16 @@ class Family:
     """False when this step can write nothing in any row."""
     return jnp.any(ctx.masked(core.tokens_BxL))
 
+  def condition(self, spec, aux) -> Array | None:
+    """The self-conditioning input of this step's call, from the family's carry (None: the
+    call takes none); a family that feeds its prediction back makes the next one with
+    `denoise.encode_condition` (`stepping.StepDenoiser`)."""
+    return None
+
   def update(self, spec, core: Core, aux, ctx: Context, step: StepInfo, logits_BxLxV: Array,
              denoise: Callable[[Array], Array]) -> tuple[Core, Any]:
-    """One step. `denoise(tokens_NxL)` evaluates further contexts at the step's time."""
+    """One step. `denoise(tokens_NxL)` evaluates further contexts at the step's time
+    (a `stepping.StepDenoiser`)."""
     raise NotImplementedError
 
   def extras(self, spec, aux) -> dict[str, Array]:

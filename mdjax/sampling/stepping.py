@@ -117,6 +117,22 @@ class _Reuse:
   logits_BxLxV: Array
 
 
+@dataclasses.dataclass(frozen=True)
+class StepDenoiser:
+  """A step's denoiser as a family's `update` gets it: `denoise(tokens_NxL)` evaluates
+  further contexts at the step's t; `encode_condition(shaped_NxLxV)` makes the next call's
+  self-conditioning input (`BoundDenoiser.encode_condition`)."""
+
+  bound: BoundDenoiser
+  t: Any
+
+  def __call__(self, tokens_NxL: Array, row_major: bool = False) -> Array:
+    return self.bound(tokens_NxL, self.t, row_major)
+
+  def encode_condition(self, shaped_NxLxV: Array) -> Array:
+    return self.bound.encode_condition(shaped_NxLxV)
+
+
 @struct.dataclass
 class LoopState:
   """What a step-wise family's loop carries from one step to the next."""
@@ -179,7 +195,8 @@ def advance(family: Family, spec, denoiser: BoundDenoiser, ctx: Context, state: 
   step = StepInfo(index=inputs.index, keys_B=threefry.fold_in(ctx.keys_B, inputs.index),
                   plan=plan, shift_B=ctx.shift_B)
   if state.kv is None:
-    call = lambda: (denoiser(core.tokens_BxL, plan.t), None)
+    condition = family.condition(spec, state.aux)
+    call = lambda: (denoiser(core.tokens_BxL, plan.t, condition=condition), None)
     keep = lambda logits: (logits, None)
   else:
     width = family.block_length(spec)
@@ -198,8 +215,8 @@ def advance(family: Family, spec, denoiser: BoundDenoiser, ctx: Context, state: 
     called = jnp.array(True)
     logits, kv = call()
   core = core.count_call(called).count(saved_calls=~called, rounds_B=called & active_B)
-  denoise = lambda tokens_NxL: denoiser(tokens_NxL, plan.t)
-  core, aux = family.update(spec, core, state.aux, ctx, step, logits, denoise)
+  core, aux = family.update(spec, core, state.aux, ctx, step, logits,
+                            StepDenoiser(denoiser, plan.t))
   return LoopState(core=end.finish(core, full_ctx, inputs.index), aux=aux, reuse=reuse, kv=kv)
 
 

@@ -38,6 +38,26 @@ What it writes (every array from fixed seeds, on CPU, float32):
       logits_second: a pass (zero embeddings) over next_BxW after the canvas was appended
         to that cache by `DiffusionSampler.append_tokens_to_cache` (the causal encoder pass).
 
+  sampler.npz, sampler.json
+      gemma's `DiffusionSampler.sample_next_canvas` (batch 1, canvas 8, vocabulary 128)
+      for CASES (steps, entropy_bound, temperatures, early stopping: an entropy threshold
+      a case's first key's run crosses half-way) x KEYS, without a cache and with row 0 of
+      the prompt prefilled: each run's key (`rng`, `jax.random.PRNGKey(seed)`) and final
+      canvas; the per-step records of the first key's runs. The writer reruns each through
+      a transcription of `sample_next_canvas`'s loop body calling gemma's own `sample_step`
+      and `early_stop_fn`, jitted a step (`replays`: its canvas equals the compiled loop's;
+      the two programs' float32 roundings differ, and the bfloat16 rounding of the
+      self-conditioning embeddings can turn a last-bit difference into a different later
+      draw), recording each step's inputs (canvas, self-conditioning embeddings in bfloat16,
+      the step's key, the noise proportion) and outputs (the raw logits, the draws, the
+      tokens written, the new embeddings, the row's done flag), and every decision's margin:
+      each draw's Gumbel argmax gap, each argmax gap, the entropy bound's cut (the sums on
+      either side of it, the entropies either side), the mean entropy against the early-stop
+      threshold, the routing choices, and the embeddings' smallest distance to a bfloat16
+      rounding midpoint (in bfloat16 ulps). A run is `stable` when it replays and every
+      margin clears 1e-4 of its scale: mdjax's float32 logits (within ~1e-5 of gemma's)
+      then draw the same tokens unless an embedding sits on a rounding midpoint.
+
 Every routing choice is checked to clear a 1e-4 relative margin: in each MoE layer of each
 pass above, each token's k-th router logit exceeds its (k+1)-th by 1e-4 of the layer's
 largest. A failing draw of the weights moves to the next seed.
@@ -46,6 +66,7 @@ largest. A failing draw of the weights moves to the next seed.
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import shutil
 
@@ -197,6 +218,201 @@ def write(out: pathlib.Path, seed: int) -> dict:
   return dict(params=params, arrays=arrays, margin=min(margins))
 
 
+
+# --- the sampler ------------------------------------------------------------------------
+
+KEYS = (0, 1, 2, 3)
+STEP_RECORDS = (0,)  # the keys whose runs keep their per-step records
+CASES = (  # name, max_denoising_steps, entropy_bound, max/min temperature, exponent, stop
+    dict(name="k4_b0.1", steps=4, entropy_bound=0.1),
+    dict(name="k6_b2", steps=6, entropy_bound=2.0),
+    dict(name="k8_b8_hot", steps=8, entropy_bound=8.0, max_temperature=1.0,
+         min_temperature=0.5, exponent=2.0),
+    dict(name="k8_b4_entropy_stop", steps=8, entropy_bound=4.0, entropy_stop=True),
+)
+
+
+def diffusion_sampler(model, case: dict, threshold: float | None):
+  from gemma.diffusion import _early_stopping  # pylint: disable=g-import-not-at-top
+  shaper = _sampler.AnnealingTemperatureShaper(_sampler.AnnealingTemperatureShaperConfig(
+      exponent=case.get("exponent", 1.0), max_temperature=case.get("max_temperature", 0.8),
+      min_temperature=case.get("min_temperature", 0.4)))
+  stop = (_early_stopping.EntropyEarlyStop(entropy_threshold=threshold)
+          if threshold is not None else _early_stopping.NoEarlyStop())
+  return _sampler.DiffusionSampler(
+      model=model, end_tokens=(1, 106), forbidden_tokens=None, sampling=None,
+      cache_length=CACHE, special_tokens=None, canvas_length=CANVAS,
+      max_denoising_steps=case["steps"], text_vocab_size=VOCAB, sliding_window_size=WINDOW,
+      logit_shaper=shaper, early_stop_fn=stop,
+      sample_from_predictions=_sampler.SampleFromPredictions(
+          entropy_bound=case["entropy_bound"], text_vocab_size=VOCAB))
+
+
+def _entropy(shaped):
+  log_probs = jax.nn.log_softmax(shaped.astype(jnp.float32))
+  probs = jnp.exp(log_probs)
+  return -jnp.sum(jnp.where(probs == 0, 0.0, log_probs) * probs, axis=-1)
+
+
+def _bf16_midpoint_distance(x) -> float:
+  """The smallest distance of a float32 value to a bfloat16 rounding midpoint, in bfloat16
+  ulps of the value (0.5: on a representable value, 0: on a midpoint)."""
+  bits = np.asarray(x, np.float32).view(np.uint32).astype(np.int64)
+  low = bits & 0xFFFF
+  nonzero = np.abs(np.asarray(x)) > 0
+  return float((np.abs(low - 0x8000) / 0x10000)[nonzero].min()) if nonzero.any() else 0.5
+
+
+def run_transcribed(model, params, sampler, rng, cache, full_mask):
+  """`sample_next_canvas`'s loop, step by step with gemma's `sample_step` and
+  `early_stop_fn`, recording each step's inputs, outputs and margins."""
+  initial_rng, step_rng = jax.random.split(rng)
+  if cache is None:
+    end, length = None, None
+    positions = jnp.arange(CANVAS)[None]
+  else:
+    end = cache["layer_0"]["end_index"]
+    length = cache["layer_0"]["k"].shape[1]
+    positions = end[:, None] + jnp.arange(CANVAS)[None]
+  attention = _sampler._make_global_attention_mask(  # pylint: disable=protected-access
+      batch_size=1, canvas_length=CANVAS, cache_length=length, num_valid_tokens=end,
+      full_attention_mask=full_mask)
+  sliding = _sampler._make_block_local_attention_mask(  # pylint: disable=protected-access
+      batch_size=1, canvas_length=CANVAS, sliding_window_size=WINDOW, cache_length=length,
+      num_valid_tokens=end)
+  canvas = sampler.diffusion_process.get_initial_sample(
+      rng=initial_rng, batch_size=1, canvas_length=CANVAS, text_vocab_size=VOCAB)
+  steps = sampler.max_denoising_steps
+  noise = 1.0 - jnp.arange(steps + 1) / steps
+  sc = jnp.zeros((1, CANVAS, D_MODEL), jnp.bfloat16)
+  done = jnp.zeros((1,), bool)
+  records, margins = [], dict(draw=np.inf, argmax=np.inf, cut=np.inf, order=np.inf,
+                              stop=np.inf, route=np.inf, sc_midpoint=0.5)
+  bound = sampler.sample_from_predictions.entropy_bound
+  stop_fn = sampler.early_stop_fn
+  threshold = getattr(stop_fn, "entropy_threshold", None)
+
+  @jax.jit
+  def one_step(canvas, sc, sample_rng, current, target, done, cache):
+    raw, state = model.apply(
+        {"params": params}, tokens=canvas, sc_embeddings=sc, cache=cache, positions=positions,
+        attention_mask=attention, sliding_attention_mask=sliding,
+        method=_transformer.DiffusionMixin.call_with_self_conditioning,
+        capture_intermediates=True, mutable=["intermediates"])
+    out = sampler.sample_step(
+        canvas=canvas, sc_embeddings=sc, cache=cache, positions=positions,
+        attention_mask=attention, sliding_attention_mask=sliding,
+        current_noise_proportion=current, target_noise_proportion=target, params=params,
+        rng=sample_rng)
+    new_done = done | stop_fn.should_stop(step=jnp.int32(0), canvas=out.sampled_tokens,
+                                          previous_canvas=canvas, logits=out.logits)
+    written = jnp.where(done[:, None], canvas, out.sampled_tokens)
+    return raw.logits, state["intermediates"], out, new_done, written
+
+  for step in range(steps):
+    if bool(jnp.all(done)):
+      break
+    step_rng, sample_rng = jax.random.split(step_rng)
+    raw, intermediates, out, new_done, written = one_step(
+        canvas, sc, sample_rng, jnp.full((1,), noise[step]), jnp.full((1,), noise[step + 1]),
+        done, cache)
+    raw, route = np.asarray(raw, np.float32), router_margins(intermediates)
+    # Margins of this step's decisions.
+    shaped = np.asarray(out.logits, np.float64)
+    scale = np.abs(shaped).max()
+    categorical_rng, _ = jax.random.split(sample_rng)
+    noisy = np.asarray(jax.random.gumbel(categorical_rng, out.logits.shape, jnp.float32),
+                       np.float64) + shaped
+    draws = noisy.argmax(-1)
+    entropy = np.asarray(_entropy(out.logits), np.float64)[0]
+    order = np.argsort(entropy, kind="stable")
+    ranked = entropy[order]
+    before = np.cumsum(ranked) - ranked
+    kept = before <= bound
+    top = -np.sort(-noisy, axis=-1)
+    arg = -np.sort(-shaped, axis=-1)
+    margins["draw"] = min(margins["draw"], float((top[..., 0] - top[..., 1]).min() / scale))
+    margins["argmax"] = min(margins["argmax"], float((arg[..., 0] - arg[..., 1]).min() / scale))
+    margins["cut"] = min(margins["cut"], float(np.abs(before - bound).min() / max(bound, 1.0)))
+    cut = int(kept.sum())
+    if cut < CANVAS:  # the last kept and the first re-noised must not swap
+      margins["order"] = min(margins["order"], float(ranked[cut] - ranked[cut - 1]))
+    if threshold is not None:
+      margins["stop"] = min(margins["stop"], abs(float(entropy.mean()) - threshold))
+    margins["route"] = min(margins["route"], route)
+    margins["sc_midpoint"] = min(margins["sc_midpoint"], _bf16_midpoint_distance(
+        np.asarray(out.sc_embeddings, np.float32)))
+    selected = np.zeros(CANVAS, bool)
+    selected[order[kept]] = True  # the margins' draws are gemma's where it kept them
+    assert (draws[0][selected] == np.asarray(out.sampled_tokens)[0][selected]).all()
+    records.append(dict(canvas=np.asarray(canvas), sc=np.asarray(sc, np.float32),
+                        key=np.asarray(sample_rng), t=float(noise[step]),
+                        logits=raw, draws=draws.astype(np.int32),
+                        sampled=np.asarray(out.sampled_tokens), written=np.asarray(written),
+                        sc_out=np.asarray(out.sc_embeddings, np.float32),
+                        done=np.asarray(new_done)))
+    canvas, done = written, new_done
+    sc = out.sc_embeddings.astype(jnp.bfloat16)
+  return np.asarray(canvas), records, margins
+
+
+def entropy_threshold(model, params, case, rng, cache, full_mask) -> float:
+  """A threshold the run's mean entropy crosses half-way (a probe run without stopping):
+  the mean of its values before and after the middle step."""
+  probe = diffusion_sampler(model, case, None)
+  _, records, _ = run_transcribed(model, params, probe, rng, cache, full_mask)
+  means = []
+  for r in records:
+    shaped = jnp.asarray(r["logits"]) / temperature(case, r["t"])
+    means.append(float(_entropy(shaped).mean()))
+  middle = len(means) // 2
+  return 0.5 * (means[middle - 1] + means[middle])
+
+
+def temperature(case: dict, t: float) -> float:
+  hi, lo = case.get("max_temperature", 0.8), case.get("min_temperature", 0.4)
+  return lo + (1.0 - (1.0 - t) ** case.get("exponent", 1.0)) * (hi - lo)
+
+
+def write_sampler(model, params, prompt) -> tuple[dict, list]:
+  arrays, runs = {}, []
+  cache, full_mask = prefilled(model, params, prompt[:1])
+  for case in CASES:
+    for with_prompt in (False, True):
+      c, m = (cache, full_mask) if with_prompt else (None, None)
+      # One threshold a case, from its first key's probe, so its runs share one spec.
+      threshold = (entropy_threshold(model, params, case, jax.random.PRNGKey(KEYS[0]), c, m)
+                   if case.get("entropy_stop") else None)
+      for seed in KEYS:
+        rng = jax.random.PRNGKey(seed)
+        sampler = diffusion_sampler(model, case, threshold)
+        final = np.asarray(sampler.sample_next_canvas(
+            canvas_length=CANVAS, max_denoising_steps=case["steps"], batch_size=1, cache=c,
+            params=params, rng=rng, full_attention_mask=m))
+        transcribed, records, margins = run_transcribed(model, params, sampler, rng, c, m)
+        # gemma's own code twice (its compiled loop, its step run step by step): a last-bit
+        # difference between the two programs may flip a draw.
+        replays = bool((transcribed == final).all())
+        name = f"{case['name']}_{'prompt' if with_prompt else 'alone'}_{seed}"
+        print(name, "replays" if replays else "DOES NOT REPLAY",
+              {k: f"{v:.1e}" for k, v in margins.items()})
+        stable = replays and (margins["draw"] > MARGIN and margins["argmax"] > MARGIN
+                  and margins["cut"] > MARGIN and margins["order"] > MARGIN
+                  and margins["stop"] > MARGIN and margins["route"] > MARGIN)
+        runs.append(dict(name=name, **{k: v for k, v in case.items() if k != "name"},
+                         prompt=with_prompt, seed=seed, threshold=threshold,
+                         steps_run=len(records), replays=replays, stable=bool(stable),
+                         margins={k: (None if v == np.inf else v) for k, v in margins.items()}))
+        arrays[f"{name}/final"] = final
+        arrays[f"{name}/key"] = np.asarray(rng)
+        if seed not in STEP_RECORDS:
+          continue
+        for field in ("canvas", "sc", "key", "logits", "draws", "sampled", "written", "sc_out",
+                      "done"):
+          arrays[f"{name}/steps_{field}"] = np.stack([r[field] for r in records])
+        arrays[f"{name}/steps_t"] = np.asarray([r["t"] for r in records], np.float32)
+  return arrays, runs
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", type=pathlib.Path, default=OUT)
@@ -214,6 +430,12 @@ def main(argv=None):
     shutil.rmtree(target)
   _checkpoint.save_params(result["params"], target, wait_until_finished=True)
   np.savez(args.out / "reference.npz", seed=seed, **result["arrays"])
+  arrays, runs = write_sampler(build_model(), result["params"],
+                               jnp.asarray(result["arrays"]["prompt_BxP"]))
+  np.savez_compressed(args.out / "sampler.npz", **arrays)
+  (args.out / "sampler.json").write_text(json.dumps(dict(
+      canvas_length=CANVAS, vocab=VOCAB, keys=list(KEYS), runs=runs), indent=1) + "\n")
+  print(f"sampler: {sum(r['stable'] for r in runs)} of {len(runs)} runs stable")
   for name, value in result["arrays"].items():
     if name.startswith("logits"):
       print(f"{name}: max |logit| {np.abs(value).max():.3f}")
