@@ -77,7 +77,11 @@ FLAG_VALUES = {
     "noise": ("uniform", {"sampler": "uniform_ancestral"}),
     "entropy_bound": ("0.5", GEMMA), "max_temperature": ("0.9", GEMMA),
     "min_temperature": ("0.3", GEMMA), "exponent": ("2.0", GEMMA), "early_stop": ("true", GEMMA),
-    "final_renoise": ("true", GEMMA),
+    "final_renoise": ("true", GEMMA), "entropy_stop": ("0.5", GEMMA),
+    "self_condition": ("true", {**GEMMA, "condition_width": "4"}),
+    "condition_width": ("4", GEMMA),
+    "reference_draws": ("true", {**GEMMA, "canvas_length": "2"}),
+    "canvas_length": ("2", GEMMA),
     "editing_threshold": ("0.5", {"sampler": "llada21"}),
     "max_post_steps": ("2", {"sampler": "llada21"}),
     "num_to_transfer": ("2", {"sampler": "llada21"}),
@@ -229,7 +233,7 @@ def test_every_flag_in_every_mode_is_used_or_refused(sample_cli, text_task, tmp_
   assert family_refused == {(mode, name)
                             for mode in ("workdir", "prompts", "blocks", "pretrained")
                             for name in ("order", *(n for n, (_, needs) in FLAG_VALUES.items()
-                                                    if needs is GEMMA))}
+                                                    if needs.get("noise") == "uniform"))}
   # The ones the modes exist for are used there.
   for mode, name in (("prompts", "max_new_tokens"), ("prompts", "blocks_of"),
                      ("blocks", "length"), ("blocks", "context"), ("workdir", "step"),

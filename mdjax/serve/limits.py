@@ -11,6 +11,8 @@ done for it (docs/security.md, "The server").
 - the knobs that count canvas positions (`POSITION_KNOBS`: `block_length`, `window`, ...)
   are at most the positions a row holds: past them they mean nothing;
 - `score_groups` (a denoiser pass a group, at every step) is at most `MAX_SCORE_GROUPS`;
+- the knobs the model sizes (`MODEL_KNOBS`: `condition_width`, an allocation of its width at
+  every canvas position) are refused in a request: the model's own sampler sets them;
 - a text prompt, or a chat's messages (their contents together), has at most `room` times
   `longest_token_bytes(model)` UTF-8 bytes: a text that could not fit however it tokenized;
   a chat at most `room` messages, token ids at most `room` ids.
@@ -53,9 +55,13 @@ STEP_KNOBS = {  # each sizes the plan and the denoiser passes of a request
 }
 POSITION_KNOBS = {  # a count of canvas positions: past the canvas it means nothing
     "block_length", "block_size", "sub_block_length", "seeds", "window", "k", "minimal_topk",
-    "num_to_transfer",
+    "num_to_transfer", "canvas_length",
 }
 GROUP_KNOBS = {"score_groups"}
+MODEL_KNOBS = {  # sized by the model, not by a request: refused as request fields
+    "condition_width": "the width of the denoiser's self-conditioning input (its "
+                       "encode_condition); the model's own sampler sets it",
+}
 FREE_KNOBS = {  # integer knobs without a server bound, and why
     "top_k": "past the vocabulary it keeps every value: nothing grows with it",
     "refresh_every": "a period (with kv_cache, which the server refuses): larger means fewer "
@@ -66,6 +72,8 @@ FREE_KNOBS = {  # integer knobs without a server bound, and why
 def check_knobs(knobs: dict, *, max_steps: int, room: int) -> None:
   """The request's knobs against the server's bounds (module docstring)."""
   for name, value in knobs.items():
+    if name in MODEL_KNOBS and value is not None:
+      raise ArgumentError.invalid(name, value, f"it is not a request's: {MODEL_KNOBS[name]}")
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
       continue  # a knob of another type, or None: the spec checks it
     if name in STEP_KNOBS and value > max_steps:

@@ -15,7 +15,7 @@ from mdjax.serve.engine import Engine
 
 def test_every_integer_knob_is_bounded_or_says_why_not():
   tables = [set(limits.STEP_KNOBS), limits.POSITION_KNOBS, limits.GROUP_KNOBS,
-            set(limits.FREE_KNOBS)]
+            set(limits.FREE_KNOBS), set(limits.MODEL_KNOBS)]
   ints = {name for name, knob in every_knob().items() if knob.kind is int}
   classified = set().union(*tables)
   assert ints == classified, (ints - classified, classified - ints)
@@ -42,6 +42,9 @@ def test_the_default_max_steps_is_four_a_position(engine, dream_model):
     ({"block_length": 10**9}, "block_length", "96"),
     ({"window": 97}, "window", "96"),
     ({"score_groups": 17}, "score_groups", "16"),
+    ({"max_post_steps": 385}, "max_post_steps", "384"),
+    ({"canvas_length": 97}, "canvas_length", "96"),
+    ({"condition_width": 10**9}, "condition_width", "not a request's"),
 ])
 def test_a_knob_past_its_bound_is_refused_before_the_prompt_is_encoded(engine, knobs, param,
                                                                         bound):
