@@ -217,7 +217,7 @@ def plan(model, *, prompt_length: int, max_new_tokens: int, steps: int = 48,
       max_temperature=max_temperature, min_temperature=min_temperature, exponent=exponent,
       early_stop=early_stop, entropy_stop=entropy_stop, final_renoise=True,
       self_condition=True, condition_width=model.config.d_model, reference_draws=True,
-      canvas_length=max_new_tokens, eos_id=model.eos_id)
+      reference_length=max_new_tokens, eos_id=model.eos_id)
   return SamplerPlan(denoiser=network.denoiser(model.config, prompt_length), spec=spec)
 
 

@@ -55,7 +55,7 @@ STEP_KNOBS = {  # each sizes the plan and the denoiser passes of a request
 }
 POSITION_KNOBS = {  # a count of canvas positions: past the canvas it means nothing
     "block_length", "block_size", "sub_block_length", "seeds", "window", "k", "minimal_topk",
-    "num_to_transfer", "canvas_length",
+    "num_to_transfer", "reference_length",
 }
 GROUP_KNOBS = {"score_groups"}
 MODEL_KNOBS = {  # sized by the model, not by a request: refused as request fields

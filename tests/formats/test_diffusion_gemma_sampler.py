@@ -45,7 +45,7 @@ def spec_of(run: dict) -> sampling.DiffusionGemmaSpec:
       max_temperature=run.get("max_temperature", 0.8),
       min_temperature=run.get("min_temperature", 0.4), exponent=run.get("exponent", 1.0),
       entropy_stop=run["threshold"], final_renoise=True, self_condition=True,
-      condition_width=D, reference_draws=True, canvas_length=WIDTH)
+      condition_width=D, reference_draws=True, reference_length=WIDTH)
 
 
 def prompt_row() -> np.ndarray:
@@ -157,6 +157,6 @@ def test_the_default_sampler_is_the_references():
       48, 0.1, 0.8, 0.4)
   assert (spec.reference_draws, spec.self_condition, spec.final_renoise, spec.early_stop,
           spec.entropy_stop) == (True, True, True, True, 0.005)
-  assert (spec.canvas_length, spec.condition_width, spec.eos_id) == (WIDTH, D, 1)
+  assert (spec.reference_length, spec.condition_width, spec.eos_id) == (WIDTH, D, 1)
   assert run.denoiser.self_conditions
   assert run.denoiser == network.denoiser(m.config, PROMPT)

@@ -43,7 +43,7 @@ def test_the_default_max_steps_is_four_a_position(engine, dream_model):
     ({"window": 97}, "window", "96"),
     ({"score_groups": 17}, "score_groups", "16"),
     ({"max_post_steps": 385}, "max_post_steps", "384"),
-    ({"canvas_length": 97}, "canvas_length", "96"),
+    ({"reference_length": 97}, "reference_length", "96"),
     ({"condition_width": 10**9}, "condition_width", "not a request's"),
 ])
 def test_a_knob_past_its_bound_is_refused_before_the_prompt_is_encoded(engine, knobs, param,

@@ -23,7 +23,7 @@ Where this differs from the reference by default, and why:
 `reference_draws=True` does what the reference does instead, key for key: each row's key is
 the `rng` of gemma's `DiffusionSampler.sample_next_canvas` for that row alone (a batch of
 one), split as it splits it (the initial canvas, then per step a categorical draw and the
-re-noising tokens of the canvas's shape, `canvas_length`: the last positions of the row), the
+re-noising tokens of the canvas's shape, `reference_length`: the last positions of the row), the
 temperature computed in float32 as its shaper does, the stopping step's draws written before
 the row freezes, and its entropy early stop (`entropy_stop`; with `early_stop` too, both must
 hold, as its ChainedEarlyStop). With `self_condition` (each step's shaped logits fed back as
@@ -91,9 +91,9 @@ class DiffusionGemmaSpec(SamplerSpec):
                                      "(DiffusionGemma's d_model).", minimum=1)
   reference_draws: bool = knob(False, help="Draw as google-deepmind/gemma's DiffusionSampler "
                                "does with the row's key (module docstring); needs "
-                               "canvas_length.")
-  canvas_length: int | None = knob(None, help="With reference_draws: the generated positions, "
-                                   "the last of the canvas.", minimum=1)
+                               "reference_length.")
+  reference_length: int | None = knob(None, help="With reference_draws: the generated "
+                                      "positions, the last of the canvas.", minimum=1)
 
   def __post_init__(self):
     super().__post_init__()
@@ -115,8 +115,8 @@ class DiffusionGemmaSpec(SamplerSpec):
     check(not self.self_condition or self.condition_width is not None, "condition_width",
           self.condition_width, "must be given with self_condition (the denoiser's "
           "encode_condition width)")
-    check(not self.reference_draws or self.canvas_length is not None, "canvas_length",
-          self.canvas_length, "must be given with reference_draws (the reference draws in the "
+    check(not self.reference_draws or self.reference_length is not None, "reference_length",
+          self.reference_length, "must be given with reference_draws (the reference draws in the "
           "canvas's shape)")
 
   @property
@@ -181,14 +181,14 @@ class DiffusionGemma(Family):
 
   def validate(self, spec, canvas):
     if spec.reference_draws:
-      check(spec.canvas_length <= canvas.length, "canvas_length", spec.canvas_length,
+      check(spec.reference_length <= canvas.length, "reference_length", spec.reference_length,
             f"must be at most the canvas's length L={canvas.length}")
       generated = canvas.generated()
       if generated is not None:
-        last = np.arange(canvas.length) >= canvas.length - spec.canvas_length
-        check(bool((generated == last).all()), "canvas_length", spec.canvas_length,
+        last = np.arange(canvas.length) >= canvas.length - spec.reference_length
+        check(bool((generated == last).all()), "reference_length", spec.reference_length,
               "with reference_draws the generated positions must be the canvas's last "
-              "canvas_length")
+              "reference_length")
 
   def idle_steps(self, spec, canvas, plan):
     # Rows that stop early leave steps no one can count before the run.
@@ -196,7 +196,7 @@ class DiffusionGemma(Family):
 
   def start(self, spec, core, ctx):
     if spec.reference_draws:  # get_initial_sample from the row's initial_canvas_rng
-      width = spec.canvas_length
+      width = spec.reference_length
       first_B = jax.vmap(lambda k: jax.random.split(k)[0])(ctx.keys_B)
       canvas_BxW = jax.vmap(lambda k: jax.random.randint(k, (1, width), 0, ctx.vocab)[0])(
           first_B)
@@ -338,7 +338,7 @@ def reference_update(spec: DiffusionGemmaSpec, core, carry: GemmaCarry, ctx, ste
                      logits_BxLxV: Array, denoise):
   """One step as gemma's `sample_next_canvas` body does it, per row (module docstring)."""
   z_BxL = core.tokens_BxL
-  width, last = spec.canvas_length, step.plan.last
+  width, last = spec.reference_length, step.plan.last
   shaped_BxLxV = logits_BxLxV.astype(jnp.float32) / reference_temperature(spec, step.index)
   shaped_BxWxV, canvas_BxW = shaped_BxLxV[:, -width:], z_BxL[:, -width:]
   keys_Bx2 = jax.vmap(jax.random.split)(carry.rng_B)
