@@ -330,11 +330,14 @@ def test_published_defaults_token_for_token_through_generate():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c["name"])
-def test_the_llada2_default_sampler_with_editing_threshold_is_llada21s_generate(case):
+def test_the_llada2_default_sampler_with_editing_threshold_is_llada21s_generate():
   """The llada2 checkpoint's own sampler, given `editing_threshold` (LLaDA2.1's knobs, as
-  its generate takes them), runs the published LLaDA2.1 generate: each row's tokens."""
+  its generate takes them), runs the published LLaDA2.1 generate: each row's tokens. The
+  post-budget case names every knob the door passes on (threshold, editing_threshold,
+  max_post_steps, num_to_transfer, block_length); the others run through `sample_blocks`
+  and `generate(spec=)` above."""
   m = family_fixtures.model("llada2")
+  (case,) = [c for c in CASES if c["name"] == "post_budget"]
   kwargs = case["kwargs"]
   knobs = {k: v for k, v in kwargs.items() if k != "gen_length"}
   for row in case["rows"]:  # one at a time, as the published generate runs them
