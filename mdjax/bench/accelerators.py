@@ -25,13 +25,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import time
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 
-from mdjax import parallelism, report, sampling
+from mdjax import files, parallelism, report, sampling
 from mdjax.bench import parallelism as bench
 from mdjax.accelerators import learn2pd
 
@@ -263,6 +264,41 @@ def summary(results: dict, log=print) -> None:
   log(f"total {results['seconds']:.0f} s")
 
 
+def plot(results: dict, path: str) -> str:
+  """Accuracy against tokens per forward, one panel per temperature: each method's points
+  with standard errors (trained methods filled, training-free hollow), the oracle ceiling a
+  star."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  points = results["points"]
+  temperatures = sorted({p["temperature"] for p in points})
+  fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 4.2),
+                           squeeze=False, sharey=True)
+  for ax, temperature in zip(axes.flat, temperatures):
+    here = [p for p in points if p["temperature"] == temperature]
+    for i, method in enumerate(sorted({p["method"] for p in here})):
+      pts = sorted((p for p in here if p["method"] == method), key=lambda p: p["tpf"])
+      color, trained = plt.cm.tab10(i % 10), pts[0]["trained"]
+      marker = "*" if method == "egp_oracle" else "o"
+      ax.errorbar([p["tpf"] for p in pts], [p["accuracy"] for p in pts],
+                  xerr=[p["tpf_se"] for p in pts], yerr=[p["accuracy_se"] for p in pts],
+                  ls="-" if trained else ":", marker=marker, ms=8 if marker == "*" else 4,
+                  mfc=color if trained else "none", color=color, lw=1, capsize=2,
+                  label=f"{method}{' (trained)' if trained else ''}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per forward (mean, log scale)")
+    ax.set_title(f"{here[0]['task']}, temperature {temperature:g}")
+    ax.legend(fontsize=7)
+  axes.flat[0].set_ylabel("accuracy (exact checks)")
+  fig.tight_layout()
+  with files.atomic_write(path) as f:
+    fig.savefig(f, format="png", dpi=110)
+  plt.close(fig)
+  return path
+
+
 def main(argv: Sequence[str] | None = None, log=print) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default="results/accelerators.json")
@@ -281,7 +317,8 @@ def main(argv: Sequence[str] | None = None, log=print) -> dict:
                 sizes=args.sizes, log=log)
   summary(results, log)
   report.write_json(args.out, results)
-  log(f"wrote {args.out}")
+  figure = plot(results, os.path.splitext(args.out)[0] + ".png")
+  log(f"wrote {args.out} and {figure}")
   return results
 
 
@@ -290,7 +327,6 @@ def _fast_cpu_compile() -> None:
   programs, each run once): LLVM at -O0 and, on jaxlib 0.10, XLA:CPU's elemental emitters.
   The points are exact draws, not timings: they come out the same. Flags given stand."""
   import importlib.metadata
-  import os
   flags = os.environ.get("XLA_FLAGS", "")
   if "--xla_backend_optimization_level" not in flags:
     flags += " --xla_backend_optimization_level=0"
@@ -301,7 +337,6 @@ def _fast_cpu_compile() -> None:
 
 
 if __name__ == "__main__":
-  import os
   if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
     _fast_cpu_compile()
   main()

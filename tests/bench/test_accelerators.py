@@ -72,3 +72,4 @@ def test_a_tiny_run_writes_the_schema(tmp_path):
   assert len(written["equal_calls"]) == 2 and set(written["aup"]["permutation"]["1.0"]) == {
       "learned_commit", "confidence_threshold", "ancestral"}
   assert results["points"] == written["points"]
+  assert (tmp_path / "acc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
