@@ -56,6 +56,14 @@ class Denoiser:
         if getattr(self, name) is None:
           object.__setattr__(self, name, getattr(self.apply, name))
 
+  def map_passes(self, wrap: Callable[[Callable], Callable]) -> "Denoiser":
+    """This denoiser with `wrap(fn)` in place of `apply` and of every pass it offers (its
+    block size and length kept): how a wrapper of the parameters (a mesh's gather, LoRA's
+    merge) keeps every pass, self-conditioning included, and any pass added later."""
+    passes = ("apply",) + tuple(name for name in PASSES if name != "block_size")
+    return dataclasses.replace(self, **{name: wrap(getattr(self, name)) for name in passes
+                                        if getattr(self, name) is not None})
+
   @classmethod
   def of(cls, apply_fn: Any) -> "Denoiser":
     """`apply_fn` as a Denoiser: itself when it is one, else wrapped (once per call site:

@@ -308,11 +308,8 @@ class _Adapted:
 
 def adapt(apply_fn, lora_config: LoraConfig) -> Denoiser:
   """The denoiser over params {"base", "lora"}: every pass of `apply_fn` (apply, prefill,
-  decode, block_pair; its block size) on W' = stop_gradient(W) + scale * A @ B."""
-  base = Denoiser.of(apply_fn)
-  wrap = lambda fn: None if fn is None else _Adapted(fn, lora_config)
-  return Denoiser(apply=wrap(base.apply), prefill=wrap(base.prefill), decode=wrap(base.decode),
-                  block_size=base.block_size, block_pair=wrap(base.block_pair))
+  decode, block_pair, encode_condition; its block size) on W' = stop_gradient(W) + scale * A @ B."""
+  return Denoiser.of(apply_fn).map_passes(lambda fn: _Adapted(fn, lora_config))
 
 
 def unadapted(apply_fn) -> Denoiser:
@@ -320,10 +317,7 @@ def unadapted(apply_fn) -> Denoiser:
   adapted = Denoiser.of(apply_fn)
   if not isinstance(adapted.apply, _Adapted):
     return adapted
-  unwrap = lambda fn: None if fn is None else fn.fn
-  return Denoiser(apply=unwrap(adapted.apply), prefill=unwrap(adapted.prefill),
-                  decode=unwrap(adapted.decode), block_size=adapted.block_size,
-                  block_pair=unwrap(adapted.block_pair))
+  return adapted.map_passes(lambda fn: fn.fn)
 
 
 # ----------------------------------------------------------------------------

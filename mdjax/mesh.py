@@ -143,13 +143,9 @@ def gathered(apply_fn, mesh: Mesh) -> Denoiser:
       params, jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), params))
 
   def on_gathered(method):
-    if method is None:
-      return None
     return lambda params, *args, **kwargs: method(replicate(params), *args, **kwargs)
 
-  wrapper = Denoiser(on_gathered(denoiser.apply), prefill=on_gathered(denoiser.prefill),
-                     decode=on_gathered(denoiser.decode), block_size=denoiser.block_size,
-                     block_pair=on_gathered(denoiser.block_pair))
+  wrapper = denoiser.map_passes(on_gathered)
   _GATHERED[denoiser, mesh] = wrapper
   return wrapper
 

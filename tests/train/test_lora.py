@@ -314,3 +314,28 @@ def test_lr_scale_zero_freezes_those_leaves_bit_for_bit():
   plain = _lora_cfg(None).train
   assert (jax.tree.structure(train_state.make_optimizer(config).init(base))
           == jax.tree.structure(train_state.make_optimizer(plain).init(base)))
+
+
+def test_every_pass_survives_the_parameter_wrappers():
+  """LoRA's merge and a mesh's gather wrap every pass a denoiser offers (through
+  `Denoiser.map_passes`), DiffusionGemma's self-conditioning input included; the wrapped
+  encode_condition reads the merged weights."""
+  from mdjax import mesh as mesh_lib
+  from mdjax.denoiser import Denoiser
+  apply = lambda params, tokens, t: tokens
+  encode = lambda params, shaped: shaped @ params["q"]
+  base = Denoiser(apply, block_size=4, encode_condition=encode, max_len=8)
+  config = lora.LoraConfig(rank=1, alpha=1.0, targets=("q",))
+  adapted = lora.adapt(base, config)
+  assert adapted.block_size == 4 and adapted.max_len == 8
+  assert adapted.encode_condition.fn is encode and adapted.prefill is None
+  assert lora.unadapted(adapted) == base
+  w = jnp.arange(6.0).reshape(2, 3)
+  adapters = jax.tree.map(jnp.ones_like, lora.init({"q": w}, config, jax.random.key(0)))
+  params, shaped = {"base": {"q": w}, "lora": adapters}, jnp.ones((1, 2))
+  merged = lora.merge(params, config)["q"]
+  assert not np.allclose(merged, w)  # the adapter moves the weights encode_condition reads
+  np.testing.assert_allclose(adapted.encode_condition(params, shaped), shaped @ merged)
+  gathered = mesh_lib.gathered(base, mesh_lib.make_mesh(1))
+  assert gathered.encode_condition is not None and gathered.block_size == 4
+  np.testing.assert_allclose(gathered.encode_condition({"q": w}, shaped), shaped @ w)
