@@ -5,7 +5,7 @@
 runs a script end to end at sizes that take seconds (each script's `smoke` says which) and
 writes its results files to DIR, as the full run writes them to results/. The exact denoiser
 stands in for the trained ScanAndAdd models, and the Shakespeare configs are cut to a tiny
-network trained in seconds on a tiny corpus (tests/text_fixtures.py), written to
+network trained in seconds on a tiny corpus (experiments/tiny_text.py), written to
 WORKDIR/corpus.txt where missing; models already trained there at those sizes are reused.
 A smoke run checks that a script runs and what its files hold, not its numbers.
 tests/test_experiments.py runs each script this way, in a subprocess; no test imports a
@@ -50,9 +50,9 @@ def experiment_main(doc: str, run, write, markdown_name: str, default_n: int,
 
 def text_config(workdir: str, causal: bool = False):
   """configs/shakespeare_char.py (or the causal reference) cut to seconds on the tiny corpus
-  WORKDIR/corpus.txt, written first if missing: tests/text_fixtures.py's `tiny_config`, so
+  WORKDIR/corpus.txt, written first if missing: `tiny_text.tiny_config`, so
   that a workdir the tests trained is reused."""
-  from tests.text_fixtures import tiny_config, write_corpus
+  from experiments.tiny_text import tiny_config, write_corpus
   path = os.path.join(workdir, "corpus.txt")
   if not os.path.exists(path):
     os.makedirs(workdir, exist_ok=True)

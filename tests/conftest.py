@@ -56,7 +56,7 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs",
                   float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 1.0)))
 
 from mdjax import train  # noqa: E402
-from tests.text_fixtures import tiny_config, write_corpus  # noqa: E402
+from experiments.tiny_text import tiny_config, write_corpus  # noqa: E402
 
 
 def pytest_unconfigure(config):

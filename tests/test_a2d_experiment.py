@@ -13,7 +13,7 @@ from mdjax import models, tasks
 from mdjax.convert import causal_export
 from mdjax.evaluate import gen_ppl
 from mdjax.train.state import model_config
-from tests.text_fixtures import tiny_config, write_corpus
+from experiments.tiny_text import tiny_config, write_corpus
 
 pytestmark = pytest.mark.slow
 

@@ -286,7 +286,7 @@ def test_trained_block_model_samples_past_its_length_from_the_cli(tmp_path, samp
   """train.py with block_size, then sample.py --blocks_of: the checkpoint's block-causal
   model generates 3 x its 16-position windows on the exact cache, from a text prefix of any
   length."""
-  from tests.text_fixtures import tiny_config, write_corpus
+  from experiments.tiny_text import tiny_config, write_corpus
   config = tiny_config(write_corpus(tmp_path / "corpus.txt"))
   config.model.block_size = 4
   config.sampler.update(family="confidence", steps=8, block_length=4)

@@ -152,7 +152,7 @@ def test_bpe_documents_checkpoint_and_prompts_cli(tmp_path):
 
   import mdjax
   from mdjax import tasks, train
-  from tests.text_fixtures import tiny_config, write_corpus
+  from experiments.tiny_text import tiny_config, write_corpus
 
   corpus = write_corpus(tmp_path / "corpus.txt")
   config = tiny_config(corpus)

@@ -22,7 +22,7 @@ from mdjax import loader, tasks
 from mdjax import model as model_lib
 from mdjax.denoiser import Denoiser
 from tests.paths import REPO
-from tests.text_fixtures import tiny_config, write_corpus
+from experiments.tiny_text import tiny_config, write_corpus
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ def test_ratio_se_is_the_delta_method_standard_error():
 
 
 def _tiny(text_path, noise=None, causal=False):
-  from tests.text_fixtures import tiny_config
+  from experiments.tiny_text import tiny_config
   c = tiny_config(text_path, causal=causal)
   c.train.update(num_steps=4, warmup_steps=1)
   c.update(num_eval_samples=0, log_every=4, eval_at_end=False)
@@ -39,7 +39,7 @@ def _tiny(text_path, noise=None, causal=False):
 
 @pytest.mark.slow
 def test_tiny_gen_ppl_rows_have_the_schema_and_numbers_in_range(tmp_path):
-  from tests.text_fixtures import write_corpus
+  from experiments.tiny_text import write_corpus
   text_path = write_corpus(tmp_path / "corpus.txt")
   models = {}
   for process in noise_text.PROCESSES:

@@ -12,7 +12,7 @@ import pytest
 from configs import corpus as corpus_config
 from mdjax import data, plot, tasks, train
 from mdjax.prepare_data import prepare
-from tests.text_fixtures import write_paragraphs
+from experiments.tiny_text import write_paragraphs
 
 STOP_AT = 6  # the SIGTERM arrives while step 6's batch is read: the run saves at step 7
 

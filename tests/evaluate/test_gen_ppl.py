@@ -106,7 +106,7 @@ def test_mdjax_causal_model_as_judge(tmp_path):
   from mdjax import models
   from mdjax.evaluate import elbo
   from mdjax.train import state
-  from tests.text_fixtures import tiny_config, write_corpus
+  from experiments.tiny_text import tiny_config, write_corpus
   config = tiny_config(write_corpus(tmp_path / "corpus.txt"), causal=True)
   task = tasks.from_config(config)
   _, params, apply_fn = models.init(state.model_config(config, task), seed=0)

@@ -329,7 +329,7 @@ def test_a_link_cannot_drive_the_page(page_server, browser):
                     reason="writes docs/serving_live.png only with MDJAX_WRITE_SCREENSHOT=1")
 def test_write_screenshot(browser, tmp_path):
   from mdjax import train
-  from tests.text_fixtures import tiny_config, write_corpus
+  from experiments.tiny_text import tiny_config, write_corpus
 
   config = tiny_config(write_corpus(tmp_path / "corpus.txt"))
   config.task_kwargs.update(length=48)

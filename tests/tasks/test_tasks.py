@@ -16,7 +16,7 @@ from mdjax import diffusion, sampling, tasks
 from mdjax.tasks import scan_and_add as sa
 from mdjax.tasks import two_color
 from tests.paths import REPO
-from tests.text_fixtures import write_corpus
+from experiments.tiny_text import write_corpus
 
 SMALL = sa.Params(n=3, max_command_id=3)  # 6 arrangements, 1000 value triples, 2 ids a kind
 

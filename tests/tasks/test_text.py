@@ -15,7 +15,7 @@ from mdjax import diffusion, tasks, tokenizers, train
 from mdjax.evaluate import elbo
 from mdjax.tasks import text, two_color
 from tests.paths import REPO as ROOT
-from tests.text_fixtures import tiny_config, write_corpus as _write_corpus
+from experiments.tiny_text import tiny_config, write_corpus as _write_corpus
 
 # ----------------------------------------------------------------------------
 # Tokenizer, corpus, windows.

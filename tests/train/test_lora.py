@@ -18,7 +18,7 @@ import mdjax
 from mdjax import lora, models, train
 from mdjax.train import state as train_state
 from tests.paths import REPO
-from tests.text_fixtures import tiny_config, write_corpus
+from experiments.tiny_text import tiny_config, write_corpus
 
 LLADA = os.path.join(REPO, "tests", "fixtures", "pretrained", "llada")
 ALL = ("attention", "mlp")

@@ -13,7 +13,7 @@ from mdjax import plot, tasks, train
 from mdjax.prepare_data import prepare
 from mdjax.train import sft, state_io
 from tests.paths import REPO
-from tests.text_fixtures import write_paragraphs
+from experiments.tiny_text import write_paragraphs
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
 

@@ -177,7 +177,7 @@ def test_train_cli_errors_are_one_line_and_help_lists_configs(tmp_path):
 
 
 def _text_config(tmp_path, **task_kwargs):
-  from tests.text_fixtures import tiny_config, write_corpus
+  from experiments.tiny_text import tiny_config, write_corpus
   config = tiny_config(write_corpus(tmp_path / "corpus.txt"))
   config.task_kwargs.update(task_kwargs)
   return config

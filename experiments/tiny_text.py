@@ -1,4 +1,5 @@
-"""A tiny text corpus and the Shakespeare configs cut to seconds, for tests."""
+"""A tiny text corpus and the Shakespeare configs cut to seconds: the smoke runs' stand-in
+for Shakespeare (experiments/smoke.py), and the tests'."""
 
 import numpy as np
 
