@@ -43,7 +43,8 @@ _REFERENCE = flags.DEFINE_string("reference", None,
 _NUM_SHOWN = flags.DEFINE_integer("show", 5, "Number of decoded samples printed.")
 _SAMPLER = flags.DEFINE_enum(
     "sampler", "ancestral", sorted(sampling.families()) + ["left_to_right"],
-    "Sampler family (mdjax.sampling.families(), and left_to_right).")
+    "Sampler family (mdjax.sampling.families(), and left_to_right); a --workdir without it "
+    "samples with its config's sampler (config.sampler), its knobs unless given.")
 _BLOCKS_OF = flags.DEFINE_integer(
     "blocks_of", None, "Generate block by block, this many positions a block, after a sliding "
     "window (sampling.sample_blocks: any --sampler inside a block; exact KV cache on a "
@@ -347,10 +348,10 @@ def main(argv):
       return complete_prompts(model, *_pretrained_sampler(model))
     return sample_pretrained(model)
   task, apply_fn = model.task, model.denoiser
-  values, given = _flags()
+  family, values = _configured_sampler(model, *_flags())
+  given = _flags()[1]
   try:
-    spec = sampling_cli.sampler_spec(_SAMPLER.value, values, given, length=task.length,
-                                     task=task)
+    spec = sampling_cli.sampler_spec(family, values, given, length=task.length, task=task)
     spec = sampling_cli.with_task_eos(spec, task, values, given)
     spec = sampling.with_noise(spec, model.noise)  # the model's process, as generate does
   except (ValueError, TypeError) as error:
@@ -365,6 +366,15 @@ def main(argv):
   if _BLOCKS_OF.value is not None:
     return generate_in_blocks(task, apply_fn, model.params, spec)
   return draw_samples(task, apply_fn, model.params, spec)
+
+
+def _configured_sampler(model, values: dict, given: set) -> tuple[str, dict]:
+  """(family, flag values) to sample with: --sampler's, or a workdir's `config.sampler` (its
+  family, and its knobs where no flag is given) when --sampler is not given."""
+  if "sampler" in given or not _WORKDIR.value or model.sampler is None:
+    return _SAMPLER.value, values
+  configured = {k: v for k, v in model.sampler.settings if k not in given and k in values}
+  return model.sampler.family, {**values, **configured}
 
 
 def _usage_error(message: str) -> None:

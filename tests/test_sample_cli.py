@@ -135,8 +135,11 @@ def test_prompts_and_live_take_ids_on_an_id_only_workdir(sample_cli, id_workdir,
   rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
   assert [row["prompt"] for row in rows] == [[10, 1, 2], [10]]
   model = mdjax.load(str(id_workdir))
+  assert "sampler=ConfidenceSpec(" in proc.stdout, proc.stdout
+  # Without --sampler, the workdir's own sampler (config.sampler), as mdjax.generate's default.
+  assert model.sampler.family == "confidence"
   out = mdjax.generate(model, [[10, 1, 2], [10]], max_new_tokens=4, key=jax.random.key(0),
-                       spec=mdjax.sampling.AncestralSpec(steps=4))
+                       steps=4)
   assert [row["token_ids"] for row in rows] == [ids.tolist() for ids in out.token_ids]
 
   missing = tmp_path / "nowhere.jsonl"
