@@ -47,6 +47,8 @@ from flax import struct
 
 from mdjax.denoiser import Denoiser
 from mdjax.sampling import driver, kv_cache, stepping
+from mdjax.sampling.block_stepping import (block_canvas, block_denoiser, generated,
+                                          refreshed_cache, sequence)
 from mdjax.sampling.base import BoundDenoiser, Canvas, CountedView, Counters, check, family_of
 from mdjax.sampling.end_of_row import EndOfRow
 
@@ -73,28 +75,11 @@ class BlocksResult(CountedView):
   blocks_run: Array
 
 
-def _block_denoiser(denoiser: Denoiser, offset: Array, cached: bool) -> Denoiser:
-  """The denoiser of one block: (params, tokens_NxW, t_N, valid_BxL, context) ->
-  logits_NxWxV of the block at `offset` on its canvas (`context`: the canvas's cache, or
-  its tokens; each row's own, like its validity mask)."""
-
-  def cached_logits(params, tokens_NxW, t_N, valid_BxL, context):
-    logits_NxWxV, _ = denoiser.decode(params, context, tokens_NxW, offset, t_N,
-                                      valid_BxL=valid_BxL)
-    return logits_NxWxV
-
-  def recomputed_logits(params, tokens_NxW, t_N, valid_BxL, context):
-    canvas_NxC = jax.lax.dynamic_update_slice_in_dim(context, tokens_NxW, offset, axis=1)
-    logits_NxCxV = denoiser(params, canvas_NxC, t_N, valid_BxL=valid_BxL)
-    return jax.lax.dynamic_slice_in_dim(logits_NxCxV, offset, tokens_NxW.shape[1], axis=1)
-
-  return Denoiser(cached_logits if cached else recomputed_logits)
-
-
-def _check(denoiser: Denoiser, params, prompt: np.ndarray, spec, *, length, blocks_of, window,
+def check_blocks(denoiser: Denoiser, params, prompt: np.ndarray, spec, *, length, blocks_of, window,
            mask_id, valid: np.ndarray | None, cached: bool):
-  """The checks that need no tracing of the whole program; returns (family, plan, skip,
-  vocab_size)."""
+  """`sample_blocks`' checks, on the host before any tracing (a served lane makes them
+  too): returns (family, the family's per-step plan of one block, whether its loop jumps
+  over idle steps, V)."""
   check(isinstance(blocks_of, (int, np.integer)) and blocks_of >= 1, "blocks_of",
         blocks_of, "must be an integer >= 1")
   check(isinstance(length, (int, np.integer)) and length >= 1 and length % blocks_of == 0,
@@ -180,7 +165,7 @@ def sample_blocks(apply_fn, params: Any, key: Array, prompt_BxP, spec, *, length
   prompt = np.asarray(prompt_BxP)
   valid = None if valid_BxP is None else np.asarray(valid_BxP).astype(bool)
   denoiser = Denoiser.of(apply_fn)
-  family, plan, skip, vocab_size = _check(denoiser, params, prompt, spec, length=length,
+  family, plan, skip, vocab_size = check_blocks(denoiser, params, prompt, spec, length=length,
                                           blocks_of=blocks_of, window=window, mask_id=mask_id,
                                           valid=valid, cached=cached)
   mask_id = int(mask_id)
@@ -224,46 +209,6 @@ class _BlocksState:
   cache: Any  # the canvas's keys and values (cached=True), else None
 
 
-def _sequence(whole_BxP, valid_BxP, tail_BxR, *, mask_id: int, window: int,
-              span_length: int) -> tuple[Array, Array]:
-  """(tokens_BxS, valid_BxS): the sequence with room either side, [window of padding,
-  prompt, generation (tails first), window of padding], and its validity."""
-  batch, tail_width = tail_BxR.shape
-  tokens_BxS = jnp.concatenate([jnp.zeros((batch, window), jnp.int32), whole_BxP, tail_BxR,
-                                jnp.full((batch, span_length - tail_width), mask_id, jnp.int32),
-                                jnp.zeros((batch, window), jnp.int32)], 1)
-  valid_BxS = jnp.concatenate([jnp.zeros((batch, window), bool), valid_BxP,
-                               jnp.ones((batch, span_length), bool),
-                               jnp.zeros((batch, window), bool)], 1)
-  return tokens_BxS, valid_BxS
-
-
-def _canvas_of(n: Array, tokens_BxS: Array, *, valid_BxS: Array, longest_prompt: Array,
-               prompt_len: int, window: int, blocks_of: int):
-  """Block n's canvas: (whether every row's tokens so far fit the window, the block's
-  offset on it, tokens_BxC, valid_BxC). While they fit the canvas stays put (the cache
-  can grow block by block); after, it slides with the block at offset W."""
-  span = window + blocks_of
-  block_start = window + prompt_len + n * blocks_of
-  fits = n * blocks_of + longest_prompt <= window
-  begin = jnp.where(fits, window + prompt_len - longest_prompt, block_start - window)
-  offset = block_start - begin
-  tokens_BxC = jax.lax.dynamic_slice_in_dim(tokens_BxS, begin, span, axis=1)
-  valid_BxC = jax.lax.dynamic_slice_in_dim(valid_BxS, begin, span, axis=1)
-  # Nothing after the block is seen: a bidirectional model too gets [window, block].
-  valid_BxC = valid_BxC & (jnp.arange(span) < offset + blocks_of)[None]
-  return fits, offset, tokens_BxC, valid_BxC
-
-
-def _generated(tokens_BxS: Array, tail_B: Array, *, first: int, tail_width: int,
-               length: int) -> Array:
-  """generated_BxG: each row's `length` positions after its own tail (from `first`)."""
-  if not tail_width:
-    return tokens_BxS[:, first:first + length]
-  columns_BxG = first + tail_B[:, None] + jnp.arange(length)[None]
-  return jnp.take_along_axis(tokens_BxS, columns_BxG, axis=1)
-
-
 @functools.partial(jax.jit, static_argnames=("denoiser", "spec", "mask_id", "vocab_size",
                                              "length", "blocks_of", "window", "cached", "skip"))
 def _program(denoiser, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_BxR, plan, *,
@@ -278,39 +223,23 @@ def _program(denoiser, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_Bx
   num_blocks = -(-(length + tail_width) // blocks_of)
   end = EndOfRow.of(spec)
   span = window + blocks_of  # the canvas each block is denoised on
-  tokens_BxS, valid_BxS = _sequence(whole_BxP, valid_BxP, tail_BxR, mask_id=mask_id,
+  tokens_BxS, valid_BxS = sequence(whole_BxP, valid_BxP, tail_BxR, mask_id=mask_id,
                                     window=window, span_length=num_blocks * blocks_of)
-  ones_B = jnp.ones((batch,), jnp.float32)
-  canvas_of = functools.partial(_canvas_of, valid_BxS=valid_BxS,
+  canvas_of = functools.partial(block_canvas, valid_BxS=valid_BxS,
                                 longest_prompt=valid_BxP.sum(-1).max(), prompt_len=prompt_len,
                                 window=window, blocks_of=blocks_of)
-
-  def refreshed(n, cache, fits, offset, tokens_BxC, valid_BxC):
-    """The canvas's cache for block n: encoded anew (the first block, or a slid window), or
-    the last one with block n - 1 appended (one pass over its final tokens)."""
-
-    canvas = BoundDenoiser(denoiser, params, valid_BxL=valid_BxC)
-
-    def encode():
-      return canvas.prefill(tokens_BxC, ones_B)[1]
-
-    def append():
-      begin = offset - blocks_of
-      finished_BxW = jax.lax.dynamic_slice_in_dim(tokens_BxC, begin, blocks_of, axis=1)
-      return canvas.decode(cache, finished_BxW, begin, ones_B)[1]
-
-    return jax.lax.cond(fits & (n > 0), append, encode)
 
   def denoise_block(n, tokens_BxS, cache):
     """Block n's tokens by the family, its counters (nfe: the passes made), the cache."""
     fits, offset, tokens_BxC, valid_BxC = canvas_of(n, tokens_BxS)
     if cached:
-      cache = refreshed(n, cache, fits, offset, tokens_BxC, valid_BxC)
+      canvas = BoundDenoiser(denoiser, params, valid_BxL=valid_BxC)
+      cache = refreshed_cache(canvas, n, cache, fits, offset, tokens_BxC, blocks_of)
     context = cache if cached else tokens_BxC
     block_BxW = jax.lax.dynamic_slice_in_dim(tokens_BxC, offset, blocks_of, axis=1)
     core, ctx = stepping.start_canvas(jax.vmap(jax.random.fold_in, (0, None))(keys_B, n),
                                       block_BxW, None, mask_id, vocab_size=vocab_size)
-    block = BoundDenoiser(_block_denoiser(denoiser, offset, cached), params, valid_BxL=valid_BxC,
+    block = BoundDenoiser(block_denoiser(denoiser, offset, cached), params, valid_BxL=valid_BxC,
                           context=context, mask_in_vocab=ctx.mask_in_vocab)
     core, _, _ = stepping.run(spec, block, core, ctx, plan, skip)
     return core.tokens_BxL, core.counters.add(nfe=int(cached)), cache
@@ -336,7 +265,7 @@ def _program(denoiser, params, keys_B, prompt_BxP, whole_BxP, valid_BxP, tail_Bx
                        counters=Counters.zeros(batch), blocks_run=jnp.zeros((), jnp.int32),
                        cache=cache)
   state, _ = jax.lax.scan(body, state, jnp.arange(num_blocks, dtype=jnp.int32))
-  generated_BxG = _generated(state.tokens_BxS, tail_B, first=window + prompt_len,
+  generated_BxG = generated(state.tokens_BxS, tail_B, first=window + prompt_len,
                              tail_width=tail_width, length=length)
   return BlocksResult(tokens_BxT=jnp.concatenate([prompt_BxP, generated_BxG], 1),
                       generated_length_B=end.generated_length(

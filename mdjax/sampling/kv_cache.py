@@ -56,6 +56,10 @@ class KVPlan:
   # kv_cache="exact": bool, the first step of a block after the first (append the finished
   # block's keys); None for the dual cache.
   append: Array | None = None
+  # A caller who knows that no row refreshes, appends or owes a refresh at this step (a
+  # served lane: rows at different steps share a program, where a per-row choice would run
+  # both passes) runs the window pass alone (static).
+  window_only: bool = struct.field(pytree_node=False, default=False)
 
 
 @struct.dataclass
@@ -227,6 +231,8 @@ def call(denoiser: BoundDenoiser, state: KVState, tokens_BxL: Array, t, kv_plan:
     logits_BxWxV, _ = denoiser.decode(state.cache, tokens_BxW, kv_plan.start, t_B)
     return on_canvas(logits_BxWxV), state
 
+  if kv_plan.window_only:
+    return window()
   if kv_plan.append is None:
     return jax.lax.cond(kv_plan.refresh | state.stale, full, window)
 
@@ -240,6 +246,13 @@ def call(denoiser: BoundDenoiser, state: KVState, tokens_BxL: Array, t, kv_plan:
 
   branch = jnp.where(kv_plan.refresh | state.stale, 0, jnp.where(kv_plan.append, 1, 2))
   return jax.lax.switch(branch, [full, append_and_window, window])
+
+
+def needs_full(state: KVState, kv_plan: KVPlan) -> Array:
+  """Whether the step of `kv_plan` (one step's slice) makes more than a window pass: a
+  refresh, an append, or a refresh owed."""
+  owed = kv_plan.refresh | state.stale
+  return owed if kv_plan.append is None else owed | kv_plan.append
 
 
 def skipped(state: KVState, kv_plan: KVPlan) -> KVState:

@@ -361,6 +361,12 @@ class Stepper:
     state = advance(self.family, self.spec, denoiser, carry.ctx, carry.state, inputs)
     return carry.replace(state=state)
 
+  def needs_full(self, carry: Carry, index, kv_plan_K) -> Array:
+    """A cached spec: whether step `index` makes more than a window pass (a cache refresh,
+    an append, or a refresh owed by a skipped step); a caller that knows none of its rows
+    does may run the step with `kv_plan_K.replace(window_only=True)`, one pass."""
+    return kv_cache.needs_full(carry.state.kv, plan_at(kv_plan_K, index))
+
   def needs_call(self, carry: Carry, index, plan_K) -> Array:
     """Whether step `index` can write anything in any row (else a loop may jump over it)."""
     return needs_call(self.family, self.spec, carry.ctx, carry.state, plan_at(plan_K, index))

@@ -39,7 +39,8 @@ from mdjax import generation, sampling
 from mdjax.errors import ArgumentError
 from mdjax.model import Model
 from mdjax.serve import lanes as lane_programs
-from mdjax.serve import limits, served
+from mdjax.serve import block_lanes, limits, served
+from mdjax.serve.block_lanes import BlockRun
 from mdjax.serve.lane_table import LaneTable
 from mdjax.serve.lanes import Lane
 
@@ -99,6 +100,8 @@ class Job:
   valid_1xS: np.ndarray
   stepper: sampling.Stepper
   plan: Any
+  blocks: BlockRun | None = None  # block by block (`block_lanes`): the row's layout
+  kv_plan: Any = None  # a KV-cached spec on one canvas: the cache's per-step plan
 
   @property
   def spec(self):
@@ -114,10 +117,21 @@ class Job:
 
   @property
   def num_steps(self) -> int:
+    if self.blocks is not None:
+      return self.blocks.num_steps
     return self.stepper.num_steps(self.canvas_length)
 
   @property
+  def cache(self) -> str | None:
+    """The cache the run decodes against, as a response names it (None: none)."""
+    if self.blocks is not None:
+      return self.blocks.describe()
+    return None if self.kv_plan is None else f"kv_cache={self.spec.kv_cache!r}"
+
+  @property
   def lane_key(self) -> tuple:
+    if self.blocks is not None:
+      return (self.denoiser, id(self.params), self.blocks.stepper)
     return (self.denoiser, id(self.params), self.stepper, self.canvas_length)
 
 
@@ -279,24 +293,47 @@ class Engine:
       raise ArgumentError("sampler", f"{name} is not served: {why}; use mdjax.generate (or "
                           "sample.py) for it, or a step-wise sampler (confidence, ancestral, "
                           "mdlm, dream, remask, ...).")
-    generation.plan_generation([len(ids)], max_new_tokens, max_len=room,
-                               block_length=family.block_length(run.spec), **names)
-    length = room if model.padding_invariant else len(ids) + max_new_tokens
-    limits.check_num_steps(sampling.num_steps(run.spec, length), self.max_steps)
-    tokens, valid, _ = generation.left_padded([ids], length, model.mask_id, pad_id=model.pad_id,
-                                              start=length - max_new_tokens)
     params = model.params if run.params is None else run.params
-    prepared = sampling.prepare(run.denoiser, params, jax.random.key(seed)[None], tokens,
-                                run.spec, mask_id=model.mask_id)
-    job = Job(prompt_ids=ids, max_new_tokens=int(max_new_tokens), seed=seed, n=n,
-              denoiser=prepared.denoiser, params=params, tokens_1xS=tokens, valid_1xS=valid,
-              stepper=prepared.stepper, plan=prepared.plan)
+    if run.blocks_of is not None:
+      job = self._block_job(ids, run, params, max_new_tokens=int(max_new_tokens), seed=seed,
+                            n=n, names=names)
+    else:
+      job = self._canvas_job(ids, run, params, max_new_tokens=int(max_new_tokens), seed=seed,
+                             n=n, names=names)
     if self.frozen and job.lane_key not in self._table.lanes:
       raise ArgumentError("sampler", f"{type(run.spec).__name__} with these settings (and "
                           f"{max_new_tokens} new tokens) is not among the {len(self.lanes)} "
                           "settings this server has compiled, and it compiles no others "
                           "(new_programs=refuse): use the server's default settings.")
     return job
+
+  def _canvas_job(self, ids, run, params, *, max_new_tokens, seed, n, names) -> Job:
+    """A request on one canvas (`sampling.sample`'s layout), as a lane of `lanes.Lane`."""
+    model, room = self.model, self.room
+    family = sampling.family_of(run.spec)
+    generation.plan_generation([len(ids)], max_new_tokens, max_len=room,
+                               block_length=family.block_length(run.spec), **names)
+    unpadded = not model.padding_invariant or family.name in served.POSITIONAL
+    length = len(ids) + max_new_tokens if unpadded else room
+    limits.check_num_steps(sampling.num_steps(run.spec, length), self.max_steps)
+    tokens, valid, _ = generation.left_padded([ids], length, model.mask_id, pad_id=model.pad_id,
+                                              start=length - max_new_tokens)
+    prepared = sampling.prepare(run.denoiser, params, jax.random.key(seed)[None], tokens,
+                                run.spec, mask_id=model.mask_id)
+    return Job(prompt_ids=ids, max_new_tokens=max_new_tokens, seed=seed, n=n,
+               denoiser=prepared.denoiser, params=params, tokens_1xS=tokens, valid_1xS=valid,
+               stepper=prepared.stepper, plan=prepared.plan, kv_plan=prepared.kv_plan)
+
+  def _block_job(self, ids, run, params, *, max_new_tokens, seed, n, names) -> Job:
+    """A request block by block, as a row of a `block_lanes.BlockLane`."""
+    denoiser, blocks, block_plan = block_lanes.block_run(
+        self.model, ids, run, params, max_new_tokens=max_new_tokens, room=self.room,
+        names=names)
+    limits.check_num_steps(blocks.num_steps, self.max_steps)
+    return Job(prompt_ids=ids, max_new_tokens=max_new_tokens, seed=seed, n=n,
+               denoiser=denoiser, params=params, tokens_1xS=blocks.whole_1xP,
+               valid_1xS=blocks.valid_1xP, stepper=blocks.stepper.stepper, plan=block_plan,
+               blocks=blocks)
 
   def freeze(self) -> None:
     """From now on `prepare` refuses a setting that has no lane (`warm` made the lanes to
@@ -518,7 +555,7 @@ class Engine:
       if owner is None:
         continue
       job = owner.handle.job
-      canvas_ids = tokens_NxS[slot, -job.max_new_tokens:]
+      canvas_ids = lane.canvas_ids(tokens_NxS, slot, job)
       masked = canvas_ids == job.mask_id
       finished = not active_N[slot]
       completion = None

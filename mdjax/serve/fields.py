@@ -376,4 +376,7 @@ class Call:
 
   def extension(self) -> dict:
     """What reproduces the response: the response's top-level "mdjax" field."""
-    return {"seed": self.seed, "spec": repr(self.job.spec), "steps": self.job.num_steps}
+    extension = {"seed": self.seed, "spec": repr(self.job.spec), "steps": self.job.num_steps}
+    if self.job.cache is not None:  # what the spec does not say: the cache decoded against
+      extension["cache"] = self.job.cache
+    return extension

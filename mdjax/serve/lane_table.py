@@ -18,6 +18,7 @@ from typing import Callable
 
 import jax
 
+from mdjax.serve.block_lanes import BlockLane
 from mdjax.serve.lanes import Lane
 
 
@@ -69,7 +70,7 @@ class LaneTable:
     if key in self._building or not self._make_room():
       return None
     if not background:
-      lane = self.lanes[key] = Lane(job, self.slots, self.padded)
+      lane = self.lanes[key] = _lane(job, self.slots, self.padded)
       self.built += 1
       return lane
     if self._compiler is None:
@@ -114,9 +115,14 @@ class LaneTable:
 
   def _build(self, job) -> Lane:
     """On the compile thread: the lane, with every program it will run compiled."""
-    lane = Lane(job, self.slots, self.padded)
+    lane = _lane(job, self.slots, self.padded)
     lane.warm(job)
     return lane
+
+
+def _lane(job, slots: int, padded: bool) -> Lane:
+  """A new lane for `job`: block by block (`Job.blocks`) or on one canvas."""
+  return (Lane if job.blocks is None else BlockLane)(job, slots, padded)
 
 
 def _yield_to_serving() -> None:

@@ -10,7 +10,11 @@ tick advances only the first `bucket` slots, the smallest power of two that hold
 rows (capped at the slots). A lone request pays for a 1-row step, not for every slot. There
 is one `tick` program per bucket (compiled on first use; at most log2(slots) + 1 of them),
 and within a bucket shapes never change, so nothing retraces once each bucket has run;
-`traces()` counts the programs traced so far."""
+`traces()` counts the programs traced so far.
+
+A KV-cached spec (`kv_cache`) adds `refresh`: the rows whose next step makes a full pass (a
+cache refresh; the tick reads back which) step in it alone, and the tick runs window passes
+only (`KVPlan.window_only`), so no row pays a full pass at a step where it reads its cache."""
 
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ _TRACES = itertools.count()
 _traced = [0]
 
 
-def _count_trace() -> None:
+def count_trace() -> None:
   _traced[0] = next(_TRACES) + 1
 
 
@@ -54,12 +58,14 @@ class RowState:
   valid_1xS: Array
   index: Array  # the next step
   active: Array
+  kv_plan: Any = None  # the KV cache's per-step plan (a cached spec), else None
+  full_next: Array | None = None  # a cached spec: the next step makes a full pass
 
 
 _STATIC = ("denoiser", "stepper", "padded", "sharding")
 
 
-def _placed(rows: RowState, sharding) -> RowState:
+def placed(rows: RowState, sharding) -> RowState:
   """The rows on the lane's sharding (every program returns them there, so the next one
   sees the same input shardings and nothing retraces)."""
   return rows if sharding is None else jax.lax.with_sharding_constraint(rows, sharding)
@@ -78,41 +84,44 @@ def row_sharding(params, slots: int):
   return None
 
 
-def _start_row(denoiser, params, key, tokens_1xS, valid_1xS, plan, *, stepper: Stepper,
-               padded: bool, sharding=None) -> RowState:
+def _start_row(denoiser, params, key, tokens_1xS, valid_1xS, plan, kv_plan=None, *,
+               stepper: Stepper, padded: bool, sharding=None) -> RowState:
   valid = valid_1xS if padded else None
   carry = stepper.start(stepper.bind(denoiser, params, valid), key[None], tokens_1xS,
                         valid_BxL=valid)
+  full_next = None if kv_plan is None else stepper.needs_full(carry, 0, kv_plan)
   return RowState(carry=carry, plan=plan, valid_1xS=valid_1xS, index=jnp.int32(0),
-                  active=jnp.bool_(True))
+                  active=jnp.bool_(True), kv_plan=kv_plan, full_next=full_next)
 
 
-def _empty_lane(denoiser, params, key, tokens_1xS, valid_1xS, plan, *, slots, **static):
+def _empty_lane(denoiser, params, key, tokens_1xS, valid_1xS, plan, kv_plan=None, *, slots,
+                **static):
   """`slots` idle rows (copies of one row, inactive): the lane's fixed shapes."""
-  _count_trace()
-  row = _start_row(denoiser, params, key, tokens_1xS, valid_1xS, plan, **static)
+  count_trace()
+  row = _start_row(denoiser, params, key, tokens_1xS, valid_1xS, plan, kv_plan, **static)
   rows = jax.vmap(lambda _: row)(jnp.arange(slots))
-  return _placed(rows.replace(active=jnp.zeros((slots,), bool)), static["sharding"])
+  return placed(rows.replace(active=jnp.zeros((slots,), bool)), static["sharding"])
 
 
-def _admit(denoiser, params, rows, slot, key, tokens_1xS, valid_1xS, plan, **static):
+def _admit(denoiser, params, rows, slot, key, tokens_1xS, valid_1xS, plan, kv_plan=None,
+           **static):
   """The rows with slot `slot` started on a new row."""
-  _count_trace()
-  row = _start_row(denoiser, params, key, tokens_1xS, valid_1xS, plan, **static)
+  count_trace()
+  row = _start_row(denoiser, params, key, tokens_1xS, valid_1xS, plan, kv_plan, **static)
   rows = jax.tree.map(lambda all_rows, one: all_rows.at[slot].set(one), rows, row)
-  return _placed(rows, static["sharding"])
+  return placed(rows, static["sharding"])
 
 
-def _move(rows, source, target, *, sharding, **static):
+def move_row(rows, source, target, *, sharding, **static):
   """The rows with slot `target` holding slot `source`'s row, and slot `source` idle (when
   the two are one slot: that slot idle)."""
-  _count_trace()
+  count_trace()
   rows = jax.tree.map(lambda leaf: leaf.at[target].set(leaf[source]), rows)
   rows = rows.replace(active=rows.active.at[source].set(False))
-  return _placed(rows, sharding)
+  return placed(rows, sharding)
 
 
-def _front(leaf: Array, split: int, bucket: int) -> Array:
+def front_slots(leaf: Array, split: int, bucket: int) -> Array:
   """The `bucket` slots a tick advances: the first bucket / split of each of the `split`
   equal parts of the slots (the parts the 'data' axis puts on its devices; split 1: the
   first `bucket` slots)."""
@@ -120,44 +129,79 @@ def _front(leaf: Array, split: int, bucket: int) -> Array:
   return parts[:, :bucket // split].reshape((bucket,) + leaf.shape[1:])
 
 
-def _put_front(leaf: Array, front: Array, split: int) -> Array:
-  """`leaf` with its `_front` slots replaced by `front` (in place: the rows are donated)."""
+def put_front(leaf: Array, front: Array, split: int) -> Array:
+  """`leaf` with its `front_slots` slots replaced by `front` (in place: the rows are donated)."""
   parts = leaf.reshape((split, leaf.shape[0] // split) + leaf.shape[1:])
   front = front.reshape((split, front.shape[0] // split) + front.shape[1:])
   return jax.lax.dynamic_update_slice_in_dim(parts, front, 0, axis=1).reshape(leaf.shape)
 
 
-def _tick(denoiser, params, rows, *, stepper: Stepper, padded, sharding, num_steps, bucket,
-          split=1):
-  """One step for every active row among the `bucket` front slots (`_front`; each row at
-  its own step): (rows, and of those slots, in `Lane.front` order: tokens_BxS, active_B,
-  generated_length_B, index_B). One program per bucket; the other slots are not read."""
-  _count_trace()
-  end = EndOfRow.of(stepper.spec)
+def _row_step(denoiser, params, row: RowState, *, stepper: Stepper, padded, num_steps,
+              window_only: bool) -> RowState:
+  """One step of one row (an idle row as it is). window_only: no row of the program makes
+  a full pass at this step (a cached spec: `kv_cache.KVPlan.window_only`)."""
+  index = jnp.minimum(row.index, num_steps - 1)
+  bound = stepper.bind(denoiser, params, row.valid_1xS if padded else None)
+  kv_plan = row.kv_plan
+  if kv_plan is not None and window_only:
+    kv_plan = kv_plan.replace(window_only=True)
+  carry = stepper.step(bound, row.carry, index, row.plan, kv_plan)
+  keep = lambda new, old: jnp.where(row.active, new, old)
+  row = row.replace(carry=jax.tree.map(keep, carry, row.carry),
+                    index=keep(index + 1, row.index),
+                    active=row.active & ~stepper.done(carry, index + 1)[0])
+  if kv_plan is None:
+    return row
+  next_index = jnp.minimum(row.index, num_steps - 1)
+  return row.replace(full_next=stepper.needs_full(row.carry, next_index, row.kv_plan))
 
-  def step(row: RowState) -> RowState:
-    index = jnp.minimum(row.index, num_steps - 1)
-    bound = stepper.bind(denoiser, params, row.valid_1xS if padded else None)
-    carry = stepper.step(bound, row.carry, index, row.plan)
-    keep = lambda new, old: jnp.where(row.active, new, old)
-    return row.replace(carry=jax.tree.map(keep, carry, row.carry),
-                       index=keep(index + 1, row.index),
-                       active=row.active & ~stepper.done(carry, index + 1)[0])
+
+def _tick(denoiser, params, rows, hold_N=None, *, stepper: Stepper, padded, sharding,
+          num_steps, bucket, split=1):
+  """One step for every active row among the `bucket` front slots (`front_slots`; each row at
+  its own step): (rows, and of those slots, in `Lane.front` order: tokens_BxS, active_B,
+  generated_length_B, index_B, full_next_B). One program per bucket; the other slots are not
+  read. A cached spec's tick makes window passes only: the rows whose step makes a full pass
+  were stepped by `_refresh` before it, and `hold_N` keeps them as they are."""
+  count_trace()
+  end = EndOfRow.of(stepper.spec)
+  step = functools.partial(_row_step, denoiser, params, stepper=stepper, padded=padded,
+                           num_steps=num_steps, window_only=hold_N is not None)
+  if hold_N is not None:
+    held = rows.replace(active=rows.active & hold_N)
+    rows = rows.replace(active=rows.active & ~hold_N)
 
   if bucket == rows.active.shape[0]:  # every slot: the rows as they are
-    rows = front = _placed(jax.vmap(step)(rows), sharding)
+    rows = front = placed(jax.vmap(step)(rows), sharding)
   else:
-    front = jax.tree.map(lambda leaf: _front(leaf, split, bucket), rows)
-    front = _placed(jax.vmap(step)(_placed(front, sharding)), sharding)
-    rows = _placed(jax.tree.map(lambda leaf, new: _put_front(leaf, new, split), rows, front),
+    front = jax.tree.map(lambda leaf: front_slots(leaf, split, bucket), rows)
+    front = placed(jax.vmap(step)(placed(front, sharding)), sharding)
+    rows = placed(jax.tree.map(lambda leaf, new: put_front(leaf, new, split), rows, front),
                    sharding)
+  if hold_N is not None:  # the held rows, as `_refresh` left them
+    rows = placed(rows.replace(active=rows.active | held.active), sharding)
+    front = jax.tree.map(lambda leaf: front_slots(leaf, split, bucket), rows)
   tokens_BxS = front.carry.tokens_BxL[:, 0]
   lengths_B = jax.vmap(lambda r: end.generated_length(
       r.carry.tokens_BxL, r.carry.ctx.editable_BxL, stepper.mask_id)[0])(front)
-  return rows, tokens_BxS, front.active, lengths_B, front.index
+  return rows, tokens_BxS, front.active, lengths_B, front.index, front.full_next
 
 
-def _own_copy(fn):
+def _refresh(denoiser, params, rows, slots_R, *, stepper: Stepper, padded, sharding,
+             num_steps):
+  """The rows of `slots_R` (repeats allowed: they compute the same row) one step each, a
+  full pass where their plan makes one (a cached spec's rows that refresh their cache this
+  tick: a program over them alone, so the lane's tick runs window passes only)."""
+  count_trace()
+  picked = jax.tree.map(lambda leaf: leaf[slots_R], rows)
+  picked = jax.vmap(functools.partial(_row_step, denoiser, params, stepper=stepper,
+                                      padded=padded, num_steps=num_steps,
+                                      window_only=False))(picked)
+  return placed(jax.tree.map(lambda leaf, new: leaf.at[slots_R].set(new), rows, picked),
+                sharding)
+
+
+def own_copy(fn):
   """A new function object that runs `fn`. jax keeps a program while the function it was
   traced from lives (its caches hold functions weakly): a lane that jits its own copies
   takes its compiled programs with it when it is dropped."""
@@ -168,17 +212,19 @@ def _own_copy(fn):
 
 
 class Programs:
-  """One lane's compiled programs, jitted afresh for it (`_own_copy`): `empty`, `admit`,
+  """One lane's compiled programs, jitted afresh for it (`own_copy`): `empty`, `admit`,
   `move` and `tick` (one program a bucket). Dropping the lane frees them."""
 
   def __init__(self):
-    self.empty = jax.jit(_own_copy(_empty_lane), static_argnames=_STATIC + ("slots",))
-    self.admit = jax.jit(_own_copy(_admit), static_argnames=_STATIC,
+    self.empty = jax.jit(own_copy(_empty_lane), static_argnames=_STATIC + ("slots",))
+    self.admit = jax.jit(own_copy(_admit), static_argnames=_STATIC,
                          donate_argnames=("rows",))
-    self.move = jax.jit(_own_copy(_move), static_argnames=_STATIC, donate_argnames=("rows",))
-    self.tick = jax.jit(_own_copy(_tick), static_argnames=_STATIC + ("num_steps", "bucket",
+    self.move = jax.jit(own_copy(move_row), static_argnames=_STATIC, donate_argnames=("rows",))
+    self.tick = jax.jit(own_copy(_tick), static_argnames=_STATIC + ("num_steps", "bucket",
                                                                      "split"),
                         donate_argnames=("rows",))
+    self.refresh = jax.jit(own_copy(_refresh), static_argnames=_STATIC + ("num_steps",),
+                           donate_argnames=("rows",))
 
 
 @dataclasses.dataclass
@@ -208,18 +254,22 @@ class Lane:
     # Rows split over a 'data' axis of size d live in d equal parts, one a device. Slicing
     # the first `bucket` slots would put every active row on the first device (and move
     # them there each tick), so the front is the first bucket / d slots of each part
-    # (`_front`, a local slice on every device) and buckets are multiples of d: the active
+    # (`front_slots`, a local slice on every device) and buckets are multiples of d: the active
     # rows fill the parts in turn (`order`), so every device ticks an equal share.
-    self.split = _data_split(sharding, slots)
+    self.split = data_split(sharding, slots)
     part = slots // self.split
     self.order = [(i % self.split) * part + i // self.split for i in range(slots)]
     self.owners: list[Slot | None] = [None] * slots
     self.programs = Programs()
     self.rows = self.programs.empty(job.denoiser, job.params, jax.random.key(0),
-                                    job.tokens_1xS, job.valid_1xS, job.plan, slots=slots,
-                                    **_lane_static(self.static))
+                                    *self.row_inputs(job), slots=slots,
+                                    **lane_static(self.static))
     self.ticks_by_bucket: collections.Counter[int] = collections.Counter()
     self.last_used = time.monotonic()
+    # A cached spec: per slot, whether the row's next step makes a full pass (read back
+    # from each tick), and the full-pass steps run.
+    self.full_next = None if job.kv_plan is None else np.zeros(slots, bool)
+    self.full_passes = 0
 
   @property
   def active(self) -> int:
@@ -241,13 +291,23 @@ class Lane:
     part = self.slots // self.split
     return [p * part + i for p in range(self.split) for i in range(bucket // self.split)]
 
+  @staticmethod
+  def row_inputs(job) -> tuple:
+    """What `admit` starts a row of `job` from (after its key)."""
+    return job.tokens_1xS, job.valid_1xS, job.plan, job.kv_plan
+
+  def canvas_ids(self, tokens_NxS: np.ndarray, slot: int, job) -> np.ndarray:
+    """A row's generated positions in a tick's tokens (the canvas's last max_new_tokens)."""
+    return tokens_NxS[slot, -job.max_new_tokens:]
+
   def admit(self, handle, choice: int) -> None:
     slot, job = self.free_slot(), handle.job
     key = jax.random.fold_in(jax.random.key(job.seed), choice)  # generate's row key
     self.rows = self.programs.admit(job.denoiser, self.params, self.rows, np.int32(slot), key,
-                                    job.tokens_1xS, job.valid_1xS, job.plan,
-                                    **_lane_static(self.static))
+                                    *self.row_inputs(job), **lane_static(self.static))
     self.owners[slot] = Slot(handle, choice, time.monotonic())
+    if self.full_next is not None:
+      self.full_next[slot] = True  # a new row's cache is stale: its first step refreshes it
     self.last_used = time.monotonic()
 
   def release(self, slots, idle: bool = False) -> None:
@@ -259,19 +319,30 @@ class Lane:
       last = self.order[self.active - 1]
       if last != slot or idle:
         self.rows = self.programs.move(self.rows, np.int32(last), np.int32(slot),
-                                       **_lane_static(self.static))
+                                       **lane_static(self.static))
       self.owners[slot], self.owners[last] = self.owners[last], None  # last == slot: None
+      if self.full_next is not None:
+        self.full_next[slot] = self.full_next[last]
 
   def tick(self, bucket: int | None = None):
     """One tick of the `bucket` program (default: the lane's bucket): (tokens_NxS,
     active_N, lengths_N, steps_N) indexed by slot, filled for the ticked slots."""
     bucket = self.bucket() if bucket is None else bucket
-    self.rows, tokens, active, lengths, steps = self.programs.tick(
-        self.static["denoiser"], self.params, self.rows, num_steps=self.num_steps,
-        bucket=bucket, split=self.split, **_lane_static(self.static))
+    front, hold_N = self.front(bucket), None
+    if self.full_next is not None:  # a cached spec: full passes only for the rows making one
+      hold_N = np.zeros(self.slots, bool)
+      refreshing = [slot for slot in front if self.owners[slot] is not None
+                    and self.full_next[slot]]
+      if refreshing:
+        self._refresh(refreshing)
+        hold_N[refreshing] = True
+    self.rows, tokens, active, lengths, steps, full_next = self.programs.tick(
+        self.static["denoiser"], self.params, self.rows, hold_N, num_steps=self.num_steps,
+        bucket=bucket, split=self.split, **lane_static(self.static))
     self.ticks_by_bucket[bucket] += 1
     self.last_used = time.monotonic()
-    front = self.front(bucket)
+    if self.full_next is not None:
+      self.full_next[front] = np.asarray(full_next)
     tokens, active = np.asarray(tokens), np.asarray(active)
     full = lambda values: np.zeros((self.slots,) + values.shape[1:], values.dtype)
     out = [full(tokens), full(active), full(np.asarray(lengths)), full(np.asarray(steps))]
@@ -279,31 +350,45 @@ class Lane:
       array[front] = np.asarray(values)
     return tuple(out)
 
+  def _refresh(self, slots: list[int]) -> None:
+    """Steps the rows of `slots` (their step makes a full pass) in one `refresh` program of a
+    power-of-two size (repeats fill it)."""
+    size = 1 << max(0, len(slots) - 1).bit_length()
+    slots_R = np.asarray(slots + [slots[0]] * (size - len(slots)), np.int32)
+    self.rows = self.programs.refresh(self.static["denoiser"], self.params, self.rows, slots_R,
+                                      num_steps=self.num_steps, **lane_static(self.static))
+    self.full_passes += len(slots)
+
   def warm(self, job) -> None:
     """Compiles the lane's programs now: `admit` (a row of `job`, made idle again at once),
     `move` and every bucket's tick (an idle lane only: its rows are idle, so those ticks
     change nothing)."""
     if self.active:
       raise RuntimeError("warm() runs on an idle lane only")
-    static = _lane_static(self.static)
+    static = lane_static(self.static)
     self.rows = self.programs.admit(job.denoiser, self.params, self.rows, np.int32(0),
-                                    jax.random.key(0), job.tokens_1xS, job.valid_1xS,
-                                    job.plan, **static)
+                                    jax.random.key(0), *self.row_inputs(job), **static)
     self.rows = self.programs.move(self.rows, np.int32(0), np.int32(0), **static)
     counted = self.ticks_by_bucket.copy()  # these ticks serve nobody: not counted
     for bucket in sorted({self.bucket(active) for active in range(1, self.slots + 1)}):
       self.tick(bucket)
     self.ticks_by_bucket = counted
+    if self.full_next is not None:  # idle rows: these steps change nothing
+      passes, size = self.full_passes, 1
+      while size <= self.slots:
+        self._refresh([0] * size)
+        size *= 2
+      self.full_passes = passes
 
 
-def _data_split(sharding, slots: int) -> int:
+def data_split(sharding, slots: int) -> int:
   """The parts the rows are split into over the mesh's 'data' axis (1: not split)."""
   if sharding is None or sharding.spec == jax.sharding.PartitionSpec(None):
     return 1
   return sharding.mesh.shape["data"]
 
 
-def _lane_static(static: dict) -> dict:
+def lane_static(static: dict) -> dict:
   return {k: v for k, v in static.items() if k != "denoiser"}
 
 

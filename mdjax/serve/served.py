@@ -14,17 +14,14 @@ POSITIONAL = ("ordered", "field_order")
 
 
 def why_not_served(run, family) -> str | None:
-  """Why a sampler cannot run one step at a time on a lane's canvas (None: it can)."""
-  if run.blocks_of is not None:
-    return "it generates block by block past the canvas"
+  """Why a sampler cannot run one step at a time on a lane (None: it can). Every step-wise
+  family is served: on one canvas (KV-cached specs too: `lanes`), or block by block
+  (`block_lanes`); a spec that names canvas positions on a canvas of exactly its prompt and
+  new tokens (`POSITIONAL`); record_trajectory is left to the canvas events. Composite
+  families are not: a step of theirs is rounds of several programs (speculative verification,
+  local remasking's inner runs), which `Stepper.start` refuses."""
   if family.composite:
     return "it runs rounds of its own, not one step at a time"
-  if run.spec.kv_cache != "none":
-    return f"kv_cache={run.spec.kv_cache!r} keeps a cache per block"
-  if run.spec.record_trajectory:
-    return "record_trajectory keeps every step (the canvas events stream them)"
-  if family.name in POSITIONAL:
-    return "its spec names canvas positions"
   return None
 
 
