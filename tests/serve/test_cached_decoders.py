@@ -130,7 +130,7 @@ def test_sdar_served_over_http_equals_generate():
   model = mdjax.load(os.path.join(FIXTURES, "sdar"))
   cases = [([5, 6, 7, 8, 9, 10, 11], 12, 1, 1), ([3, 4, 5], 8, 2, 2), ([9] * 6, 12, 3, 1)]
   with running_server(model, model_name="sdar", canvas_length=32, max_batch=4) as server:
-    api = openai.OpenAI(base_url=server.base_url, max_retries=0, timeout=300)
+    api = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
 
     def send(case):
       prompt, new, seed, n = case
