@@ -2,9 +2,15 @@
 decoders (SDAR, Fast-dLLM v2, LLaDA2 block by block with the exact block cache; LLaDA with
 Fast-dLLM's dual and prefix caches) on the fixtures' tiny checkpoints. Requests join while
 others are mid-run, rows sit at different blocks and steps in one tick, and each row equals
-`mdjax.generate` of its prompt alone, token for token."""
+`mdjax.generate` of its prompt alone, token for token.
+
+The suite is compile-bound, so each case is the smallest that reaches its paths: two slots
+(a lane's tick and commit/refresh programs for buckets 1 and 2), one lane a case, a canvas
+of 16 positions, one or two blocks past the prompt, and the fewest distinct offline
+programs (`offline` keeps each generate's answer, so the HTTP case reuses the engine case's)."""
 
 import concurrent.futures
+import functools
 import os
 
 import jax
@@ -23,6 +29,17 @@ from tests.serve.conftest import running_server
 pytestmark = pytest.mark.xdist_group("serve_engine")
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
+CANVAS = 16  # the block lanes' room: the longest prompt and its new tokens fill it
+
+# Two requests on one lane (one spec: temperature 1 is a knob of both): prompts of two
+# lengths, whole model blocks and a tail (10 = 8 + 2 in SDAR's blocks of 4 and Fast-dLLM
+# v2's of 8) and a tail alone (3); the second asks for two rows. With two slots its first
+# row joins the first request mid-run and its second joins when the first request leaves.
+HOT = {"temperature": 1.0}
+BLOCK_REQUESTS = (
+    ((5, 6, 7, 8, 9, 10, 11, 12, 13, 14), dict(max_new_tokens=6, seed=1, knobs=HOT)),
+    ((3, 4, 5), dict(max_new_tokens=8, seed=2, n=2, knobs=HOT)),
+)
 
 
 def _experts_vmap() -> bool:
@@ -39,17 +56,36 @@ def _experts_vmap() -> bool:
   return True
 
 
-def serve(engine, requests, join_after=2):
-  """Submits (prompt ids, fields) in turn, ticking `join_after` rounds after each of the
-  first two (later ones join mid-run); returns each request's (job, {choice: update})."""
+@functools.cache
+def load(path: str):
+  return mdjax.load(os.path.join(FIXTURES, path))
+
+
+@functools.cache
+def offline(path: str, prompt: tuple, n: int, max_new_tokens: int, seed: int,
+            knobs: tuple) -> tuple:
+  """mdjax.generate of `prompt` alone, n rows: ((token ids, finish_reason) per row)."""
+  out = mdjax.generate(load(path), [list(prompt)] * n, max_new_tokens=max_new_tokens,
+                       key=jax.random.key(seed), **dict(knobs))
+  return tuple((c.token_ids.tolist(), c.finish_reason) for c in out)
+
+
+def offline_of(path: str, prompt, fields: dict) -> tuple:
+  return offline(path, tuple(prompt), fields.get("n", 1), fields["max_new_tokens"],
+                 fields["seed"], tuple(sorted(fields.get("knobs", {}).items())))
+
+
+def serve(engine, requests, join_after):
+  """Submits (prompt ids, fields) in turn, ticking `join_after` rounds after each but the
+  last (so later ones join mid-run); returns each request's (job, {choice: update})."""
   out, handles = [], []
   for index, (prompt, fields) in enumerate(requests):
-    job = engine.prepare(prompt, **fields)
+    job = engine.prepare(list(prompt), **fields)
     got = {}
     handles.append(engine.submit(job, lambda u, got=got: got.__setitem__(u.choice, u)
                                  if u.completion is not None or u.error else None))
     out.append((job, got))
-    if index < 2:
+    if index < len(requests) - 1:
       for _ in range(join_after):
         engine.run_once()
   for _ in range(400):
@@ -59,15 +95,14 @@ def serve(engine, requests, join_after=2):
   raise AssertionError("the engine did not finish its rows")
 
 
-def assert_offline(model, requests, served):
+def assert_offline(path, requests, served):
   for (prompt, fields), (job, got) in zip(requests, served):
-    want = mdjax.generate(model, [prompt] * job.n, max_new_tokens=job.max_new_tokens,
-                          key=jax.random.key(job.seed), **fields.get("knobs", {}))
+    want = offline_of(path, prompt, fields)
     for choice in range(job.n):
       update = got[choice]
       assert update.error is None, update.error
-      np.testing.assert_array_equal(update.completion.token_ids, want[choice].token_ids)
-      assert update.completion.finish_reason == want[choice].finish_reason
+      assert update.completion.token_ids.tolist() == want[choice][0]
+      assert update.completion.finish_reason == want[choice][1]
 
 
 @pytest.mark.slow
@@ -78,71 +113,69 @@ def assert_offline(model, requests, served):
         "here (a lane vmaps the network over its rows)")),
 ])
 def test_block_decoders_served_equal_generate(family):
-  """Each family's reference decoder (its default sampler: blocks with the exact cache),
-  prompts of several lengths (a prompt's partial model block held at the first block's
-  start) in one lane, two rows of one request, one request sampled at temperature 1."""
-  model = mdjax.load(os.path.join(FIXTURES, family))
-  engine = Engine(model, max_batch=2, max_queue=16, canvas_length=32)
-  hot = {"temperature": 1.0}
-  requests = [
-      ([5, 6, 7, 8, 9, 10, 11], dict(max_new_tokens=12, seed=1)),
-      ([3, 4, 5], dict(max_new_tokens=9, seed=2, n=2, knobs=hot)),
-      ([7] * 10, dict(max_new_tokens=16, seed=3, knobs=hot)),
-  ]
-  served = serve(engine, requests)
-  assert_offline(model, requests, served)
+  """Each family's reference decoder (its default sampler: blocks with the exact cache) at
+  temperature 1: prompts of two lengths (a prompt's partial model block held at the first
+  block's start; one with no whole block) in one lane, two rows of one request, a row
+  joining while another is a block ahead."""
+  model = load(family)
+  engine = Engine(model, max_batch=2, max_queue=16, canvas_length=CANVAS)
+  steps_a_block = engine.prepare([1], max_new_tokens=1, seed=0, knobs=HOT).blocks.stepper \
+      .num_steps()
+  served = serve(engine, BLOCK_REQUESTS, join_after=steps_a_block + 1)
+  assert_offline(family, BLOCK_REQUESTS, served)
   lanes = engine.lanes
-  assert all(isinstance(lane, BlockLane) for lane in lanes)
-  assert sum(lane.commits for lane in lanes) > 0  # blocks committed between steps
+  assert len(lanes) == 1 and isinstance(lanes[0], BlockLane)
+  assert lanes[0].commits > 0  # blocks committed between steps
   jobs = [job for job, _ in served]
-  assert jobs[1].lane_key == jobs[2].lane_key  # prompts of any length share a lane
+  assert jobs[0].lane_key == jobs[1].lane_key  # prompts of any length share a lane
   assert jobs[0].cache.startswith("block by block") and "exact cache" in jobs[0].cache
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_cache", ["dual", "prefix"])
 def test_llada_kv_caches_served_equal_generate(kv_cache):
-  """LLaDA with Fast-dLLM's caches and a confidence threshold: a row's full passes (its
-  cache's refreshes) run in a program over the refreshing rows alone, every other step of
-  every row is a window pass; each row equals generate."""
-  model = mdjax.load(os.path.join(FIXTURES, "pretrained", "llada"))
-  engine = Engine(model, max_batch=2, max_queue=16)
-  knobs = dict(steps=8, block_length=4, kv_cache=kv_cache, threshold=0.5)
+  """LLaDA with Fast-dLLM's caches and a confidence threshold, at temperature 1: a row's full
+  passes (its cache's refreshes) run in a program over the refreshing rows alone while the
+  others make window passes; each row equals generate."""
+  model = load(os.path.join("pretrained", "llada"))
+  engine = Engine(model, max_batch=4, max_queue=16)
+  knobs = dict(steps=8, block_length=4, kv_cache=kv_cache, threshold=0.5, temperature=1.0)
+  # One canvas length (LLaDA's absolute positions: a lane per prompt + max_tokens) and one
+  # offline program (n=2 both); 4 steps a block. The second request joins at the first's
+  # fourth step: its rows refresh while the first's make window passes, and next tick the
+  # first's rows refresh (their second block) while the second's make window passes.
   requests = [
-      ([5, 6, 7, 8, 9, 10, 11], dict(max_new_tokens=16, seed=1, knobs=knobs)),
-      ([3, 4, 5, 6, 7, 8, 9], dict(max_new_tokens=16, seed=2, n=2,
-                                   knobs=dict(knobs, temperature=1.0))),
+      ((5, 6, 7, 8, 9, 10, 11), dict(max_new_tokens=8, seed=1, n=2, knobs=knobs)),
+      ((3, 4, 5, 6, 7, 8, 9), dict(max_new_tokens=8, seed=2, n=2, knobs=knobs)),
   ]
   served = serve(engine, requests, join_after=3)
-  assert_offline(model, requests, served)
-  rows_by_lane = {}
-  for job, _ in served:
-    rows_by_lane[job.lane_key] = rows_by_lane.get(job.lane_key, 0) + job.n
-  for lane in engine.lanes:  # 4 blocks a row, a refresh at each block's first step at most
-    assert 0 < lane.full_passes <= 4 * rows_by_lane[lane.key]
-  assert served[0][0].cache == f"kv_cache='dual'"  # the prefix cache is the dual one's
+  assert_offline(os.path.join("pretrained", "llada"), requests, served)
+  [lane] = engine.lanes
+  # 2 blocks a row, a refresh at each block's first step at most.
+  assert 0 < lane.full_passes <= 2 * 4
+  assert served[0][0].cache == "kv_cache='dual'"  # the prefix cache is the dual one's
 
 
 @pytest.mark.slow
 def test_sdar_served_over_http_equals_generate():
   """A real server: concurrent requests on SDAR's reference decoder through the openai
-  client, each equal to generate; the response names its spec and its cache."""
-  model = mdjax.load(os.path.join(FIXTURES, "sdar"))
-  cases = [([5, 6, 7, 8, 9, 10, 11], 12, 1, 1), ([3, 4, 5], 8, 2, 2), ([9] * 6, 12, 3, 1)]
-  with running_server(model, model_name="sdar", canvas_length=32, max_batch=4) as server:
+  client (the engine case's requests and lane: its programs and offline answers are
+  reused), each equal to generate; the response names its spec and its cache."""
+  model = load("sdar")
+  with running_server(model, model_name="sdar", canvas_length=CANVAS, max_batch=2) as server:
     api = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
 
-    def send(case):
-      prompt, new, seed, n = case
-      return api.completions.create(model="sdar", prompt=[prompt], max_tokens=new, seed=seed,
-                                    n=n, extra_body={"temperature": 1.0})
+    def send(request):
+      prompt, fields = request
+      return api.completions.create(model="sdar", prompt=[list(prompt)],
+                                    max_tokens=fields["max_new_tokens"], seed=fields["seed"],
+                                    n=fields.get("n", 1), extra_body=fields["knobs"])
 
-    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
-      outs = list(pool.map(send, cases))
-  for (prompt, new, seed, n), out in zip(cases, outs):
-    want = mdjax.generate(model, [prompt] * n, max_new_tokens=new, key=jax.random.key(seed),
-                          temperature=1.0)
+    with concurrent.futures.ThreadPoolExecutor(len(BLOCK_REQUESTS)) as pool:
+      outs = list(pool.map(send, BLOCK_REQUESTS))
+  for (prompt, fields), out in zip(BLOCK_REQUESTS, outs):
+    want = offline_of("sdar", prompt, fields)
     assert [c.model_extra["mdjax"]["token_ids"] for c in out.choices] == [
-        w.token_ids.tolist() for w in want]
+        ids for ids, _ in want]
     extension = out.model_extra["mdjax"]
     assert "ConfidenceSpec" in extension["spec"] and "exact cache" in extension["cache"]
