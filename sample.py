@@ -26,6 +26,7 @@ import numpy as np
 
 import mdjax
 from mdjax import cli, generation, jsonl, loader, sampling, sampling_cli, tasks
+from mdjax import mesh as mesh_lib
 
 _TASK = flags.DEFINE_enum("task", "two_color", sorted(tasks.TASKS), "Task (with --oracle).")
 _ORACLE = flags.DEFINE_bool("oracle", False, "Use the task's exact denoiser (no --workdir).")
@@ -75,6 +76,13 @@ _QUANTIZE = flags.DEFINE_enum(
     "quantize", None, ["int8", "int4"], "With --workdir or --pretrained: weight-only integer "
     "weights (mdjax.load(quantize=...)): the matrices stored as int8 (int4) with float "
     "scales, dequantized where each is used; default float.")
+_DEVICES = flags.DEFINE_integer(
+    "devices", None, "With --workdir or --pretrained: the weights on a mesh of this many "
+    "devices, split as --parallel says (default: one device).")
+_PARALLEL = flags.DEFINE_enum(
+    "parallel", "fsdp", ["fsdp", "tensor", "expert"], "How --devices (default: every device) "
+    "split the weights: the FSDP rule, or a published Transformer's heads and hidden columns "
+    "(tensor) or LLaDA2's experts (expert); docs/devices.md.")
 _EOS = flags.DEFINE_bool("eos", True, "End rows at the task's EOS id (text tasks of documents).")
 _LIVE = flags.DEFINE_string(
     "live", None, "A prompt (a text, or token ids as a JSON list: --live='[10, 1, 2]'): its "
@@ -312,6 +320,7 @@ def load_model():
     raise app.UsageError(f"--task={_TASK.value} has no exact denoiser (its joint is unknown); "
                          "sample a trained model with --workdir=DIR.")
   try:
+    kwargs["mesh"] = _mesh()
     model = mdjax.load(path, **{k: v for k, v in kwargs.items() if v is not None})
     model.mask_id  # a causal LM is refused here, with its own message
   except (ValueError, OSError) as error:
@@ -322,6 +331,16 @@ def load_model():
     print(f"pretrained={_PRETRAINED.value} family={model.family} dtype={model.config.dtype}"
           f"{_quantized()}")
   return model
+
+
+def _mesh():
+  """The mesh of --devices and --parallel (None: neither given, one device)."""
+  if _DEVICES.value is None and _PARALLEL.value == "fsdp":
+    return None
+  if _DEVICES.value is not None and not 1 <= _DEVICES.value <= jax.device_count():
+    raise ValueError(f"--devices={_DEVICES.value} is invalid: it must be in [1, "
+                     f"{jax.device_count()}] (the devices).")
+  return mesh_lib.parallel_mesh(_DEVICES.value, _PARALLEL.value)
 
 
 def _quantized() -> str:

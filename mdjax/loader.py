@@ -54,7 +54,10 @@ def load(path: str, *, dtype: str | None = None, mesh=None, step: int | None = N
   """The model at `path` (module docstring) as a `Model`.
 
   dtype: a published checkpoint's ("float32", "bfloat16"; None keeps the checkpoint's).
-  mesh: the params stored sharded over it (the FSDP rule of `mdjax.mesh`). step: a
+  mesh: the params stored sharded over it: by the FSDP rule of `mdjax.mesh`, or, on a mesh
+  with 'tensor' / 'expert' axes, a published Transformer's heads, hidden columns and
+  LLaDA2's experts split over them (docs/devices.md; an ArgumentError before any weight is
+  read when they do not divide). step: a
   workdir's checkpoint step (default the newest readable). task_kwargs: an oracle task's
   parameters. noise: an oracle's noise process, by name ("absorbing", "uniform", "hybrid",
   each with the linear schedule) or as a `mdjax.noise` process value; the model is the exact
@@ -77,6 +80,9 @@ def load(path: str, *, dtype: str | None = None, mesh=None, step: int | None = N
   if wrong:
     raise ValueError(f"{wrong[0]}={given[wrong[0]]!r} does not apply to {path!r}, a {kind} "
                      f"(its arguments: {', '.join(applies) or 'none'}).")
+  if kind != "published" or gemma_params.is_checkpoint(os.fspath(path)):
+    mesh_lib.refuse_model_axes(mesh, f"{path!r}, a {kind}" if kind != "published"
+                               else f"{path!r}, a DiffusionGemma checkpoint")
   if kind == "published" and gemma_params.is_checkpoint(os.fspath(path)):
     return quantize_lib.quantize_model(gemma_params.load(path, dtype=dtype, mesh=mesh,
                                                          **kwargs), quantize)

@@ -17,6 +17,12 @@ running with an odd matrix replicated (small models on any device count), while 
 refuses one: a mesh is given to `mdjax.io.load` to fit a model that one device does not
 hold, and a whole matrix on every device is what that asked to avoid.
 
+Model parallelism (docs/devices.md). A mesh that names a 'tensor' or an 'expert' axis
+splits a published Transformer's heads and hidden columns over 'tensor' and LLaDA2's
+routed experts over 'expert', by the one table of `mdjax.models.parallel` (`model_spec`);
+its 'data' axis, when it has one, splits a batch's rows. `parallel_mesh(n, mode)` makes the
+mesh of each mode over n devices (`MODES`): "fsdp" (the rule above), "tensor", "expert".
+
 Auto axes. mdjax's models are written for the compiler to place their intermediate values
 (sharding propagation); on a mesh of Explicit axes, `jax.make_mesh`'s default, the
 embedding's gather over a split vocabulary is refused (`ShardingTypeError`). Every function
@@ -34,9 +40,14 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from mdjax import sampling
 from mdjax.denoiser import Denoiser
+from mdjax.errors import ArgumentError
+from mdjax.models import parallel, published
+from mdjax.models.parallel import EXPERT, TENSOR
 
 # The mesh axis that training splits the batch (and, with FSDP, the parameters) over.
-DATA = "data"
+DATA = parallel.DATA
+# How --devices=N splits a model (`parallel_mesh`): the mesh axis each mode puts N on.
+MODES = {"fsdp": DATA, "tensor": TENSOR, "expert": EXPERT}
 
 
 # ----------------------------------------------------------------------------
@@ -55,6 +66,19 @@ def make_mesh(num_devices: int | None = None) -> Mesh:
   """A 1-D mesh with the batch axis 'data' over every process's devices, process by process
   (`ordered_devices`: one process's devices hold one slice of the batch)."""
   return auto_axes(Mesh(np.array(ordered_devices(num_devices)), (DATA,)))
+
+
+def parallel_mesh(num_devices: int | None = None, mode: str = "fsdp") -> Mesh:
+  """The mesh of `mode` (`MODES`) over the first `num_devices` devices (default all):
+  "fsdp" is `make_mesh`'s ('data': the rows, the FSDP rule); "tensor" and "expert" put
+  them all on that axis beside a 'data' axis of 1 (every device sees every row)."""
+  if mode not in MODES:
+    raise ArgumentError.invalid("parallel", mode, f"it must be one of {', '.join(MODES)}")
+  devices = ordered_devices(num_devices)
+  if mode == "fsdp":
+    return make_mesh(len(devices))
+  return Mesh(np.array(devices).reshape(1, -1), (DATA, MODES[mode]),
+              axis_types=(AxisType.Auto,) * 2)
 
 
 def auto_axes(mesh: Mesh) -> Mesh:
@@ -98,6 +122,78 @@ def partition_spec(name: str, shape: tuple[int, ...], axis_name: str, axis_size:
   """The loader's spec of one leaf: `fsdp_spec` with strict=True (a matrix the axis cannot
   split is a ValueError naming it)."""
   return fsdp_spec(shape, axis_name, axis_size, stacked=stacked, strict=True, name=name)
+
+
+# ----------------------------------------------------------------------------
+# Tensor and expert parallelism.
+# ----------------------------------------------------------------------------
+
+
+def splits_model(mesh: Mesh | None) -> bool:
+  """Whether `mesh` names a 'tensor' or an 'expert' axis (the table, not the FSDP rule)."""
+  return mesh is not None and any(a in mesh.axis_names for a in parallel.MODEL_AXES)
+
+
+def check_model_mesh(mesh: Mesh, config) -> None:
+  """An ArgumentError (param `mesh`) unless the network of `config` splits over `mesh`'s
+  model axes: a published Transformer whose heads, widths and experts they divide."""
+  if not isinstance(config, published.PublishedConfig):
+    raise ArgumentError("mesh", f"mesh axes {tuple(mesh.axis_names)}: a {type(config).__name__}"
+                        f" network is not split over {TENSOR!r} or {EXPERT!r} (the published "
+                        f"Transformer families are: {', '.join(published.FAMILIES)}); give a "
+                        "mesh without them (the FSDP rule).")
+  parallel.check(config, dict(mesh.shape))
+
+
+def refuse_model_axes(mesh: Mesh | None, what: str) -> None:
+  """An ArgumentError when `mesh` has model axes and `what` (a kind of model) has no table."""
+  if splits_model(mesh):
+    raise ArgumentError("mesh", f"mesh axes {tuple(mesh.axis_names)}: {what} is not split over "
+                        f"{TENSOR!r} or {EXPERT!r} (only the published Transformer families: "
+                        f"{', '.join(published.FAMILIES)}); give a mesh without them (the FSDP "
+                        "rule).")
+
+
+def load_spec(mesh: Mesh, config, key: str, shape: tuple[int, ...], stacked: bool,
+              name: str) -> PartitionSpec:
+  """The loader's spec of the leaf `key`: the table's on a mesh with model axes (checked
+  with `check_model_mesh`), else the FSDP rule over the mesh's first axis (strict)."""
+  if splits_model(mesh):
+    check_model_mesh(mesh, config)
+    return parallel.leaf_spec(config, key, shape, stacked, dict(mesh.shape))
+  axis = mesh.axis_names[0]
+  return partition_spec(name, shape, axis, mesh.shape[axis], stacked)
+
+
+def model_sharding(mesh: Mesh, config, params):
+  """The NamedSharding of every leaf of a published Transformer's `params` by the table
+  (`mdjax.models.parallel`), after `check_model_mesh`."""
+  mesh = auto_axes(mesh)
+  check_model_mesh(mesh, config)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  specs = [parallel.leaf_spec(config, "/".join(str(getattr(k, "key", k)) for k in path),
+                              np.shape(x), path[0].key in parallel.STACKS,
+                              dict(mesh.shape)) for path, x in flat]
+  return jax.tree.unflatten(treedef, [NamedSharding(mesh, s) for s in specs])
+
+
+def bytes_per_device(config, mode: str, num_devices: int) -> int:
+  """The parameter bytes each device holds when a published Transformer of `config` is
+  split by `mode` over `num_devices` (from shapes: `jax.eval_shape`, no weights)."""
+  shapes = jax.eval_shape(lambda: published.init_params(config, jax.random.key(0)))
+  if mode != "fsdp":
+    parallel.check(config, {MODES[mode]: num_devices})
+  total = 0
+  for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+    key = "/".join(str(getattr(k, "key", k)) for k in path)
+    stacked = key.split("/")[0] in parallel.STACKS
+    if mode == "fsdp":
+      spec = fsdp_spec(leaf.shape, DATA, num_devices, stacked=stacked)
+    else:
+      spec = parallel.leaf_spec(config, key, leaf.shape, stacked, {MODES[mode]: num_devices})
+    parts = num_devices ** sum(axis is not None for axis in spec)
+    total += leaf.size * leaf.dtype.itemsize // parts
+  return total
 
 
 def param_sharding(mesh: Mesh, params, fsdp: bool, axis_name: str | None = None):

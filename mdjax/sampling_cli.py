@@ -294,6 +294,10 @@ def check_modes(values: Mapping[str, Any], given: Collection[str]) -> None:
   if "quantize" in given and where == "oracle":
     raise ValueError("--quantize does not apply with --oracle: a task's exact denoiser has no "
                      "weight matrices (it applies with --workdir or --pretrained).")
+  for name in ("devices", "parallel"):
+    if name in given and where == "oracle":
+      raise ValueError(f"--{name} does not apply with --oracle: a task's exact denoiser has no "
+                       "weights to split (it applies with --workdir or --pretrained).")
   if values["live"] is not None:
     for name in NOT_LIVE:
       if name in given:

@@ -41,10 +41,10 @@ def test_a_matrix_no_dimension_divides_is_replicated_in_training_refused_in_load
 
 def test_training_and_loading_share_the_rule():
   from mdjax import train
-  from mdjax.io.folder import partition_spec as loading_rule
+  from mdjax.io.folder import load_spec as loading_rule
   assert train.param_sharding is mesh_lib.param_sharding
   assert train.make_mesh is mesh_lib.make_mesh
-  assert loading_rule is mesh_lib.partition_spec
+  assert loading_rule is mesh_lib.load_spec
   params = {"embed": np.zeros((7, 16)), "scale": np.zeros(16), "head": np.zeros((16, 6))}
   mesh = mesh_lib.make_mesh(1)
   shardings = mesh_lib.param_sharding(mesh, params, fsdp=True)

@@ -53,7 +53,7 @@ FLAG_VALUES = {
     "max_new_tokens": ("2", {}), "eos": ("false", {}), "eos_penalty": ("0.5", {}),
     "eos_never": ("true", {}), "eos_rank_last": ("true", {}), "live": ("Thou", {}),
     "pretrained": ("/ckpt", {}), "chat": ("true", {}), "dtype": ("bfloat16", {}),
-    "quantize": ("int8", {}),
+    "quantize": ("int8", {}), "devices": ("1", {}), "parallel": ("tensor", {}),
     "cfg_scale": ("0.5", {}), "remasking": ("random", {}), "logits_eos_inf": ("true", {}),
     "confidence_eos_eot_inf": ("true", {}), "factor": ("1.0", {"sampler": "confidence"}),
     "alg": ("entropy", {"sampler": "dream"}), "alg_temp": ("0.5", {"sampler": "dream"}),

@@ -14,8 +14,10 @@ Sharding with a mesh (FSDP style): `mdjax.mesh`'s rule over the mesh's first axi
 training uses: every matrix (of one layer, for stacked leaves) is split along its largest
 dimension that the axis size divides, the layer axis is not split, vectors (norms, biases)
 are replicated; other mesh axes replicate everything. A matrix that no dimension divides is
-a ValueError naming the tensor, its shape and the axis size. The mesh may have Explicit axes
-(`jax.make_mesh`'s default): the parameters are placed on its Auto-axes twin.
+a ValueError naming the tensor, its shape and the axis size. A mesh with 'tensor' or
+'expert' axes splits heads, hidden columns and experts instead (`mdjax.mesh.load_spec`,
+docs/devices.md). The mesh may have Explicit axes (`jax.make_mesh`'s default): the
+parameters are placed on its Auto-axes twin.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from mdjax.io import tensors as tensors_lib
 from mdjax.io.chat_template import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE
 from mdjax.io.record import published_model
 from mdjax.lazy import Lazy
-from mdjax.mesh import auto_axes, partition_spec
+from mdjax.mesh import auto_axes, load_spec
 from mdjax.model import Model
 from mdjax.models.dit import DiTConfig
 from mdjax.models.published import DTYPES, PublishedConfig
@@ -297,8 +299,7 @@ def load(path: str, *, dtype: str | None = None, mesh: Mesh | None = None, confi
     if mesh is None:
       shardings[key] = (None, None)
     else:
-      axis = mesh.axis_names[0]
-      spec = partition_spec(name, shape, axis, mesh.shape[axis], stacked)
+      spec = load_spec(mesh, config, key, shape, stacked, name)
       layer_spec = PartitionSpec(*spec[1:]) if stacked else spec
       shardings[key] = (NamedSharding(mesh, spec), NamedSharding(mesh, layer_spec))
   tokenizer = _load_tokenizer(folder)

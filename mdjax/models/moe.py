@@ -18,21 +18,30 @@ matmul: XLA's on GPU and TPU), so the largest intermediate is [T * k, expert_hid
 [tokens, experts, hidden] tensor is formed. Everything is jit-safe (static shapes; the
 group sizes are traced) and differentiable.
 
-Sharding: the expert leaves [N, E, D, F] / [N, E, F, D] are stacked matrices, so the FSDP
-rule of `mdjax.mesh` splits each along its largest dimension that the mesh axis divides
-(the layer axis never): LLaDA2.0-mini's [20, 256, 2048, 512] splits D; under jit the
-compiler gathers a layer's expert weights where the grouped matmul needs them, as for
-every other FSDP matrix.
+Sharding: under the FSDP rule of `mdjax.mesh` the expert leaves [N, E, D, F] / [N, E, F, D]
+are split along their largest dimension that the mesh axis divides (LLaDA2.0-mini's
+[20, 256, 2048, 512] splits D) and gathered by the compiler where the grouped matmul needs
+them. On a mesh with 'expert' / 'tensor' axes (`mdjax.models.parallel`) the experts are
+split over 'expert' (E / n a device) and their hidden columns over 'tensor', and the
+grouped matmuls run in `jax.shard_map` (`_local_experts`): every device holds every token's
+sorted assignments, runs its own experts' run of rows, and one psum of the A x D outputs
+joins them. A row is computed whole on one device and the others add zeros, so with the
+experts split the sum is exact: the tokens are one device's, bit for bit (the hidden
+columns over 'tensor' sum partial products: equal to rounding).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax import custom_batching
 
-from mdjax.models import checks
+from jax.sharding import PartitionSpec
+
+from mdjax.models import checks, parallel
 
 Array = jax.Array
 
@@ -142,22 +151,104 @@ def routed(moe: MoEConfig, layer: dict, x_TxD: Array, experts_Txk: Array,
            weights_Txk: Array) -> Array:
   """The routed experts' weighted output, T x D: the T * k assignments sorted by expert,
   each expert's SwiGLU over its run of rows (`jax.lax.ragged_dot`), unsorted, combined in
-  float32."""
-  tokens, d = x_TxD.shape
+  float32. Safe under `jax.vmap` (`_over_tokens`)."""
   dtype = x_TxD.dtype
-  k = moe.experts_per_token
+  weights = tuple(layer[name].astype(dtype) for name in ("experts_gate", "experts_up",
+                                                         "experts_down"))
+  fn = functools.partial(_routed, moe.experts_per_token, moe.num_experts)
+  return _over_tokens(fn, 3)(x_TxD, experts_Txk, weights_Txk, *weights)
+
+
+def _routed(k: int, num_experts: int, x_TxD: Array, experts_Txk: Array, weights_Txk: Array,
+            *weights: Array) -> Array:
+  tokens, d = x_TxD.shape
   expert_A = experts_Txk.reshape(-1)  # A = T * k assignments, token-major
   order_A = jnp.argsort(expert_A, stable=True)
   rows_AxD = x_TxD[order_A // k]
-  sizes_E = jnp.bincount(expert_A, length=moe.num_experts).astype(jnp.int32)
-  gate_AxF = jax.lax.ragged_dot(rows_AxD, layer["experts_gate"].astype(dtype), sizes_E)
-  up_AxF = jax.lax.ragged_dot(rows_AxD, layer["experts_up"].astype(dtype), sizes_E)
-  out_AxD = jax.lax.ragged_dot(jax.nn.silu(gate_AxF) * up_AxF,
-                               layer["experts_down"].astype(dtype), sizes_E)
+  sizes_E = jnp.bincount(expert_A, length=num_experts).astype(jnp.int32)
+  mesh = parallel.mesh_of(weights[0])
+  if mesh is None:
+    out_AxD = _experts(rows_AxD, sizes_E, *weights)
+  else:
+    out_AxD = _split_experts(mesh, rows_AxD, sizes_E, weights)
   unsorted_AxD = jnp.zeros_like(out_AxD).at[order_A].set(out_AxD)
   y_TxD = jnp.einsum("tkd,tk->td", unsorted_AxD.reshape(tokens, k, d).astype(jnp.float32),
                      weights_Txk.astype(jnp.float32))
-  return y_TxD.astype(dtype)
+  return y_TxD.astype(x_TxD.dtype)
+
+
+def _over_tokens(fn, num_token_args: int):
+  """`fn(*args) -> out_TxD`, whose first `num_token_args` args have a leading token axis and
+  whose tokens are independent, made safe under `jax.vmap` and still differentiable.
+
+  jax's `ragged_dot` has no batching rule for an unbatched right-hand side, so a vmap over
+  rows (the server's lanes step each row alone) cannot pass through it. Under a vmap the
+  rows are folded into the tokens instead (`custom_vmap`): one call over every row's
+  tokens, as a batch is run; with batched weights, one call a row (`lax.map`). A
+  `custom_vmap` has no reverse-mode rule, so the gradient is `fn`'s own (`custom_vjp`).
+  """
+
+  @custom_batching.custom_vmap
+  def folded(*args):
+    return fn(*args)
+
+  @folded.def_vmap
+  def _(axis_size, in_batched, *args):
+    if any(in_batched[num_token_args:]):
+      def one(sliced):
+        it = iter(sliced)
+        return folded(*(next(it) if b else a for a, b in zip(args, in_batched)))
+      return jax.lax.map(one, [a for a, b in zip(args, in_batched) if b]), True
+    tokens = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+              for a, b in zip(args[:num_token_args], in_batched)]
+    out = folded(*(a.reshape((-1,) + a.shape[2:]) for a in tokens), *args[num_token_args:])
+    return out.reshape((axis_size, -1) + out.shape[1:]), True
+
+  @jax.custom_vjp
+  def differentiable(*args):
+    return folded(*args)
+
+  differentiable.defvjp(lambda *args: (folded(*args), args),
+                        lambda args, ct: jax.vjp(fn, *args)[1](ct))
+  return differentiable
+
+
+def _experts(rows_AxD: Array, sizes_E: Array, gate_ExDxF: Array, up_ExDxF: Array,
+             down_ExFxD: Array) -> Array:
+  """Each expert's SwiGLU over its run of the sorted rows (rows past the runs: zeros)."""
+  gate_AxF = jax.lax.ragged_dot(rows_AxD, gate_ExDxF, sizes_E)
+  up_AxF = jax.lax.ragged_dot(rows_AxD, up_ExDxF, sizes_E)
+  return jax.lax.ragged_dot(jax.nn.silu(gate_AxF) * up_AxF, down_ExFxD, sizes_E)
+
+
+def _split_experts(mesh, rows_AxD: Array, sizes_E: Array, weights: tuple) -> Array:
+  """`_experts` with the experts over the mesh's 'expert' axis and their hidden columns over
+  'tensor' (module docstring): one `shard_map`, one psum."""
+  axes = tuple(a for a in parallel.MODEL_AXES if mesh.shape.get(a, 1) > 1)
+  expert = parallel.EXPERT if parallel.EXPERT in axes else None
+  tensor = parallel.TENSOR if parallel.TENSOR in axes else None
+  in_ = PartitionSpec(expert, None, tensor)
+  out = PartitionSpec(expert, tensor, None)
+
+  def local(rows_AxD, sizes_E, gate, up, down):
+    count = gate.shape[0]  # this device's experts: [first, first + count)
+    first = (jax.lax.axis_index(expert) if expert else 0) * count
+    ends_E = jnp.cumsum(sizes_E)
+    start = jnp.where(first > 0, ends_E[jnp.maximum(first - 1, 0)], 0)
+    stop = ends_E[first + count - 1]
+    rows = rows_AxD.shape[0]
+    # Roll this device's run of rows to the front, run its experts, roll back; rows of
+    # other devices' experts are zeros here, whatever the backend leaves past the runs.
+    index_A = jnp.arange(rows)
+    out_AxD = _experts(rows_AxD[(index_A + start) % rows],
+                       jax.lax.dynamic_slice_in_dim(sizes_E, first, count), gate, up, down)
+    out_AxD = out_AxD[(index_A - start) % rows]
+    mine_A = (index_A >= start) & (index_A < stop)
+    return jax.lax.psum(jnp.where(mine_A[:, None], out_AxD, 0), axes)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(), in_, in_,
+                                                    out),
+                       out_specs=PartitionSpec())(rows_AxD, sizes_E, *weights)
 
 
 def mlp(moe: MoEConfig, layer: dict, x_BxQxD: Array) -> Array:

@@ -56,6 +56,10 @@ def _parser() -> cli.Parser:
   parser.add_argument("--devices", type=int, default=None, help="Serve on a mesh of this "
                       "many local devices (the weights sharded by the FSDP rule, a lane's "
                       "rows split over them; default: one device).")
+  parser.add_argument("--parallel", choices=("fsdp", "tensor", "expert"), default="fsdp",
+                      help="Split the weights over --devices (default: every local device) by "
+                      "the FSDP rule, or a published Transformer's heads and hidden columns "
+                      "(tensor) or LLaDA2's experts (expert) (docs/devices.md).")
   parser.add_argument("--host", default="127.0.0.1", help="Address to bind (default "
                       "127.0.0.1: this machine only).")
   parser.add_argument("--port", type=int, default=8000, help="Port (0: a free one).")
@@ -154,16 +158,16 @@ def main(argv=None) -> int:
   from mdjax.knob_registry import every_knob
   from mdjax.serve import server
 
-  flags = {"sampler", "devices", *every_knob()}
+  flags = {"sampler", "devices", "parallel", *every_knob()}
   try:
     defaults = _defaults(args)
     mesh = None
-    if args.devices is not None:
+    if args.devices is not None or args.parallel != "fsdp":
       from mdjax import mesh as mesh_lib
-      if not 1 <= args.devices <= len(jax.local_devices()):
+      if args.devices is not None and not 1 <= args.devices <= len(jax.local_devices()):
         raise ArgumentError("devices", f"devices={args.devices} is invalid: it must be in [1, "
                             f"{len(jax.local_devices())}] (the local devices).")
-      mesh = mesh_lib.make_mesh(args.devices)
+      mesh = mesh_lib.parallel_mesh(args.devices, args.parallel)
     model = mdjax.load(args.model, step=args.step, dtype=args.dtype, mesh=mesh,
                        quantize=args.quantize)
   except ValueError as error:
