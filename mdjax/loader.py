@@ -81,8 +81,9 @@ def load(path: str, *, dtype: str | None = None, mesh=None, step: int | None = N
     raise ValueError(f"{wrong[0]}={given[wrong[0]]!r} does not apply to {path!r}, a {kind} "
                      f"(its arguments: {', '.join(applies) or 'none'}).")
   if kind != "published" or gemma_params.is_checkpoint(os.fspath(path)):
-    mesh_lib.refuse_model_axes(mesh, f"{path!r}, a {kind}" if kind != "published"
-                               else f"{path!r}, a DiffusionGemma checkpoint")
+    what = {"workdir": "a train.py workdir", "oracle": "a task's exact denoiser",
+            "published": "a DiffusionGemma checkpoint"}[kind]
+    mesh_lib.refuse_model_axes(mesh, f"{path!r}, {what},")
   if kind == "published" and gemma_params.is_checkpoint(os.fspath(path)):
     return quantize_lib.quantize_model(gemma_params.load(path, dtype=dtype, mesh=mesh,
                                                          **kwargs), quantize)

@@ -96,24 +96,5 @@ def test_documented_mesh_load_then_generate_on_four_devices():
   run_on_cpu_devices(code, 4, "MESH LOAD OK")
 
 
-@pytest.mark.slow
-def test_llada2_experts_split_over_a_mesh_and_generate_the_same_tokens():
-  """The mixture of experts over 2 devices: the stacked expert matrices [layers, experts,
-  D, F] are split by the FSDP rule (not replicated), and the reference decoder gives the
-  unsharded model's tokens."""
-  llada2 = os.path.join(REPO, "tests", "fixtures", "llada2")
-  code = textwrap.dedent(f"""
-    import jax, numpy as np
-    import mdjax
-
-    mesh = jax.make_mesh((2,), ("fsdp",))
-    model = mdjax.load({llada2!r}, mesh=mesh)
-    experts = model.params["moe_layers"]["experts_gate"]
-    assert experts.sharding.num_devices == 2 and "fsdp" in experts.sharding.spec, (
-        experts.sharding)
-    run = lambda model: [c.token_ids.tolist() for c in mdjax.generate(
-        model, [[5, 6, 7], [8, 9]], max_new_tokens=8, key=jax.random.key(0))]
-    assert run(model) == run(mdjax.load({llada2!r}))
-    print("MOE MESH OK")
-  """)
-  run_on_cpu_devices(code, 2, "MOE MESH OK")
+# LLaDA2's experts split by the FSDP rule, and by the tensor and expert modes:
+# tests/test_mesh_parallel.py (one process of four devices for every mode).
