@@ -121,8 +121,8 @@ def test_every_mode_gives_the_unsharded_tokens_offline_and_served_on_four_device
   threshold), by the FSDP rule, and with the experts over 2 and their columns and the heads
   over 2 more; LLaDA and Dream with heads and columns over 4 (Dream's 2 key/value heads read
   whole): `mdjax.generate` gives the one-device tokens. With the experts alone split, the
-  logits are the one-device ones bit for bit. Served (the engine's lanes: a vmap over rows),
-  LLaDA2 on the expert mesh equals generate."""
+  logits are the one-device ones bit for bit. Served (the engine's lanes: a vmap over rows)
+  with the rows over 2 devices and the experts over 2, LLaDA2 equals generate."""
   code = textwrap.dedent(f"""
     import jax, numpy as np, mdjax
     from jax.sharding import AxisType, Mesh
@@ -160,7 +160,10 @@ def test_every_mode_gives_the_unsharded_tokens_offline_and_served_on_four_device
     one = alone[{LLADA2!r}]
     np.testing.assert_array_equal(expert.denoiser(expert.params, tokens, np.zeros(1)),
                                   one.denoiser(one.params, tokens, np.zeros(1)))
-    engine = Engine(expert, max_batch=2, canvas_length=16)
+    # Served on 2 x 2 devices: a lane's rows over 'data', the experts over 'expert'.
+    rows = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "expert"),
+                axis_types=(AxisType.Auto,) * 2)
+    engine = Engine(mdjax.load({LLADA2!r}, mesh=rows), max_batch=2, canvas_length=16)
     jobs = [engine.prepare(p, max_new_tokens=8, seed=3 + i, sampler="confidence",
                            knobs=dict(steps=4)) for i, p in enumerate(prompts)]
     got = {{}}
@@ -168,6 +171,7 @@ def test_every_mode_gives_the_unsharded_tokens_offline_and_served_on_four_device
     handles = [engine.submit(job, keep(i)) for i, job in enumerate(jobs)]
     while not all(h.done for h in handles):
       engine.run_once()
+    assert engine.lanes[0].split == 2
     for i, (prompt, job) in enumerate(zip(prompts, jobs)):
       served, = mdjax.generate(one, [prompt], max_new_tokens=8, key=jax.random.key(job.seed),
                                spec=job.spec)

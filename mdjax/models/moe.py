@@ -23,9 +23,9 @@ are split along their largest dimension that the mesh axis divides (LLaDA2.0-min
 [20, 256, 2048, 512] splits D) and gathered by the compiler where the grouped matmul needs
 them. On a mesh with 'expert' / 'tensor' axes (`mdjax.models.parallel`) the experts are
 split over 'expert' (E / n a device) and their hidden columns over 'tensor', and the
-grouped matmuls run in `jax.shard_map` (`_local_experts`): every device holds every token's
-sorted assignments, runs its own experts' run of rows, and one psum of the A x D outputs
-joins them. A row is computed whole on one device and the others add zeros, so with the
+dispatch runs in `jax.shard_map` (`_routed_on`): every device sorts its tokens' assignments
+(all the tokens, or its share of them along 'data'), runs its own experts' run of rows, and
+one psum of the A x D outputs over the model axes joins them. A row is computed whole on one device and the others add zeros, so with the
 experts split the sum is exact: the tokens are one device's, bit for bit (the hidden
 columns over 'tensor' sum partial products: equal to rounding).
 """
@@ -161,16 +161,52 @@ def routed(moe: MoEConfig, layer: dict, x_TxD: Array, experts_Txk: Array,
 
 def _routed(k: int, num_experts: int, x_TxD: Array, experts_Txk: Array, weights_Txk: Array,
             *weights: Array) -> Array:
+  """`routed` on one device, or on the mesh the expert weights are on (`_routed_on` in a
+  `shard_map`: the tokens over 'data' where it divides them, the experts over 'expert',
+  their hidden columns over 'tensor')."""
+  mesh = parallel.mesh_of(weights[0])
+  if mesh is None:
+    return _routed_on(k, num_experts, (), x_TxD, experts_Txk, weights_Txk, *weights)
+  split = lambda axis: axis if mesh.shape.get(axis, 1) > 1 else None
+  expert, tensor, data = split(parallel.EXPERT), split(parallel.TENSOR), split(parallel.DATA)
+  if data and x_TxD.shape[0] % mesh.shape[data]:
+    data = None
+  tokens, in_, out = (PartitionSpec(data), PartitionSpec(expert, None, tensor),
+                      PartitionSpec(expert, tensor, None))
+  fn = functools.partial(_routed_on, k, num_experts, tuple(a for a in (expert, tensor) if a))
+  return jax.shard_map(fn, mesh=mesh, in_specs=(tokens, tokens, tokens, in_, in_, out),
+                       out_specs=tokens)(x_TxD, experts_Txk, weights_Txk, *weights)
+
+
+def _routed_on(k: int, num_experts: int, axes: tuple[str, ...], x_TxD: Array,
+               experts_Txk: Array, weights_Txk: Array, gate_ExDxF: Array, up_ExDxF: Array,
+               down_ExFxD: Array) -> Array:
+  """The tokens' assignments sorted by expert, the experts held here (all of them, or this
+  device's run along the 'expert' axis) over their runs of rows, a psum over `axes` (the
+  mesh axes the experts and their columns are split over; none on one device), unsorted
+  and combined in float32."""
   tokens, d = x_TxD.shape
   expert_A = experts_Txk.reshape(-1)  # A = T * k assignments, token-major
   order_A = jnp.argsort(expert_A, stable=True)
   rows_AxD = x_TxD[order_A // k]
   sizes_E = jnp.bincount(expert_A, length=num_experts).astype(jnp.int32)
-  mesh = parallel.mesh_of(weights[0])
-  if mesh is None:
-    out_AxD = _experts(rows_AxD, sizes_E, *weights)
+  count = gate_ExDxF.shape[0]  # the experts held here: [first, first + count)
+  if count == num_experts:
+    out_AxD = _experts(rows_AxD, sizes_E, gate_ExDxF, up_ExDxF, down_ExFxD)
   else:
-    out_AxD = _split_experts(mesh, rows_AxD, sizes_E, weights)
+    first = jax.lax.axis_index(parallel.EXPERT) * count
+    ends_E = jnp.cumsum(sizes_E)
+    start = jnp.where(first > 0, ends_E[jnp.maximum(first - 1, 0)], 0)
+    # Roll this device's run of rows to the front, run its experts, roll back; rows of
+    # other devices' experts are zeros here, whatever the backend leaves past the runs.
+    index_A = jnp.arange(rows_AxD.shape[0])
+    out_AxD = _experts(rows_AxD[(index_A + start) % rows_AxD.shape[0]],
+                       jax.lax.dynamic_slice_in_dim(sizes_E, first, count), gate_ExDxF,
+                       up_ExDxF, down_ExFxD)[(index_A - start) % rows_AxD.shape[0]]
+    mine_A = (index_A >= start) & (index_A < ends_E[first + count - 1])
+    out_AxD = jnp.where(mine_A[:, None], out_AxD, 0)
+  if axes:
+    out_AxD = jax.lax.psum(out_AxD, axes)
   unsorted_AxD = jnp.zeros_like(out_AxD).at[order_A].set(out_AxD)
   y_TxD = jnp.einsum("tkd,tk->td", unsorted_AxD.reshape(tokens, k, d).astype(jnp.float32),
                      weights_Txk.astype(jnp.float32))
@@ -219,36 +255,6 @@ def _experts(rows_AxD: Array, sizes_E: Array, gate_ExDxF: Array, up_ExDxF: Array
   gate_AxF = jax.lax.ragged_dot(rows_AxD, gate_ExDxF, sizes_E)
   up_AxF = jax.lax.ragged_dot(rows_AxD, up_ExDxF, sizes_E)
   return jax.lax.ragged_dot(jax.nn.silu(gate_AxF) * up_AxF, down_ExFxD, sizes_E)
-
-
-def _split_experts(mesh, rows_AxD: Array, sizes_E: Array, weights: tuple) -> Array:
-  """`_experts` with the experts over the mesh's 'expert' axis and their hidden columns over
-  'tensor' (module docstring): one `shard_map`, one psum."""
-  axes = tuple(a for a in parallel.MODEL_AXES if mesh.shape.get(a, 1) > 1)
-  expert = parallel.EXPERT if parallel.EXPERT in axes else None
-  tensor = parallel.TENSOR if parallel.TENSOR in axes else None
-  in_ = PartitionSpec(expert, None, tensor)
-  out = PartitionSpec(expert, tensor, None)
-
-  def local(rows_AxD, sizes_E, gate, up, down):
-    count = gate.shape[0]  # this device's experts: [first, first + count)
-    first = (jax.lax.axis_index(expert) if expert else 0) * count
-    ends_E = jnp.cumsum(sizes_E)
-    start = jnp.where(first > 0, ends_E[jnp.maximum(first - 1, 0)], 0)
-    stop = ends_E[first + count - 1]
-    rows = rows_AxD.shape[0]
-    # Roll this device's run of rows to the front, run its experts, roll back; rows of
-    # other devices' experts are zeros here, whatever the backend leaves past the runs.
-    index_A = jnp.arange(rows)
-    out_AxD = _experts(rows_AxD[(index_A + start) % rows],
-                       jax.lax.dynamic_slice_in_dim(sizes_E, first, count), gate, up, down)
-    out_AxD = out_AxD[(index_A - start) % rows]
-    mine_A = (index_A >= start) & (index_A < stop)
-    return jax.lax.psum(jnp.where(mine_A[:, None], out_AxD, 0), axes)
-
-  return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(), in_, in_,
-                                                    out),
-                       out_specs=PartitionSpec())(rows_AxD, sizes_E, *weights)
 
 
 def mlp(moe: MoEConfig, layer: dict, x_BxQxD: Array) -> Array:
