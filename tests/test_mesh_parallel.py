@@ -6,10 +6,9 @@ import json
 import os
 import textwrap
 
-import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 import mdjax
 from mdjax import formats, mesh as mesh_lib
