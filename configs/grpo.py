@@ -24,7 +24,7 @@ from configs.base import base_config
 def get_config():
   c = base_config()
   c.task = "sudoku4"
-  c.objective = "grpo"  # or "wd1", "spg"
+  c.objective = "grpo"  # or "wd1", "spg", "mdpo", "rft" (SFT on the successful rollouts)
   c.batch_size = 64  # completions per step: 8 puzzles x num_generations
   c.log_every = 1
   c.num_eval_samples = 0
@@ -36,7 +36,7 @@ def get_config():
       num_iterations=4,  # inner updates per rollout batch (d1: 12 on LLaDA-8B)
       epsilon=0.5,  # d1's train.yaml
       beta=0.04,
-      kl_estimator="k3",  # d1's; "k2": its gradient is KL(policy || ref)'s (post_training.md)
+      kl_estimator="k3",  # d1's; "k2": its gradient is KL(policy || ref)'s (docs/rl.md)
       p_mask_prompt=0.15,
       cfg_scale=0.0,
       estimator="one_step",  # or "elbo", "trajectory", "coupled" (DiffuCoder's mask pairs)
@@ -57,6 +57,21 @@ def get_config():
       max_prompt_length=200,  # text prompts only, as the two below
       max_completion_length=256,
       chat=True,
+      # d1's reference sync (TRL's defaults; d1's train.yaml: True, 64 updates): every
+      # ref_model_sync_steps updates, ref <- alpha policy + (1 - alpha) ref (grpo, beta > 0).
+      sync_ref_model=False,
+      ref_model_sync_steps=512,
+      ref_model_mixup_alpha=0.6,
+      # IGPO: a group whose rollouts all fail is drawn again with part of the true completion
+      # fixed; correct hinted rollouts replace up to igpo_max_replacements of its rows.
+      igpo=False,
+      igpo_max_replacements=4,
+      igpo_ratio_low=0.2,  # a hinted row shows r of the truth, r ~ U[low, high]
+      igpo_ratio_high=0.6,
+      igpo_entropy_keep=0.2,  # of the hinted tokens, the most uncertain fraction stays in the loss
+      # objective 'mdpo': sampler steps trained per batch (None: MDPO's 16, at most sampler.steps)
+      mdpo_train_steps=config_dict.placeholder(int),
+      rft_min_reward=1.0,  # objective 'rft': rows with at least this reward are its successes
   )
   # d1's rollouts: LLaDA's low-confidence decoding (the drawn token's probability, LLaDA's
   # even counts), at temperature 1 here; 4 steps for the 16 cells.

@@ -10,7 +10,7 @@ the start (the data's marginals, 1/2 each) is valid half the time; the best poli
 both positions on one color (valid 1.0). diffu-GRPO's one-step log-probabilities are the
 exact log-probabilities of this sampler. The KL penalty is k2 at d1's beta: with d1's k3,
 whose gradient is KL(ref || policy)'s, the policy stops at valid = 1 - beta G / (G - 1)
-(0.954 here; docs/post_training.md).
+(0.954 here; docs/rl.md).
 """
 
 import ml_collections

@@ -4,7 +4,7 @@
   python train.py --config=configs/grpo.py --workdir=/tmp/sudoku_grpo \\
       --config.train.init_from=/tmp/sudoku4
 
-The start of experiments/rl.py (docs/post_training.md), field for field: an 83k-parameter
+The start of experiments/rl.py (docs/rl.md), field for field: an 83k-parameter
 Transformer trained by the NELBO for 600 steps on puzzles whose cells are each given with
 probability 0.7, sampled as d1 samples (low-confidence decoding, the drawn token's
 probability, 4 cells a step, temperature 1), as configs/grpo.py's rollouts are. Given the

@@ -8,19 +8,20 @@
 `per_token_logps_fn` / `elbo_logps_fn` are the functional forms a trainer jits (params an
 argument); `grpo_loss` is d1's diffu-GRPO, `wd1_loss` wd1's weighted likelihood;
 `mdjax.rl.rewards` is the registry of reward functions (text -> float); `mdjax.rl.spg`
-SPG's sandwiched bounds and loss. Importing `mdjax.rl` registers the training objectives
-'grpo', 'wd1' and 'spg' (`mdjax.rl.trainer`: `train.py
---config=configs/grpo.py`).
+SPG's sandwiched bounds and loss, `mdjax.rl.igpo` IGPO's hints, `mdjax.rl.mdpo` MDPO's step
+advantages and loss, `mdjax.rl.ref_sync` d1's reference sync. Importing `mdjax.rl`
+registers the training objectives 'grpo', 'wd1', 'spg', 'mdpo' and 'rft'
+(`mdjax.rl.trainer`: `train.py --config=configs/grpo.py`).
 """
 
-from mdjax.rl import prompts, rewards, spg
+from mdjax.rl import igpo, mdpo, prompts, ref_sync, rewards, spg
 from mdjax.rl.logps import (complementary_masks, coupled_logps_fn, elbo_logps_fn,
                              per_token_logps, per_token_logps_fn, trajectory_logps_fn)
-from mdjax.rl.losses import completion_mask, group_advantages, grpo_loss, wd1_loss
+from mdjax.rl.losses import completion_mask, group_advantages, grpo_loss, rft_loss, wd1_loss
 from mdjax.rl.rewards import RewardError
-from mdjax.rl import trainer  # registers the objectives 'grpo', 'wd1' and 'spg'
+from mdjax.rl import trainer  # registers the objectives
 
 __all__ = ["RewardError", "complementary_masks", "completion_mask", "coupled_logps_fn",
-           "elbo_logps_fn", "group_advantages", "grpo_loss",
-           "per_token_logps", "per_token_logps_fn", "prompts", "rewards", "spg", "trainer",
-           "trajectory_logps_fn", "wd1_loss"]
+           "elbo_logps_fn", "group_advantages", "grpo_loss", "igpo", "mdpo",
+           "per_token_logps", "per_token_logps_fn", "prompts", "ref_sync", "rewards", "rft_loss",
+           "spg", "trainer", "trajectory_logps_fn", "wd1_loss"]

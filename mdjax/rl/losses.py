@@ -102,7 +102,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, completion_mask, *, epsil
   first inner iteration). tests/rl/test_losses.py checks both by enumeration. With k3 a
   mode-seeking optimum is out of reach: on prompt-less two_color at one step the policy
   stops where validity = 1 - beta G / (G - 1) (0.954 at d1's beta 0.04, G 8); with k2 it
-  goes to 1 (docs/post_training.md).
+  goes to 1 (docs/rl.md).
 
   metrics: clip_ratio, d1's (TRL's of its time) definition, the masked fraction of tokens
   where ratio A < clip(ratio) A (the unclipped term is the smaller one, so the minimum is
@@ -179,3 +179,22 @@ def wd1_loss(logps, advantages, completion_mask, *, group_size: int, negative: b
     n_is_weights_NxG = jax.nn.softmax(-advantages_NxG, axis=1)
     loss = loss + (seq_logp_NxG * n_is_weights_NxG).sum()
   return loss, {"logp": seq_logp_NxG.mean(), "weight_max": is_weights_NxG.max()}
+
+
+def rft_loss(logps, completion_mask, success_B, *, length_B=None
+             ) -> tuple[Array, dict[str, Array]]:
+  """Rejection-sampling fine-tuning: the negative log-likelihood of the successful rollouts
+  only (SFT on the correct completions), per completion token, and its metrics.
+
+  logps [B, C] (or [B, 1], a whole completion's, with completion_mask [B, 1] of ones);
+  success_B: 1 for a row kept, 0 otherwise; length_B: each row's completion tokens (default
+  the mask's sum), the normaliser: loss = -sum_b s_b sum_c mask logps / sum_b s_b length_b
+  (0 when no row succeeded). metrics: kept_fraction."""
+  logps = jnp.asarray(logps, jnp.float32)
+  completion_mask = jnp.asarray(completion_mask, jnp.float32)
+  success_B = jnp.asarray(success_B, jnp.float32)
+  _check_shapes(logps, completion_mask, rewards=success_B)
+  length_B = completion_mask.sum(-1) if length_B is None else jnp.asarray(length_B, jnp.float32)
+  seq_logp_B = (logps * completion_mask).sum(-1)
+  tokens = jnp.maximum((success_B * length_B).sum(), 1.0)
+  return -(success_B * seq_logp_B).sum() / tokens, {"kept_fraction": success_B.mean()}

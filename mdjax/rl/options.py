@@ -9,8 +9,10 @@ import math
 import ml_collections
 import numpy as np
 
+from mdjax.rl import igpo as igpo_lib
 from mdjax.rl import logps as logps_lib
 from mdjax.rl import losses
+from mdjax.rl import mdpo as mdpo_lib
 from mdjax.rl import rewards as rewards_lib
 from mdjax.rl import spg as spg_lib
 from mdjax.train import sft
@@ -46,6 +48,20 @@ DEFAULTS = dict(
     max_prompt_length=200,  # text prompts: left padded (or cut from the left) to this
     max_completion_length=256,  # text prompts: the completion's length
     chat=True,  # text prompts: through the model's chat template
+    # d1's reference-model sync (TRL's SyncRefModelCallback; TRL's defaults, d1's train.yaml
+    # sets True and 64): every `ref_model_sync_steps` updates ref <- a policy + (1 - a) ref.
+    sync_ref_model=False,
+    ref_model_sync_steps=512,
+    ref_model_mixup_alpha=0.6,
+    # IGPO (`mdjax.rl.igpo`; run_igpo.sh's values): hints for groups whose rollouts all fail.
+    igpo=False,
+    **igpo_lib.DEFAULTS,
+    # objective 'mdpo' (`mdjax.rl.mdpo`): the sampler steps trained per rollout batch (None:
+    # MDPO's 16, at most sampler.steps).
+    mdpo_train_steps=None,
+    # objective 'rft' (rejection-sampling fine-tuning): the rows whose reward is at least
+    # this are the successes it fine-tunes on (1.0: an exact check's pass).
+    rft_min_reward=1.0,
 )
 
 
@@ -127,7 +143,53 @@ def rl_options(config) -> dict:
     refuse(*problem)
   block = config.get("sampler", {}).get("block_length")
   opts["sampler_block_length"] = block if integer(block) else None  # spg's default blocks
-  for name in ("scale_by_std", "chat"):
+  for name in ("scale_by_std", "chat", "sync_ref_model"):
     if not isinstance(opts[name], bool):
       refuse(name, "must be True or False")
+  _check_after_d1(config, opts, refuse, integer, number, task_check)
   return opts
+
+
+def _check_after_d1(config, opts, refuse, integer, number, task_check) -> None:
+  """The reference sync's, IGPO's, MDPO's and RFT's fields (`rl_options`)."""
+  objective = config.get("objective")
+  if not integer(opts["ref_model_sync_steps"]) or opts["ref_model_sync_steps"] < 1:
+    refuse("ref_model_sync_steps", "must be an integer >= 1 (optimizer updates between syncs)")
+  if not number(opts["ref_model_mixup_alpha"]) or not 0 <= opts["ref_model_mixup_alpha"] <= 1:
+    refuse("ref_model_mixup_alpha", "must be a number in [0, 1]")
+  if opts["sync_ref_model"]:
+    if objective != "grpo" or opts["beta"] == 0:
+      refuse("sync_ref_model", f"there is no reference to sync: objective {objective!r} with "
+             f"rl.beta={opts['beta']!r} reads none (grpo with beta > 0 does; TRL skips the "
+             "sync then)")
+    if config.get("train", {}).get("lora", {}).get("rank", 0):
+      refuse("sync_ref_model", "with LoRA (train.lora.rank > 0) the reference is the base with "
+             "the adapters off, which stays the start (TRL skips the sync under PEFT too)")
+  problem = igpo_lib.option_problem(opts)
+  if problem:
+    refuse(*problem)
+  if opts["igpo"]:
+    if objective != "grpo":
+      refuse("igpo", f"IGPO's hints feed diffu-GRPO's loss: objective {objective!r} must be "
+             "'grpo'")
+    if opts["estimator"] == "elbo":
+      refuse("igpo", "IGPO filters the hinted tokens of the loss: rl.estimator='elbo' has one "
+             "log-probability per row; use one_step, coupled or trajectory")
+    if config.get("task") == "sft" or opts["prompts"] is not None or task_check is None:
+      refuse("igpo", f"the hints are an id task's own completions, its exact check the judge: "
+             f"task {config.get('task')!r} has none")
+  temperature = config.get("sampler", {}).get("temperature")
+  # Every sampler spec has the knob (`SamplerSpec.temperature`), 1.0 unless set.
+  opts["sampler_temperature"] = 1.0 if temperature is None else temperature
+  if objective == "mdpo":
+    problem = mdpo_lib.option_problem(opts)
+    if problem:
+      refuse(*problem)
+    temperature = opts["sampler_temperature"]
+    if not (number(temperature) and temperature > 0):
+      raise ConfigError(f"config field sampler.temperature={temperature!r}: objective 'mdpo' "
+                        "divides the logits by the sampling temperature; it must be > 0.")
+    if opts["mdpo_train_steps"] is None:
+      opts["mdpo_train_steps"] = min(mdpo_lib.TRAIN_STEPS, opts["sampler_steps"])
+  if not number(opts["rft_min_reward"]):
+    refuse("rft_min_reward", "must be a finite number")

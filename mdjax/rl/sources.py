@@ -18,12 +18,14 @@ from mdjax.train.config_checks import ConfigError
 @dataclasses.dataclass(frozen=True)
 class Prompts:
   """A step's prompts: their ids (P x Lp, left padded), valid flags (None: no padding), the
-  texts the rewards read and the answers they check."""
+  texts the rewards read and the answers they check; an id task's also the completions of
+  the draws they came from (P x C: a true completion of each, IGPO's hints)."""
 
   ids_PxLp: np.ndarray
   valid_PxLp: np.ndarray | None
   texts: list
   targets: list
+  truths_PxC: np.ndarray | None = None
 
 
 def _scan_and_add_prompt(params) -> int:
@@ -71,7 +73,8 @@ class IdTaskSource:
     else:
       targets = [self.task.params] * count
     return Prompts(ids_PxLp=prompt_ids, valid_PxLp=None,
-                   texts=[self.task.decode(row) for row in prompt_ids], targets=targets)
+                   texts=[self.task.decode(row) for row in prompt_ids], targets=targets,
+                   truths_PxC=rows[:, self.prompt_length:])
 
   def completion_texts(self, ids_BxL: np.ndarray, completion_mask_BxC) -> list[str]:
     del completion_mask_BxC

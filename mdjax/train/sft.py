@@ -363,7 +363,7 @@ objectives.register(dataclasses.replace(objectives.get("nelbo"), start_model=sta
 # The RL objectives (`mdjax.rl`, which registers them whole on import): their models are start
 # points, so a workdir of theirs loads (`mdjax.load`) without the RL code; their loop is
 # mdjax.rl's.
-RL_OBJECTIVES = ("grpo", "wd1", "spg")
+RL_OBJECTIVES = ("grpo", "wd1", "spg", "rft", "mdpo")
 
 
 def _needs_rl(config, *args, **kwargs):

@@ -278,7 +278,7 @@ def _train_py(*flags):
 
 
 # A value of each rl field other than its default, as a command line gives it.
-RL_FLAGS = {"num_generations": "4", "num_iterations": "2", "epsilon": "0.2", "beta": "0.0",
+RL_FLAGS = {"num_generations": "4", "num_iterations": "2", "epsilon": "0.2", "beta": "0.01",
             "kl_estimator": "k2",
             "p_mask_prompt": "0.5", "cfg_scale": "0.5", "estimator": "elbo", "elbo_samples": "2",
             "coupled_t_min": "0.3", "coupled_t_max": "0.7", "spg_negative": "eubo",
@@ -286,7 +286,13 @@ RL_FLAGS = {"num_generations": "4", "num_iterations": "2", "epsilon": "0.2", "be
             "spg_block_length": "4",
             "scale_by_std": "True", "rewards": "sudoku,sudoku4_solved",
             "reward_weights": "1.0,0.5", "prompts": "prompts.jsonl", "max_prompt_length": "40",
-            "max_completion_length": "8", "chat": "False"}
+            "max_completion_length": "8", "chat": "False",
+            "sync_ref_model": "True", "ref_model_sync_steps": "64", "ref_model_mixup_alpha": "0.5",
+            # igpo=True needs an id task's own prompts (rl.prompts is set here) and a per-token
+            # estimator: its flag is given its default (tests/rl/test_igpo_mdpo_sync.py sets it).
+            "igpo": "False", "igpo_max_replacements": "2", "igpo_ratio_low": "0.1",
+            "igpo_ratio_high": "0.5", "igpo_entropy_keep": "0.3", "mdpo_train_steps": "2",
+            "rft_min_reward": "0.5"}
 
 
 def test_every_rl_field_is_set_by_train_py_flags(tmp_path):
@@ -310,7 +316,7 @@ def test_rl_flags_reach_the_checks_as_values(tmp_path):
 
 
 def test_the_sudoku4_config_makes_a_start_grpo_fine_tunes(tmp_path):
-  """configs/sudoku4.py (docs/post_training.md's start), shrunk by fields as flags would:
+  """configs/sudoku4.py (docs/rl.md's start), shrunk by fields as flags would:
   it trains, and configs/grpo.py runs a step from it with two weighted rewards."""
   from configs import sudoku4 as sudoku4_config
   c = sudoku4_config.get_config()
@@ -325,3 +331,59 @@ def test_the_sudoku4_config_makes_a_start_grpo_fine_tunes(tmp_path):
   train.train(rl, str(tmp_path / "grpo"), log=_quiet)
   (row,) = _rows(str(tmp_path / "grpo"))
   assert np.isfinite(row["loss"]) and {"reward_sudoku", "reward_sudoku4_solved"} <= set(row)
+
+
+# ----------------------------------------------------------------------------
+# After d1: the reference sync, RFT, MDPO and IGPO inside the loop (their pieces:
+# tests/rl/test_igpo_mdpo_sync.py).
+# ----------------------------------------------------------------------------
+
+
+def test_the_reference_sync_is_the_policy_at_alpha_one_and_resumes_from_the_checkpoint(
+    start, tmp_path):
+  """rl.sync_ref_model with one inner update a step: at alpha 1 and a sync after every update
+  the reference is the policy that drew the step, so d1's KL is 0 (within float error of two
+  programs: < 1e-6) where the unsynced reference (alpha 0, the start) gives > 1e-4 by step 2
+  (lr 3e-2). At alpha 0.5 a run stopped after step 1 and resumed ends where an uninterrupted
+  one does, bit for bit: the synced reference is in the checkpoint (re-initialised from the
+  restored policy, it would differ)."""
+  def config(steps, alpha):
+    return _config(start, steps=steps, num_iterations=1, sync_ref_model=True,
+                   ref_model_sync_steps=1, ref_model_mixup_alpha=alpha)
+
+  train.train(config(2, 1.0), str(tmp_path / "a1"), log=_quiet)
+  assert all(row["kl"] < 1e-6 for row in _rows(str(tmp_path / "a1")))
+  train.train(config(2, 0.0), str(tmp_path / "a0"), log=_quiet)
+  assert _rows(str(tmp_path / "a0"))[1]["kl"] > 1e-4
+  whole = train.train(config(2, 0.5), str(tmp_path / "whole"), log=_quiet)
+  resumed = str(tmp_path / "resumed")
+  train.train(config(1, 0.5), resumed, log=_quiet)
+  again = train.train(config(2, 0.5), resumed, log=_quiet)
+  assert _rows(resumed)[1]["kl"] == _rows(str(tmp_path / "whole"))[1]["kl"]
+  for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(again.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # The checkpoint holds the optimizer's own state (the reference beside it): it loads.
+  assert mdjax.load(resumed, log=_quiet).step == 2
+  assert sorted(os.listdir(os.path.join(resumed, "ref_sync"))) == ["1.npz", "2.npz"]
+
+
+def test_rft_mdpo_and_igpo_run_a_step(start, tmp_path):
+  """objective 'rft' keeps the rows at or above rl.rft_min_reward (none at 2.0: no loss, no
+  gradient); 'mdpo' scores each of the 2 sampler steps; rl.igpo on an untrained model whose
+  rollouts all fail the exact check draws the batch again with hints (2 B rollouts)."""
+  c = _config(start, steps=1, rft_min_reward=2.0)
+  c.objective = "rft"
+  train.train(c, str(tmp_path / "rft"), log=_quiet)
+  (row,) = _rows(str(tmp_path / "rft"))
+  assert row["kept_fraction"] == 0 and row["loss"] == 0 and row["grad_norm"] == 0
+  c = _config(start, steps=1)
+  c.objective = "mdpo"
+  train.train(c, str(tmp_path / "mdpo"), log=_quiet)
+  (row,) = _rows(str(tmp_path / "mdpo"))
+  assert np.isfinite(row["loss"]) and 0 <= row["mdpo_backslide"] <= 1
+  train.train(_config(start, steps=1, igpo=True, rewards=["sudoku4_solved"]),
+              str(tmp_path / "igpo"), log=_quiet)
+  (row,) = _rows(str(tmp_path / "igpo"))
+  assert row["igpo_failed_groups"] == 1.0 and row["rollouts"] == 8
+  for name in ("rft", "mdpo", "igpo"):
+    assert mdjax.load(str(tmp_path / name), log=_quiet).step == 1
