@@ -11,6 +11,9 @@ done for it (docs/security.md, "The server").
 - the knobs that count canvas positions (`POSITION_KNOBS`: `block_length`, `window`, ...)
   are at most the positions a row holds: past them they mean nothing;
 - `score_groups` (a denoiser pass a group, at every step) is at most `MAX_SCORE_GROUPS`;
+- the knobs that are a period in steps (`PERIOD_KNOBS`: `refresh_every`) are at most
+  `max_steps`: a longer period than a request runs means the same;
+- every integer knob (those of `FREE_KNOBS` too) is at most `MAX_KNOB_INT`;
 - the knobs the model sizes (`MODEL_KNOBS`: `condition_width`, an allocation of its width at
   every canvas position) are refused in a request: the model's own sampler sets them;
 - a text prompt, or a chat's messages (their contents together), has at most `room` times
@@ -45,6 +48,9 @@ UNKNOWN_TOKEN_BYTES = 256
 # (the body, messages, a message, its content parts, a part); Python's parser and pydantic
 # recurse, and near 1,000 levels they fail with a RecursionError.
 MAX_JSON_DEPTH = 64
+# Any integer knob: no count of steps, positions or tokens reaches int32's range, and numpy
+# (a plan's int64 arrays) cannot hold one past 2**63 (refresh_every=10**30 was a 500).
+MAX_KNOB_INT = 2**31 - 1
 
 STEP_KNOBS = {  # each sizes the plan and the denoiser passes of a request
     "steps": "denoiser steps",
@@ -58,14 +64,15 @@ POSITION_KNOBS = {  # a count of canvas positions: past the canvas it means noth
     "num_to_transfer", "reference_length",
 }
 GROUP_KNOBS = {"score_groups"}
+PERIOD_KNOBS = {  # a period in steps: past the steps a request may run it means nothing more
+    "refresh_every": "kv_cache's steps between full passes",
+}
 MODEL_KNOBS = {  # sized by the model, not by a request: refused as request fields
     "condition_width": "the width of the denoiser's self-conditioning input (its "
                        "encode_condition); the model's own sampler sets it",
 }
 FREE_KNOBS = {  # integer knobs without a server bound, and why
     "top_k": "past the vocabulary it keeps every value: nothing grows with it",
-    "refresh_every": "a period (with kv_cache, which the server refuses): larger means fewer "
-                     "passes",
 }
 
 
@@ -76,6 +83,9 @@ def check_knobs(knobs: dict, *, max_steps: int, room: int) -> None:
       raise ArgumentError.invalid(name, value, f"it is not a request's: {MODEL_KNOBS[name]}")
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
       continue  # a knob of another type, or None: the spec checks it
+    if abs(value) > MAX_KNOB_INT:
+      raise ArgumentError.invalid(name, value, f"it must be at most {MAX_KNOB_INT} in size "
+                                  "on this server")
     if name in STEP_KNOBS and value > max_steps:
       raise ArgumentError.invalid(name, value, f"it must be at most {max_steps}, this "
                                   f"server's max_steps ({STEP_KNOBS[name]}: each is a "
@@ -83,6 +93,10 @@ def check_knobs(knobs: dict, *, max_steps: int, room: int) -> None:
     if name in POSITION_KNOBS and value > room:
       raise ArgumentError.invalid(name, value, f"it must be at most {room}, the positions "
                                   "the server's canvas holds")
+    if name in PERIOD_KNOBS and value > max_steps:
+      raise ArgumentError.invalid(name, value, f"it must be at most {max_steps}, this "
+                                  f"server's max_steps ({PERIOD_KNOBS[name]}: a longer "
+                                  "period than a request runs means the same)")
     if name in GROUP_KNOBS and value > MAX_SCORE_GROUPS:
       raise ArgumentError.invalid(name, value, f"it must be at most {MAX_SCORE_GROUPS} on "
                                   "this server (each group is a denoiser pass at every step)")

@@ -15,7 +15,7 @@ from mdjax.serve.engine import Engine
 
 def test_every_integer_knob_is_bounded_or_says_why_not():
   tables = [set(limits.STEP_KNOBS), limits.POSITION_KNOBS, limits.GROUP_KNOBS,
-            set(limits.FREE_KNOBS), set(limits.MODEL_KNOBS)]
+            set(limits.PERIOD_KNOBS), set(limits.FREE_KNOBS), set(limits.MODEL_KNOBS)]
   ints = {name for name, knob in every_knob().items() if knob.kind is int}
   classified = set().union(*tables)
   assert ints == classified, (ints - classified, classified - ints)
@@ -45,6 +45,12 @@ def test_the_default_max_steps_is_four_a_position(engine, dream_model):
     ({"max_post_steps": 385}, "max_post_steps", "384"),
     ({"reference_length": 97}, "reference_length", "96"),
     ({"condition_width": 10**9}, "condition_width", "not a request's"),
+    # A period past int64 was an OverflowError in the KV plan (a 500); past the steps a
+    # request runs it means nothing more. Every integer knob stays within int32.
+    ({"refresh_every": 10**30}, "refresh_every", "2147483647"),
+    ({"refresh_every": 385}, "refresh_every", "384"),
+    ({"top_k": 2**31}, "top_k", "2147483647"),
+    ({"top_k": -10**30}, "top_k", "2147483647"),
 ])
 def test_a_knob_past_its_bound_is_refused_before_the_prompt_is_encoded(engine, knobs, param,
                                                                         bound):
