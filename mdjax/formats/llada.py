@@ -13,6 +13,7 @@ import jax
 
 from mdjax import sampling
 from mdjax.denoiser import Denoiser
+from mdjax.errors import ArgumentError
 from mdjax.formats.base import (TORCH_DTYPES, Format, Leaf, build_published_config,
                                 check_choice, check_flag, check_int, check_number,
                                 check_prompt_ids, config_head_dim, config_token_id,
@@ -65,9 +66,9 @@ def plan(model, *, prompt_length: int, gen_length: int, steps: int, block_length
                      f"{block_length}.")
   num_blocks = gen_length // block_length
   if steps % num_blocks:
-    raise ValueError(f"steps={steps} must be a multiple of the number of blocks "
-                     f"{length_name} / block_length = {num_blocks}: each block runs "
-                     f"steps / num_blocks steps.")
+    raise ArgumentError("steps", f"steps={steps} must be a multiple of the number of "
+                        f"blocks {length_name} / block_length = {num_blocks}: each block "
+                        "runs steps / num_blocks steps.")
   check_choice(remasking, "remasking", REMASKINGS)
   check_choice(kv_cache, "kv_cache", KV_CACHES)
   check_number(temperature, "temperature", "must be a finite number >= 0", lambda x: x >= 0)
