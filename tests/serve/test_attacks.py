@@ -80,6 +80,51 @@ def test_max_steps_is_the_server_s(dream_model):
     assert post(server, {**GOOD, "steps": 8}).status_code == 200
 
 
+# The cached and block-by-block decoders' knobs (served per step since issue 59), at and
+# past their bounds, of the wrong type: each a 400 naming the field, nothing compiled.
+KV = {"sampler": "confidence", "kv_cache": "dual", "block_length": 2, "steps": 4}
+DECODER_ATTACKS = [
+    ({**KV, "refresh_every": 10**30}, "refresh_every"),  # was a 500 (OverflowError)
+    ({**KV, "refresh_every": 0}, "refresh_every"),
+    ({**KV, "refresh_every": 4 * CANVAS + 1}, "refresh_every"),
+    ({**KV, "block_length": True}, "block_length"),
+    ({**KV, "block_length": 0}, "block_length"),
+    ({**KV, "block_length": -2}, "block_length"),
+    ({**KV, "block_length": 10**9}, "block_length"),
+    ({**KV, "block_length": "2"}, "block_length"),
+    ({**KV, "kv_cache": "all"}, "kv_cache"),
+    ({**KV, "kv_cache": 1}, "kv_cache"),
+    ({**KV, "threshold": 1.5}, "threshold"),
+    ({**KV, "threshold": -1}, "threshold"),
+    ({**KV, "threshold": "NaN"}, "threshold"),
+    ({**KV, "factor": -1.0}, "factor"),
+    ({**KV, "steps": 3}, "steps"),  # not a multiple of the 2 blocks
+    ({**KV, "steps": 10**7}, "steps"),
+    ({"sampler": "fast_dllm_v2", "block_size": 0}, "block_size"),
+    ({"sampler": "fast_dllm_v2", "sub_block_length": 10**9}, "sub_block_length"),
+    ({"sampler": "bd3lm", "steps_per_block": 10**9}, "steps_per_block"),
+    ({"sampler": "bd3lm", "steps_per_block": False}, "steps_per_block"),
+    ({"sampler": "confidence", "denoising_steps": "4"}, "denoising_steps"),
+    ({"sampler": "llada21", "max_post_steps": -1}, "max_post_steps"),
+    ({"sampler": "speculative"}, "sampler"),  # a composite family: not served per step
+]
+
+
+def test_decoder_knobs_out_of_bounds_are_400s_naming_the_field(server):
+  """Bad values of the knobs that size a lane, its cache or its blocks: a 400 whose param is
+  the field, at once (nothing compiles), and the server keeps serving."""
+  compiles = server.engine.stats().compiles
+  started = time.monotonic()
+  for knobs, param in DECODER_ATTACKS:
+    error = assert_error(post(server, {**GOOD, **knobs}), 400, param)
+    assert param in error["message"], (knobs, error)
+  raw = json.dumps({**GOOD, **KV}).encode()[:-1] + b', "threshold": NaN}'
+  assert_error(post(server, raw), 400, "threshold", "threshold=nan")
+  assert time.monotonic() - started < 20
+  assert server.engine.stats().compiles == compiles
+  assert post(server, GOOD).status_code == 200
+
+
 def test_a_body_past_max_body_bytes_is_413_before_it_is_read(dream_model):
   """A 143 MB body took the server up by 695 MB and stalled /health for 4.3 s: refused from
   its Content-Length, or as it arrives (chunked), never held."""
