@@ -375,8 +375,10 @@ class Lane:
     self.ticks_by_bucket = counted
     if self.full_next is not None:  # idle rows: these steps change nothing
       passes, size = self.full_passes, 1
-      while size <= self.slots:
+      while True:  # every size `_refresh` runs: powers of two up to the first >= the slots
         self._refresh([0] * size)
+        if size >= self.slots:
+          break
         size *= 2
       self.full_passes = passes
 
