@@ -22,7 +22,7 @@ from absl import flags
 from mdjax import generation, sampling, tasks
 from mdjax.errors import ArgumentError
 from mdjax.knob_registry import every_knob
-from mdjax.sampling import commit_filter
+from mdjax.sampling import commit_filter, order_policy
 from mdjax.sampling.knobs import Knob, all_knobs, family_knobs
 
 # The flags define_flags makes belong to the module that calls it (sample.py's key flags).
@@ -43,11 +43,13 @@ NOTATIONS = {knob.name: knob for knob in (
     Knob("refill_steps", int, 4, minimum=1, help="local_remask: the refill's steps."),
     Knob("filter_file", str, None, optional=True, help="learned_commit: the commit filter's "
          "JSON file (python -m mdjax.accelerators.learn2pd writes one)."),
+    Knob("policy_file", str, None, optional=True, help="order_policy: the order policy's JSON "
+         "file (python -m mdjax.accelerators.order_policy writes one)."),
 )}
 # The notations each family reads; local_remask's steps and value transform (DRAW) go to its
 # base and refill.
 FAMILY_NOTATIONS = {"field_order": ("order",), "ordered": ("groups",),
-                    "learned_commit": ("filter_file",),
+                    "learned_commit": ("filter_file",), "order_policy": ("policy_file",),
                     "local_remask": ("steps", "base", "refill", "refill_steps")}
 DRAW = ("temperature", "top_k", "top_p", "min_p")
 EOS_KNOBS = ("eos_penalty", "eos_never", "eos_rank_last")  # set by generation.with_eos
@@ -142,6 +144,12 @@ def sampler_spec(family: str, values: Mapping[str, Any], given: Collection[str],
                        "mdjax.accelerators.learn2pd writes one).")
     return sampling.LearnedCommitSpec(
         commit_filter=commit_filter.load_filter(values["filter_file"]), **knobs)
+  if family == "order_policy":  # a file read here, never a request field of the server
+    if not values["policy_file"]:
+      raise ValueError("--sampler=order_policy needs --policy_file=PATH (python -m "
+                       "mdjax.accelerators.order_policy writes one).")
+    return sampling.OrderPolicySpec(
+        policy=order_policy.load_policy(values["policy_file"]), **knobs)
   return sampling.make_spec(family, length=length, **knobs)
 
 

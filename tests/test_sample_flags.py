@@ -31,6 +31,7 @@ LOCAL_REMASK = {"sampler": "local_remask"}
 # DiffusionGemma's rule samples uniform-noise models: an oracle under --noise=uniform.
 GEMMA = {"sampler": "diffusion_gemma", "noise": "uniform"}
 FILTER = os.path.join(REPO, "tests", "fixtures", "learned_commit", "width5.json")
+POLICY = os.path.join(REPO, "tests", "fixtures", "order_policy", "length8.json")
 FLAG_VALUES = {
     "task": ("scan_and_add", {}), "oracle": ("true", {}), "workdir": ("/elsewhere", {}),
     "step": ("3", {}), "batch_size": ("1", {}), "prompt": ("1,0", {}), "prefix": ("Thou", {}),
@@ -89,6 +90,9 @@ FLAG_VALUES = {
     "filter_file": (FILTER, {"sampler": "learned_commit"}),
     "accept_threshold": ("0.5", {"sampler": "learned_commit", "filter_file": FILTER}),
     "eot_exit": ("true", {"sampler": "learned_commit", "filter_file": FILTER}),
+    # order_policy's policy file (a notation) and knob; the recorders never check its length.
+    "policy_file": (POLICY, {"sampler": "order_policy"}),
+    "policy_temperature": ("0.5", {"sampler": "order_policy", "policy_file": POLICY}),
     # The reference samplers' own (LLaDA2, SDAR, BD3-LM): refused with the LLaDA fixture.
     "minimal_topk": ("2", {}), "denoising_steps": ("2", {}), "eb_threshold": ("0.5", {}),
     "remasking_strategy": ("sequential", {}), "confidence_threshold": ("0.5", {}),

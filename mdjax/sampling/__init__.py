@@ -49,6 +49,7 @@ from mdjax.sampling.families.learned_commit import LearnedCommitSpec
 from mdjax.sampling.families.llada21 import LLaDA21Spec
 from mdjax.sampling.families.local_remask import LocalRemaskSpec
 from mdjax.sampling.families.mdlm import MDLMSpec
+from mdjax.sampling.families.order_policy import OrderPolicySpec
 from mdjax.sampling.families.ordered import OrderedSpec, parse_groups
 from mdjax.sampling.families.random_order import RandomOrderSpec
 from mdjax.sampling.families.remask import RemaskSpec
@@ -70,4 +71,5 @@ __all__ = [
     "recompute_cache", "register", "row_keys", "sample", "sample_blocks", "sample_python_loop",
     "time_grid",
     "LearnedCommitSpec",
+    "OrderPolicySpec",
 ]
