@@ -96,6 +96,8 @@ FAMILY_FLAGS = {
                 "--block_length=5"],
     "local_remask": ["--steps=5", "--refill_steps=3", "--rounds=1", "--window=1"],
     "mdlm": ["--steps=10", "--eps=0.01"],
+    "order_policy": ["--steps=5", "--policy_file=" + os.path.join(
+        ROOT, "tests", "fixtures", "order_policy", "length25.json")],  # example_policy(25)
     "ordered": ["--groups=0-4;5-14;15-24"],
     "random_order": [],
     "remask": ["--steps=6", "--eta=0.02"],

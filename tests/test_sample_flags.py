@@ -31,7 +31,7 @@ LOCAL_REMASK = {"sampler": "local_remask"}
 # DiffusionGemma's rule samples uniform-noise models: an oracle under --noise=uniform.
 GEMMA = {"sampler": "diffusion_gemma", "noise": "uniform"}
 FILTER = os.path.join(REPO, "tests", "fixtures", "learned_commit", "width5.json")
-POLICY = os.path.join(REPO, "tests", "fixtures", "order_policy", "length8.json")
+POLICY = os.path.join(REPO, "tests", "fixtures", "order_policy", "length25.json")
 FLAG_VALUES = {
     "task": ("scan_and_add", {}), "oracle": ("true", {}), "workdir": ("/elsewhere", {}),
     "step": ("3", {}), "batch_size": ("1", {}), "prompt": ("1,0", {}), "prefix": ("Thou", {}),
