@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from mdjax import files, parallelism, report, sampling
+from mdjax.bench import order_policy as order_policy_bench
 from mdjax.bench import parallelism as bench
 from mdjax.accelerators import learn2pd
 
@@ -220,6 +221,8 @@ def run(*, task: str = "sudoku4", temperatures: Sequence[float] = (0.0, 1.0), ro
     points.append(oracle_point(ot, canvas, seed, float(temperature), cfg))
     log(f"{ot.name} T={temperature}: {len(points)} points so far "
         f"({time.perf_counter() - t0:.0f} s)")
+  if task == "sudoku4" and 0.0 in temperatures:  # UPO's learned order: bench/order_policy.py
+    points += order_policy_bench.accelerator_points(ot, canvas, seed, sizes, log)
   return {
       "config": {"seed": seed, "rows": rows, "train_rows": train_rows, "epochs": epochs,
                  "sizes": sizes, "task": task, "temperatures": [float(t) for t in temperatures],
