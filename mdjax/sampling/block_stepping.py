@@ -210,11 +210,12 @@ class BlockStepper:
 
   def _open(self, denoiser: Denoiser, params, carry: BlockCarry, n: Array,
             refresh: str) -> BlockCarry:
-    """`carry` at step 0 of block n: its cache refreshed (`refreshed_cache`'s `how`), its
-    family carry started on the block's tokens with the block's keys."""
+    """`carry` at step 0 of block n: its cache refreshed (`refreshed_cache`'s `how`; "given":
+    kept as the carry holds it), its family carry started on the block's tokens with the
+    block's keys."""
     layout = self.layout
     cache = carry.cache
-    if layout.cached:
+    if layout.cached and refresh != "given":
       fits, offset, tokens_BxC, valid_BxC = self._canvas(carry, n)
       canvas = BoundDenoiser(denoiser, params, valid_BxL=valid_BxC)
       cache = refreshed_cache(canvas, n, cache, fits, offset, tokens_BxC, layout.blocks_of,
@@ -227,19 +228,22 @@ class BlockStepper:
     return carry.replace(inner=inner)
 
   def start(self, denoiser: Denoiser, params, keys_B: Array, whole_BxP, valid_BxP,
-            tail_BxR) -> BlockCarry:
+            tail_BxR, cache=None) -> BlockCarry:
     """The carry at step 0 of block 0: the prompts' whole blocks `whole_BxP` (valid:
     `valid_BxP`, left padding False) and tails `tail_BxR` (`block_generation.split_tails`;
     R = layout.tail_width); keys_B: the row keys. The first block's cache is encoded here
-    (one pass over its canvas)."""
+    (one pass over its canvas), unless `cache` gives it: the cache this start encoded for
+    prompts of the same whole blocks (exactly this one's: a block-causal canvas's keys and
+    values of the prompt do not depend on what follows it, and the positions from the
+    first block on are written by its passes before they are read, or masked)."""
     layout, mask_id = self.layout, self.stepper.mask_id
     batch = whole_BxP.shape[0]
     tokens_BxS, valid_BxS = sequence(jnp.asarray(whole_BxP, jnp.int32), jnp.asarray(valid_BxP),
                                      jnp.asarray(tail_BxR, jnp.int32), mask_id=mask_id,
                                      window=layout.window,
                                      span_length=layout.num_blocks * layout.blocks_of)
-    cache = None
-    if layout.cached:  # zeros of the prefill's shapes, encoded by `_open`
+    given = cache
+    if given is None and layout.cached:  # zeros of the prefill's shapes, encoded by `_open`
       span = layout.span
       cache = kv_cache.init(BoundDenoiser(denoiser, params, valid_BxL=valid_BxS[:, :span]),
                             tokens_BxS[:, :span]).cache
@@ -249,7 +253,8 @@ class BlockStepper:
                        keys_B=keys_B, tail_B=(jnp.asarray(tail_BxR) != mask_id).sum(-1),
                        block=jnp.int32(0), index=jnp.int32(0),
                        ended_B=jnp.zeros((batch,), bool), cache=cache, inner=blank)
-    return self._open(denoiser, params, carry, jnp.int32(0), "encode")
+    return self._open(denoiser, params, carry, jnp.int32(0),
+                      "encode" if given is None else "given")
 
   def step(self, denoiser: Denoiser, params, carry: BlockCarry, plan_K) -> BlockCarry:
     """One step of the current block's family (the index clamped to its last step)."""

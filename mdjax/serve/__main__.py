@@ -28,7 +28,7 @@ NAME = "mdjax.serve"
 
 
 ENGINE_FLAGS = ("max_batch", "max_queue", "canvas_length", "max_programs", "max_steps",
-                "max_body_bytes", "warm_max_tokens")
+                "max_body_bytes", "warm_max_tokens", "prefix_cache_bytes")
 
 
 def _flag_bool(text: str) -> bool:
@@ -83,6 +83,9 @@ def _parser() -> cli.Parser:
   parser.add_argument("--max_steps", type=int, default=None, help="The most denoising steps "
                       "a request may run (steps and the knobs that count steps; default 4 x "
                       "the positions a row holds); more is a 400.")
+  parser.add_argument("--prefix_cache_bytes", type=int, default=0, help="Device bytes for the "
+                      "block decoders' prompt caches: a prompt whose whole blocks another "
+                      "prompt had starts from its keys and values (default 0: none).")
   parser.add_argument("--max_body_bytes", type=int, default=1 << 20, help="The largest request "
                       "body read (default 1 MiB); larger is a 413.")
   parser.add_argument("--allowed_hosts", default=None, help="Host headers answered, separated "
@@ -144,7 +147,7 @@ def _usage_error(error: ValueError, flags) -> NoReturn:
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   for name, low in (("port", 0), ("max_batch", 1), ("max_queue", 0), ("max_programs", 1),
-                    ("max_steps", 1), ("max_body_bytes", 1)):
+                    ("max_steps", 1), ("max_body_bytes", 1), ("prefix_cache_bytes", 0)):
     value = getattr(args, name)
     if value is None:
       continue
@@ -182,7 +185,8 @@ def main(argv=None) -> int:
                                allowed_hosts=hosts, max_body_bytes=args.max_body_bytes,
                                max_batch=args.max_batch, max_queue=args.max_queue,
                                canvas_length=args.canvas_length,
-                               max_programs=args.max_programs, max_steps=args.max_steps)
+                               max_programs=args.max_programs, max_steps=args.max_steps,
+                               prefix_cache_bytes=args.prefix_cache_bytes)
     # The defaults checked against the model before serving: a 1-token request's job.
     knobs = {k: v for k, v in defaults.items() if k != "sampler"}
     probe = knobs.get("block_length") or 1
@@ -200,7 +204,8 @@ def main(argv=None) -> int:
   summary = (f"max_batch={args.max_batch}, max_queue={args.max_queue}, "
              f"canvas_length={engine.canvas_length}, max_programs={args.max_programs}, "
              f"new_programs={args.new_programs}, "
-             f"max_steps={engine.max_steps}, allowed_hosts={','.join(hosts)}"
+             f"max_steps={engine.max_steps}, prefix_cache_bytes={args.prefix_cache_bytes}, "
+             f"allowed_hosts={','.join(hosts)}"
              + (", api_key set" if args.api_key else "")
              + "".join(f", {k}={v}" for k, v in defaults.items()))
 

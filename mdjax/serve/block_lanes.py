@@ -140,9 +140,9 @@ class BlockRow:
 _STATIC = ("denoiser", "stepper", "sharding")
 
 
-def _start_row(denoiser, params, key, whole_1xP, valid_1xP, tail_1xR, plan, blocks, *,
-               stepper: BlockStepper, sharding=None) -> BlockRow:
-  carry = stepper.start(denoiser, params, key[None], whole_1xP, valid_1xP, tail_1xR)
+def _start_row(denoiser, params, key, whole_1xP, valid_1xP, tail_1xR, plan, blocks,
+               cache=None, *, stepper: BlockStepper, sharding=None) -> BlockRow:
+  carry = stepper.start(denoiser, params, key[None], whole_1xP, valid_1xP, tail_1xR, cache)
   return BlockRow(carry=carry, plan=plan, blocks=jnp.int32(blocks), active=jnp.bool_(True))
 
 
@@ -156,12 +156,20 @@ def _empty_lane(denoiser, params, key, whole_1xP, valid_1xP, tail_1xR, plan, blo
 
 
 def _admit(denoiser, params, rows, slot, key, whole_1xP, valid_1xP, tail_1xR, plan, blocks,
-           **static):
+           cache=None, **static):
+  """The rows with slot `slot` started on a new row (its start cache `cache` when the prefix
+  cache holds it: no pass then)."""
   lanes.count_trace()
-  row = _start_row(denoiser, params, key, whole_1xP, valid_1xP, tail_1xR, plan, blocks,
+  row = _start_row(denoiser, params, key, whole_1xP, valid_1xP, tail_1xR, plan, blocks, cache,
                    **static)
   rows = jax.tree.map(lambda all_rows, one: all_rows.at[slot].set(one), rows, row)
   return lanes.placed(rows, static["sharding"])
+
+
+def _start_cache(rows, slot):
+  """The cache of the row in `slot` (a copy: its start cache, read right after `admit`)."""
+  lanes.count_trace()
+  return jax.tree.map(lambda leaf: leaf[slot], rows.carry.cache)
 
 
 def _tick(denoiser, params, rows, *, stepper: BlockStepper, sharding, bucket, split, view):
@@ -222,13 +230,16 @@ class BlockPrograms:
                         donate_argnames=("rows",))
     self.commit = jax.jit(own(_commit), static_argnames=_STATIC + ("refresh",),
                           donate_argnames=("rows",))
+    self.start_cache = jax.jit(own(_start_cache))
 
 
 class BlockLane(Lane):
   """The slots of one block-by-block decoder (`Job.blocks`): as a `Lane`, with a commit
   program run after each tick over the rows whose block finished."""
 
-  def __init__(self, job, slots: int, padded: bool):
+  def __init__(self, job, slots: int, padded: bool, prefix_cache=None):
+    """As `Lane`'s; prefix_cache: a `prefix_cache.PrefixCache` its rows' start caches are
+    kept in and taken from (an exact cache of finished blocks only)."""
     run: BlockRun = job.blocks
     self.key = job.lane_key
     self.run = run
@@ -251,6 +262,8 @@ class BlockLane(Lane):
     self.commits = 0  # rows committed (a block finished and the row went on)
     self.full_next, self.full_passes = None, 0  # (a canvas lane's KV cache plan)
     self.last_used = time.monotonic()
+    self.prefix = prefix_cache if layout.cached else None
+    self.model_block = job.denoiser.block_size
 
   @staticmethod
   def row_inputs(job):
@@ -259,6 +272,25 @@ class BlockLane(Lane):
 
   def canvas_ids(self, tokens_NxG: np.ndarray, slot: int, job) -> np.ndarray:
     return tokens_NxG[slot, :job.max_new_tokens]
+
+  def admit(self, handle, choice: int) -> None:
+    """As `Lane.admit`; with a prefix cache the row's start cache is taken from it when it
+    holds the prompt's whole blocks (no pass), else kept there after the row's start."""
+    if self.prefix is None:
+      return super().admit(handle, choice)
+    slot, job = self.free_slot(), handle.job
+    run, static = job.blocks, lanes.lane_static(self.static)
+    blocks = self.prefix.blocks(run.whole_1xP[0, run.whole_1xP.shape[1] - run.longest:],
+                                self.model_block)
+    entry = self.prefix.lookup(self.key, blocks)
+    key = jax.random.fold_in(jax.random.key(job.seed), choice)  # generate's row key
+    self.rows = self.programs.admit(job.denoiser, self.params, self.rows, np.int32(slot), key,
+                                    *self.row_inputs(job),
+                                    **({} if entry is None else {"cache": entry}), **static)
+    if entry is None:
+      self.prefix.insert(self.key, blocks, self.programs.start_cache(self.rows, np.int32(slot)))
+    self.owners[slot] = lanes.Slot(handle, choice, time.monotonic())
+    self.last_used = time.monotonic()
 
   def tick(self, bucket: int | None = None):
     bucket = self.bucket() if bucket is None else bucket
@@ -297,9 +329,17 @@ class BlockLane(Lane):
       self.commits += len(chosen)
 
   def warm(self, job) -> None:
-    """Compiles admit, move, every bucket's tick and the commits (an idle lane only)."""
+    """Compiles admit, move, every bucket's tick and the commits, and with a prefix cache
+    the admit from a cache and the read of one (an idle lane only)."""
     super().warm(job)
     layout = self.run.stepper.layout
+    if self.prefix is not None:
+      static = lanes.lane_static(self.static)
+      cache = self.programs.start_cache(self.rows, np.int32(0))
+      self.rows = self.programs.admit(job.denoiser, self.params, self.rows, np.int32(0),
+                                      jax.random.key(0), *self.row_inputs(job), cache=cache,
+                                      **static)
+      self.rows = self.programs.move(self.rows, np.int32(0), np.int32(0), **static)
     may_slide = layout.cached and not layout.fits(layout.num_blocks - 1, 0)
     for refresh in ("append", "encode") if may_slide else ("append",):
       size = 1

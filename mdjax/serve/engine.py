@@ -43,6 +43,7 @@ from mdjax.serve import block_lanes, limits, served
 from mdjax.serve.block_lanes import BlockRun
 from mdjax.serve.lane_table import LaneTable
 from mdjax.serve.lanes import Lane
+from mdjax.serve.prefix_cache import PrefixCache
 
 Array = jax.Array
 
@@ -155,6 +156,9 @@ class EngineStats:
   lanes_built: int = 0
   lanes_evicted: int = 0  # dropped for another setting (their programs and rows freed)
   lane_state_bytes: int = 0  # device bytes of the lanes' rows
+  prefix_hits: int = 0  # block lanes' starts served from the prefix cache (`prefix_cache`)
+  prefix_misses: int = 0
+  prefix_bytes: int = 0  # device bytes of its entries
 
 
 class Handle:
@@ -189,14 +193,6 @@ class Handle:
 # ----------------------------------------------------------------------------
 
 
-def _check_int(value, name: str, low: int, high: int | None = None, why: str = "") -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low \
-      or (high is not None and value > high):
-    allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-    raise ArgumentError.invalid(name, value, f"it must be {allowed}{why}")
-  return int(value)
-
-
 class Engine:
   """Serves `model`: requests in, rows on fixed slots, one compiled step per lane a tick.
 
@@ -209,24 +205,25 @@ class Engine:
   gets one, compiled on a compile thread once the engine runs, until `freeze`. max_steps:
   the most denoising steps a request may run (default `limits.STEPS_PER_POSITION` times the
   positions a row holds, `room`); `prepare` refuses more, and the other knobs that size a
-  request's work past their bounds (`mdjax.serve.limits`).
+  request's work past their bounds (`mdjax.serve.limits`). prefix_cache_bytes: the device
+  bytes of the block lanes' prompt caches (`mdjax.serve.prefix_cache`; 0: none).
   """
 
   def __init__(self, model: Model, *, max_batch: int = 8, max_queue: int = 64,
                canvas_length: int | None = None, max_programs: int = 8,
-               max_steps: int | None = None):
+               max_steps: int | None = None, prefix_cache_bytes: int = 0):
     self.model = model
-    self.max_batch = _check_int(max_batch, "max_batch", 1)
-    self.max_queue = _check_int(max_queue, "max_queue", 0)
-    self.max_programs = _check_int(max_programs, "max_programs", 1)
+    self.max_batch = limits.check_int(max_batch, "max_batch", 1)
+    self.max_queue = limits.check_int(max_queue, "max_queue", 0)
+    self.max_programs = limits.check_int(max_programs, "max_programs", 1)
     self.frozen = False  # `freeze`: only the settings with a lane are served
-    self.canvas_length = _check_int(model.max_len if canvas_length is None else canvas_length,
+    self.canvas_length = limits.check_int(model.max_len if canvas_length is None else canvas_length,
                                     "canvas_length", 1, model.max_len,
                                     f" (the model holds {model.max_len} positions)")
     # A row's positions: a padding-invariant model shares the lane's canvas; any other runs
     # on exactly its own prompt and new tokens, within the model's length.
     self.room = self.canvas_length if model.padding_invariant else int(model.max_len)
-    self.max_steps = _check_int(limits.STEPS_PER_POSITION * self.room if max_steps is None
+    self.max_steps = limits.check_int(limits.STEPS_PER_POSITION * self.room if max_steps is None
                                 else max_steps, "max_steps", 1)
     model.mask_id  # a causal judge is refused here, with its own message
     self._waiting: collections.deque[tuple[Handle, int]] = collections.deque()
@@ -242,8 +239,11 @@ class Engine:
     self._bucket_ticks = collections.Counter()
     self._chores: collections.deque = collections.deque()  # `warm` calls for the thread
     self._warm_waiters: list[tuple[Job, threading.Event]] = []  # for a lane being built
+    prefix_bytes = limits.check_int(prefix_cache_bytes, "prefix_cache_bytes", 0)
+    self.prefix_cache = PrefixCache(prefix_bytes) if prefix_bytes else None
     self._table = LaneTable(slots=self.max_batch, padded=model.takes_padding,
-                            max_programs=self.max_programs, wake=self._wake)
+                            max_programs=self.max_programs, wake=self._wake,
+                            prefix_cache=self.prefix_cache)
 
   # -- requests ---------------------------------------------------------------
 
@@ -271,9 +271,9 @@ class Engine:
     server's bounds among it (`mdjax.serve.limits`: the knobs that size the work, the
     prompt's bytes); the steps the sampler will run before its plan is built."""
     model, room = self.model, self.room
-    n = _check_int(n, "n", 1, self.max_n, f" (the rows of one request; max_batch is "
+    n = limits.check_int(n, "n", 1, self.max_n, f" (the rows of one request; max_batch is "
                                           f"{self.max_batch}, max_queue {self.max_queue})")
-    seed = _check_int(seed, "seed", 0, MAX_SEED)
+    seed = limits.check_int(seed, "seed", 0, MAX_SEED)
     names = dict(prompts=where, new_tokens=new_tokens, room="the server's canvas")
     generation.check_new_tokens(max_new_tokens, room, new_tokens=new_tokens,
                                 room=names["room"])
@@ -595,4 +595,5 @@ class Engine:
         ticks_by_bucket=dict(sorted(self._bucket_ticks.items())),
         max_programs=self.max_programs, lanes_building=table.building,
         lanes_built=table.built, lanes_evicted=table.evicted,
-        lane_state_bytes=table.state_bytes())
+        lane_state_bytes=table.state_bytes(), **(self.prefix_cache.counts()
+                                                 if self.prefix_cache else {}))

@@ -27,10 +27,12 @@ class LaneTable:
   it starts, its caller) calls these methods; the compile thread only builds."""
 
   def __init__(self, *, slots: int, padded: bool, max_programs: int,
-               wake: Callable[[], None]):
+               wake: Callable[[], None], prefix_cache=None):
     """slots: each lane's rows; padded: the model reads a padding mask; wake: called from
-    the compile thread when a lane is ready (the engine's thread may be waiting)."""
+    the compile thread when a lane is ready (the engine's thread may be waiting);
+    prefix_cache: the block lanes' `prefix_cache.PrefixCache` (None: none)."""
     self.slots, self.padded, self.max_programs = slots, padded, max_programs
+    self.prefix_cache = prefix_cache
     self._wake = wake
     self.lanes: dict[tuple, Lane] = {}
     self._building: dict[tuple, concurrent.futures.Future] = {}
@@ -70,7 +72,7 @@ class LaneTable:
     if key in self._building or not self._make_room():
       return None
     if not background:
-      lane = self.lanes[key] = _lane(job, self.slots, self.padded)
+      lane = self.lanes[key] = self._lane(job)
       self.built += 1
       return lane
     if self._compiler is None:
@@ -89,6 +91,8 @@ class LaneTable:
 
   def drop(self, key) -> None:
     self.lanes.pop(key, None)
+    if self.prefix_cache is not None:
+      self.prefix_cache.drop_lane(key)
 
   def state_bytes(self) -> int:
     """Device bytes of the lanes' rows (their programs' code is not counted)."""
@@ -109,20 +113,26 @@ class LaneTable:
     idle = [key for key, lane in self.lanes.items() if not lane.active]
     if not idle:
       return False
-    del self.lanes[min(idle, key=lambda key: self.lanes[key].last_used)]
+    dropped = min(idle, key=lambda key: self.lanes[key].last_used)
+    del self.lanes[dropped]
+    if self.prefix_cache is not None:
+      self.prefix_cache.drop_lane(dropped)
     self.evicted += 1
     return True
 
   def _build(self, job) -> Lane:
     """On the compile thread: the lane, with every program it will run compiled."""
-    lane = _lane(job, self.slots, self.padded)
+    lane = self._lane(job)
     lane.warm(job)
     return lane
 
 
-def _lane(job, slots: int, padded: bool) -> Lane:
-  """A new lane for `job`: block by block (`Job.blocks`) or on one canvas."""
-  return (Lane if job.blocks is None else BlockLane)(job, slots, padded)
+  def _lane(self, job) -> Lane:
+    """A new lane for `job`: block by block (`Job.blocks`, with the prefix cache) or on one
+    canvas."""
+    if job.blocks is None:
+      return Lane(job, self.slots, self.padded)
+    return BlockLane(job, self.slots, self.padded, prefix_cache=self.prefix_cache)
 
 
 def _yield_to_serving() -> None:

@@ -34,6 +34,16 @@ import numpy as np
 from mdjax.errors import ArgumentError
 from mdjax.jsonl import json_depth  # noqa: F401  (the body's nesting, counted as a file's is)
 
+
+def check_int(value, name: str, low: int, high: int | None = None, why: str = "") -> int:
+  """`value` as an int in [low, high] (high None: no bound), else an ArgumentError naming
+  `name` (the engine's settings and a request's n and seed)."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low \
+      or (high is not None and value > high):
+    allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+    raise ArgumentError.invalid(name, value, f"it must be {allowed}{why}")
+  return int(value)
+
 # The default --max_steps: this many steps a position of the canvas. A step-wise sampler
 # writes at least one position a step in the usual settings (steps <= max_tokens); the
 # continuous-time ones (ancestral, mdlm, remask) may take more, and the literature samples

@@ -32,6 +32,12 @@ ENGINE_METRICS = (
     ("mdjax_lanes_evicted_total", "lanes_evicted", "counter", "Idle lanes dropped for a new "
      "setting, their programs and rows freed."),
     ("mdjax_lane_state_bytes", "lane_state_bytes", "gauge", "Device bytes of the lanes' rows."),
+    ("mdjax_prefix_cache_hits_total", "prefix_hits", "counter", "Block lanes' rows started "
+     "from the prefix cache (their prompt's whole blocks held: no pass)."),
+    ("mdjax_prefix_cache_misses_total", "prefix_misses", "counter", "Block lanes' rows "
+     "started by a pass over their prompt (with --prefix_cache_bytes)."),
+    ("mdjax_prefix_cache_bytes", "prefix_bytes", "gauge", "Device bytes of the prefix "
+     "cache's entries (at most --prefix_cache_bytes)."),
     ("mdjax_ticks_total", "ticks", "counter", "Engine ticks (one denoising step of every "
      "active row)."),
     ("mdjax_denoiser_calls_total", "denoiser_calls", "counter", "Denoiser passes run."),

@@ -183,3 +183,27 @@ def test_sdar_served_over_http_equals_generate():
         ids for ids, _ in want]
     extension = out.model_extra["mdjax"]
     assert "ConfidenceSpec" in extension["spec"] and "exact cache" in extension["cache"]
+
+
+@pytest.mark.slow
+def test_prefix_cache_hits_equal_generate():
+  """SDAR with a prefix cache: a prompt whose whole blocks a served prompt had (its tail
+  differs) starts from that prompt's keys and values, and its row is still generate's token
+  for token (as the rows that missed are: a hit equals a miss); a prompt sharing only its
+  first block misses."""
+  model = load("sdar")
+  engine = Engine(model, max_batch=2, max_queue=16, canvas_length=CANVAS,
+                  prefix_cache_bytes=1 << 24)
+  first = BLOCK_REQUESTS[0]  # its whole blocks: 5..12 (two of 4), its tail 13, 14
+  prompt = first[0]
+  requests = [
+      first,
+      (prompt[:8] + (20, 21), dict(first[1], seed=3)),  # the same whole blocks: a hit
+      (prompt[:4] + (30, 31, 32, 33) + prompt[8:], dict(first[1], seed=5)),  # a miss
+  ]
+  served = serve(engine, requests, join_after=3)
+  assert_offline("sdar", requests, served)
+  stats, cache = engine.stats(), engine.prefix_cache
+  assert (stats.prefix_hits, stats.prefix_misses) == (1, 2)
+  assert cache.matched_blocks == 1  # the miss that shared the first block
+  assert stats.prefix_bytes > 0 and cache.entries == 2
