@@ -17,6 +17,11 @@ matter to the timings; its shape does.
 
     python -m mdjax.bench.serve                       # ~3-5 minutes on 2 CPU cores
     python -m mdjax.bench.serve --model=/tmp/models/char --requests=64
+
+`--parts` adds the `cached` record (`mdjax.bench.serve_cached`: a LLaDA-shaped model's cached
+lane against its uncached one, ~20 more minutes on the shared CPU) and the `prefix` record
+(`mdjax.bench.serve_prefix`: the prefix cache on a shared system prompt, ~5 minutes);
+`--parts=cached,prefix` runs them alone and keeps the rest of --out as it was.
 """
 
 from __future__ import annotations
@@ -26,15 +31,15 @@ import json
 import os
 import sys
 import tempfile
-import threading
 import time
 from typing import Callable, Sequence
 
-import numpy as np
 
 CONCURRENCY = (1, 4, 16, 32)
-OFFLINE_PROMPTS = 16  # the prompts of the concurrency-16 run, batched offline
-API_KEY = "mdjax-bench-key"
+# The load generator, shared with serve_cached (re-exported: bench.request_plan, ...).
+from mdjax.bench.serve_clients import (API_KEY, OFFLINE_PROMPTS, device_info,  # noqa: F401
+                                       level_row, model_info, one_request, request_plan,
+                                       run_clients)
 DEFAULT_WORKDIR = os.path.join(tempfile.gettempdir(), "mdjax_bench_serve_model")
 
 # Sixteen prompts of 12 to 16 characters (two lengths, so rows are left-padded).
@@ -69,85 +74,6 @@ def bench_model(workdir: str, train_steps: int, log=print):
   train.train(c, workdir, log=lambda *a: None)
   log(f"model: {workdir} ({train_steps} training steps, {time.perf_counter() - started:.1f} s)")
   return mdjax.load(workdir)
-
-
-def model_info(model) -> dict:
-  import jax
-  config = getattr(model, "config", None)
-  cfg = getattr(config, "model", None) if config is not None else None
-  hf = model.hf_config or {}
-  d_model = getattr(cfg, "d_model", None) or hf.get("hidden_size") or hf.get("d_model")
-  layers = getattr(cfg, "num_layers", None) or hf.get("num_hidden_layers") \
-      or hf.get("n_layers")
-  return dict(source=model.source, family=model.family,
-              params=int(sum(np.size(x) for x in jax.tree.leaves(model.params))),
-              d_model=None if d_model is None else int(d_model),
-              layers=None if layers is None else int(layers),
-              vocab=int(model.vocab_size), max_len=int(model.max_len))
-
-
-def request_plan(concurrency: int, requests: int, prompts: Sequence[str], seed: int) -> list:
-  """`requests` (prompt, seed) pairs for one concurrency: prompt j % len(prompts), a seed of
-  its own (so no two requests of the run share a (level, index) seed)."""
-  base = seed * 1_000_003 + concurrency * 10_000
-  return [dict(prompt=prompts[j % len(prompts)], seed=base + j) for j in range(requests)]
-
-
-def run_clients(base_url: str, api_key: str, model_name: str, plan: list, concurrency: int,
-                fields: dict) -> tuple[list[dict], float]:
-  """The plan's requests from `concurrency` threads (client k sends requests k, k + c, ...
-  one after another, each thread with its own `openai.OpenAI`): (a record per request,
-  wall seconds from the first send to the last answer)."""
-  import openai
-
-  records: list[dict | None] = [None] * len(plan)
-  errors: list[BaseException] = []
-  barrier = threading.Barrier(concurrency + 1)
-
-  def client(k: int) -> None:
-    api = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=300)
-    barrier.wait()
-    try:
-      for j in range(k, len(plan), concurrency):
-        records[j] = one_request(api, model_name, plan[j], fields)
-    except BaseException as error:  # reported after the join
-      errors.append(error)
-
-  threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(concurrency)]
-  for thread in threads:
-    thread.start()
-  barrier.wait()
-  started = time.perf_counter()
-  for thread in threads:
-    thread.join()
-  wall = time.perf_counter() - started
-  if errors:
-    raise RuntimeError(f"{len(errors)} client(s) failed; first: {errors[0]!r}")
-  return records, wall
-
-
-def one_request(api, model_name: str, request: dict, fields: dict) -> dict:
-  started = time.perf_counter()
-  response = api.completions.create(
-      model=model_name, prompt=request["prompt"], max_tokens=fields["max_tokens"],
-      temperature=fields["temperature"], seed=request["seed"],
-      extra_body={k: v for k, v in fields.items() if k not in ("max_tokens", "temperature")})
-  latency = time.perf_counter() - started
-  body = response.model_dump()
-  choice = body["choices"][0]
-  return dict(prompt=request["prompt"], seed=request["seed"], latency_s=latency,
-              token_ids=[int(t) for t in choice["mdjax"]["token_ids"]],
-              completion_tokens=int(body["usage"]["completion_tokens"]),
-              spec=body["mdjax"]["spec"], text=choice["text"])
-
-
-def level_row(concurrency: int, records: list[dict], wall: float) -> dict:
-  latencies = np.array([r["latency_s"] for r in records])
-  tokens = sum(r["completion_tokens"] for r in records)
-  return dict(concurrency=concurrency, requests=len(records),
-              tokens_per_s=round(tokens / wall, 2),
-              p50_s=round(float(np.percentile(latencies, 50)), 4),
-              p99_s=round(float(np.percentile(latencies, 99)), 4))
 
 
 def offline_batch(model, prompts: Sequence[str], spec, max_tokens: int, seed: int,
@@ -271,14 +197,6 @@ def engine_alone(model, jobs: list, max_batch: int, canvas_length: int) -> dict:
               tokens_per_s=round(tokens[0] / seconds, 2))
 
 
-def device_info() -> dict:
-  import jax
-  device = jax.devices()[0]
-  return dict(platform=device.platform, device_kind=device.device_kind,
-              count=len(jax.devices()), jax=jax.__version__, cpus=os.cpu_count(),
-              load_average=[round(x, 2) for x in os.getloadavg()])
-
-
 def main(argv: Sequence[str] | None = None, log=print) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -301,8 +219,17 @@ def main(argv: Sequence[str] | None = None, log=print) -> dict:
   parser.add_argument("--repeats", type=int, default=3,
                       help="runs at concurrency 16 and offline timed calls (medians)")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--parts", default="plain,cached,prefix",
+                      help="plain (the character model's rows), cached (serve_cached's), "
+                      "prefix (serve_prefix's)")
+  parser.add_argument("--cached_shape", default="cpu", help="the cached rows' model: cpu (a "
+                      "small random LLaDA-shaped one) or a published shape of "
+                      "mdjax.bench.families.PUBLISHED (LLaDA2.0-mini: an accelerator's)")
   args = parser.parse_args(argv)
   bench_started = time.perf_counter()
+  parts = set(args.parts.split(","))
+  if "plain" not in parts:
+    return write_parts(args, {}, parts, log)
 
   import mdjax
   from mdjax import generation
@@ -436,6 +363,8 @@ def main(argv: Sequence[str] | None = None, log=print) -> dict:
   )
   result["notes"] = notes(result, args)
   result["bench_seconds"] = round(time.perf_counter() - bench_started, 1)
+  if parts & {"cached", "prefix"}:
+    return write_parts(args, result, parts, log)
   if args.out:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
@@ -443,6 +372,32 @@ def main(argv: Sequence[str] | None = None, log=print) -> dict:
       f.write("\n")
     log(f"wrote {args.out}")
   log(result["notes"])
+  return result
+
+
+def write_parts(args, result: dict, parts: set, log) -> dict:
+  """`result` (empty: --out's record as it is) with its `cached` and `prefix` records (those
+  of `parts`), written to --out."""
+  from mdjax.bench import serve_cached, serve_prefix
+
+  if not result and args.out and os.path.exists(args.out):
+    with open(args.out, encoding="utf-8") as f:
+      result = json.load(f)
+  if "cached" in parts:
+    result["cached"] = serve_cached.run(
+        levels=[int(c) for c in args.concurrency.split(",")], repeats=args.repeats,
+        max_batch=args.max_batch, seed=args.seed, shape=args.cached_shape, log=log)
+    log(result["cached"]["notes"])
+  if "prefix" in parts:
+    result["prefix"] = serve_prefix.run(max_batch=args.max_batch, seed=args.seed,
+                                        repeats=args.repeats, log=log)
+    log(result["prefix"]["notes"])
+  if args.out:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+      json.dump(result, f, indent=1)
+      f.write("\n")
+    log(f"wrote {args.out}")
   return result
 
 

@@ -18,7 +18,8 @@ DREAM = os.path.join(REPO, "tests", "fixtures", "pretrained", "dream")
 def test_serve_bench_writes_every_key_and_the_served_rows_are_the_offline_ones(tmp_path):
   out = tmp_path / "serve.json"
   result = bench.main([f"--model={DREAM}", f"--out={out}", "--concurrency=1,4", "--requests=4",
-                       "--max_tokens=4", "--steps=4", "--repeats=1", "--max_batch=4"],
+                       "--max_tokens=4", "--steps=4", "--repeats=1", "--max_batch=4",
+                       "--parts=plain"],
                       log=lambda *a: None)
   assert json.loads(out.read_text()) == json.loads(json.dumps(result))
   assert [row["concurrency"] for row in result["rows"]] == [1, 4]
@@ -47,3 +48,24 @@ def test_request_plan_gives_every_request_its_own_seed():
   assert len({r["seed"] for r in plan}) == 8
   other = bench.request_plan(16, 16, bench.PROMPTS, seed=0)
   assert not {r["seed"] for r in plan} & {r["seed"] for r in other}
+
+
+def test_cached_part_alone_keeps_the_other_records(tmp_path, monkeypatch):
+  """--parts=cached runs serve_cached alone and writes its record beside --out's others."""
+  from mdjax.bench import serve_cached
+
+  out = tmp_path / "serve.json"
+  out.write_text(json.dumps({"rows": [1], "notes": "plain"}))
+  seen = {}
+
+  def fake_run(**kwargs):
+    seen.update(kwargs)
+    return {"notes": "cached notes", "rows": {}}
+
+  monkeypatch.setattr(serve_cached, "run", fake_run)
+  result = bench.main([f"--out={out}", "--parts=cached", "--concurrency=1,16",
+                       "--cached_shape=LLaDA2.0-mini"], log=lambda *a: None)
+  assert json.loads(out.read_text()) == result
+  assert result == {"rows": [1], "notes": "plain", "cached": {"notes": "cached notes",
+                                                               "rows": {}}}
+  assert seen["levels"] == [1, 16] and seen["shape"] == "LLaDA2.0-mini"
