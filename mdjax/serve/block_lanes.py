@@ -304,12 +304,7 @@ class BlockLane(Lane):
     self._commit([slot for slot, go in zip(front, commits) if go],
                  {slot: int(n) for slot, n in zip(front, block)})
     self.last_used = time.monotonic()
-    tokens, active = np.asarray(tokens), np.asarray(active)
-    full = lambda values: np.zeros((self.slots,) + values.shape[1:], values.dtype)
-    out = [full(tokens), full(active), full(np.asarray(lengths)), full(np.asarray(steps))]
-    for array, values in zip(out, (tokens, active, lengths, steps)):
-      array[front] = np.asarray(values)
-    return tuple(out)
+    return lanes.by_slot(front, self.slots, tokens, active, lengths, steps)
 
   def _commit(self, slots: list[int], block: dict[int, int]) -> None:
     """Commits the rows of `slots`, those whose window stays put by one appending pass and

@@ -121,6 +121,17 @@ def move_row(rows, source, target, *, sharding, **static):
   return placed(rows, sharding)
 
 
+def by_slot(front: list[int], slots: int, *values_N) -> tuple[np.ndarray, ...]:
+  """Each tick output of the front rows on the host, as an array over all `slots` (zeros
+  where no row ran)."""
+  out = []
+  for values in map(np.asarray, values_N):
+    array = np.zeros((slots,) + values.shape[1:], values.dtype)
+    array[front] = values
+    out.append(array)
+  return tuple(out)
+
+
 def front_slots(leaf: Array, split: int, bucket: int) -> Array:
   """The `bucket` slots a tick advances: the first bucket / split of each of the `split`
   equal parts of the slots (the parts the 'data' axis puts on its devices; split 1: the
@@ -343,12 +354,7 @@ class Lane:
     self.last_used = time.monotonic()
     if self.full_next is not None:
       self.full_next[front] = np.asarray(full_next)
-    tokens, active = np.asarray(tokens), np.asarray(active)
-    full = lambda values: np.zeros((self.slots,) + values.shape[1:], values.dtype)
-    out = [full(tokens), full(active), full(np.asarray(lengths)), full(np.asarray(steps))]
-    for array, values in zip(out, (tokens, active, lengths, steps)):
-      array[front] = np.asarray(values)
-    return tuple(out)
+    return by_slot(front, self.slots, tokens, active, lengths, steps)
 
   def _refresh(self, slots: list[int]) -> None:
     """Steps the rows of `slots` (their step makes a full pass) in one `refresh` program of a
