@@ -83,8 +83,15 @@ class Stream(enum.IntEnum):
   PROMPTS = 0  # which prompts the step reads
   ROLLOUT = 1  # the sampler's key
   MASKS = 2  # the inner iterations' mask keys (fold_in(this key, i))
-  HINTS = 3  # igpo: the hinted positions and the hinted rollouts
+  HINTS = 3  # igpo: the hinted rollouts' sampler key; folded again (`HintStream`) for the rest
   PREDICTIONS = 4  # mdpo: each step's draws of the positions it left masked
+
+
+class HintStream(enum.IntEnum):
+  """IGPO's draws within a step (folded into the step's `Stream.HINTS` key)."""
+
+  REVEAL = 0  # the hinted positions and their ratios (`igpo.hint_masks`)
+  CHOICE = 1  # which correct hinted rows replace a failed group's rows
 
 
 def rollout(apply_fn, params, key, prompts: sources.Prompts, group: int,
@@ -142,12 +149,13 @@ def inpaint_failed_groups(opts, source, prompts, group, ids_BxL, write_BxL, mask
   if not failed:
     return ids_BxL, write_BxL, hinted_BxC, metrics, 0.0
   reveal_BxC, _ = igpo_lib.hint_masks(
-      jax.random.fold_in(key, 0), len(ids_BxL), source.completion_length, group,
+      jax.random.fold_in(key, HintStream.REVEAL), len(ids_BxL), source.completion_length, group,
       ratio_low=opts["igpo_ratio_low"], ratio_high=opts["igpo_ratio_high"])
   hint_ids, hint_write, seconds = hinted_rollout(reveal_BxC)
   hint_correct_B = score(source, check, None, prompts, group, hint_ids,
                          _completion_mask(source, hint_ids))[0] >= 1.0
-  seed = int(jax.random.randint(jax.random.fold_in(key, 1), (), 0, 2**31 - 1))
+  seed = int(jax.random.randint(jax.random.fold_in(key, HintStream.CHOICE), (), 0,
+                                 2**31 - 1))
   source_B, replaced_B = igpo_lib.replace_failed_groups(
       seed, correct_B, hint_correct_B, group, opts["igpo_max_replacements"])
   ids_BxL, write_BxL = ids_BxL.copy(), write_BxL.copy()
