@@ -34,6 +34,8 @@ import tempfile
 import time
 from typing import Callable, Sequence
 
+from mdjax import files
+
 
 CONCURRENCY = (1, 4, 16, 32)
 # The load generator, shared with serve_cached (re-exported: bench.request_plan, ...).
@@ -366,13 +368,18 @@ def main(argv: Sequence[str] | None = None, log=print) -> dict:
   if parts & {"cached", "prefix"}:
     return write_parts(args, result, parts, log)
   if args.out:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=1)
-      f.write("\n")
-    log(f"wrote {args.out}")
+    write_record(args.out, result, log)
   log(result["notes"])
   return result
+
+
+def write_record(path: str, result: dict, log) -> None:
+  """`result` as --out's JSON, written atomically (a run stopped midway keeps the old file)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with files.atomic_write(path, "w") as f:
+    json.dump(result, f, indent=1)
+    f.write("\n")
+  log(f"wrote {path}")
 
 
 def write_parts(args, result: dict, parts: set, log) -> dict:
@@ -393,11 +400,7 @@ def write_parts(args, result: dict, parts: set, log) -> dict:
                                         repeats=args.repeats, log=log)
     log(result["prefix"]["notes"])
   if args.out:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-      json.dump(result, f, indent=1)
-      f.write("\n")
-    log(f"wrote {args.out}")
+    write_record(args.out, result, log)
   return result
 
 
