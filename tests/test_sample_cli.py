@@ -85,6 +85,8 @@ FAMILY_FLAGS = {
     "confidence": ["--steps=5", "--threshold=0.9"],
     "defer": ["--steps=5"],
     "diffusion_gemma": ["--noise=uniform", "--steps=8"],  # uniform-noise models only
+    "diffusion_gemma_canvases": ["--noise=uniform", "--steps=4", "--reference_length=5",
+                                 "--canvases=5"],  # five canvases of the 25 positions
     "dream": ["--steps=10", "--temperature=0"],
     "entropy_bounded": ["--steps=10", "--gamma=0.3", "--block_length=5", "--kv_cache=dual",
                         "--refresh_every=2"],

@@ -25,14 +25,17 @@ from typing import Any
 
 from mdjax import noise as noise_lib
 from mdjax import sampling
+from mdjax.errors import ArgumentError
 from mdjax.formats.base import Format
 from mdjax.model import SamplerPlan
 from mdjax.models import diffusion_gemma as network
 from mdjax.models.diffusion_gemma import DiffusionGemmaConfig
 
 FAMILY = network.FAMILY
-# gemma's tokenizer (Gemma 4: `gm.text.Gemma4Tokenizer`): pad, EOS, end of turn (<turn|>).
-PAD_ID, EOS_ID, EOT_ID = 0, 1, 106
+# gemma's tokenizer (Gemma 4: `gm.text.Gemma4Tokenizer`): pad, EOS, end of turn (<turn|>),
+# begin of tool response (its `Sampler` ends a generation at any of the last three).
+PAD_ID, EOS_ID, EOT_ID, TOOL_RESPONSE_ID = 0, 1, 106, 50
+CANVAS = 256  # gemma's `Sampler.canvas_length`
 
 # One layer's leaves: mdjax's name -> gemma's path under layer_{i}. A path ending in "w" may
 # be stored without it (gemma's nn.share_scope leaves: mlp2's, a dense mlp's), and the
@@ -202,32 +205,58 @@ def expected_shapes(config: DiffusionGemmaConfig) -> dict[tuple[str, ...], tuple
 # --- the format ------------------------------------------------------------------------------
 
 
+def stop_ids(model) -> tuple[int, ...]:
+  """gemma's `Sampler` end tokens: EOS, end of turn and begin of tool response (those the
+  vocabulary holds)."""
+  ids = (model.eos_id, model.eot_id, TOOL_RESPONSE_ID)
+  return tuple(dict.fromkeys(i for i in ids if i is not None and i < model.vocab_size))
+
+
+def canvases_of(max_new_tokens: int, reference_length) -> tuple[int, int]:
+  """(canvas width, canvases) for `max_new_tokens`: one canvas of max_new_tokens up to
+  `reference_length`, else whole canvases of it; an ArgumentError names the knob."""
+  if isinstance(reference_length, bool) or not isinstance(reference_length, int) \
+      or reference_length < 1:
+    raise ArgumentError.invalid("reference_length", reference_length, "it must be an integer "
+                                ">= 1 (the tokens of each canvas: gemma's canvas_length)")
+  if max_new_tokens <= reference_length:
+    return max_new_tokens, 1
+  if max_new_tokens % reference_length:
+    raise ArgumentError("max_new_tokens", f"max_new_tokens={max_new_tokens} spans canvases of "
+                        f"reference_length={reference_length} (gemma's canvas_length): give a "
+                        f"multiple of {reference_length}, at most {reference_length}, or a "
+                        "reference_length that divides it.")
+  return reference_length, max_new_tokens // reference_length
+
+
 def plan(model, *, prompt_length: int, max_new_tokens: int, steps: int = 48,
          entropy_bound: float = 0.1, max_temperature: float = 0.8,
          min_temperature: float = 0.4, exponent: float = 1.0, early_stop: bool = True,
-         entropy_stop: float | None = 0.005) -> SamplerPlan:
-  """gemma's `DiffusionSampler` (the defaults of its `Sampler` / `ChatSampler`: 48 steps,
-  entropy bound 0.1, temperature 0.8 -> 0.4, early stop once the argmax is stable and the
-  mean entropy at most 0.005) over one canvas of `max_new_tokens` after the prompt, drawn as
-  its `sample_next_canvas` draws with the row's key (the `diffusion_gemma` family's
-  reference_draws, self-conditioning, final re-noising); the prompt runs as the encoder
-  (`forward`'s prompt_length: the left-padded prompt's width)."""
+         entropy_stop: float | None = 0.005, reference_length: int = CANVAS) -> SamplerPlan:
+  """gemma's `DiffusionSampler` with the defaults of its `Sampler` / `ChatSampler` (canvases
+  of 256, 48 steps a canvas, entropy bound 0.1, temperature 0.8 -> 0.4, a canvas stops once
+  its argmax is stable and its mean entropy at most 0.005): the `diffusion_gemma_canvases`
+  family, the row's key its `rng`, each canvas drawn as `sample_next_canvas` draws it
+  (self-conditioning, final re-noising), appended to the cache before the next; a canvas
+  holding an end token (EOS, end of turn, begin of tool response) ends the row. Up to
+  `reference_length` new tokens run on one canvas of max_new_tokens (gemma denoises a whole
+  canvas and cuts it). The prompt runs as the encoder (the left-padded prompt's width)."""
+  width, canvases = canvases_of(max_new_tokens, reference_length)
   spec = sampling.make_spec(
-      "diffusion_gemma", steps=steps, entropy_bound=entropy_bound,
+      "diffusion_gemma_canvases", steps=steps, entropy_bound=entropy_bound,
       max_temperature=max_temperature, min_temperature=min_temperature, exponent=exponent,
       early_stop=early_stop, entropy_stop=entropy_stop, final_renoise=True,
-      self_condition=True, condition_width=model.config.d_model, reference_draws=True,
-      reference_length=max_new_tokens, eos_id=model.eos_id)
+      self_condition=True, condition_width=model.config.d_model, reference_length=width,
+      canvases=canvases, eos_id=model.eos_id,
+      stop_ids=stop_ids(model) if model.eos_id is not None else ())
   return SamplerPlan(denoiser=network.denoiser(model.config, prompt_length), spec=spec)
 
 
 class Sampler:
-  """gemma's `DiffusionSampler` as a model's default (`plan`), one canvas as wide as the
-  generation (gemma denoises canvases of 256 in turn, each appended to the cache: the next
-  step of issue 58)."""
+  """gemma's `DiffusionSampler` as a model's default (`plan`): canvases in turn."""
 
   knobs = ("steps", "entropy_bound", "max_temperature", "min_temperature", "exponent",
-           "early_stop", "entropy_stop")
+           "early_stop", "entropy_stop", "reference_length")
   own_knobs = ()
   spec_defaults: dict = {}
 

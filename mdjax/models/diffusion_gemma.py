@@ -497,11 +497,49 @@ def _encode_condition(config, params, shaped_BxLxV):
   return encode_condition(config, params, shaped_BxLxV)
 
 
+def _real(config: DiffusionGemmaConfig, tokens: Array) -> Array:
+  """The tokens with every id outside the vocabulary (a canvas's mask id V) as padding:
+  such positions are never seen, but an embedding row past the table would be NaN."""
+  tokens = jnp.asarray(tokens, jnp.int32)
+  return jnp.where(tokens < config.vocab_size, tokens, config.pad_id)
+
+
+def _prefill(config, prompt_length, params, tokens_BxL, t_B, valid_BxL=None, condition=None):
+  """The full pass over the canvas (`forward`) and the cache its decoder reads: the first
+  `prompt_length` positions encoded, room for the rest of the canvas."""
+  logits = _apply(config, prompt_length, params, _real(config, tokens_BxL), t_B, valid_BxL,
+                  condition)
+  cache = init_cache(config, tokens_BxL.shape[0], tokens_BxL.shape[1])
+  if prompt_length:
+    valid = None if valid_BxL is None else valid_BxL[:, :prompt_length]
+    cache = encode(config, params, cache, _real(config, tokens_BxL[:, :prompt_length]), valid)
+  return logits, cache
+
+
+def _decode(config, params, cache, tokens_BxW, start, t_B, valid_BxL=None, condition=None):
+  """The canvas's decoder pass against the cache (`decode`), and the cache with the canvas
+  encoded after it (`encode`: gemma's `append_tokens_to_cache` of a finished canvas). The
+  canvas's positions follow the cache's, so `start` and the padding are the cache's."""
+  del start, t_B, valid_BxL
+  tokens_BxW = _real(config, tokens_BxW)
+  return (decode(config, params, cache, tokens_BxW, condition),
+          encode(config, params, cache, tokens_BxW))
+
+
 def denoiser(config: DiffusionGemmaConfig, prompt_length: int = 0) -> Denoiser:
   """The model as a `Denoiser` (t_B ignored) whose `apply` takes `condition=` and whose
   `encode_condition` makes it from a step's shaped logits; the first `prompt_length`
-  positions of a canvas run as the encoder (`forward`). Its functions are `layers.Bound`:
-  equal for equal configs, so equal Denoisers share programs."""
+  positions of a canvas run as the encoder (`forward`).
+
+  Its cached passes are the encoder and the decoder: `prefill(params, tokens_BxL, t_B,
+  valid_BxL)` -> (the canvas's logits, a cache of its first `prompt_length` positions
+  encoded, with room for the rest); `decode(params, cache, tokens_BxW, start, t_B,
+  condition=)` -> (the W tokens' logits as the decoder reading the cache, the cache with
+  them encoded after it). A caller that drops a pass's other output leaves XLA to drop its
+  work. Its functions are `layers.Bound`: equal for equal configs, so equal Denoisers share
+  programs."""
   return Denoiser(apply=layers.bind(_apply, config, prompt_length),
+                  prefill=layers.bind(_prefill, config, prompt_length),
+                  decode=layers.bind(_decode, config),
                   encode_condition=layers.bind(_encode_condition, config),
                   max_len=config.max_len)

@@ -41,6 +41,7 @@ from mdjax.sampling.families.bd3lm import BD3LMSpec
 from mdjax.sampling.families.confidence import ConfidenceSpec
 from mdjax.sampling.families.defer import DeferSpec
 from mdjax.sampling.families.diffusion_gemma import DiffusionGemmaSpec
+from mdjax.sampling.families.diffusion_gemma_canvases import DiffusionGemmaCanvasesSpec
 from mdjax.sampling.families.dream import DreamSpec
 from mdjax.sampling.families.entropy_bounded import EntropyBoundedSpec
 from mdjax.sampling.families.fast_dllm_v2 import FastDllmV2Spec
@@ -63,7 +64,7 @@ from mdjax.sampling.base import families  # noqa: E402,F811
 __all__ = [
     "AncestralSpec", "BD3LMSpec", "BlocksResult", "BoundDenoiser", "Canvas", "Carry",
     "ConfidenceSpec", "Counters", "Prepared", "Stepper", "prepare",
-    "DeferSpec", "Denoiser", "DiffusionGemmaSpec", "DreamSpec", "EndOfRow", "classifier_free",
+    "DeferSpec", "Denoiser", "DiffusionGemmaCanvasesSpec", "DiffusionGemmaSpec", "DreamSpec", "EndOfRow", "classifier_free",
     "EntropyBoundedSpec", "Family", "FastDllmV2Spec", "FieldOrderSpec", "IDLE_FRACTION_TO_SKIP", "KV_CACHES", "LLaDA21Spec", "LocalRemaskSpec", "MDLMSpec", "OrderedSpec",
     "RandomOrderSpec", "RemaskSpec",
     "RevisionSpec", "SCORES", "UniformAncestralSpec", "with_noise", "SampleResult", "SamplerSpec", "SpeculativeSpec", "families",

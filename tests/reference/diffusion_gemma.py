@@ -66,6 +66,7 @@ largest. A failing draw of the weights moves to the next seed.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import shutil
@@ -263,9 +264,55 @@ def _bf16_midpoint_distance(x) -> float:
   return float((np.abs(low - 0x8000) / 0x10000)[nonzero].min()) if nonzero.any() else 0.5
 
 
-def run_transcribed(model, params, sampler, rng, cache, full_mask):
+@functools.partial(jax.jit, static_argnames=("model", "sampler"))
+def transcribed_step(model, sampler, params, canvas, sc, sample_rng, current, target, done,
+                     cache, positions, attention, sliding):
+  """One step of `sample_next_canvas`'s loop body (gemma's `sample_step` and
+  `early_stop_fn`), jitted once per model, sampler and shapes; with the raw logits and the
+  routing intermediates of the step's transformer call."""
+  raw, state = model.apply(
+      {"params": params}, tokens=canvas, sc_embeddings=sc, cache=cache, positions=positions,
+      attention_mask=attention, sliding_attention_mask=sliding,
+      method=_transformer.DiffusionMixin.call_with_self_conditioning,
+      capture_intermediates=True, mutable=["intermediates"])
+  out = sampler.sample_step(
+      canvas=canvas, sc_embeddings=sc, cache=cache, positions=positions,
+      attention_mask=attention, sliding_attention_mask=sliding,
+      current_noise_proportion=current, target_noise_proportion=target, params=params,
+      rng=sample_rng)
+  new_done = done | sampler.early_stop_fn.should_stop(
+      step=jnp.int32(0), canvas=out.sampled_tokens, previous_canvas=canvas, logits=out.logits)
+  written = jnp.where(done[:, None], canvas, out.sampled_tokens)
+  return raw.logits, state["intermediates"], out, new_done, written
+
+
+def entropy_threshold_of(stop_fn) -> float | None:
+  """The threshold of an `EntropyEarlyStop`, alone or in a `ChainedEarlyStop` (None: none)."""
+  for fn in getattr(stop_fn, "early_stop_fns", (stop_fn,)):
+    if hasattr(fn, "entropy_threshold"):
+      return fn.entropy_threshold
+  return None
+
+
+def flipped_bf16(x, near: float):
+  """`x` (float32) rounded to bfloat16, except that a value within `near` bfloat16 ulps of a
+  rounding midpoint takes the other neighbour: the rounding a last-bit difference in `x`
+  could have given it."""
+  bits = np.asarray(x, np.float32).view(np.uint32).astype(np.int64)
+  low, upper = bits & 0xFFFF, bits >> 16
+  up = (low > 0x8000) | ((low == 0x8000) & (upper % 2 == 1))  # round to nearest, ties even
+  nearest = upper + up
+  flip = np.abs(low - 0x8000) / 0x10000 < near
+  chosen = np.where(flip, np.where(up, upper, upper + 1), nearest)
+  return jnp.asarray(((chosen << 16) & 0xFFFFFFFF).astype(np.uint32).view(np.float32),
+                     jnp.bfloat16)
+
+
+def run_transcribed(model, params, sampler, rng, cache, full_mask, flip_near: float = 0.0):
   """`sample_next_canvas`'s loop, step by step with gemma's `sample_step` and
-  `early_stop_fn`, recording each step's inputs, outputs and margins."""
+  `early_stop_fn`, recording each step's inputs, outputs and margins. With `flip_near` > 0,
+  each self-conditioning embedding within that many bfloat16 ulps of a rounding midpoint is
+  rounded the other way (`flipped_bf16`)."""
   initial_rng, step_rng = jax.random.split(rng)
   if cache is None:
     end, length = None, None
@@ -290,24 +337,11 @@ def run_transcribed(model, params, sampler, rng, cache, full_mask):
                               stop=np.inf, route=np.inf, sc_midpoint=0.5)
   bound = sampler.sample_from_predictions.entropy_bound
   stop_fn = sampler.early_stop_fn
-  threshold = getattr(stop_fn, "entropy_threshold", None)
+  threshold = entropy_threshold_of(stop_fn)
 
-  @jax.jit
   def one_step(canvas, sc, sample_rng, current, target, done, cache):
-    raw, state = model.apply(
-        {"params": params}, tokens=canvas, sc_embeddings=sc, cache=cache, positions=positions,
-        attention_mask=attention, sliding_attention_mask=sliding,
-        method=_transformer.DiffusionMixin.call_with_self_conditioning,
-        capture_intermediates=True, mutable=["intermediates"])
-    out = sampler.sample_step(
-        canvas=canvas, sc_embeddings=sc, cache=cache, positions=positions,
-        attention_mask=attention, sliding_attention_mask=sliding,
-        current_noise_proportion=current, target_noise_proportion=target, params=params,
-        rng=sample_rng)
-    new_done = done | stop_fn.should_stop(step=jnp.int32(0), canvas=out.sampled_tokens,
-                                          previous_canvas=canvas, logits=out.logits)
-    written = jnp.where(done[:, None], canvas, out.sampled_tokens)
-    return raw.logits, state["intermediates"], out, new_done, written
+    return transcribed_step(model, sampler, params, canvas, sc, sample_rng, current, target,
+                            done, cache, positions, attention, sliding)
 
   for step in range(steps):
     if bool(jnp.all(done)):
@@ -352,7 +386,8 @@ def run_transcribed(model, params, sampler, rng, cache, full_mask):
                         sc_out=np.asarray(out.sc_embeddings, np.float32),
                         done=np.asarray(new_done)))
     canvas, done = written, new_done
-    sc = out.sc_embeddings.astype(jnp.bfloat16)
+    sc = (flipped_bf16(out.sc_embeddings, flip_near) if flip_near
+          else out.sc_embeddings.astype(jnp.bfloat16))
   return np.asarray(canvas), records, margins
 
 

@@ -45,7 +45,8 @@ def _recorded(spec):
 
 # Families registered after the recording: the contract suite alone covers them.
 NEWER_FAMILIES = ("entropy_bounded", "dream", "mdlm", "bd3lm", "fast_dllm_v2", "uniform_ancestral",
-                  "diffusion_gemma", "llada21", "learned_commit", "order_policy")
+                  "diffusion_gemma", "llada21", "learned_commit", "order_policy",
+                  "diffusion_gemma_canvases")
 
 # The contract tests' examples of every other family, as those tests run them (trajectories
 # on). The oracle and model cases below are fewer: each compiles a large denoiser.

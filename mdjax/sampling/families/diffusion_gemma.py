@@ -92,8 +92,9 @@ class DiffusionGemmaSpec(SamplerSpec):
   reference_draws: bool = knob(False, help="Draw as google-deepmind/gemma's DiffusionSampler "
                                "does with the row's key (module docstring); needs "
                                "reference_length.")
-  reference_length: int | None = knob(None, help="With reference_draws: the generated "
-                                      "positions, the last of the canvas.", minimum=1)
+  reference_length: int | None = knob(None, help="With reference_draws: the canvas's "
+                                      "width, its last positions (gemma's canvas_length).",
+                                      minimum=1)
 
   def __post_init__(self):
     super().__post_init__()

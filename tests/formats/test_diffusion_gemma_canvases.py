@@ -1,0 +1,194 @@
+"""DiffusionGemma's whole sampler, several canvases in turn, against gemma's `DiffusionSampler`
+(tests/reference/diffusion_gemma_canvases.py wrote canvases.npz / canvases.json): the decoder's
+logits after finished canvases were appended to the cache, and `mdjax.generate` of the tiny
+checkpoint (its default sampler: the `diffusion_gemma_canvases` family) with key k equal to
+the tokens gemma's sampler wrote with rng fold_in(key(k), row), for every run the writer found
+replay-stable. As for one canvas (tests/formats/test_diffusion_gemma_sampler.py), the equality
+holds under the suite's XLA flags (tests/conftest.py)."""
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mdjax
+from mdjax import sampling
+from mdjax.errors import ArgumentError
+from mdjax.models import diffusion_gemma as network
+from tests.formats import family_fixtures
+from tests.formats.test_diffusion_gemma import decode, encode, model
+
+FOLDER = family_fixtures.folder("diffusion_gemma")
+WIDTH, NEW, PROMPT = 8, 24, 9
+END = (1, 106, 50)  # gemma's Sampler: EOS, end of turn, begin of tool response
+CASES = ("k4_b2", "k8_b4_entropy_stop")  # no early stop; the entropy stop
+
+
+@functools.cache
+def fixture() -> dict:
+  return json.loads((FOLDER / "canvases.json").read_text())
+
+
+@functools.cache
+def runs() -> dict:
+  return {run["name"]: run for run in fixture()["runs"]}
+
+
+@functools.cache
+def arrays() -> dict:
+  with np.load(FOLDER / "canvases.npz") as z:
+    return dict(z)
+
+
+def prompts() -> np.ndarray:
+  return family_fixtures.reference("diffusion_gemma")["prompt_BxP"]
+
+
+def knobs(run: dict) -> dict:
+  """The default sampler's knobs for a case (gemma's temperatures, canvases of 8)."""
+  return dict(steps=run["steps"], entropy_bound=run["entropy_bound"], early_stop=False,
+              entropy_stop=run["threshold"], reference_length=WIDTH)
+
+
+def completion(tokens: np.ndarray) -> np.ndarray:
+  """gemma's tokens as an mdjax completion: up to its first end token, EOS and end of turn
+  left out (`Model.stop_ids`), begin of tool response kept."""
+  for i, token in enumerate(tokens):
+    if token in END:
+      return tokens[:i + (token == 50)]
+  return tokens
+
+
+def test_the_fixture_records_stops_between_canvases_and_gemmas_batch_coupling():
+  """Runs that end at an end token before their last canvas and runs that fill all three;
+  canvases the entropy stop ends early; stable means replayed, robust to rounding flips of
+  the self-conditioning embeddings, with every decision clear of 1e-4. gemma's batch of two rows with one rng: its first row is that prompt alone with the
+  rng (its draws in the batch's shape begin with the row's own), its second row is not."""
+  every = list(runs().values())
+  assert {r["canvases_run"] for r in every} == {1, 2, 3}
+  assert any(r["stopped"] and r["canvases_run"] < 3 for r in every)
+  assert any(not r["stopped"] for r in every)
+  for r in every:
+    assert len(r["canvas_steps"]) == r["canvases_run"]
+    assert (min(r["canvas_steps"]) < r["steps"]) == (r["threshold"] is not None), r["name"]
+  for r in every:
+    clear = all(m is None or m > 1e-4 for k, m in r["margins"].items() if k != "sc_midpoint")
+    assert r["stable"] == (r["replays"] and r["robust"] and clear), r["name"]
+  for case in CASES:
+    for which in ("none", "p0", "p1"):
+      stable = [r for r in every if (r["case"], r["prompt"]) == (case, which) and r["stable"]]
+      assert len(stable) >= 2, (case, which)
+  assert fixture()["batch"]["rows_equal_alone"] == [True, False]
+
+
+def _cache_after(c: int, run: dict, config, params):
+  """The cache gemma's sampler had before canvas c: the prompt (if any) and canvases 0..c-1
+  of the run, each appended by the encoder pass."""
+  tokens = arrays()[f"{run['name']}/tokens"]
+  cache = network.init_cache(config, 1, PROMPT + NEW)
+  if run["prompt"] != "none":
+    cache = encode(config, params, cache, prompts()[run["row"]][None])
+  for k in range(c):
+    cache = encode(config, params, cache, tokens[None, k * WIDTH:(k + 1) * WIDTH])
+  return cache
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["k4_b2_p0_0", "k8_b4_entropy_stop_none_0"])
+def test_each_canvas_reads_the_canvases_appended_before_it(name):
+  """Every recorded step of every canvas: mdjax's decoder logits from the step's canvas and
+  self-conditioning embeddings, after the earlier canvases were appended to the cache, within
+  1e-4 of the largest of gemma's."""
+  run, z, m = runs()[name], arrays(), model()
+  checked = 0
+  for c in range(run["canvases_run"]):
+    cache = _cache_after(c, run, m.config, m.params)
+    steps_canvas, steps_sc = z[f"{name}/c{c}/steps_canvas"], z[f"{name}/c{c}/steps_sc"]
+    for i, expected in enumerate(z[f"{name}/c{c}/steps_logits"]):
+      got = decode(m.config, m.params, cache, steps_canvas[i], steps_sc[i])
+      np.testing.assert_allclose(np.asarray(got), expected, rtol=0,
+                                 atol=family_fixtures.tolerance(expected, 1e-4),
+                                 err_msg=f"canvas {c} step {i}")
+      checked += 1
+  assert checked >= run["canvases_run"]
+
+
+def _compare(case: str, which: str, rows: list[str]):
+  """`mdjax.generate` of the default sampler for every seed of a case, the prompts `rows`
+  as one batch (row r draws with fold_in(key, r)); each row's completion against gemma's
+  tokens for its stable runs."""
+  m = model()
+  compared = 0
+  for seed in fixture()["seeds"]:
+    names = [f"{case}_{row}_{seed}" for row in rows]
+    batch = [[] if row == "none" else prompts()[runs()[n]["row"]].tolist()
+             for row, n in zip(rows, names)]
+    out = mdjax.generate(m, batch, max_new_tokens=NEW, key=seed, **knobs(runs()[names[0]]))
+    for name, got in zip(names, out):
+      if not runs()[name]["stable"]:
+        continue
+      tokens = arrays()[f"{name}/tokens"]
+      np.testing.assert_array_equal(got.token_ids, completion(tokens), err_msg=name)
+      assert got.finish_reason == ("stop" if runs()[name]["stopped"] else "length"), name
+      compared += 1
+  assert compared >= 2, f"{case} {which}: {compared} stable runs compared"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_generate_without_a_prompt_equals_gemma(case):
+  _compare(case, "none", ["none"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_generate_of_two_prompts_equals_gemma_row_by_row(case):
+  """Both prompt rows in one batch: row r is gemma's run with rng fold_in(key(seed), r)."""
+  _compare(case, "p0 p1", ["p0", "p1"])
+
+
+def test_the_default_sampler_lays_out_canvases():
+  """gemma's Sampler: canvases of reference_length (256 by default), its end tokens, 48 steps
+  a canvas; up to one canvas's width, one canvas of max_new_tokens; a length that does not
+  fill whole canvases is refused by name."""
+  m = model()
+  spec = m.sampler.plan(m, prompt_length=PROMPT, max_new_tokens=NEW, reference_length=WIDTH).spec
+  assert isinstance(spec, sampling.DiffusionGemmaCanvasesSpec)
+  assert (spec.reference_length, spec.canvases, spec.steps) == (WIDTH, 3, 48)
+  assert (spec.stop_ids, spec.eos_id) == (END, 1)
+  assert (spec.self_condition, spec.final_renoise, spec.early_stop, spec.entropy_stop) == (
+      True, True, True, 0.005)
+  one = m.sampler.plan(m, prompt_length=PROMPT, max_new_tokens=40).spec
+  assert (one.reference_length, one.canvases) == (40, 1)
+  assert m.sampler.plan(m, prompt_length=0, max_new_tokens=512).spec.canvases == 2
+  with pytest.raises(ArgumentError, match="max_new_tokens=20 spans canvases"):
+    m.sampler.plan(m, prompt_length=PROMPT, max_new_tokens=20, reference_length=WIDTH)
+  with pytest.raises(ArgumentError, match="reference_length"):
+    m.sampler.plan(m, prompt_length=PROMPT, max_new_tokens=20, reference_length=0)
+  with pytest.raises(ValueError, match="canvases"):
+    sampling.DiffusionGemmaCanvasesSpec(steps=2, reference_length=4, canvases=0)
+  with pytest.raises(ValueError, match="reference_draws"):
+    sampling.DiffusionGemmaCanvasesSpec(steps=2, reference_length=4, reference_draws=False)
+
+
+@pytest.mark.slow
+def test_a_batch_row_is_its_prompt_alone_with_its_key():
+  """The key rule `generate` documents: row r of a batch draws with fold_in(key, r), so a
+  row equals its prompt run alone with the row key (gemma's batch rows do not: the fixture's
+  `batch`). On the family directly, one compile: two canvases of 4 after the prompt."""
+  m = model()
+  spec = sampling.DiffusionGemmaCanvasesSpec(steps=2, entropy_bound=1.0, reference_length=4,
+                                             canvases=2, self_condition=True,
+                                             condition_width=32, final_renoise=True)
+  canvas = np.concatenate([prompts(), np.full((2, 8), 128, np.int32)], 1)
+  denoiser = network.denoiser(m.config, PROMPT)
+  keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(3), jnp.arange(2))
+  both = np.asarray(sampling.sample(denoiser, m.params, keys, canvas, spec,
+                                    mask_id=128).tokens_BxL)
+  for r in range(2):
+    alone = sampling.sample(denoiser, m.params, keys[r:r + 1], canvas[r:r + 1], spec,
+                            mask_id=128)
+    np.testing.assert_array_equal(np.asarray(alone.tokens_BxL)[0], both[r])

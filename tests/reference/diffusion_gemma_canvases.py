@@ -1,0 +1,229 @@
+"""Writes tests/fixtures/diffusion_gemma/canvases.npz and canvases.json with google-deepmind/
+gemma's own code: its whole `DiffusionSampler` (several canvases in turn) on the committed tiny
+model (tests/fixtures/diffusion_gemma/params, read back with `gm.ckpts.load_params`; the
+other fixture files are left as they are).
+
+Runs where tests/reference/diffusion_gemma.py runs (its docstring: gemma 7691fd4e from source,
+Python 3.12, mdjax not imported):
+
+  PYTHONPATH=SRC:. /work/venv312/bin/python -m tests.reference.diffusion_gemma_canvases
+
+What it records, for CASES x SEEDS x PROMPTS (batch 1 each, canvases of 8, max_new_tokens 24:
+three canvases, end tokens (1, 106, 50): gemma's `Sampler` with the Gemma 4 tokenizer's EOS,
+end of turn and begin of tool response):
+
+  each run's `rng` (jax.random.fold_in(jax.random.key(seed), row): what `mdjax.generate(...,
+  key=seed)` gives row `row`, so the prompt "p1" runs as the second row of a batch) and the
+  tokens gemma's compiled loop wrote (`SamplerLoop._sample_loop` over `_sample_step`:
+  `sample_next_canvas`, `_truncate_canvas_at_stop_tokens`, `append_tokens_to_cache`, the key
+  split between canvases, the end when a canvas holds an end token; predicted_tokens after
+  `_mask_tokens_after_end_tokens`). Prompts: none (the sampler starts from an empty cache),
+  the fixture's prompt rows 0 ("p0") and 1 ("p1"), prefilled by gemma's `prefill`.
+
+  Each run again, transcribed canvas by canvas (`diffusion_gemma.run_transcribed`: gemma's
+  `sample_step` and `early_stop_fn` jitted a step, then its truncation and cache append):
+  `replays` when its tokens are the compiled loop's; `robust` when they stay the same with
+  every self-conditioning embedding within FLIP_NEAR bfloat16 ulps of a rounding midpoint
+  rounded the other way (what mdjax's last-bit float32 differences could do to them); every
+  decision's margin (the draws, the argmax gaps, the entropy bound's cut, the entropy stop's
+  threshold, the routing); `stable` when it replays, is robust and every margin clears 1e-4;
+  each canvas's steps run (`canvas_steps`: fewer than
+  max_denoising_steps where the entropy stop ended it). For the seed in
+  STEP_RECORDS, each canvas's steps (canvas, key, raw logits): the decoder's logits read the
+  cache after the canvases before it were appended.
+
+  `batch`: gemma's sampler on both prompt rows at once (batch 2, rng key(BATCH_SEED)) against
+  each row alone with that rng: gemma draws a batch's rows from one key in the batch's shape,
+  so a row of a batch is not the row run alone (`rows_equal_alone`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gemma.diffusion import _early_stopping, _sampler
+from gemma.gm.ckpts import _checkpoint
+from gemma.gm.text import _prefill, _sampler_loop
+from gemma.gm.utils import _types
+
+from tests.reference import diffusion_gemma as base
+
+OUT = base.OUT
+WIDTH, CANVASES = base.CANVAS, 3
+NEW = WIDTH * CANVASES
+CACHE = 48  # room for the prompt and three canvases (gemma stops when its cache is full)
+END_TOKENS = (1, 106, 50)
+# mdjax's float32 logits lie within ~2.4e-6 of gemma's largest; its self-conditioning
+# embeddings then within about 1e-5 of their size, 3e-3 bfloat16 ulps: a run is robust when
+# rounding every embedding this close to a bfloat16 midpoint the other way changes no token.
+FLIP_NEAR = 0.01
+SEEDS = tuple(range(8))
+STEP_RECORDS = (0,)
+BATCH_SEED = 0
+PROMPTS = ("none", "p0", "p1")
+CASES = (  # name, max_denoising_steps, entropy_bound, early stop
+    dict(name="k4_b2", steps=4, entropy_bound=2.0),
+    dict(name="k8_b4_entropy_stop", steps=8, entropy_bound=4.0, entropy_stop=True),
+)
+
+
+def sampler_of(model, case: dict, threshold: float | None) -> _sampler.DiffusionSampler:
+  """gemma's `DiffusionSampler` as its `Sampler` makes it, with the case's settings; with
+  `entropy_stop`, its `EntropyEarlyStop` at `threshold` (the token-stability half of its
+  ChatSampler's default never fires on this random model, so it would stop nothing)."""
+  stop = _early_stopping.NoEarlyStop()
+  if case.get("entropy_stop"):
+    stop = _early_stopping.EntropyEarlyStop(entropy_threshold=threshold)
+  return _sampler.DiffusionSampler(
+      model=model, end_tokens=END_TOKENS, forbidden_tokens=None, sampling=None,
+      cache_length=CACHE, special_tokens=None, canvas_length=WIDTH,
+      max_denoising_steps=case["steps"], text_vocab_size=base.VOCAB,
+      sliding_window_size=base.WINDOW, early_stop_fn=stop,
+      sample_from_predictions=_sampler.SampleFromPredictions(
+          entropy_bound=case["entropy_bound"], text_vocab_size=base.VOCAB))
+
+
+def initial_state(model, params, prompt, rng) -> _sampler_loop.SamplingState:
+  """The sampling loop's state before the first canvas: gemma's `prefill` of the prompt
+  (B x P), or for None an empty cache (no prompt: the first canvas sees only itself)."""
+  if prompt is not None:
+    return _prefill.prefill(
+        model=model, params=params,
+        input=_types.Input(text=jnp.asarray(prompt), images=None,
+                           config=model.config.input_config),
+        last_state=None, cache_length=CACHE, max_out_length=NEW, rng=rng, sharding=None)
+  zeros = jnp.zeros((1,), jnp.int32)
+  return _sampler_loop.SamplingState(
+      step=jnp.asarray(0), done=jnp.zeros((1,), bool), last_token=zeros,
+      last_token_pos=zeros, predicted_tokens=jnp.zeros((1, NEW), jnp.int32),
+      cache=model.init_cache(batch_size=1, dtype=jnp.float32, cache_length=CACHE), rng=rng,
+      init_cache_length=jnp.asarray(0), full_attention_mask=jnp.ones((1, CACHE), bool))
+
+
+def compiled_run(model, params, sampler, prompt, rng) -> np.ndarray:
+  """gemma's compiled sampling loop: the predicted tokens (B x NEW)."""
+  state = initial_state(model, params, prompt, rng)
+  out = sampler.sample(params=params, init_state=state, max_new_tokens=jnp.asarray(NEW))
+  return np.asarray(out.predicted_tokens)
+
+
+def transcribed_run(model, params, sampler, prompt, rng, flip_near: float = 0.0):
+  """The loop canvas by canvas: `run_transcribed` per canvas (`flip_near`: its rounding
+  flips), then gemma's truncation and append. Returns (tokens NEW, canvases run, the margins,
+  each canvas's step records)."""
+  state = initial_state(model, params, prompt, rng)
+  cache, full_mask, rng = state.cache, state.full_attention_mask, state.rng
+  canvases, records, margins = [], [], {}
+  for _ in range(CANVASES):
+    rng, sample_rng = jax.random.split(rng)
+    canvas, steps, canvas_margins = base.run_transcribed(
+        model, params, sampler, jax.random.key_data(sample_rng), cache, full_mask, flip_near)
+    for key, value in canvas_margins.items():
+      margins[key] = min(margins.get(key, np.inf), value)
+    truncated, stopped = _sampler._truncate_canvas_at_stop_tokens(  # pylint: disable=protected-access
+        jnp.asarray(canvas), end_tokens=END_TOKENS, canvas_length=WIDTH,
+        done=jnp.zeros((1,), bool))
+    cache = sampler.append_tokens_to_cache(tokens=truncated, cache=cache, params=params)
+    canvases.append(np.asarray(truncated)[0])
+    records.append(steps)
+    if bool(stopped[0]):
+      break
+  tokens = np.zeros(NEW, np.int32)
+  tokens[:WIDTH * len(canvases)] = np.concatenate(canvases)
+  tokens = np.asarray(_sampler_loop._mask_tokens_after_end_tokens(  # pylint: disable=protected-access
+      jnp.asarray(tokens)[None], end_tokens=END_TOKENS))[0]
+  return tokens, len(canvases), margins, records
+
+
+def threshold_of(model, params, case: dict, prompt) -> float | None:
+  """The entropy-stop case's threshold: the one `diffusion_gemma.entropy_threshold` finds for
+  the first seed's first canvas (crossed half-way), so rows stop early in most canvases."""
+  if not case.get("entropy_stop"):
+    return None
+  state = initial_state(model, params, prompt, jax.random.fold_in(jax.random.key(SEEDS[0]), 0))
+  _, sample_rng = jax.random.split(state.rng)
+  probe = dict(case, name=case["name"])
+  return base.entropy_threshold(model, params, probe, jax.random.key_data(sample_rng),
+                                state.cache, state.full_attention_mask)
+
+
+def write_runs(model, params, prompts_BxP: np.ndarray) -> tuple[dict, list]:
+  arrays, runs = {}, []
+  for case in CASES:
+    # One threshold a case (probed with the first prompt row), as one sampler runs a batch.
+    threshold = threshold_of(model, params, case, prompts_BxP[:1])
+    sampler = sampler_of(model, case, threshold)
+    for which in PROMPTS:
+      row = 1 if which == "p1" else 0
+      prompt = None if which == "none" else prompts_BxP[row:row + 1]
+      for seed in SEEDS:
+        rng = jax.random.fold_in(jax.random.key(seed), row)
+        compiled = compiled_run(model, params, sampler, prompt, rng)[0]
+        tokens, canvases, margins, records = transcribed_run(model, params, sampler, prompt,
+                                                             rng)
+        replays = bool((tokens == compiled).all())
+        flipped = transcribed_run(model, params, sampler, prompt, rng, FLIP_NEAR)[0]
+        robust = bool((flipped == compiled).all())
+        stable = replays and robust and all(margins[k] > base.MARGIN for k in
+                                            ("draw", "argmax", "cut", "order", "stop", "route"))
+        name = f"{case['name']}_{which}_{seed}"
+        stopped = bool(np.isin(compiled, END_TOKENS).any())
+        print(name, "replays" if replays else "DOES NOT REPLAY",
+              "robust" if robust else "NOT ROBUST", f"canvases {canvases}",
+              "stopped" if stopped else "", {k: f"{v:.1e}" for k, v in margins.items()})
+        runs.append(dict(name=name, case=case["name"], steps=case["steps"],
+                         entropy_bound=case["entropy_bound"],
+                         threshold=threshold, prompt=which, seed=seed, row=row,
+                         canvases_run=canvases, canvas_steps=[len(r) for r in records],
+                         stopped=stopped, replays=replays, robust=robust,
+                         stable=bool(stable),
+                         margins={k: (None if v == np.inf else float(v))
+                                  for k, v in margins.items()}))
+        arrays[f"{name}/tokens"] = compiled
+        arrays[f"{name}/rng"] = np.asarray(jax.random.key_data(rng))
+        if seed not in STEP_RECORDS:
+          continue
+        for c, steps in enumerate(records):
+          for field in ("canvas", "key", "logits", "sampled", "sc"):
+            arrays[f"{name}/c{c}/steps_{field}"] = np.stack([r[field] for r in steps])
+  return arrays, runs
+
+
+def write_batch(model, params, prompts_BxP: np.ndarray) -> tuple[dict, dict]:
+  """gemma's sampler on the two prompt rows at once, and each alone, with one rng."""
+  case = CASES[0]
+  sampler = sampler_of(model, case, None)
+  rng = jax.random.key(BATCH_SEED)
+  together = compiled_run(model, params, sampler, prompts_BxP, rng)
+  alone = np.concatenate([compiled_run(model, params, sampler, prompts_BxP[r:r + 1], rng)
+                          for r in range(len(prompts_BxP))])
+  equal = [bool((together[r] == alone[r]).all()) for r in range(len(prompts_BxP))]
+  print("batch of two, rows equal to the rows alone:", equal)
+  return ({"batch/together": together, "batch/alone": alone},
+          dict(case=case["name"], seed=BATCH_SEED, rows_equal_alone=equal))
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", type=pathlib.Path, default=OUT)
+  args = parser.parse_args(argv)
+  params = _checkpoint.load_params(str((args.out / "params").resolve()))
+  prompts = np.load(args.out / "reference.npz")["prompt_BxP"]
+  model = base.build_model()
+  arrays, runs = write_runs(model, params, prompts)
+  batch_arrays, batch = write_batch(model, params, prompts)
+  np.savez_compressed(args.out / "canvases.npz", **arrays, **batch_arrays)
+  (args.out / "canvases.json").write_text(json.dumps(dict(
+      width=WIDTH, canvases=CANVASES, max_new_tokens=NEW, end_tokens=list(END_TOKENS),
+      vocab=base.VOCAB, seeds=list(SEEDS), runs=runs, batch=batch), indent=1) + "\n")
+  print(f"canvases: {sum(r['stable'] for r in runs)} of {len(runs)} runs stable, "
+        f"{sum(r['stopped'] for r in runs)} stopped at an end token")
+
+
+if __name__ == "__main__":
+  main()
