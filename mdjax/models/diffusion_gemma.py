@@ -526,6 +526,24 @@ def _decode(config, params, cache, tokens_BxW, start, t_B, valid_BxL=None, condi
           encode(config, params, cache, tokens_BxW))
 
 
+def _train_apply(config, vocab, params, tokens_BxL, t_B, valid_BxL=None, condition=None):
+  params = jax.tree.map(lambda p: p.astype(config.jnp_dtype), params)
+  logits = _apply(config, 0, params, tokens_BxL, t_B, valid_BxL, condition)
+  return logits if vocab is None else logits[..., :vocab]
+
+
+def training_denoiser(config: DiffusionGemmaConfig, vocab: int | None = None) -> Denoiser:
+  """The network as a fine-tuning run trains it (`train.init_from` a DiffusionGemma params
+  checkpoint): float32 master parameters cast to `config.dtype`, every position a decoder
+  position (a sequence noised whole, as the NELBO of `objective='nelbo'` noises it), the
+  logits of ids [0, vocab) when the task has fewer ids than the vocabulary (vocab None:
+  all, and the self-conditioning input). Equal arguments give equal values."""
+  return Denoiser(apply=layers.bind(_train_apply, config, vocab),
+                  encode_condition=(None if vocab is not None
+                                    else layers.bind(_encode_condition, config)),
+                  max_len=config.max_len)
+
+
 def denoiser(config: DiffusionGemmaConfig, prompt_length: int = 0) -> Denoiser:
   """The model as a `Denoiser` (t_B ignored) whose `apply` takes `condition=` and whose
   `encode_condition` makes it from a step's shaped logits; the first `prompt_length`

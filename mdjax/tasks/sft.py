@@ -172,9 +172,12 @@ def split_start(start: str) -> tuple[str, str]:
                      "folder) or an mdjax workdir; set train.init_from.")
   if start.startswith(PRETRAINED_PREFIX):
     folder = start[len(PRETRAINED_PREFIX):]
-    if not os.path.isfile(os.path.join(folder, "config.json")):
+    # gemma's params checkpoints (DiffusionGemma) hold no config.json: imported here only.
+    from mdjax.io import gemma_params
+    if not (os.path.isfile(os.path.join(folder, "config.json"))
+            or gemma_params.is_checkpoint(folder)):
       raise ValueError(f"start={start!r}: {folder!r} is not a folder with config.json (a "
-                       "published diffusion LM checkpoint).")
+                       "published diffusion LM checkpoint) or gemma's params checkpoint.")
     return "pretrained", folder
   if not os.path.isdir(os.path.join(start, "checkpoints")):
     raise ValueError(f"start={start!r} is not an mdjax workdir (it has no checkpoints/); a "

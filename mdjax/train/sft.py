@@ -43,7 +43,7 @@ from mdjax.denoiser import Denoiser
 from mdjax.io import record, tensors
 from mdjax.models import published as published_model
 from mdjax.tasks import sft as sft_data
-from mdjax.train import objectives, state_io
+from mdjax.train import gemma_start, objectives, state_io
 from mdjax.train.config_checks import ConfigError
 from mdjax.train.state import model_config
 
@@ -71,6 +71,8 @@ def _start_fields(start: str, objective: str = "sft"
   """(model fields, where they were read, the longest sequence or None, the block size of a
   block-causal published start or None, the noise it was trained under) of a start point."""
   kind, where = sft_data.split_start(start)
+  if kind == "pretrained" and gemma_start.is_start(where):  # DiffusionGemma's orbax params
+    return gemma_start.start_fields(where, objective)
   if kind == "pretrained":
     config, _ = sft_data.published_config(where)
     return (_published_fields(config, objective), os.path.join(where, "config.json"),
@@ -238,6 +240,8 @@ def start_model(config, task):
     return None
   config = resolve_config(config)  # the model fields the config leaves to the start point
   kind, where = sft_data.split_start(config.train.init_from)
+  if kind == "pretrained" and gemma_start.is_start(where):
+    return gemma_start.start_model(config, task, where, _same_tokenizer)
   if kind == "pretrained":
     model = io.load(where)
     vocab = None
@@ -331,21 +335,25 @@ def export(config, state, workdir: str, log=print) -> str | None:
   kind, folder = sft_data.split_start(init_from)
   if kind != "pretrained":
     return None
-  _, raw = sft_data.published_config(folder)
-  dtype = _native_dtype(folder)
-  published = formats.detect(raw, folder).config_from_hf(raw, dtype)
   params = state.ema_params if state.ema_params is not None else state.params
   params = lora.merged(config, params)  # LoRA's adapters folded into the weights (or as is)
-  model = record.published_model(
-      params=jax.tree.map(_on_host, params), config=published, family=published.family,
-      source=os.path.abspath(folder), hf_config=raw)
+  params = jax.tree.map(_on_host, params)
+  if gemma_start.is_start(folder):  # gemma's params layout, the start's dtype
+    model, write = gemma_start.trained_model(params, folder), gemma_start.save
+  else:
+    _, raw = sft_data.published_config(folder)
+    dtype = _native_dtype(folder)
+    published = formats.detect(raw, folder).config_from_hf(raw, dtype)
+    model = record.published_model(params=params, config=published, family=published.family,
+                                   source=os.path.abspath(folder), hf_config=raw)
+    write = functools.partial(io.save, dtype=dtype)
   out = os.path.join(workdir, EXPORT_DIR)
   partial = out + ".partial"
   _remove(partial)
-  io.save(model, partial, dtype=dtype)
+  write(model, partial)
   _remove(out)
   os.rename(partial, out)  # a complete folder or none
-  log(f"trained {published.family} folder: {out} (step {int(state.step)}; "
+  log(f"trained {model.family} folder: {out} (step {int(state.step)}; "
       f"mdjax.load or sample.py --pretrained={out})")
   return out
 
