@@ -23,7 +23,7 @@ from ml_collections import config_dict
 
 from configs.base import base_config
 
-_FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
                         "fixtures", "diffusion_gemma", "params")
 
 
@@ -37,7 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict({
       name: config_dict.placeholder(type(value) if value is not None else int)
       for name, value in c.model.items()})
-  c.train.init_from = "pretrained:" + _FIXTURE
+  c.train.init_from = "pretrained:" + FIXTURE
   c.train.lora.update(rank=4, alpha=8.0, targets=("q", "k", "o"))
   c.train.update(num_steps=20, lr=1e-2, lr_floor=1.0, warmup_steps=0, weight_decay=0.0,
                  ema_decay=0.0)

@@ -1,5 +1,7 @@
 """SDAR, Fast-dLLM v2 and LLaDA2: parity with the published code, the cached decoders against
-the uncached ones and the published loops, and the memory each published size needs.
+the uncached ones and the published loops, and the memory each published size needs;
+DiffusionGemma against gemma's own sampler and LLaDA2.1's editing decoder
+(`mdjax.bench.families_gemma`: the "diffusion_gemma" and "llada21" sections).
 
   python -m mdjax.bench.families [--out=results] [--repeats=3]   # from the repository root
   python experiments/families_bench.py                           # the same
@@ -44,7 +46,8 @@ batch-1 cache of 32k tokens with a fifth of the memory left for activations.
 
 --gpu: the decoders (mdjax's, cached and uncached) on the published shapes of GPU_SHAPES
 (SDAR-1.7B, LLaDA2.0-mini: 3.4 GB and 32.5 GB of bfloat16 weights) with random weights, 128
-prompt and 256 new tokens, batch 1 and 8 -> families_gpu.json. Not run on a CPU.
+prompt and 256 new tokens, batch 1 and 8, and DiffusionGemma 26B-A4B's shape (47 GiB; a
+canvas of 256 after 128, 48 steps) -> families_gpu.json. Not run on a CPU.
 
 Writes results/families.json; fixed seeds.
 """
@@ -67,7 +70,7 @@ import numpy as np
 
 import mdjax
 from mdjax import formats, generation, io, sampling
-from mdjax.bench import timing
+from mdjax.bench import families_gemma, timing
 from mdjax.io import record
 from mdjax.models import moe, published
 
@@ -223,17 +226,19 @@ def small_model(family: str, folder: str):
   return mdjax.load(folder)
 
 
-def decoder_rows(repeats: int) -> tuple[list[dict], list[dict]]:
-  """(the timed decoders at SETTINGS, every sampler family's run) on the small model of each
-  family of FAMILIES; the published loops where torch imports."""
-  rows, samplers = [], []
+def decoder_rows(repeats: int) -> tuple[list[dict], list[dict], list[dict]]:
+  """(the timed decoders at SETTINGS, every sampler family's run, LLaDA2.1's editing decoder)
+  on the small model of each family of FAMILIES; the published loops where torch imports."""
+  rows, samplers, llada21 = [], [], []
   for family in FAMILIES:
     with tempfile.TemporaryDirectory() as folder:
       model = small_model(family, folder)
       loop = _reference_loop(family, folder)
     rows += timed_decoders(model, loop, repeats, SETTINGS, GREEDY[family])
     samplers += sampler_rows(model)
-  return rows, samplers
+    if family == "llada2":
+      llada21 = families_gemma.llada21_rows(model, timed_decoders, repeats, SETTINGS)
+  return rows, samplers, llada21
 
 
 def sampler_rows(model) -> list[dict]:
@@ -420,13 +425,17 @@ def main(argv=None):
     raise ValueError(f"--repeats={args.repeats} must be >= 1")
   os.makedirs(args.out, exist_ok=True)
   if args.gpu:
-    result = {"decoders": gpu_rows(args.repeats), "device": jax.devices()[0].device_kind,
+    result = {"decoders": gpu_rows(args.repeats),
+              "diffusion_gemma": families_gemma.gpu_rows(args.repeats),
+              "device": jax.devices()[0].device_kind,
               "settings": GPU_SETTINGS, "repeats": args.repeats,
               "machine": timing.machine_info()}
     name = "families_gpu.json"
   else:
-    decoders, samplers = decoder_rows(args.repeats)
+    decoders, samplers, llada21 = decoder_rows(args.repeats)
     result = {"parity": parity_rows(), "decoders": decoders, "samplers": samplers,
+              "llada21": llada21,
+              "diffusion_gemma": families_gemma.diffusion_gemma_rows(args.repeats),
               "memory": memory_rows(), "device": jax.devices()[0].device_kind,
               "settings": {**SETTINGS, "small": SMALL, "spread": SPREAD,
                            "spread_matrix": SPREAD_MATRIX, "mask_row": MASK_ROW,

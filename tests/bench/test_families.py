@@ -10,6 +10,7 @@ import pathlib
 import pytest
 
 from mdjax.bench import families
+from mdjax.models import diffusion_gemma as network
 from tests import paths
 
 TINY = {**families.SMALL, "vocab_size": 64, "d_model": 32, "num_layers": 1, "num_heads": 2,
@@ -19,6 +20,12 @@ TINY_SETTINGS = {"prompt_len": 4, "max_new_tokens": 8, "batches": (1,)}
 DECODER_KEYS = {"family", "decoder", "batch", "prompt_len", "max_new_tokens", "seconds",
                 "denoiser_calls", "tpf", "rows_one_by_one", "generated_lengths",
                 "tokens_equal_cached", "tokens_equal_reference"}
+TINY_GEMMA = network.DiffusionGemmaConfig(
+    vocab_size=64, d_model=16, layer_types=("local", "global"), num_heads=2, head_dim=8,
+    num_kv_heads=1, global_head_dim=8, num_global_kv_heads=1, sliding_window=4, mlp_hidden=16,
+    num_experts=2, experts_per_token=1, expert_hidden=8, condition_hidden=16, max_len=64,
+    dtype="float32", eot_id=None)
+TINY_GEMMA_GPU = {"prompt_len": 4, "canvas": 4, "canvases": 2, "steps": 2}
 MEMORY_KEYS = {"model", "family", "params", "params_bytes_bf16", "kv_bytes_per_token",
                "devices_80gb", "mesh", "source"}
 
@@ -53,11 +60,15 @@ def test_main_writes_every_section(tmp_path, monkeypatch):
   monkeypatch.setattr(families, "timed_decoders", decoders)
   monkeypatch.setattr(families, "sampler_rows", lambda model: [{"family": model.family}])
   monkeypatch.setattr(families, "parity_rows", lambda: [{"family": "sdar"}])
+  monkeypatch.setattr(families.families_gemma, "diffusion_gemma_rows",
+                      lambda repeats: {"rows": [{"repeats": repeats}]})
   families.main(["--out", str(tmp_path), "--repeats=1"])
   assert seen == [("sdar", 64, None, 1, TINY_SETTINGS, {"temperature": 0.0})]
   result = json.loads((tmp_path / "families.json").read_text())
   assert set(result) == {"parity", "decoders", "samplers", "memory", "device", "settings",
-                         "repeats", "machine", "torch"}
+                         "repeats", "machine", "torch", "llada21", "diffusion_gemma"}
+  assert result["diffusion_gemma"] == {"rows": [{"repeats": 1}]}
+  assert result["llada21"] == []  # LLaDA2.1's decoder runs on the llada2 model only
   assert result["decoders"] == [{"family": "sdar", "decoder": "stand-in"}]
   assert result["samplers"] == result["parity"] == [{"family": "sdar"}]
   assert result["settings"]["small"]["vocab_size"] == 64 and result["repeats"] == 1
@@ -84,9 +95,15 @@ def test_gpu_mode_on_a_tiny_stand_in(tmp_path, monkeypatch):
   monkeypatch.setattr(families, "PUBLISHED", {"tiny-sdar": {"family": "sdar", "raw": raw}})
   monkeypatch.setattr(families, "GPU_SHAPES", ("tiny-sdar",))
   monkeypatch.setattr(families, "GPU_SETTINGS", TINY_SETTINGS)
+  # DiffusionGemma's published shape, as the tiny random one of tests/bench/test_families_gemma.
+  monkeypatch.setattr(families.families_gemma, "GPU_CONFIG", TINY_GEMMA)
+  monkeypatch.setattr(families.families_gemma, "GPU", TINY_GEMMA_GPU)
   families.main(["--gpu", "--out", str(tmp_path), "--repeats=1"])
   result = json.loads((tmp_path / "families_gpu.json").read_text())
-  assert set(result) == {"decoders", "device", "settings", "repeats", "machine"}
+  assert set(result) == {"decoders", "diffusion_gemma", "device", "settings", "repeats",
+                         "machine"}
+  assert [r["batch"] for r in result["diffusion_gemma"]] == [1, 8]
+  assert all(r["seconds"] > 0 and r["denoiser_calls"] >= 2 for r in result["diffusion_gemma"])
   assert {r["model"] for r in result["decoders"]} == {"tiny-sdar"}
   _check_decoders(result["decoders"], TINY_SETTINGS["max_new_tokens"])
 

@@ -294,26 +294,23 @@ def entropy_threshold_of(stop_fn) -> float | None:
   return None
 
 
-def flipped_bf16(x, near: float):
-  """`x` (float32) rounded to bfloat16, except that a value within `near` bfloat16 ulps of a
-  rounding midpoint takes the other neighbour: the rounding a last-bit difference in `x`
-  could have given it."""
-  bits = np.asarray(x, np.float32).view(np.uint32).astype(np.int64)
-  low, upper = bits & 0xFFFF, bits >> 16
-  up = (low > 0x8000) | ((low == 0x8000) & (upper % 2 == 1))  # round to nearest, ties even
-  nearest = upper + up
-  flip = np.abs(low - 0x8000) / 0x10000 < near
-  chosen = np.where(flip, np.where(up, upper, upper + 1), nearest)
-  return jnp.asarray(((chosen << 16) & 0xFFFFFFFF).astype(np.uint32).view(np.float32),
-                     jnp.bfloat16)
+def jittered_bf16(x, jitter: float, rng: np.random.Generator):
+  """`x` (float32) plus normal noise of standard deviation `jitter` times the largest |x|,
+  rounded to bfloat16: the last-bit differences another program's float32 arithmetic could
+  make before the rounding."""
+  x = np.asarray(x, np.float32)
+  noise = rng.standard_normal(x.shape) * jitter * np.abs(x).max()
+  return jnp.asarray(x + noise.astype(np.float32)).astype(jnp.bfloat16)
 
 
-def run_transcribed(model, params, sampler, rng, cache, full_mask, flip_near: float = 0.0):
+def run_transcribed(model, params, sampler, rng, cache, full_mask, jitter: float = 0.0,
+                    jitter_seed: int = 0):
   """`sample_next_canvas`'s loop, step by step with gemma's `sample_step` and
-  `early_stop_fn`, recording each step's inputs, outputs and margins. With `flip_near` > 0,
-  each self-conditioning embedding within that many bfloat16 ulps of a rounding midpoint is
-  rounded the other way (`flipped_bf16`)."""
+  `early_stop_fn`, recording each step's inputs, outputs and margins. With `jitter` > 0, the
+  self-conditioning embeddings are perturbed before their bfloat16 rounding
+  (`jittered_bf16`, a generator seeded with `jitter_seed`)."""
   initial_rng, step_rng = jax.random.split(rng)
+  jitter_rng = np.random.default_rng(jitter_seed)
   if cache is None:
     end, length = None, None
     positions = jnp.arange(CANVAS)[None]
@@ -386,7 +383,7 @@ def run_transcribed(model, params, sampler, rng, cache, full_mask, flip_near: fl
                         sc_out=np.asarray(out.sc_embeddings, np.float32),
                         done=np.asarray(new_done)))
     canvas, done = written, new_done
-    sc = (flipped_bf16(out.sc_embeddings, flip_near) if flip_near
+    sc = (jittered_bf16(out.sc_embeddings, jitter, jitter_rng) if jitter
           else out.sc_embeddings.astype(jnp.bfloat16))
   return np.asarray(canvas), records, margins
 

@@ -17,7 +17,7 @@ from mdjax.models import diffusion_gemma as network
 from mdjax.train.config_checks import ConfigError
 from configs import diffusion_gemma_lora
 
-PARAMS = diffusion_gemma_lora._FIXTURE  # pylint: disable=protected-access
+PARAMS = diffusion_gemma_lora.FIXTURE
 BATCHES, ROWS = 8, 64
 
 
