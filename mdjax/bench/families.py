@@ -6,6 +6,7 @@ DiffusionGemma against gemma's own sampler and LLaDA2.1's editing decoder
   python -m mdjax.bench.families [--out=results] [--repeats=3]   # from the repository root
   python experiments/families_bench.py                           # the same
   python -m mdjax.bench.families --gpu [--repeats=3]             # one 80 GB GPU, below
+  python -m mdjax.bench.families --only=diffusion_gemma,llada21   # those sections again
 
 Run it with the reference extra's Python (torch, transformers) to include the published
 loops; without torch it runs the rest and says so.
@@ -420,10 +421,16 @@ def main(argv=None):
   parser.add_argument("--gpu", action="store_true",
                       help="time the decoders on the published shapes of GPU_SHAPES instead "
                            "(random bfloat16 weights; one 80 GB GPU) -> families_gpu.json")
+  parser.add_argument("--only", default=None,
+                      help="comma-separated sections of families.json to compute again "
+                           f"({', '.join(ONLY)}), the others kept as the file has them")
   args = parser.parse_args(argv)
   if args.repeats < 1:
     raise ValueError(f"--repeats={args.repeats} must be >= 1")
   os.makedirs(args.out, exist_ok=True)
+  if args.only is not None:
+    _update_sections(args.out, args.only.split(","), args.repeats)
+    return
   if args.gpu:
     result = {"decoders": gpu_rows(args.repeats),
               "diffusion_gemma": families_gemma.gpu_rows(args.repeats),
@@ -444,6 +451,33 @@ def main(argv=None):
               "torch": _torch_version()}
     name = "families.json"
   with open(os.path.join(args.out, name), "w") as f:
+    json.dump(result, f, indent=1, default=str)
+    f.write("\n")
+
+
+# The sections `--only` computes again: the ones that need no other section's models.
+ONLY = {"diffusion_gemma": families_gemma.diffusion_gemma_rows,
+        "llada21": lambda repeats: families_gemma.llada21_rows(
+            _small_llada2(), timed_decoders, repeats, SETTINGS)}
+
+
+def _small_llada2():
+  with tempfile.TemporaryDirectory() as folder:
+    return small_model("llada2", folder)
+
+
+def _update_sections(out: str, names: list[str], repeats: int) -> None:
+  """families.json with the sections `names` computed again, every other key as it was."""
+  unknown = sorted(set(names) - set(ONLY))
+  if unknown:
+    raise ValueError(f"--only={','.join(names)}: {unknown} are not sections it computes; "
+                     f"they are {sorted(ONLY)}")
+  path = os.path.join(out, "families.json")
+  with open(path) as f:
+    result = json.load(f)
+  for name in names:
+    result[name] = ONLY[name](repeats)
+  with open(path, "w") as f:
     json.dump(result, f, indent=1, default=str)
     f.write("\n")
 
