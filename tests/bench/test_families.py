@@ -118,3 +118,14 @@ def test_rows_compare_up_to_eos():
 def test_bad_repeats_are_refused(tmp_path):
   with pytest.raises(ValueError, match="--repeats=0 must be >= 1"):
     families.main(["--out", str(tmp_path), "--repeats=0"])
+
+
+def test_only_recomputes_the_sections_named(tmp_path, monkeypatch):
+  """--only: the named sections computed again, every other key of families.json kept."""
+  (tmp_path / "families.json").write_text(json.dumps({"decoders": [1], "llada21": "old"}))
+  monkeypatch.setitem(families.ONLY, "llada21", lambda repeats: [{"repeats": repeats}])
+  families.main(["--out", str(tmp_path), "--only=llada21", "--repeats=2"])
+  result = json.loads((tmp_path / "families.json").read_text())
+  assert result == {"decoders": [1], "llada21": [{"repeats": 2}]}
+  with pytest.raises(ValueError, match=r"\['parity'\] are not sections it computes"):
+    families.main(["--out", str(tmp_path), "--only=parity"])
