@@ -183,7 +183,8 @@ def main(argv):
   except (ValueError, RuntimeError) as error:
     _fail(error, RUNTIME)
   from mdjax import rl, train  # rl: registers the objectives 'grpo' and 'wd1'
-  del rl
+  from mdjax.accelerators import distill  # registers 'dparallel' and 'd3llm'
+  del rl, distill
   try:
     train.train(_CONFIG.value, _WORKDIR.value)
   except train.ConfigError as error:
