@@ -1,23 +1,30 @@
 """Trained accelerators against the training-free samplers, measured exactly on an oracle task.
 
-`python -m mdjax.bench.accelerators` writes results/accelerators.json (docs/accelerators.md
-reads it). On one exact oracle task (sudoku4 by default; its exact denoiser is the teacher,
-so no learning error sits in the denoiser), at each temperature (0: the reference's greedy
-setting; 1: the law's, as results/parallelism.json):
+`python -m mdjax.bench.accelerators` writes results/accelerators.json and its figure
+(docs/accelerators.md reads them). On one exact oracle task (sudoku4 by default), every
+point with accuracy (the task's exact validity) and TPF (tokens per forward at batch size 1)
+with standard errors, in results/parallelism.json's point schema plus `method`, `trained`,
+`teacher` (the denoiser the sampler or the student derives from) and `temperature`:
 
-- Learn2PD's filter trained on the oracle's own rollouts (`mdjax.accelerators.learn2pd`),
-  then the `learned_commit` sampler at several accept thresholds (trained: true);
-- the training-free families on the same teacher and the same prompts (trained: false):
-  confidence thresholds, entropy-bounded, confidence and ancestral at fixed steps;
-- the oracle the filter imitates (`egp_oracle`, which reads the teacher's answer: a ceiling,
-  not a sampler);
+- teacher "oracle", the task's exact denoiser (no learning error; the ceiling), at each
+  temperature: Learn2PD's filter trained on its rollouts (`learned_commit`, trained: true),
+  the training-free families (confidence thresholds, entropy-bounded, confidence and
+  ancestral at fixed steps), and the oracle the filter imitates (`egp_oracle`, which reads
+  the teacher's answer: a ceiling, not a sampler); on sudoku4 at temperature 0 UPO's learned
+  order policy and its untrained start (`mdjax.bench.order_policy`);
+- teacher "trained", a model trained here (configs/sudoku4_teacher.py, fixed seed), at
+  temperature 0 (the references' greedy setting): the same training-free families and a
+  Learn2PD filter on it, and its students distilled by 'dparallel' and 'd3llm'
+  (configs/distill_*.py, `mdjax.accelerators.distill`), each decoded with the same
+  confidence thresholds (trained: true).
 
-each point with accuracy (the task's exact validity) and TPF (tokens per forward at batch
-size 1) with standard errors, in results/parallelism.json's point schema plus `method`,
-`trained` and `temperature`; AUP per method; and at the mean calls of each learned point,
-the best accuracy the training-free points reach there by mixing two of them (the upper
-concave hull in (mean calls, accuracy): a row sampled by one or the other at random), with
-the difference in standard errors. Fixed seeds.
+Then AUP per method, and each trained point against the training-free frontier of its own
+teacher (`mdjax.accelerators.frontier`): at equal calls (accuracy difference in standard
+errors), at equal accuracy (`speedup`, the frontier's calls over the point's), and against
+the exact denoiser's frontier at equal calls (`to_exact`). Last, `combined_ratio`: the best
+student with a threshold and the KV cache against the teacher one token a step uncached, at
+equal exact accuracy, in wall time and in denoiser calls, timed side by side. Fixed seeds;
+the models train from scratch unless --workdir holds finished runs.
 """
 
 from __future__ import annotations
@@ -26,22 +33,26 @@ import argparse
 import dataclasses
 import math
 import os
+import sys
+import tempfile
 import time
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 
-from mdjax import files, parallelism, report, sampling
+from mdjax import files, report, sampling
+from mdjax.accelerators import distill, frontier, learn2pd
 from mdjax.bench import order_policy as order_policy_bench
 from mdjax.bench import parallelism as bench
-from mdjax.accelerators import learn2pd
 
 SEED = 0
 ACCEPT_THRESHOLDS = (0.5, 0.9, 0.96, 0.99)
 THRESHOLDS = (0.99, 0.9, 0.7, 0.6, 0.5, 0.3)
 GAMMAS = (0.1, 0.5, 1.5)
 RHOS = (1, 2, 4)
+STUDENTS = distill.NAMES
+ORACLE, TRAINED = "oracle", "trained"  # the two teachers' labels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,20 +65,15 @@ class Method:
   trained: bool
 
 
-def methods(n: int, filt, temperature: float, sizes: str) -> list[Method]:
-  """Every method's points for `n` generated positions at one temperature."""
+def free_methods(n: int, temperature: float, sizes: str) -> list[Method]:
+  """The training-free families' points for `n` generated positions."""
   t = dict(temperature=temperature)
-  accept = ACCEPT_THRESHOLDS[1:3] if sizes == "tiny" else ACCEPT_THRESHOLDS
-  out = [Method("learned_commit", (("accept_threshold", a),),
-                sampling.LearnedCommitSpec(steps=n, commit_filter=filt, accept_threshold=a, **t),
-                True) for a in accept]
   if sizes == "tiny":
-    return out + [Method("confidence_threshold", (("threshold", 0.9),),
-                         sampling.ConfidenceSpec(steps=n, threshold=0.9, **t), False),
-                  Method("ancestral", (("steps", n),), sampling.AncestralSpec(steps=n, **t),
-                         False)]
-  out += [Method("confidence_threshold", (("threshold", tau),),
-                 sampling.ConfidenceSpec(steps=n, threshold=tau, **t), False) for tau in THRESHOLDS]
+    return [Method("confidence_threshold", (("threshold", 0.9),),
+                   sampling.ConfidenceSpec(steps=n, threshold=0.9, **t), False),
+            Method("ancestral", (("steps", n),), sampling.AncestralSpec(steps=n, **t), False)]
+  out = [Method("confidence_threshold", (("threshold", tau),),
+                sampling.ConfidenceSpec(steps=n, threshold=tau, **t), False) for tau in THRESHOLDS]
   out += [Method("entropy_bounded", (("gamma", g),),
                  sampling.EntropyBoundedSpec(steps=n, gamma=g, **t), False) for g in GAMMAS]
   for rho in RHOS:
@@ -79,25 +85,45 @@ def methods(n: int, filt, temperature: float, sizes: str) -> list[Method]:
   return out
 
 
+def filter_methods(n: int, filt, temperature: float, sizes: str) -> list[Method]:
+  """The learned_commit sampler at its accept thresholds."""
+  accept = ACCEPT_THRESHOLDS[1:3] if sizes == "tiny" else ACCEPT_THRESHOLDS
+  return [Method("learned_commit", (("accept_threshold", a),),
+                 sampling.LearnedCommitSpec(steps=n, commit_filter=filt, accept_threshold=a,
+                                            temperature=temperature), True) for a in accept]
+
+
+def student_methods(name: str, n: int, temperature: float, sizes: str) -> list[Method]:
+  """A student decoded with the training-free thresholds (the references decode theirs with
+  a threshold) and one position a step."""
+  thresholds = (0.9,) if sizes == "tiny" else THRESHOLDS
+  t = dict(temperature=temperature)
+  return ([Method(name, (("threshold", tau),), sampling.ConfidenceSpec(steps=n, threshold=tau,
+                                                                       **t), True)
+           for tau in thresholds]
+          + [Method(name, (("steps", n),), sampling.ConfidenceSpec(steps=n, **t), True)])
+
+
 def measure(ot: bench.OracleTask, m: Method, canvas: np.ndarray, seed: int,
-            temperature: float) -> dict:
-  """One point: results/parallelism.json's record, with method, trained and temperature."""
+            temperature: float, teacher: str) -> dict:
+  """One point: results/parallelism.json's record, with method, trained, teacher and
+  temperature."""
   record, _ = bench.run_point(ot, bench.Point(m.method, m.knobs, m.spec, False), canvas, seed)
-  record.update(method=m.method, trained=m.trained, temperature=temperature)
+  record.update(method=m.method, trained=m.trained, teacher=teacher, temperature=temperature)
   return record
 
 
 def oracle_point(ot: bench.OracleTask, canvas: np.ndarray, seed: int, temperature: float,
-                 cfg: learn2pd.FilterConfig) -> dict:
+                 cfg: learn2pd.FilterConfig, teacher: str) -> dict:
   """The imitated oracle on the evaluation prompts: the teacher's answer, then commits of the
   proposals equal to it (it reads the answer: a ceiling, not a sampler)."""
   fixed = np.zeros(canvas.shape, bool)
   fixed[:, :ot.prompt_length] = True
   keys = learn2pd.stream_keys(seed)
-  teacher = sampling.sample(ot.denoiser, ot.denoiser_params, keys["teacher"], canvas,
-                            learn2pd.teacher_spec(ot.generated, cfg), fixed,
-                            mask_id=ot.task.mask_id)
-  final = np.asarray(teacher.tokens_BxL)
+  answer = sampling.sample(ot.denoiser, ot.denoiser_params, keys["teacher"], canvas,
+                           learn2pd.teacher_spec(ot.generated, cfg), fixed,
+                           mask_id=ot.task.mask_id)
+  final = np.asarray(answer.tokens_BxL)
   bound = sampling.BoundDenoiser(sampling.Denoiser.of(ot.denoiser), ot.denoiser_params)
   out = learn2pd.oracle_examples(bound, canvas, fixed, final, keys["oracle"],
                                  mask_id=ot.task.mask_id, width=ot.generated, blocks=False,
@@ -107,143 +133,276 @@ def oracle_point(ot: bench.OracleTask, canvas: np.ndarray, seed: int, temperatur
   calls = out["steps_B"].astype(np.float64)
   rows, acc, mean_calls = len(valid), float(valid.mean()), float(calls.mean())
   return {"task": ot.name, "family": "egp_oracle", "method": "egp_oracle", "trained": False,
-          "uses_answer": True, "temperature": temperature, "knobs": {}, "rows": rows,
-          "generated": ot.generated, "accuracy": acc,
+          "uses_answer": True, "teacher": teacher, "temperature": temperature, "knobs": {},
+          "rows": rows, "generated": ot.generated, "accuracy": acc,
           "accuracy_se": math.sqrt(acc * (1 - acc) / rows),
           "tpf": ot.generated / mean_calls,
           "tpf_se": ot.generated * float(calls.std(ddof=1)) / (math.sqrt(rows) * mean_calls**2),
           "mean_forwards": mean_calls}
 
 
-def hull(points: list[dict]) -> list[dict]:
-  """The upper concave hull in (mean calls, accuracy), fewest calls first: what mixing two
-  points reaches (each row sampled by one of them at random, the calls and the accuracy
-  averaging linearly)."""
-  pts = sorted(points, key=lambda p: (p["mean_forwards"], -p["accuracy"]))
-  frontier = []
-  for p in pts:
-    if frontier and p["accuracy"] <= frontier[-1]["accuracy"]:
-      continue  # more calls, no more accuracy
-    while len(frontier) >= 2:
-      a, b = frontier[-2], frontier[-1]
-      cross = ((b["mean_forwards"] - a["mean_forwards"]) * (p["accuracy"] - a["accuracy"])
-               - (b["accuracy"] - a["accuracy"]) * (p["mean_forwards"] - a["mean_forwards"]))
-      if cross < 0:
+def teacher_sweep(ot: bench.OracleTask, canvas: np.ndarray, temperature: float, teacher: str,
+                  *, train_rows: int, epochs: int, seed: int, sizes: str, log) -> tuple:
+  """On one teacher at one temperature: Learn2PD's filter trained on its rollouts, then the
+  filter's points, the training-free points and the imitated oracle: (points, filter)."""
+  cfg = learn2pd.FilterConfig(rows=train_rows, temperature=float(temperature), epochs=epochs,
+                              seed=seed)
+  train_canvas, train_fixed = learn2pd.prompts(ot.task, train_rows, ot.prompt_length,
+                                               learn2pd.stream_keys(seed)["prompts"])
+  filt, info = learn2pd.train_filter(ot.denoiser, ot.denoiser_params, train_canvas,
+                                     train_fixed, cfg, mask_id=ot.task.mask_id,
+                                     vocab_size=ot.task.vocab_size, log=log)
+  n = ot.generated
+  points = [measure(ot, m, canvas, seed, float(temperature), teacher)
+            for m in filter_methods(n, filt, float(temperature), sizes)
+            + free_methods(n, float(temperature), sizes)]
+  points.append(oracle_point(ot, canvas, seed, float(temperature), cfg, teacher))
+  return points, {"filter": repr(filt), "teacher": teacher, **info}
+
+
+# ----------------------------------------------------------------------------
+# The teacher and its students, trained here.
+# ----------------------------------------------------------------------------
+
+
+def _configs():
+  """configs/ (at the repository root) importable."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  if root not in sys.path:
+    sys.path.insert(0, root)
+  import configs.distill_d3llm
+  import configs.distill_dparallel
+  import configs.sudoku4_teacher
+  return {"teacher": configs.sudoku4_teacher, "dparallel": configs.distill_dparallel,
+          "d3llm": configs.distill_d3llm}
+
+
+def _train(config, workdir: str, log) -> dict:
+  """Trains `config` in `workdir` (a finished run there is only loaded): its record."""
+  from mdjax import train
+  started = time.perf_counter()
+  train.train(config, workdir, log=lambda *a: None)
+  seconds = time.perf_counter() - started
+  trained = train.read_train_seconds(workdir)
+  log(f"trained {config.objective}: {workdir} ({config.train.num_steps} steps, {trained or 0:.0f} s "
+      f"of training; {seconds:.0f} s in this call)")
+  # train_seconds: the run's own training clock (its cost, wherever it was trained);
+  # this_run_seconds: this call's (a finished run is only loaded).
+  return {"objective": config.objective, "steps": config.train.num_steps,
+          "batch_size": config.batch_size, "train_seconds": trained,
+          "this_run_seconds": seconds,
+          "model": {k: v for k, v in config.model.to_dict().items() if v is not None}}
+
+
+def train_models(root: str, *, seed: int, teacher_steps: int | None, student_steps: int | None,
+                 log=print) -> dict:
+  """The teacher (configs/sudoku4_teacher.py) and its students (configs/distill_*.py, from
+  the teacher, the teacher's own rollouts): {name: (Model, record)}."""
+  import mdjax
+  cfgs = _configs()
+  config = cfgs["teacher"].get_config()
+  config.seed = seed
+  if teacher_steps:
+    config.train.num_steps = teacher_steps
+    config.checkpoint.every = teacher_steps
+  teacher_dir = os.path.join(root, "teacher")
+  models = {"teacher": (None, _train(config, teacher_dir, log))}
+  for name in STUDENTS:
+    config = cfgs[name].get_config()
+    config.seed = seed
+    config.train.init_from = teacher_dir
+    config.distill.teacher = teacher_dir
+    config.eval_at_end = False
+    if student_steps:
+      config.train.num_steps = student_steps
+      config.checkpoint.every = student_steps
+    models[name] = (None, _train(config, os.path.join(root, name), log))
+  return {name: (mdjax.load(os.path.join(root, name)), record)
+          for name, (_, record) in models.items()}
+
+
+def with_model(ot: bench.OracleTask, model) -> bench.OracleTask:
+  """The task with a model in place of its exact denoiser."""
+  return dataclasses.replace(ot, denoiser=model.denoiser, denoiser_params=model.params)
+
+
+# ----------------------------------------------------------------------------
+# The combined figure.
+# ----------------------------------------------------------------------------
+
+
+def _seconds(run, repeats: int) -> float:
+  """The median wall time of `run()` (it blocks until its result is ready)."""
+  times = []
+  for _ in range(repeats):
+    started = time.perf_counter()
+    run()
+    times.append(time.perf_counter() - started)
+  return float(np.median(times))
+
+
+def _within(rec: dict, base: dict) -> bool:
+  """Equal accuracy: not below the baseline's by more than 2 standard errors of the
+  difference."""
+  return rec["accuracy"] >= base["accuracy"] - 2 * math.hypot(base["accuracy_se"],
+                                                              rec["accuracy_se"])
+
+
+COMBINED_THRESHOLDS = (0.9, 0.99, 0.999, 0.9999)  # searched upwards: fewest calls first
+
+
+def combined(teacher_ot: bench.OracleTask, students: dict, points: list[dict],
+             canvas: np.ndarray, seed: int, *, repeats: int = 5, latency_rows: int = 32,
+             thresholds: Sequence[float] = COMBINED_THRESHOLDS, log=print) -> dict:
+  """The best student (most AUP at temperature 0) with a confidence threshold, with the dual
+  KV cache and without it, against the teacher one position a step, uncached: for each, the
+  lowest threshold of `thresholds` whose accuracy is within 2 standard errors of the
+  teacher's; then each timed side by side with the baseline (interleaved, median of
+  `repeats`) on all rows in one batch and on `latency_rows` rows one at a time (batch size 1,
+  where TPF is counted). The teacher's own threshold (no training) found the same way is the
+  training-free reference."""
+  n = teacher_ot.generated
+  here = [p for p in points if p["teacher"] == TRAINED and p["temperature"] == 0.0]
+  aup = frontier.aup_by_method(here)[teacher_ot.name][TRAINED]["0.0"]
+  name = max(STUDENTS, key=lambda s: aup.get(s, -1.0))
+  student_ot = with_model(teacher_ot, students[name])
+  base_spec = sampling.ConfidenceSpec(steps=n, score="prob", count_rule="even", temperature=0.0)
+  base = measure(teacher_ot, Method("teacher", (("steps", n),), base_spec, False), canvas, seed,
+                 0.0, TRAINED)
+  searched, tried = {}, []
+  for label, ot, method, kv in (("none", student_ot, name, "none"),
+                                ("dual", student_ot, name, "dual"),
+                                ("teacher_threshold", teacher_ot, "teacher", "none")):
+    for tau in thresholds:
+      spec = sampling.ConfidenceSpec(steps=n, threshold=tau, temperature=0.0, kv_cache=kv,
+                                     block_length=None if kv == "none" else n)
+      rec = measure(ot, Method(method, (("threshold", tau), ("kv_cache", kv)), spec,
+                               method != "teacher"), canvas, seed, 0.0, TRAINED)
+      tried.append(dict(rec, variant=label))
+      if _within(rec, base):
+        searched[label] = (ot, spec, rec)
         break
-      frontier.pop()  # b lies on or below the chord a-p
-    frontier.append(p)
-  return frontier
+  key = jax.random.key(seed)
 
+  def runner(ot, spec, rows):
+    return lambda: np.asarray(sampling.sample(ot.denoiser, ot.denoiser_params, key, rows, spec,
+                                              mask_id=ot.task.mask_id).tokens_BxL)
 
-def at_calls(frontier: list[dict], calls: float) -> dict | None:
-  """The frontier's accuracy at `calls` mean calls (linear between its points) with its
-  standard error (the two points' binomial errors, weighted); None below its fewest calls."""
-  if not frontier or calls < frontier[0]["mean_forwards"]:
-    return None
-  for a, b in zip(frontier, frontier[1:]):
-    if a["mean_forwards"] <= calls <= b["mean_forwards"]:
-      f = (calls - a["mean_forwards"]) / (b["mean_forwards"] - a["mean_forwards"])
-      return {"accuracy": (1 - f) * a["accuracy"] + f * b["accuracy"],
-              "accuracy_se": math.hypot((1 - f) * a["accuracy_se"], f * b["accuracy_se"]),
-              "between": [_label(a), _label(b)], "weight": f}
-  last = frontier[-1]  # more calls than the costliest: it stays the best
-  return {"accuracy": last["accuracy"], "accuracy_se": last["accuracy_se"],
-          "between": [_label(last)], "weight": 0.0}
+  latency_rows = min(latency_rows, len(canvas))
 
+  def one_by_one(ot, spec):
+    calls = [runner(ot, spec, canvas[i:i + 1]) for i in range(latency_rows)]
+    return lambda: [c() for c in calls]
 
-def _label(p: dict) -> str:
-  knobs = ", ".join(f"{k}={v}" for k, v in p["knobs"].items())
-  return f"{p['method']}({knobs})"
-
-
-def equal_calls(points: list[dict]) -> list[dict]:
-  """Each learned point against the training-free frontier at its mean calls."""
-  out = []
-  for key in sorted({(p["task"], p["temperature"]) for p in points}):
-    here = [p for p in points if (p["task"], p["temperature"]) == key]
-    frontier = hull([p for p in here if not p["trained"] and not p.get("uses_answer")])
-    for p in (p for p in here if p["trained"]):
-      free = at_calls(frontier, p["mean_forwards"])
-      row = {"task": key[0], "temperature": key[1], "learned": _label(p),
-             "mean_forwards": p["mean_forwards"], "tpf": p["tpf"], "accuracy": p["accuracy"],
-             "accuracy_se": p["accuracy_se"], "training_free": free}
-      if free is not None:
-        se = math.hypot(p["accuracy_se"], free["accuracy_se"])
-        row["difference"] = p["accuracy"] - free["accuracy"]
-        row["z"] = row["difference"] / se if se > 0 else (0.0 if row["difference"] == 0
-                                                           else math.copysign(math.inf,
-                                                                              row["difference"]))
-      out.append(row)
+  out = {"student": name, "baseline": base, "repeats": repeats, "latency_rows": latency_rows,
+         "thresholds": list(thresholds), "searched": tried, "variants": {}}
+  for label, (ot, spec, rec) in searched.items():
+    seconds = {}
+    for size, (slow, fast) in {
+        "batch": (runner(teacher_ot, base_spec, canvas), runner(ot, spec, canvas)),
+        "batch1": (one_by_one(teacher_ot, base_spec), one_by_one(ot, spec))}.items():
+      slow(), fast()  # compiled and warm
+      pairs = [(_seconds(slow, 1), _seconds(fast, 1)) for _ in range(repeats)]
+      seconds[size] = {"baseline": float(np.median([a for a, _ in pairs])),
+                       "combined": float(np.median([b for _, b in pairs]))}
+    variant = {"model": rec["method"], "kv_cache": spec.kv_cache, "threshold": spec.threshold,
+               "point": rec, "seconds": seconds,
+               "calls_ratio": base["mean_forwards"] / rec["mean_forwards"],
+               "wall_ratio_batch": seconds["batch"]["baseline"] / seconds["batch"]["combined"],
+               "wall_ratio_batch1": (seconds["batch1"]["baseline"]
+                                     / seconds["batch1"]["combined"])}
+    out["variants"][label] = variant
+    log(f"combined: {rec['method']} threshold {spec.threshold}, kv_cache {spec.kv_cache}: "
+        f"accuracy {rec['accuracy']:.3f} ± {rec['accuracy_se']:.3f} at "
+        f"{rec['mean_forwards']:.2f} calls; teacher one a step {base['accuracy']:.3f} ± "
+        f"{base['accuracy_se']:.3f}: calls {variant['calls_ratio']:.2f}x, wall "
+        f"{variant['wall_ratio_batch1']:.2f}x at batch 1, {variant['wall_ratio_batch']:.2f}x "
+        f"at batch {len(canvas)}")
+  trained = [v for k, v in out["variants"].items() if k != "teacher_threshold"]
+  if trained:
+    best = max(trained, key=lambda v: v["wall_ratio_batch1"])
+    out.update(best=best["kv_cache"], calls_ratio=best["calls_ratio"],
+               wall_ratio_batch1=best["wall_ratio_batch1"],
+               wall_ratio_batch=best["wall_ratio_batch"])
   return out
 
 
-def aup_by_method(points: list[dict]) -> dict:
-  """AUP per task, temperature and method; y_max the best accuracy there over the samplers
-  (the answer-reading oracle left out)."""
-  table = {}
-  for task, temperature in sorted({(p["task"], p["temperature"]) for p in points}):
-    here = [p for p in points if p["task"] == task and p["temperature"] == temperature
-            and not p.get("uses_answer")]
-    y_max = 100.0 * max(p["accuracy"] for p in here)
-    per = {}
-    for method in sorted({p["method"] for p in here}):
-      pts = [p for p in here if p["method"] == method]
-      per[method] = (parallelism.aup([p["tpf"] for p in pts],
-                                     [100.0 * p["accuracy"] for p in pts], y_max)
-                     if y_max > 0 else 0.0)
-    table.setdefault(task, {})[str(temperature)] = per
-  return table
+# ----------------------------------------------------------------------------
+# The bench.
+# ----------------------------------------------------------------------------
 
 
 def run(*, task: str = "sudoku4", temperatures: Sequence[float] = (0.0, 1.0), rows: int = 1000,
         train_rows: int = 2000, epochs: int = 4000, seed: int = SEED, sizes: str = "full",
-        log=print) -> dict:
-  """The whole bench as one dict (results/accelerators.json)."""
+        teacher_steps: int | None = None, student_steps: int | None = None,
+        workdir: str | None = None, log=print) -> dict:
+  """The whole bench as one dict (results/accelerators.json). teacher_steps 0: no trained
+  teacher (the oracle's part alone)."""
   started = time.perf_counter()
-  by_name = {t.name: t for t in bench.oracle_tasks(sizes)}
+  by_name = {t.name: t for t in bench.oracle_tasks("full")}
+  by_name.update({t.name: t for t in bench.oracle_tasks(sizes)})  # tiny: the smaller ones
   if task not in by_name:
     raise ValueError(f"task={task!r} must be one of {sorted(by_name)} (sizes={sizes!r}).")
   ot = by_name[task]
   canvas = bench.canvas_of(ot, rows, seed)  # results/parallelism.json's prompts
-  points, filters = [], {}
+  points, filters, trained, combined_out = [], {}, None, None
+  sweep = dict(train_rows=train_rows, epochs=epochs, seed=seed, sizes=sizes, log=log)
   for temperature in temperatures:
-    cfg = learn2pd.FilterConfig(rows=train_rows, temperature=float(temperature), epochs=epochs,
-                                seed=seed)
-    train_canvas, train_fixed = learn2pd.prompts(ot.task, train_rows, ot.prompt_length,
-                                                 learn2pd.stream_keys(seed)["prompts"])
-    filt, info = learn2pd.train_filter(ot.denoiser, ot.denoiser_params, train_canvas,
-                                       train_fixed, cfg, mask_id=ot.task.mask_id,
-                                       vocab_size=ot.task.vocab_size, log=log)
-    filters[str(float(temperature))] = {"filter": repr(filt), **info}
     t0 = time.perf_counter()
-    for m in methods(ot.generated, filt, float(temperature), sizes):
-      points.append(measure(ot, m, canvas, seed, float(temperature)))
-    points.append(oracle_point(ot, canvas, seed, float(temperature), cfg))
-    log(f"{ot.name} T={temperature}: {len(points)} points so far "
-        f"({time.perf_counter() - t0:.0f} s)")
+    pts, filters[f"{ORACLE} {float(temperature)}"] = teacher_sweep(ot, canvas, temperature,
+                                                                   ORACLE, **sweep)
+    points += pts
+    log(f"{ot.name} oracle T={temperature}: {len(pts)} points ({time.perf_counter() - t0:.0f} s)")
   if task == "sudoku4" and 0.0 in temperatures:  # UPO's learned order: bench/order_policy.py
-    points += order_policy_bench.accelerator_points(ot, canvas, seed, sizes, log)
+    points += [dict(p, teacher=ORACLE) for p in order_policy_bench.accelerator_points(
+        ot, canvas, seed, sizes, log)]
+  if teacher_steps != 0:
+    if task != "sudoku4":
+      raise ValueError(f"task={task!r}: the trained teacher is sudoku4's "
+                       "(configs/sudoku4_teacher.py); --teacher_steps=0 runs the oracle alone.")
+    with tempfile.TemporaryDirectory() as tmp:
+      models = train_models(workdir or tmp, seed=seed, teacher_steps=teacher_steps,
+                            student_steps=student_steps, log=log)
+      teacher_ot = with_model(ot, models["teacher"][0])
+      t0 = time.perf_counter()
+      pts, filters[f"{TRAINED} 0.0"] = teacher_sweep(teacher_ot, canvas, 0.0, TRAINED, **sweep)
+      points += pts
+      for name in STUDENTS:
+        student_ot = with_model(ot, models[name][0])
+        points += [measure(student_ot, m, canvas, seed, 0.0, TRAINED)
+                   for m in student_methods(name, ot.generated, 0.0, sizes)]
+      log(f"{ot.name} trained teacher and students: ({time.perf_counter() - t0:.0f} s)")
+      combined_out = combined(teacher_ot, {s: models[s][0] for s in STUDENTS}, points, canvas,
+                              seed, repeats=3 if sizes == "tiny" else 5, log=log,
+                              thresholds=(0.9,) if sizes == "tiny" else COMBINED_THRESHOLDS)
+      trained = {name: record for name, (_, record) in models.items()}
   return {
       "config": {"seed": seed, "rows": rows, "train_rows": train_rows, "epochs": epochs,
                  "sizes": sizes, "task": task, "temperatures": [float(t) for t in temperatures],
+                 "trained_temperatures": [0.0] if trained else [],
                  "generated": ot.generated, "prompt_length": ot.prompt_length,
                  "jax": jax.__version__, "backend": jax.default_backend()},
+      "models": trained,
       "filters": filters,
       "points": points,
-      "aup": aup_by_method(points),
-      "equal_calls": equal_calls(points),
+      "aup": frontier.aup_by_method(points),
+      "equal_calls": frontier.equal_calls(points, ORACLE),
+      "combined": combined_out,
+      "combined_ratio": (combined_out or {}).get("wall_ratio_batch1"),
+      "combined_calls_ratio": (combined_out or {}).get("calls_ratio"),
       "seconds": time.perf_counter() - started,
   }
 
 
 def table(results: dict) -> str:
-  """The points as a markdown table, grouped by temperature."""
-  lines = ["| T | method | knobs | trained | accuracy | TPF |", "|---|---|---|---|---|---|"]
+  """The points as a markdown table, grouped by teacher and temperature."""
+  lines = ["| teacher | T | method | knobs | trained | accuracy | TPF |",
+           "|---|---|---|---|---|---|---|"]
   for p in results["points"]:
     knobs = ", ".join(f"{k}={v}" for k, v in p["knobs"].items())
-    lines.append(f"| {p['temperature']:g} | {p['method']} | {knobs} | {str(p['trained']).lower()}"
-                 f" | {p['accuracy']:.3f} ± {p['accuracy_se']:.3f} | {p['tpf']:.2f} ± "
-                 f"{p['tpf_se']:.2f} |")
+    lines.append(f"| {p['teacher']} | {p['temperature']:g} | {p['method']} | {knobs} | "
+                 f"{str(p['trained']).lower()} | {p['accuracy']:.3f} ± {p['accuracy_se']:.3f} | "
+                 f"{p['tpf']:.2f} ± {p['tpf_se']:.2f} |")
   return "\n".join(lines) + "\n"
 
 
@@ -252,38 +411,48 @@ def summary(results: dict, log=print) -> None:
   log(table(results))
   for row in results["equal_calls"]:
     free = row["training_free"]
+    head = (f"[{row['teacher']} T={row['temperature']:g}] {row['learned']}: "
+            f"{row['accuracy']:.3f} ± {row['accuracy_se']:.3f} at {row['mean_forwards']:.3f} "
+            "calls; ")
     if free is None:
-      log(f"T={row['temperature']:g} {row['learned']}: {row['accuracy']:.3f} at "
-          f"{row['mean_forwards']:.3f} calls; no training-free point is that cheap")
+      log(head + "no training-free point is that cheap")
       continue
-    log(f"T={row['temperature']:g} {row['learned']}: {row['accuracy']:.3f} ± "
-        f"{row['accuracy_se']:.3f} at {row['mean_forwards']:.3f} calls; training-free "
-        f"{free['accuracy']:.3f} ± {free['accuracy_se']:.3f} ({' + '.join(free['between'])}); "
-        f"difference {row['difference']:+.3f} (z {row['z']:+.1f})")
-  for task, temps in results["aup"].items():
-    for temperature, per in temps.items():
-      log(f"AUP {task} T={temperature}: " + ", ".join(
-          f"{m} {v:.0f}" for m, v in sorted(per.items(), key=lambda kv: -kv[1])))
+    speed = "-" if row["speedup"] is None else f"{row['speedup']:.2f}x"
+    exact = row.get("to_exact")
+    log(head + f"training-free {free['accuracy']:.3f} ({' + '.join(free['between'])}), "
+        f"z {row['z']:+.1f}; speedup at equal accuracy {speed}"
+        + ("" if exact is None else f"; exact frontier {exact['accuracy']:.3f} "
+           f"(z {exact['z']:+.1f})"))
+  for task, teachers in results["aup"].items():
+    for teacher, temps in teachers.items():
+      for temperature, per in temps.items():
+        log(f"AUP {task} [{teacher}] T={temperature}: " + ", ".join(
+            f"{m} {v:.0f}" for m, v in sorted(per.items(), key=lambda kv: -kv[1])))
+  if results.get("combined_ratio"):
+    log(f"combined_ratio (wall, batch 1) {results['combined_ratio']:.2f}; calls "
+        f"{results['combined_calls_ratio']:.2f}")
   log(f"total {results['seconds']:.0f} s")
 
 
 def plot(results: dict, path: str) -> str:
-  """Accuracy against tokens per forward, one panel per temperature: each method's points
-  with standard errors (trained methods filled, training-free hollow), the oracle ceiling a
-  star."""
+  """Accuracy against tokens per forward, one panel per (teacher, temperature): each
+  method's points with standard errors (trained methods filled, training-free hollow), the
+  answer-reading oracle a star."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   points = results["points"]
-  temperatures = sorted({p["temperature"] for p in points})
-  fig, axes = plt.subplots(1, len(temperatures), figsize=(6 * len(temperatures), 4.2),
-                           squeeze=False, sharey=True)
-  for ax, temperature in zip(axes.flat, temperatures):
-    here = [p for p in points if p["temperature"] == temperature]
-    for i, method in enumerate(sorted({p["method"] for p in here})):
+  panels = sorted({(p["teacher"], p["temperature"]) for p in points})
+  fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False,
+                           sharey=True)
+  methods = sorted({p["method"] for p in points})
+  colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(methods)}
+  for ax, (teacher, temperature) in zip(axes.flat, panels):
+    here = [p for p in points if (p["teacher"], p["temperature"]) == (teacher, temperature)]
+    for method in sorted({p["method"] for p in here}):
       pts = sorted((p for p in here if p["method"] == method), key=lambda p: p["tpf"])
-      color, trained = plt.cm.tab10(i % 10), pts[0]["trained"]
+      color, trained = colors[method], pts[0]["trained"]
       marker = "*" if method == "egp_oracle" else "o"
       ax.errorbar([p["tpf"] for p in pts], [p["accuracy"] for p in pts],
                   xerr=[p["tpf_se"] for p in pts], yerr=[p["accuracy_se"] for p in pts],
@@ -292,7 +461,7 @@ def plot(results: dict, path: str) -> str:
                   label=f"{method}{' (trained)' if trained else ''}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens per forward (mean, log scale)")
-    ax.set_title(f"{here[0]['task']}, temperature {temperature:g}")
+    ax.set_title(f"{here[0]['task']}, teacher {teacher}, temperature {temperature:g}")
     ax.legend(fontsize=7)
   axes.flat[0].set_ylabel("accuracy (exact checks)")
   fig.tight_layout()
@@ -306,18 +475,26 @@ def main(argv: Sequence[str] | None = None, log=print) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", default="results/accelerators.json")
   parser.add_argument("--task", default="sudoku4")
-  parser.add_argument("--temperatures", default="0,1", help="comma-separated")
+  parser.add_argument("--temperatures", default="0,1", help="the oracle's, comma-separated")
   parser.add_argument("--rows", type=int, default=1000)
   parser.add_argument("--train_rows", type=int, default=2000)
   parser.add_argument("--epochs", type=int, default=4000)
   parser.add_argument("--sizes", default="full", choices=("full", "tiny"))
   parser.add_argument("--seed", type=int, default=SEED)
+  parser.add_argument("--teacher_steps", type=int, default=None,
+                      help="the teacher's training steps (default: its config's; 0: no "
+                      "trained teacher)")
+  parser.add_argument("--student_steps", type=int, default=None,
+                      help="each student's steps (default: its config's)")
+  parser.add_argument("--workdir", default=None, help="where the teacher and students train "
+                      "(finished runs there are loaded); default a temporary folder")
   args = parser.parse_args(argv)
   if args.rows < 2:
     raise ValueError(f"--rows={args.rows} must be >= 2 (standard errors).")
   results = run(task=args.task, temperatures=[float(t) for t in args.temperatures.split(",")],
                 rows=args.rows, train_rows=args.train_rows, epochs=args.epochs, seed=args.seed,
-                sizes=args.sizes, log=log)
+                sizes=args.sizes, teacher_steps=args.teacher_steps,
+                student_steps=args.student_steps, workdir=args.workdir, log=log)
   summary(results, log)
   report.write_json(args.out, results)
   figure = plot(results, os.path.splitext(args.out)[0] + ".png")
@@ -325,21 +502,5 @@ def main(argv: Sequence[str] | None = None, log=print) -> dict:
   return results
 
 
-def _fast_cpu_compile() -> None:
-  """As `mdjax.bench.parallelism` does on the CPU (the sweep is compile-bound: dozens of tiny
-  programs, each run once): LLVM at -O0 and, on jaxlib 0.10, XLA:CPU's elemental emitters.
-  The points are exact draws, not timings: they come out the same. Flags given stand."""
-  import importlib.metadata
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "--xla_backend_optimization_level" not in flags:
-    flags += " --xla_backend_optimization_level=0"
-  if ("--xla_cpu_use_fusion_emitters" not in flags
-      and importlib.metadata.version("jaxlib").startswith("0.10.")):
-    flags += " --xla_cpu_use_fusion_emitters=false"
-  os.environ["XLA_FLAGS"] = flags.strip()
-
-
 if __name__ == "__main__":
-  if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
-    _fast_cpu_compile()
   main()

@@ -1,75 +1,51 @@
-"""mdjax.bench.accelerators: the training-free frontier at equal calls, AUP per method, and a
-tiny run's schema (results/parallelism.json's points plus method, trained, temperature)."""
+"""mdjax.bench.accelerators: a tiny run's schema (results/parallelism.json's points plus
+method, trained, teacher, temperature), the oracle's part and the trained teacher's (its
+students, the combined ratio). The frontier's arithmetic: tests/accelerators/test_frontier.py."""
 
 import json
-import math
 
 import pytest
 
 from mdjax.bench import accelerators
 
-
-def point(method, calls, accuracy, trained=False, se=0.01, **extra):
-  return {"task": "t", "temperature": 1.0, "method": method, "knobs": {"k": calls},
-          "trained": trained, "mean_forwards": calls, "tpf": 4.0 / calls, "accuracy": accuracy,
-          "accuracy_se": se, **extra}
-
-
-def test_the_frontier_is_the_upper_concave_hull_in_calls_and_accuracy():
-  pts = [point("a", 1.0, 0.5), point("b", 2.0, 0.6), point("c", 3.0, 0.9),
-         point("d", 4.0, 0.85), point("e", 4.0, 1.0)]
-  # b lies below the chord a-c (0.7 at 2 calls): mixing a and c beats it; d is dominated.
-  assert [p["method"] for p in accelerators.hull(pts)] == ["a", "c", "e"]
-  at = accelerators.at_calls(accelerators.hull(pts), 2.0)
-  assert at["accuracy"] == pytest.approx(0.7) and at["weight"] == pytest.approx(0.5)
-  assert at["accuracy_se"] == pytest.approx(math.hypot(0.005, 0.005))
-  assert accelerators.at_calls(accelerators.hull(pts), 0.5) is None  # cheaper than any
-  assert accelerators.at_calls(accelerators.hull(pts), 9.0)["accuracy"] == 1.0
-
-
-def test_equal_calls_compares_each_learned_point_with_the_free_frontier_only():
-  pts = [point("free", 1.0, 0.5), point("free", 3.0, 0.9),
-         point("egp_oracle", 1.0, 1.0, uses_answer=True),  # reads the answer: left out
-         point("learned", 2.0, 0.8, trained=True)]
-  (row,) = accelerators.equal_calls(pts)
-  assert row["training_free"]["accuracy"] == pytest.approx(0.7)
-  assert row["difference"] == pytest.approx(0.1)
-  assert row["z"] == pytest.approx(0.1 / math.hypot(0.01, math.hypot(0.005, 0.005)))
-
-
-def test_aup_by_method_leaves_the_answer_reading_oracle_out_of_y_max():
-  # TPF 4 / calls: (TPF 2, 60%) and (TPF 4, 58%), within 5 points of the first, both count.
-  pts = [point("free", 1.0, 0.58), point("free", 2.0, 0.6),
-         point("egp_oracle", 1.0, 1.0, uses_answer=True)]
-  table = accelerators.aup_by_method(pts)
-  assert set(table["t"]["1.0"]) == {"free"}
-  # y_max = 60: rho_1 y_1 + the trapezoid with weights W(y) = min(exp(-3 (1 - y/60)), 1).
-  w = math.exp(-3 * (1 - 58 / 60))
-  expected = 2.0 * 60 + 0.5 * (4.0 - 2.0) * (58 * w + 60 * 1.0)
-  assert table["t"]["1.0"]["free"] == pytest.approx(expected)
-
-
-SCHEMA = {"task", "accuracy", "accuracy_se", "tpf", "tpf_se", "method", "trained",
+SCHEMA = {"task", "accuracy", "accuracy_se", "tpf", "tpf_se", "method", "trained", "teacher",
           "temperature", "family", "knobs", "rows", "generated", "mean_forwards"}
 
 
 @pytest.mark.slow
 def test_a_tiny_run_writes_the_schema(tmp_path):
   out = tmp_path / "acc.json"
-  results = accelerators.main(["--sizes", "tiny", "--task", "permutation", "--rows", "16",
-                               "--train_rows", "12", "--epochs", "20", "--temperatures", "1",
+  results = accelerators.main(["--sizes", "tiny", "--rows", "16", "--train_rows", "12",
+                               "--epochs", "20", "--temperatures", "0", "--teacher_steps", "2",
+                               "--student_steps", "2", "--workdir", str(tmp_path / "runs"),
                                "--out", str(out)], log=lambda *a: None)
   written = json.loads(out.read_text())
-  assert written["config"]["task"] == "permutation" and written["config"]["rows"] == 16
-  methods = {p["method"] for p in written["points"]}
-  assert methods == {"learned_commit", "confidence_threshold", "ancestral", "egp_oracle"}
+  assert written["config"]["task"] == "sudoku4" and written["config"]["rows"] == 16
+  by_teacher = {}
   for p in written["points"]:
     assert SCHEMA <= set(p), sorted(SCHEMA - set(p))
-    assert p["trained"] == (p["method"] == "learned_commit")
     assert 0 <= p["accuracy"] <= 1 and p["tpf"] >= 1 and p["rows"] == 16
-  assert written["filters"]["1.0"]["params"] == 2 * 3 * 32 + 32 + 3
-  assert written["filters"]["1.0"]["examples"]["train"] >= 8
-  assert len(written["equal_calls"]) == 2 and set(written["aup"]["permutation"]["1.0"]) == {
-      "learned_commit", "confidence_threshold", "ancestral"}
+    by_teacher.setdefault(p["teacher"], set()).add((p["method"], p["trained"]))
+  free = {("confidence_threshold", False), ("ancestral", False), ("egp_oracle", False),
+          ("learned_commit", True)}
+  # UPO's learned order and its untrained start: on sudoku4's oracle at temperature 0.
+  assert by_teacher["oracle"] == free | {("order_policy", True), ("order_policy_untrained", False)}
+  assert by_teacher["trained"] == free | {("dparallel", True), ("d3llm", True)}
+  assert set(written["models"]) == {"teacher", "dparallel", "d3llm"}
+  assert written["models"]["dparallel"]["steps"] == 2
+  assert written["filters"]["oracle 0.0"]["params"] == 2 * 16 * 32 + 32 + 16
+  assert set(written["aup"]["sudoku4"]) == {"oracle", "trained"}
+  trained_rows = [r for r in written["equal_calls"] if r["teacher"] == "trained"]
+  assert len(trained_rows) == 2 + 2 * 2  # the filter's 2 points, each student's 2
+  assert all("to_exact" in r or r["training_free"] is None for r in trained_rows)
+  combined = written["combined"]
+  assert combined["student"] in ("dparallel", "d3llm")
+  for kv, variant in combined["variants"].items():
+    assert kv in ("none", "dual", "teacher_threshold") and variant["point"]["accuracy"] >= 0
+    assert variant["calls_ratio"] == pytest.approx(
+        combined["baseline"]["mean_forwards"] / variant["point"]["mean_forwards"])
+  if set(combined["variants"]) & {"none", "dual"}:
+    assert written["combined_ratio"] == combined["wall_ratio_batch1"] > 0
+    assert written["combined_calls_ratio"] == combined["calls_ratio"]
   assert results["points"] == written["points"]
   assert (tmp_path / "acc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
