@@ -17,11 +17,12 @@ pytestmark = pytest.mark.slow
 
 
 # Every family at its example settings (random draws), but the specs that name canvas
-# positions (ordered, field_order, speculative with fixed positions: a left-padded batch
-# shares one layout), and the block families on the dual KV cache.
+# positions (ordered, field_order, order_policy's table of positions, speculative with fixed
+# positions: a left-padded batch shares one layout), and the block families on the dual KV
+# cache.
 POSITION_FREE = [family.examples(tuple(range(6)))[0]
                  for name, family in sorted(sampling.families().items())
-                 if name not in ("ordered", "field_order")]
+                 if name not in ("ordered", "field_order", "order_policy")]
 # The confidence draws the first example leaves out: random scores, MaskGIT's Gumbel choice.
 POSITION_FREE.append(sampling.ConfidenceSpec(steps=6, score="random", gumbel_temperature=1.0))
 POSITION_FREE += [dataclasses.replace(spec, block_length=3, kv_cache="dual") for spec in (

@@ -83,6 +83,7 @@ FLAG_VALUES = {
     "condition_width": ("4", GEMMA),
     "reference_draws": ("true", {**GEMMA, "reference_length": "2"}),
     "reference_length": ("2", GEMMA),
+    "canvases": ("2", {**GEMMA, "sampler": "diffusion_gemma_canvases", "reference_length": "2"}),
     "editing_threshold": ("0.5", {"sampler": "llada21"}),
     "max_post_steps": ("2", {"sampler": "llada21"}),
     "num_to_transfer": ("2", {"sampler": "llada21"}),

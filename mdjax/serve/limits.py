@@ -72,6 +72,7 @@ STEP_KNOBS = {  # each sizes the plan and the denoiser passes of a request
 POSITION_KNOBS = {  # a count of canvas positions: past the canvas it means nothing
     "block_length", "block_size", "sub_block_length", "seeds", "window", "k", "minimal_topk",
     "num_to_transfer", "reference_length",
+    "canvases",  # DiffusionGemma's canvases in turn: each holds at least one position
 }
 GROUP_KNOBS = {"score_groups"}
 PERIOD_KNOBS = {  # a period in steps: past the steps a request may run it means nothing more

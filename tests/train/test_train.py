@@ -210,11 +210,12 @@ def test_four_simulated_devices_match_one():
 @pytest.mark.parametrize("name", sorted(
     f[:-3] for f in os.listdir(os.path.join(REPO, "configs"))
     if f.endswith(".py") and f not in ("__init__.py", "base.py", "corpus.py")
-    and not f.startswith(("bench", "grpo"))))
+    and not f.startswith(("bench", "grpo", "distill"))))
 @pytest.mark.slow
 def test_every_config_builds_and_traces_a_train_step(name):  # (bench_*: sampling benchmarks)
   # corpus.py needs a prepared corpus: tests/data/test_prepare.py traces it on one. grpo*.py
-  # run RL's own loop from a trained start: tests/rl/test_trainer.py runs and checks them.
+  # run RL's own loop from a trained start: tests/rl/test_trainer.py runs and checks them;
+  # distill_*.py take their model from a teacher: tests/accelerators/test_distill.py runs them.
   # Shapes only (jax.eval_shape): the model, optimizer, loss and a batch fit together.
   import importlib
   config = importlib.import_module(f"configs.{name}").get_config()
