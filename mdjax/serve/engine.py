@@ -21,6 +21,9 @@ a request gets what `generate(model, [prompt] * n, max_new_tokens=..., key=key(s
 spec=job.spec)` gives, token for token, whatever else is being served. A model with absolute
 positions (LLaDA) is served on canvases of exactly prompt + max_new_tokens positions (a lane
 per length), where nothing pads it.
+
+A request's checks and layout, its rows' updates and its handle are `mdjax.serve.jobs`'s; this
+module schedules them.
 """
 
 from __future__ import annotations
@@ -30,25 +33,19 @@ import dataclasses
 import functools
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
-import jax
 import numpy as np
 
-from mdjax import generation, sampling
+from mdjax import generation
 from mdjax.errors import ArgumentError
 from mdjax.model import Model
 from mdjax.serve import lanes as lane_programs
-from mdjax.serve import block_lanes, limits, served
-from mdjax.serve.block_lanes import BlockRun
+from mdjax.serve import jobs, limits
+from mdjax.serve.jobs import Handle, Job, RowUpdate
 from mdjax.serve.lane_table import LaneTable
 from mdjax.serve.lanes import Lane
 from mdjax.serve.prefix_cache import PrefixCache
-
-Array = jax.Array
-
-MAX_SEED = 2**32 - 1  # a request's seed: jax.random.key's 32 bits (without x64)
-
 
 class QueueFull(Exception):
   """More rows wait than the engine's `max_queue`: try again after `retry_after` seconds."""
@@ -56,84 +53,6 @@ class QueueFull(Exception):
   def __init__(self, message: str, retry_after: float):
     super().__init__(message)
     self.retry_after = retry_after
-
-
-@dataclasses.dataclass(frozen=True)
-class RowUpdate:
-  """A row of a job after a tick (see the module docstring of `mdjax.serve.app`).
-
-  canvas_ids: the row's max_new_tokens generated positions (the mask id where masked).
-  committed: leading generated positions that are final (their text will not change).
-  final: each generated position's token is final: written by a sampler that never rewrites
-    a written token, or the row finished (a rewriting sampler's written tokens are
-    provisional until then).
-  completion: set once, when the row finished: what `mdjax.generate` returns for it.
-  """
-
-  choice: int
-  step: int
-  num_steps: int
-  canvas_ids: np.ndarray
-  masked: np.ndarray
-  committed: int
-  final: np.ndarray
-  completion: generation.Completion | None = None
-  error: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Job:
-  """A request, checked and laid out on the host: n rows of one prompt under one spec.
-
-  spec: the sampler spec run (`generate(..., spec=job.spec)` reproduces it offline).
-  tokens_1xS / valid_1xS: the row's canvas (left padding, prompt, max_new_tokens masks).
-  stepper, plan: what `sampling.prepare` made of it: the spec on the canvas's ids, and the
-  family's per-step plan (leading axis num_steps).
-  """
-
-  prompt_ids: np.ndarray
-  max_new_tokens: int
-  seed: int
-  n: int
-  denoiser: Any
-  params: Any
-  tokens_1xS: np.ndarray
-  valid_1xS: np.ndarray
-  stepper: sampling.Stepper
-  plan: Any
-  blocks: BlockRun | None = None  # block by block (`block_lanes`): the row's layout
-  kv_plan: Any = None  # a KV-cached spec on one canvas: the cache's per-step plan
-
-  @property
-  def spec(self):
-    return self.stepper.spec
-
-  @property
-  def mask_id(self) -> int:
-    return self.stepper.mask_id
-
-  @property
-  def canvas_length(self) -> int:
-    return self.tokens_1xS.shape[1]
-
-  @property
-  def num_steps(self) -> int:
-    if self.blocks is not None:
-      return self.blocks.num_steps
-    return self.stepper.num_steps(self.canvas_length)
-
-  @property
-  def cache(self) -> str | None:
-    """The cache the run decodes against, as a response names it (None: none)."""
-    if self.blocks is not None:
-      return self.blocks.describe()
-    return None if self.kv_plan is None else f"kv_cache={self.spec.kv_cache!r}"
-
-  @property
-  def lane_key(self) -> tuple:
-    if self.blocks is not None:
-      return (self.denoiser, id(self.params), self.blocks.stepper)
-    return (self.denoiser, id(self.params), self.stepper, self.canvas_length)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,34 +78,6 @@ class EngineStats:
   prefix_hits: int = 0  # block lanes' starts served from the prefix cache (`prefix_cache`)
   prefix_misses: int = 0
   prefix_bytes: int = 0  # device bytes of its entries
-
-
-class Handle:
-  """A submitted job: `cancel()` frees its rows at the next tick; `done` once every row
-  finished, was cancelled or failed."""
-
-  def __init__(self, job: Job, on_update: Callable[[RowUpdate], None]):
-    self.job, self.on_update = job, on_update
-    self.cancelled = False
-    self._open = job.n
-    self._lock = threading.Lock()
-
-  def cancel(self) -> None:
-    self.cancelled = True
-
-  @property
-  def done(self) -> bool:
-    return self._open == 0
-
-  def _close_rows(self, count: int) -> None:
-    with self._lock:
-      self._open = max(0, self._open - count)
-
-  def _send(self, update: RowUpdate) -> None:
-    try:
-      self.on_update(update)
-    except Exception:  # a broken listener loses its rows, never the engine
-      self.cancelled = True
 
 
 # The engine.
@@ -273,67 +164,16 @@ class Engine:
     model, room = self.model, self.room
     n = limits.check_int(n, "n", 1, self.max_n, f" (the rows of one request; max_batch is "
                                           f"{self.max_batch}, max_queue {self.max_queue})")
-    seed = limits.check_int(seed, "seed", 0, MAX_SEED)
-    names = dict(prompts=where, new_tokens=new_tokens, room="the server's canvas")
-    generation.check_new_tokens(max_new_tokens, room, new_tokens=new_tokens,
-                                room=names["room"])
-    knobs = dict(knobs or {})
-    limits.check_knobs(knobs, max_steps=self.max_steps, room=room)
-    limits.check_prompt_size(prompt, where=where, room=room, max_bytes=self.max_prompt_bytes)
-    if sampler is not None:
-      model = model.replace(sampler=served.named_sampler(model, sampler, knobs))
-    ids = generation.prompt_ids(model, [prompt], where=where)[0]
-    run = generation.sampler_plan(model, len(ids), max_new_tokens, None, **knobs)
-    run = dataclasses.replace(run, spec=sampling.with_noise(run.spec, model.noise))
-    family = sampling.family_of(run.spec)
-    why = served.why_not_served(run, family)
-    if why:
-      name = (f"sampler={sampler!r}" if sampler else
-              f"the model's default sampler ({type(run.spec).__name__})")
-      raise ArgumentError("sampler", f"{name} is not served: {why}; use mdjax.generate (or "
-                          "sample.py) for it, or a step-wise sampler (confidence, ancestral, "
-                          "mdlm, dream, remask, ...).")
-    params = model.params if run.params is None else run.params
-    if run.blocks_of is not None:
-      job = self._block_job(ids, run, params, max_new_tokens=int(max_new_tokens), seed=seed,
-                            n=n, names=names)
-    else:
-      job = self._canvas_job(ids, run, params, max_new_tokens=int(max_new_tokens), seed=seed,
-                             n=n, names=names)
+    job = jobs.prepare_job(model, prompt, room=room, max_steps=self.max_steps,
+                           max_prompt_bytes=self.max_prompt_bytes, max_new_tokens=max_new_tokens,
+                           seed=seed, n=n, sampler=sampler, knobs=knobs, where=where,
+                           new_tokens=new_tokens)
     if self.frozen and job.lane_key not in self._table.lanes:
-      raise ArgumentError("sampler", f"{type(run.spec).__name__} with these settings (and "
+      raise ArgumentError("sampler", f"{type(job.spec).__name__} with these settings (and "
                           f"{max_new_tokens} new tokens) is not among the {len(self.lanes)} "
                           "settings this server has compiled, and it compiles no others "
                           "(new_programs=refuse): use the server's default settings.")
     return job
-
-  def _canvas_job(self, ids, run, params, *, max_new_tokens, seed, n, names) -> Job:
-    """A request on one canvas (`sampling.sample`'s layout), as a lane of `lanes.Lane`."""
-    model, room = self.model, self.room
-    family = sampling.family_of(run.spec)
-    generation.plan_generation([len(ids)], max_new_tokens, max_len=room,
-                               block_length=family.block_length(run.spec), **names)
-    unpadded = not model.padding_invariant or family.name in served.POSITIONAL
-    length = len(ids) + max_new_tokens if unpadded else room
-    limits.check_num_steps(sampling.num_steps(run.spec, length), self.max_steps)
-    tokens, valid, _ = generation.left_padded([ids], length, model.mask_id, pad_id=model.pad_id,
-                                              start=length - max_new_tokens)
-    prepared = sampling.prepare(run.denoiser, params, jax.random.key(seed)[None], tokens,
-                                run.spec, mask_id=model.mask_id)
-    return Job(prompt_ids=ids, max_new_tokens=max_new_tokens, seed=seed, n=n,
-               denoiser=prepared.denoiser, params=params, tokens_1xS=tokens, valid_1xS=valid,
-               stepper=prepared.stepper, plan=prepared.plan, kv_plan=prepared.kv_plan)
-
-  def _block_job(self, ids, run, params, *, max_new_tokens, seed, n, names) -> Job:
-    """A request block by block, as a row of a `block_lanes.BlockLane`."""
-    denoiser, blocks, block_plan = block_lanes.block_run(
-        self.model, ids, run, params, max_new_tokens=max_new_tokens, room=self.room,
-        names=names)
-    limits.check_num_steps(blocks.num_steps, self.max_steps)
-    return Job(prompt_ids=ids, max_new_tokens=max_new_tokens, seed=seed, n=n,
-               denoiser=denoiser, params=params, tokens_1xS=blocks.whole_1xP,
-               valid_1xS=blocks.valid_1xP, stepper=blocks.stepper.stepper, plan=block_plan,
-               blocks=blocks)
 
   def freeze(self) -> None:
     """From now on `prepare` refuses a setting that has no lane (`warm` made the lanes to
@@ -490,13 +330,13 @@ class Engine:
       kept = [(h, c) for h, c in self._waiting if not h.cancelled]
       for handle, _ in self._waiting:
         if handle.cancelled:
-          handle._close_rows(1)
+          handle.close_rows(1)
       self._waiting = collections.deque(kept)
     for lane in self.lanes:
       cancelled = [slot for slot, owner in enumerate(lane.owners)
                    if owner is not None and owner.handle.cancelled]
       for slot in cancelled:
-        lane.owners[slot].handle._close_rows(1)
+        lane.owners[slot].handle.close_rows(1)
       if cancelled:
         lane.release(cancelled, idle=True)  # the last rows move into their slots
 
@@ -527,9 +367,9 @@ class Engine:
   def _fail(self, handle: Handle, choice: int, error: Exception) -> None:
     job = handle.job
     empty = np.full(job.max_new_tokens, job.mask_id, np.int32)
-    handle._send(RowUpdate(choice, 0, job.num_steps, empty, empty == job.mask_id, 0,
+    handle.send(RowUpdate(choice, 0, job.num_steps, empty, empty == job.mask_id, 0,
                            np.zeros(job.max_new_tokens, bool), error=f"{type(error).__name__}: {error}"))
-    handle._close_rows(1)
+    handle.close_rows(1)
 
   def _tick(self, lane: Lane) -> None:
     bucket = lane.bucket()
@@ -566,11 +406,11 @@ class Engine:
       provisional = lane.family.rewrites and not finished
       final = np.zeros_like(masked) if provisional else ~masked
       committed = int(np.argmin(final)) if not final.all() else job.max_new_tokens
-      owner.handle._send(RowUpdate(owner.choice, int(steps_N[slot]), job.num_steps,
+      owner.handle.send(RowUpdate(owner.choice, int(steps_N[slot]), job.num_steps,
                                    canvas_ids, masked, committed, final, completion))
       if finished:
         left.append(slot)
-        owner.handle._close_rows(1)
+        owner.handle.close_rows(1)
         self._counts["rows_done"] += 1
         self._counts["completion_tokens"] += len(completion.token_ids)
         now = time.monotonic()

@@ -29,7 +29,7 @@ from mdjax.errors import ArgumentError
 from mdjax.knob_registry import every_knob
 from mdjax.sampling.knobs import Knob
 from mdjax.serve import limits
-from mdjax.serve.engine import MAX_SEED
+from mdjax.serve.jobs import MAX_SEED
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 16

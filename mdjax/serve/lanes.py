@@ -240,7 +240,7 @@ class Programs:
 
 @dataclasses.dataclass
 class Slot:
-  """Who holds a slot: a request's handle (`engine.Handle`), its row, when it started."""
+  """Who holds a slot: a request's handle (`jobs.Handle`), its row, when it started."""
 
   handle: Any
   choice: int
@@ -254,7 +254,7 @@ class Lane:
   counts the ticks run on each bucket's program."""
 
   def __init__(self, job, slots: int, padded: bool):
-    """The lane of `job`'s spec and canvas (an `engine.Job`), its `slots` rows idle."""
+    """The lane of `job`'s spec and canvas (an `jobs.Job`), its `slots` rows idle."""
     self.key = job.lane_key
     self.family = job.stepper.family
     sharding = row_sharding(job.params, slots)
