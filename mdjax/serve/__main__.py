@@ -28,7 +28,7 @@ NAME = "mdjax.serve"
 
 
 ENGINE_FLAGS = ("max_batch", "max_queue", "canvas_length", "max_programs", "max_steps",
-                "max_body_bytes", "warm_max_tokens", "prefix_cache_bytes")
+                "max_body_bytes", "warm_max_tokens", "prefix_cache_bytes", "max_lane_bytes")
 
 
 def _flag_bool(text: str) -> bool:
@@ -72,6 +72,11 @@ def _parser() -> cli.Parser:
   parser.add_argument("--max_programs", type=int, default=8, help="Lanes (compiled "
                       "programs, one a sampler setting) kept at once; the least recently used "
                       "idle one is dropped, its memory freed, for a new setting.")
+  parser.add_argument("--max_lane_bytes", type=int, default=None, help="The most device "
+                      "bytes the lanes' rows may hold together: every slot of a lane holds a "
+                      "row, with a cached decoder's keys and values, idle ones too. A setting "
+                      "whose lane would pass it waits for idle lanes to be dropped; one whose "
+                      "lane alone passes it is a 400 (default: no bound).")
   parser.add_argument("--new_programs", choices=("compile", "refuse"), default="compile",
                       help="A request whose setting has no lane: compile one (on a compile "
                       "thread, while the other lanes keep serving) or refuse it with a 400 "
@@ -147,7 +152,8 @@ def _usage_error(error: ValueError, flags) -> NoReturn:
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   for name, low in (("port", 0), ("max_batch", 1), ("max_queue", 0), ("max_programs", 1),
-                    ("max_steps", 1), ("max_body_bytes", 1), ("prefix_cache_bytes", 0)):
+                    ("max_steps", 1), ("max_body_bytes", 1), ("prefix_cache_bytes", 0),
+                    ("max_lane_bytes", 1)):
     value = getattr(args, name)
     if value is None:
       continue
@@ -186,7 +192,8 @@ def main(argv=None) -> int:
                                max_batch=args.max_batch, max_queue=args.max_queue,
                                canvas_length=args.canvas_length,
                                max_programs=args.max_programs, max_steps=args.max_steps,
-                               prefix_cache_bytes=args.prefix_cache_bytes)
+                               prefix_cache_bytes=args.prefix_cache_bytes,
+                               max_lane_bytes=args.max_lane_bytes)
     # The defaults checked against the model before serving: a 1-token request's job.
     knobs = {k: v for k, v in defaults.items() if k != "sampler"}
     probe = knobs.get("block_length") or 1
@@ -203,6 +210,7 @@ def main(argv=None) -> int:
 
   summary = (f"max_batch={args.max_batch}, max_queue={args.max_queue}, "
              f"canvas_length={engine.canvas_length}, max_programs={args.max_programs}, "
+             f"max_lane_bytes={engine.max_lane_bytes or 'none'}, "
              f"new_programs={args.new_programs}, "
              f"max_steps={engine.max_steps}, prefix_cache_bytes={args.prefix_cache_bytes}, "
              f"allowed_hosts={','.join(hosts)}"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from typing import Any
 
@@ -264,6 +265,13 @@ class BlockLane(Lane):
     self.last_used = time.monotonic()
     self.prefix = prefix_cache if layout.cached else None
     self.model_block = job.denoiser.block_size
+
+  @classmethod
+  def row_bytes(cls, job, padded: bool) -> int:
+    """As `Lane.row_bytes`: a slot's sequence, its canvas's cache, its block's carry."""
+    del padded  # a block row always reads its validity
+    start = functools.partial(_start_row, job.denoiser, stepper=job.blocks.stepper)
+    return lanes.shape_bytes(start, job.params, jax.random.key(0), *cls.row_inputs(job))
 
   @staticmethod
   def row_inputs(job):

@@ -75,6 +75,7 @@ class EngineStats:
   lanes_built: int = 0
   lanes_evicted: int = 0  # dropped for another setting (their programs and rows freed)
   lane_state_bytes: int = 0  # device bytes of the lanes' rows
+  max_lane_bytes: int = 0  # their bound (`Engine`'s max_lane_bytes; 0: none)
   prefix_hits: int = 0  # block lanes' starts served from the prefix cache (`prefix_cache`)
   prefix_misses: int = 0
   prefix_bytes: int = 0  # device bytes of its entries
@@ -98,11 +99,16 @@ class Engine:
   positions a row holds, `room`); `prepare` refuses more, and the other knobs that size a
   request's work past their bounds (`mdjax.serve.limits`). prefix_cache_bytes: the device
   bytes of the block lanes' prompt caches (`mdjax.serve.prefix_cache`; 0: none).
+  max_lane_bytes: the most device bytes the lanes' rows may hold together (a cached
+  decoder's keys and values in every slot, idle ones too), each lane's known from shapes
+  before it compiles; a setting whose lane does not fit waits for idle lanes to be dropped,
+  one whose lane alone passes it is refused by `prepare` (`lane_table`; None: no bound).
   """
 
   def __init__(self, model: Model, *, max_batch: int = 8, max_queue: int = 64,
                canvas_length: int | None = None, max_programs: int = 8,
-               max_steps: int | None = None, prefix_cache_bytes: int = 0):
+               max_steps: int | None = None, prefix_cache_bytes: int = 0,
+               max_lane_bytes: int | None = None):
     self.model = model
     self.max_batch = limits.check_int(max_batch, "max_batch", 1)
     self.max_queue = limits.check_int(max_queue, "max_queue", 0)
@@ -132,9 +138,11 @@ class Engine:
     self._warm_waiters: list[tuple[Job, threading.Event]] = []  # for a lane being built
     prefix_bytes = limits.check_int(prefix_cache_bytes, "prefix_cache_bytes", 0)
     self.prefix_cache = PrefixCache(prefix_bytes) if prefix_bytes else None
+    self.max_lane_bytes = (None if max_lane_bytes is None else
+                           limits.check_int(max_lane_bytes, "max_lane_bytes", 1))
     self._table = LaneTable(slots=self.max_batch, padded=model.takes_padding,
                             max_programs=self.max_programs, wake=self._wake,
-                            prefix_cache=self.prefix_cache)
+                            prefix_cache=self.prefix_cache, max_bytes=self.max_lane_bytes)
 
   # -- requests ---------------------------------------------------------------
 
@@ -173,7 +181,21 @@ class Engine:
                           f"{max_new_tokens} new tokens) is not among the {len(self.lanes)} "
                           "settings this server has compiled, and it compiles no others "
                           "(new_programs=refuse): use the server's default settings.")
+    if self.max_lane_bytes is not None and job.lane_key not in self._table.lanes:
+      size = self.lane_bytes(job)
+      if size > self.max_lane_bytes:
+        raise ArgumentError("sampler", f"{type(job.spec).__name__} with these settings (and "
+                            f"{max_new_tokens} new tokens) needs a lane of {size} device bytes "
+                            f"({self.max_batch} slots of {size // self.max_batch}, "
+                            f"{job.cache or 'no cache'}), more than this server's "
+                            f"max_lane_bytes={self.max_lane_bytes}: use another sampler "
+                            "setting (one without a cache holds less), or fewer tokens.")
     return job
+
+  def lane_bytes(self, job: Job) -> int:
+    """Device bytes of `job`'s lane (its max_batch rows, a cache in each where the decoder
+    keeps one), from shapes: nothing compiles or runs."""
+    return self._table.lane_bytes(job)
 
   def freeze(self) -> None:
     """From now on `prepare` refuses a setting that has no lane (`warm` made the lanes to
@@ -435,5 +457,5 @@ class Engine:
         ticks_by_bucket=dict(sorted(self._bucket_ticks.items())),
         max_programs=self.max_programs, lanes_building=table.building,
         lanes_built=table.built, lanes_evicted=table.evicted,
-        lane_state_bytes=table.state_bytes(), **(self.prefix_cache.counts()
-                                                 if self.prefix_cache else {}))
+        lane_state_bytes=table.state_bytes(), max_lane_bytes=self.max_lane_bytes or 0,
+        **(self.prefix_cache.counts() if self.prefix_cache else {}))

@@ -8,12 +8,23 @@ every program the lane will run (`Lane.warm`): the engine thread keeps ticking t
 lanes meanwhile and never compiles, and the setting's rows wait in the queue until their
 lane is ready. When `max_programs` lanes are held (or being built), the least recently
 used idle one is dropped for a new one; when none is idle, the new setting waits.
+
+With `max_bytes` (the server's `--max_lane_bytes`) the lanes' rows are bounded too: every
+slot of a lane, idle ones included, holds a row (a cached decoder's keys and values of every
+layer at every position of its canvas or window), so a lane's bytes are its slots times a
+row's, known from shapes before it compiles (`Lane.row_bytes`). A new lane opens only when
+its bytes and those of the lanes held or being built fit; else the least recently used idle
+lanes are dropped until it fits, and while the busy ones keep it from fitting its setting
+waits, as for `max_programs`. A lane larger than the bound alone is refused by
+`Engine.prepare`.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import os
+import threading
 from typing import Callable
 
 import jax
@@ -27,11 +38,18 @@ class LaneTable:
   it starts, its caller) calls these methods; the compile thread only builds."""
 
   def __init__(self, *, slots: int, padded: bool, max_programs: int,
-               wake: Callable[[], None], prefix_cache=None):
+               wake: Callable[[], None], prefix_cache=None, max_bytes: int | None = None):
     """slots: each lane's rows; padded: the model reads a padding mask; wake: called from
     the compile thread when a lane is ready (the engine's thread may be waiting);
-    prefix_cache: the block lanes' `prefix_cache.PrefixCache` (None: none)."""
+    prefix_cache: the block lanes' `prefix_cache.PrefixCache` (None: none); max_bytes: the
+    most device bytes of the lanes' rows, held and being built (None: no bound)."""
     self.slots, self.padded, self.max_programs = slots, padded, max_programs
+    self.max_bytes = max_bytes
+    self._bytes: dict[tuple, int] = {}  # of the lanes held and being built (with max_bytes)
+    # A lane's bytes by setting, kept for the settings seen lately: `Engine.prepare` (on
+    # the request threads) asks first, so the engine's thread never traces for it.
+    self._sized: collections.OrderedDict[tuple, int] = collections.OrderedDict()
+    self._sized_lock = threading.Lock()
     self.prefix_cache = prefix_cache
     self._wake = wake
     self.lanes: dict[tuple, Lane] = {}
@@ -57,6 +75,7 @@ class LaneTable:
           self.built += 1
         else:
           self._failed[key] = error
+          self._bytes.pop(key, None)
 
   def lane_for(self, job, *, background: bool) -> Lane | None:
     """`job`'s lane; None while it is being built or while no lane can be dropped for it.
@@ -69,10 +88,16 @@ class LaneTable:
       raise self._failed[key]
     if key in self.lanes:
       return self.lanes[key]
-    if key in self._building or not self._make_room():
+    if key in self._building or not self._make_room(job):
       return None
+    if self.max_bytes is not None:
+      self._bytes[key] = self.lane_bytes(job)
     if not background:
-      lane = self.lanes[key] = self._lane(job)
+      try:
+        lane = self.lanes[key] = self._lane(job)
+      except Exception:
+        self._bytes.pop(key, None)
+        raise
       self.built += 1
       return lane
     if self._compiler is None:
@@ -91,8 +116,30 @@ class LaneTable:
 
   def drop(self, key) -> None:
     self.lanes.pop(key, None)
+    self._bytes.pop(key, None)
     if self.prefix_cache is not None:
       self.prefix_cache.drop_lane(key)
+
+  def lane_bytes(self, job) -> int:
+    """Device bytes of `job`'s lane: its slots' rows (`Lane.row_bytes`, from shapes; nothing
+    compiles). Thread-safe; a setting's is computed once while it is among the last 256."""
+    key = job.lane_key
+    with self._sized_lock:
+      if key in self._sized:
+        self._sized.move_to_end(key)
+        return self._sized[key]
+    kind = Lane if job.blocks is None else BlockLane
+    size = self.slots * kind.row_bytes(job, self.padded)
+    with self._sized_lock:
+      self._sized[key] = size
+      while len(self._sized) > 256:
+        self._sized.popitem(last=False)
+    return size
+
+  def held_bytes(self) -> int:
+    """Device bytes of the lanes held and being built, from their shapes (0 without
+    `max_bytes`: not computed)."""
+    return sum(self._bytes.values())
 
   def state_bytes(self) -> int:
     """Device bytes of the lanes' rows (their programs' code is not counted)."""
@@ -105,19 +152,26 @@ class LaneTable:
       self._compiler.shutdown(wait=True, cancel_futures=True)
       self._compiler = None
 
-  def _make_room(self) -> bool:
-    """Drops the least recently used idle lane when every lane is held; False when none
-    is idle."""
-    if len(self.lanes) + len(self._building) < self.max_programs:
-      return True
-    idle = [key for key, lane in self.lanes.items() if not lane.active]
-    if not idle:
-      return False
-    dropped = min(idle, key=lambda key: self.lanes[key].last_used)
-    del self.lanes[dropped]
-    if self.prefix_cache is not None:
-      self.prefix_cache.drop_lane(dropped)
-    self.evicted += 1
+  def _make_room(self, job) -> bool:
+    """Room for `job`'s lane: fewer than `max_programs` lanes held or being built and, with
+    `max_bytes`, their bytes and the new lane's within it. Drops the least recently used
+    idle lanes until there is; False, dropping none, when dropping every idle lane would
+    not make room."""
+    need = 0 if self.max_bytes is None else self.lane_bytes(job)
+    count, held = len(self.lanes) + len(self._building), self.held_bytes()
+    idle = sorted((key for key, lane in self.lanes.items() if not lane.active),
+                  key=lambda key: self.lanes[key].last_used)
+    dropping = []
+    while count >= self.max_programs or (self.max_bytes is not None
+                                         and held + need > self.max_bytes):
+      if len(dropping) == len(idle):
+        return False
+      key = idle[len(dropping)]
+      dropping.append(key)
+      count, held = count - 1, held - self._bytes.get(key, 0)
+    for key in dropping:
+      self.drop(key)
+      self.evicted += 1
     return True
 
   def _build(self, job) -> Lane:

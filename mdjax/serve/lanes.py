@@ -112,6 +112,13 @@ def _admit(denoiser, params, rows, slot, key, tokens_1xS, valid_1xS, plan, kv_pl
   return placed(rows, static["sharding"])
 
 
+def shape_bytes(start_row, *args) -> int:
+  """Device bytes of what `start_row(*args)` returns, from its shapes (`jax.eval_shape`:
+  traced, neither compiled nor run)."""
+  shapes = jax.eval_shape(start_row, *args)
+  return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
+
+
 def move_row(rows, source, target, *, sharding, **static):
   """The rows with slot `target` holding slot `source`'s row, and slot `source` idle (when
   the two are one slot: that slot idle)."""
@@ -301,6 +308,13 @@ class Lane:
     """The slots a tick of `bucket` advances, in the order its outputs list them."""
     part = self.slots // self.split
     return [p * part + i for p in range(self.split) for i in range(bucket // self.split)]
+
+  @classmethod
+  def row_bytes(cls, job, padded: bool) -> int:
+    """Device bytes of one slot of `job`'s lane (its keys and values too, for a cached
+    spec), from shapes: nothing compiles."""
+    start = functools.partial(_start_row, job.denoiser, stepper=job.stepper, padded=padded)
+    return shape_bytes(start, job.params, jax.random.key(0), *cls.row_inputs(job))
 
   @staticmethod
   def row_inputs(job) -> tuple:

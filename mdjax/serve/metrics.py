@@ -31,7 +31,10 @@ ENGINE_METRICS = (
     ("mdjax_lanes_built_total", "lanes_built", "counter", "Lanes built."),
     ("mdjax_lanes_evicted_total", "lanes_evicted", "counter", "Idle lanes dropped for a new "
      "setting, their programs and rows freed."),
-    ("mdjax_lane_state_bytes", "lane_state_bytes", "gauge", "Device bytes of the lanes' rows."),
+    ("mdjax_lane_state_bytes", "lane_state_bytes", "gauge", "Device bytes of the lanes' rows "
+     "(a cached decoder's keys and values in every slot)."),
+    ("mdjax_max_lane_bytes", "max_lane_bytes", "gauge", "The most device bytes the lanes' rows "
+     "may hold, held and being built (--max_lane_bytes; 0: no bound)."),
     ("mdjax_prefix_cache_hits_total", "prefix_hits", "counter", "Block lanes' rows started "
      "from the prefix cache (their prompt's whole blocks held: no pass)."),
     ("mdjax_prefix_cache_misses_total", "prefix_misses", "counter", "Block lanes' rows "

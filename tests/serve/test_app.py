@@ -400,6 +400,7 @@ def test_python_m_serve_finishes_its_request_on_sigterm(tmp_path):
     assert line.startswith("serving tiny on http://127.0.0.1:"), (line, process.stderr.read()
                                                                    if not line else "")
     assert "max_steps=16, prefix_cache_bytes=0, allowed_hosts=127.0.0.1,localhost,[::1]" in line, line
+    assert "max_programs=8, max_lane_bytes=none, new_programs=compile" in line, line
     url = re.search(r"http://\S+", line).group(0)
     api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
     stream = api.chat.completions.create(model="tiny", messages=[{"role": "user",

@@ -49,13 +49,14 @@ def test_a_value_out_of_range_names_its_flag(capsys):
 
 
 def test_the_server_s_bounds_are_flags(capsys):
-  args = _parse("--max_steps=64", "--max_body_bytes=4096", "--allowed_hosts=a.example,[::1]")
-  assert (args.max_steps, args.max_body_bytes, args.allowed_hosts) == (64, 4096,
-                                                                       "a.example,[::1]")
+  args = _parse("--max_steps=64", "--max_body_bytes=4096", "--allowed_hosts=a.example,[::1]",
+                "--max_lane_bytes=65536")
+  assert (args.max_steps, args.max_body_bytes, args.allowed_hosts, args.max_lane_bytes) == (
+      64, 4096, "a.example,[::1]", 65536)
   defaults = _parse()
   assert defaults.max_steps is None and defaults.max_body_bytes == 1 << 20
-  assert defaults.allowed_hosts is None
-  for flag in ("--max_steps=0", "--max_body_bytes=0"):
+  assert defaults.allowed_hosts is None and defaults.max_lane_bytes is None
+  for flag in ("--max_steps=0", "--max_body_bytes=0", "--max_lane_bytes=0"):
     with pytest.raises(SystemExit) as exit_:
       serve_main.main(["--model=m", flag])
     err = capsys.readouterr().err.strip()

@@ -101,6 +101,65 @@ def test_a_frozen_server_refuses_a_setting_it_has_not_compiled(dream_model):
   assert "process_resident_memory_bytes " in metrics and "mdjax_lane_state_bytes " in metrics
 
 
+@pytest.mark.slow
+def test_lanes_bytes_stay_within_max_lane_bytes(dream_model):
+  """--max_lane_bytes, through the openai client: the bound holds one uncached lane (its
+  bytes from shapes, before it compiles, equal to its rows' once built), not two, nor a
+  dual-cached lane (its keys and values in the slot). The cached setting is a 400 naming
+  `sampler` before anything compiles; a second setting waits in the queue while the first
+  lane is busy (no second lane, none building) and takes its place once it is idle."""
+  import openai
+  long = dict(max_tokens=60, extra_body={"steps": 240, "temperature": 0.5})
+  short = dict(max_tokens=4, extra_body={"steps": 4, "temperature": 0.6})
+  with running_server(dream_model, max_batch=1, start=False) as sizing:
+    long_bytes, short_bytes = (sizing.engine.lane_bytes(sizing.engine.prepare(
+        "Hi", max_new_tokens=fields["max_tokens"], seed=0, knobs=fields["extra_body"]))
+        for fields in (long, short))
+    cached = sizing.engine.lane_bytes(sizing.engine.prepare(
+        "Hi", max_new_tokens=4, seed=0, sampler="confidence",
+        knobs=dict(steps=4, block_length=2, kv_cache="dual")))
+  bound = max(long_bytes, short_bytes) + min(long_bytes, short_bytes) // 2  # one, not two
+  assert cached > bound  # a row's keys and values outweigh its canvas and plan
+  with running_server(dream_model, max_batch=1, max_lane_bytes=bound) as server:
+    engine = server.engine
+    api = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
+    with pytest.raises(openai.BadRequestError) as refused:
+      api.completions.create(model="dream", prompt="Hi", max_tokens=4, extra_body=dict(
+          sampler="confidence", steps=4, block_length=2, kv_cache="dual"))
+    assert refused.value.body["param"] == "sampler"
+    assert f"needs a lane of {cached} device bytes" in refused.value.body["message"]
+    assert f"max_lane_bytes={bound}" in refused.value.body["message"]
+    assert engine.stats().lanes_built == 0
+    engine.prepare("Hi", max_new_tokens=4, seed=0, knobs=short["extra_body"])  # sized now
+    results = {}
+    first = threading.Thread(target=lambda: results.setdefault("long", api.completions.create(
+        model="dream", prompt="Hi", seed=1, **long)))
+    first.start()
+    while engine.stats().active_rows == 0:
+      time.sleep(0.005)
+    second = threading.Thread(target=lambda: results.setdefault(
+        "short", api.completions.create(model="dream", prompt="Hi", seed=2, **short)))
+    second.start()
+    waited = False
+    while "short" not in results:
+      stats = engine.stats()
+      if stats.queue_rows == 1 and stats.active_rows == 1:
+        waited = True
+        assert stats.lanes == 1 and stats.lanes_building == 0, stats
+      time.sleep(0.002)
+    first.join()
+    second.join()
+    stats = engine.stats()
+    metrics = httpx.get(f"{server.url}/metrics").text.splitlines()
+  assert waited, "the second setting never waited behind the busy lane"
+  assert [c.finish_reason for c in results["long"].choices + results["short"].choices] in (
+      ["length", "length"], ["stop", "length"], ["length", "stop"], ["stop", "stop"])
+  assert stats.lanes_built == 2 and stats.lanes_evicted == 1 and stats.lanes == 1
+  assert stats.lane_state_bytes == short_bytes <= bound
+  assert f"mdjax_max_lane_bytes {bound}" in metrics
+  assert f"mdjax_lane_state_bytes {short_bytes}" in metrics
+
+
 def test_warm_max_tokens_is_checked_as_a_flag(capsys):
   for value in ("0", "16,x", ""):
     with pytest.raises(Exception) as error:
