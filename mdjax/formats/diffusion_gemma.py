@@ -9,9 +9,8 @@ sizes are read from the tree's shapes (`config_from_shapes`) and the rest (the a
 pattern, the sliding window, the RoPE bases and proportions, the soft-cap) are the published
 model's (`DiffusionGemmaConfig`'s defaults) unless a config is given. The vision encoder's
 weights are left unread (text only, as gemma's `text_only=True`). Transformers and vLLM read
-a Hugging Face conversion (model_type "diffusion_gemma", DiffusionGemmaForBlockDiffusion,
-docs/pretrained.md); its config.json is detected here and refused with that message until
-its loader lands.
+a Hugging Face conversion (model_type "diffusion_gemma", DiffusionGemmaForBlockDiffusion):
+`formats.diffusion_gemma_hf` and `mdjax.io.diffusion_gemma_hf` read and write it.
 
 The noise is uniform over the V tokens; there is no mask token, so generated positions are
 marked with the id V (past the vocabulary, as mdjax's own models place their mask) until the
@@ -265,8 +264,8 @@ class Sampler:
 
 
 class DiffusionGemmaFormat(Format):
-  """DiffusionGemma's published params checkpoint (module docstring); the Hugging Face
-  conversion is detected and refused until its loader lands."""
+  """DiffusionGemma's published params checkpoint (module docstring); its Hugging Face
+  conversion is detected here and read by `mdjax.io.diffusion_gemma_hf`."""
 
   family = FAMILY
   network = FAMILY
@@ -278,8 +277,9 @@ class DiffusionGemmaFormat(Format):
 
   def config_from_hf(self, raw: dict, dtype: str):
     raise ValueError("diffusion_gemma config.json: the Hugging Face conversion of "
-                     "DiffusionGemma (DiffusionGemmaForBlockDiffusion) is not loaded yet; "
-                     "load gemma's params checkpoint (an orbax folder), see docs/pretrained.md")
+                     "DiffusionGemma (DiffusionGemmaForBlockDiffusion) is read by mdjax.load "
+                     "and mdjax.io.load (mdjax.io.diffusion_gemma_hf), not by "
+                     "mdjax.io.folder.load")
 
   def tied(self, raw: dict) -> bool:
     return True
