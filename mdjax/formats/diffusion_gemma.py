@@ -277,9 +277,9 @@ class DiffusionGemmaFormat(Format):
 
   def config_from_hf(self, raw: dict, dtype: str):
     raise ValueError("diffusion_gemma config.json: the Hugging Face conversion of "
-                     "DiffusionGemma (DiffusionGemmaForBlockDiffusion) is read by mdjax.load "
-                     "and mdjax.io.load (mdjax.io.diffusion_gemma_hf), not by "
-                     "mdjax.io.folder.load")
+                     "DiffusionGemma (DiffusionGemmaForBlockDiffusion) is not loaded yet by "
+                     "mdjax.io.folder.load, which has no table for it: read it with "
+                     "mdjax.load or mdjax.io.load (mdjax.io.diffusion_gemma_hf)")
 
   def tied(self, raw: dict) -> bool:
     return True
