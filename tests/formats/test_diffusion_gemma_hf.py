@@ -234,6 +234,15 @@ def test_bad_folders(tmp_path):
        "layer_scalar differ")):
     with pytest.raises(ValueError, match=message):
       mdjax.load(_folder(tmp_path, tensors=tensors))
+  # The older config keys (global_head_dim, num_global_key_value_heads) and vLLM's
+  # self_conditioning_size read as transformers 5.25's per_layer_config does.
+  def older(raw):
+    raw["text_config"].pop("per_layer_config")
+    raw["text_config"].update(global_head_dim=16, num_global_key_value_heads=1)
+    raw["self_conditioning_size"] = 48
+  assert mdjax.load(_folder(tmp_path, older)).config == hf_model().config
+  with pytest.raises(ValueError, match="self_condition.*has shape"):
+    mdjax.load(_folder(tmp_path, lambda raw: raw.update(self_conditioning_size=64)))
   # Copies that agree are read as one: the conversion's encoder copies and head beside them.
   encoder = {k.replace(layout.DECODER, layout.ENCODER): v for k, v in stored.items()
              if k.startswith(layout.DECODER) and not k.startswith(layout.SELF_CONDITIONING)}
