@@ -167,7 +167,8 @@ def load(path, *, dtype: str | None = None, mesh=None, config: Any = None,
   """The DiffusionGemma folder at `path` as a `Model` (module docstring). dtype: None keeps
   the checkpoint's (F32 -> "float32", BF16 -> "bfloat16"), else "float32" / "bfloat16" cast as
   read. mesh: the params sharded over it (`mdjax.mesh`'s FSDP rule). Every bad input is a
-  ValueError raised before any weight is read."""
+  ValueError raised before any weight is read, but copies of a weight that differ, which
+  are found as they are read."""
   for name, value in (("config", config), ("ema", ema)):
     if value is not None:
       raise ValueError(f"{name}={value!r} does not apply to a Hugging Face DiffusionGemma "
@@ -315,6 +316,10 @@ def save(model: Model, path, *, dtype: str | None = None,
                      "DiffusionGemma model's params, unchanged in structure)")
 
   source = model.source if model.source and is_folder(model.source) else None
+  folder = os.fspath(path)
+  if source and os.path.isdir(folder) and os.path.samefile(folder, source):
+    raise ValueError(f"save: {folder} is the folder the model was loaded from (its vision "
+                     "tower is copied from there as it is written); give another folder")
   side = _side_files(source)
   source_infos = tensors_lib.read_checkpoint(source) if source else {}
   tensors: dict[str, Any] = stored_tensors(params, config, np.dtype(jnp.dtype(written_dtype)))
@@ -333,7 +338,6 @@ def save(model: Model, path, *, dtype: str | None = None,
     hf["canvas_length"] = knobs.pop("reference_length")
   generation = layout.generation_config(knobs, source_generation)
 
-  folder = os.fspath(path)
   os.makedirs(folder, exist_ok=True)
   files = tensors_lib.write_checkpoint(folder, tensors, max_shard_bytes=max_shard_bytes,
                                        metadata={"format": "pt"})

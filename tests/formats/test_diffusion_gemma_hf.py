@@ -135,6 +135,7 @@ def _json(path) -> dict:
   return json.loads(path.read_text())
 
 
+@pytest.mark.slow
 def test_save_writes_the_folder_back(tmp_path):
   """Tensor for tensor (names, dtypes, bytes; the vision tower copied), config.json and
   generation_config.json as transformers wrote them, sharded or not; and read back."""
@@ -251,6 +252,8 @@ def test_bad_folders(tmp_path):
   _equal_params(both.params, hf_model().params)
   with pytest.raises(ValueError, match="config=.* does not apply"):
     mdjax.load(FOLDER, config=GIVEN)
+  with pytest.raises(ValueError, match="the folder the model was loaded from"):
+    mdjax.io.save(hf_model(), FOLDER)
   with pytest.raises(ValueError, match="k_eq_v_global=False cannot be written"):
     o = orbax_model()
     hf_io.save(o.replace(config=dataclasses.replace(o.config, k_eq_v_global=False)),
