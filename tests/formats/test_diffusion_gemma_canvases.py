@@ -3,8 +3,9 @@
 logits after finished canvases were appended to the cache, and `mdjax.generate` of the tiny
 checkpoint (its default sampler: the `diffusion_gemma_canvases` family) with key k equal to
 the tokens gemma's sampler wrote with rng fold_in(key(k), row), for every run the writer found
-replay-stable. As for one canvas (tests/formats/test_diffusion_gemma_sampler.py), the equality
-holds under the suite's XLA flags (tests/conftest.py)."""
+stable: replayed by gemma's own code, every decision clear of 1e-4, and its tokens kept when
+any bfloat16 rounding of the self-conditioning embeddings that a float32 difference of
+mdjax's size could move goes the other way (the writer's docstring and FLIP_MARGIN)."""
 
 import functools
 import json
@@ -24,7 +25,8 @@ from tests.formats.test_diffusion_gemma import decode, encode, model
 FOLDER = family_fixtures.folder("diffusion_gemma")
 WIDTH, NEW, PROMPT = 8, 24, 9
 END = (1, 106, 50)  # gemma's Sampler: EOS, end of turn, begin of tool response
-CASES = ("k4_b2", "k8_b4_entropy_stop")  # no early stop; the entropy stop
+# no early stop, the entropy stop; each again with fewer steps a canvas
+CASES = ("k4_b2", "k8_b4_entropy_stop", "k2_b2", "k3_b4_entropy_stop")
 
 
 @functools.cache
@@ -62,26 +64,50 @@ def completion(tokens: np.ndarray) -> np.ndarray:
   return tokens
 
 
+# Stable runs a case, under the writer's criterion. A run is stable when gemma's compiled
+# loop and its step-by-step replay agree; every decision (draws, argmax gaps, the entropy
+# bound's cut and order, the entropy stop, the MoE routing) clears 1e-4 of its scale; its
+# tokens survive JITTER_TRIALS replays with the self-conditioning embeddings jittered by
+# 1e-6 of the step's largest (root mean square) before their bfloat16 rounding; and every
+# rounding a later step reads that lies within FLIP_MARGIN = 1e-5 of the step's largest
+# |embedding| of its midpoint, rounded the other way alone, leaves its canvas's tokens as
+# they are. The sizes: where mdjax's step had gemma's exact inputs (43 steps of the 5 runs
+# that the first criterion called stable and mdjax missed), its float32 embeddings differed
+# from gemma's by at most 5.7e-6 of the step's largest |embedding| (3.6e-6 under the suite's
+# XLA flags, 5.7e-6 under XLA's defaults; root mean square at most 9.4e-7), and each of
+# those runs began to differ at a rounding 4e-8 to 1.2e-6 from its midpoint (bfloat16 moves
+# it by 2^-8 of itself; the routings and draws of the next steps follow). With 4 or 8 steps
+# a canvas few runs keep their tokens under every such flip (310 of the 2635 flips tried
+# change a 4-step run, 1854 of 4767 an 8-step one); with 2 or 3 steps a canvas (one or two
+# steps read the embeddings) most do.
+STABLE = {"k4_b2": 3, "k8_b4_entropy_stop": 0, "k2_b2": 16, "k3_b4_entropy_stop": 12}
+
+
 def test_the_fixture_records_stops_between_canvases_and_gemmas_batch_coupling():
   """Runs that end at an end token before their last canvas and runs that fill all three;
-  canvases the entropy stop ends early; stable means replayed, robust to rounding flips of
-  the self-conditioning embeddings, with every decision clear of 1e-4. gemma's batch of two rows with one rng: its first row is that prompt alone with the
-  rng (its draws in the batch's shape begin with the row's own), its second row is not."""
+  canvases the entropy stop ends early; which runs are stable (STABLE), each flip's record
+  consistent with it. gemma's batch of two rows with one rng: its first row is that prompt
+  alone with the rng (its draws in the batch's shape begin with the row's own), its second
+  row is not."""
   every = list(runs().values())
   assert {r["canvases_run"] for r in every} == {1, 2, 3}
   assert any(r["stopped"] and r["canvases_run"] < 3 for r in every)
   assert any(not r["stopped"] for r in every)
   for r in every:
     assert len(r["canvas_steps"]) == r["canvases_run"]
-    assert (min(r["canvas_steps"]) < r["steps"]) == (r["threshold"] is not None), r["name"]
+    assert r["threshold"] is not None or set(r["canvas_steps"]) == {r["steps"]}, r["name"]
+  early = {case: sum(n < r["steps"] for r in every if r["case"] == case
+                     for n in r["canvas_steps"]) for case in CASES}
+  assert early == {"k4_b2": 0, "k8_b4_entropy_stop": 65, "k2_b2": 0, "k3_b4_entropy_stop": 49}
   for r in every:
     clear = all(m is None or m > 1e-4 for k, m in r["margins"].items() if k != "sc_midpoint")
-    assert r["stable"] == (r["replays"] and r["robust"] and clear), r["name"]
-  assert sum(r["stable"] for r in every) == 15 and all(r["replays"] for r in every)
-  for case in CASES:
-    for which in ("none", "p0", "p1"):
-      stable = [r for r in every if (r["case"], r["prompt"]) == (case, which) and r["stable"]]
-      assert stable, (case, which)
+    assert r["flips_tried"] > 0, r["name"]  # every case reads some step's embeddings
+    assert (r["flips_changing"] == 0) == (r["rounding_margin"] is None), r["name"]
+    assert r["rounding_margin"] is None or r["rounding_margin"] < 1e-5, r["name"]
+    assert r["stable"] == (r["replays"] and r["robust"] and r["flips_changing"] == 0
+                           and clear), r["name"]
+  assert all(r["replays"] for r in every)
+  assert {case: sum(r["stable"] for r in every if r["case"] == case) for case in CASES} == STABLE
   assert fixture()["batch"]["rows_equal_alone"] == [True, False]
 
 
@@ -117,28 +143,22 @@ def test_each_canvas_reads_the_canvases_appended_before_it(name):
   assert checked >= run["canvases_run"]
 
 
-# Stable runs whose tokens mdjax does not reproduce under the suite's XLA flags: two tokens of
-# a last canvas, or an entropy stop a step apart, after a last-bit difference that the
-# writer's jittered replays of gemma's own code did not provoke (under XLA's default CPU
-# flags two of them differ: k4_b2_none_3, k8_b4_entropy_stop_none_1). docs/pretrained.md.
-KNOWN_FLIPS = {"k4_b2_none_0", "k4_b2_none_3", "k4_b2_p1_7", "k8_b4_entropy_stop_none_1",
-               "k8_b4_entropy_stop_p1_7"}
-
-
 def _compare(rows: list[str]) -> list[str]:
-  """`mdjax.generate` of the default sampler for every seed of both cases, the prompts `rows`
-  as one batch (row r draws with fold_in(key, r)); each row's completion against gemma's
-  tokens for its stable runs (KNOWN_FLIPS apart). Returns the runs compared."""
+  """`mdjax.generate` of the default sampler, a case and seed at a time, the prompts `rows`
+  as one batch (row r draws with fold_in(key, r)), wherever one of the rows' runs is stable;
+  each stable row's completion against gemma's tokens. Returns the runs compared."""
   m = model()
   compared = []
   for case in CASES:
     for seed in fixture()["seeds"]:
       names = [f"{case}_{row}_{seed}" for row in rows]
+      if not any(runs()[n]["stable"] for n in names):
+        continue
       batch = [[] if row == "none" else prompts()[runs()[n]["row"]].tolist()
                for row, n in zip(rows, names)]
       out = mdjax.generate(m, batch, max_new_tokens=NEW, key=seed, **knobs(runs()[names[0]]))
       for name, got in zip(names, out):
-        if not runs()[name]["stable"] or name in KNOWN_FLIPS:
+        if not runs()[name]["stable"]:
           continue
         tokens = arrays()[f"{name}/tokens"]
         np.testing.assert_array_equal(got.token_ids, completion(tokens), err_msg=name)
@@ -147,10 +167,19 @@ def _compare(rows: list[str]) -> list[str]:
   return compared
 
 
+def _stable(prompt) -> list[str]:
+  return [n for n, r in runs().items() if r["stable"] and r["prompt"] in prompt]
+
+
 @pytest.mark.slow
 def test_generate_without_a_prompt_equals_gemma():
-  """Three canvases from an empty cache: run 1 ends at an end token in its last canvas."""
-  assert _compare(["none"]) == ["k4_b2_none_1"]
+  """Three canvases from an empty cache: every stable run, among them runs that fill all
+  three canvases and runs the entropy stop ends early."""
+  compared = _compare(["none"])
+  assert sorted(compared) == sorted(_stable({"none"}))
+  every = [runs()[n] for n in compared]
+  assert any(r["canvases_run"] == 3 for r in every)
+  assert any(r["threshold"] is not None and min(r["canvas_steps"]) < r["steps"] for r in every)
 
 
 @pytest.mark.slow
@@ -159,7 +188,7 @@ def test_generate_of_two_prompts_equals_gemma_row_by_row():
   runs compared include one that stops at an end token after its first or second canvas, one
   that fills all three, and one whose canvases the entropy stop ends early."""
   compared = _compare(["p0", "p1"])
-  assert len(compared) >= 9, compared
+  assert sorted(compared) == sorted(_stable({"p0", "p1"}))
   every = [runs()[n] for n in compared]
   assert any(r["stopped"] and r["canvases_run"] < 3 for r in every)
   assert any(r["canvases_run"] == 3 for r in every)

@@ -303,12 +303,72 @@ def jittered_bf16(x, jitter: float, rng: np.random.Generator):
   return jnp.asarray(x + noise.astype(np.float32)).astype(jnp.bfloat16)
 
 
+def bf16_rounding(x) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Per element of `x` (float32): its bfloat16 rounding, the bfloat16 neighbour on x's
+  other side (the rounding another program's last-bit difference would give; the rounding
+  itself where x is representable) and x's distance to the midpoint between the two."""
+  x = np.asarray(x, np.float32)
+  rounded = x.astype(jnp.bfloat16)
+  bits = rounded.view(np.uint16).astype(np.int32)
+  value = rounded.astype(np.float32)
+  negative = (bits & 0x8000) != 0
+  up = np.where(negative, np.where(bits == 0x8000, 1, bits - 1), bits + 1)  # toward +inf
+  down = np.where(negative, bits + 1, np.where(bits == 0, 0x8001, bits - 1))  # toward -inf
+  other_bits = np.where(x > value, up, np.where(x < value, down, bits)).astype(np.uint16)
+  other = other_bits.view(jnp.bfloat16).astype(np.float32)
+  midpoint = (value.astype(np.float64) + other) / 2
+  distance = np.where(other_bits == bits, np.inf, np.abs(x - midpoint))
+  return value, other, distance
+
+
+def flipped_bf16(x, flip) -> jax.Array:
+  """`x` (float32) rounded to bfloat16, the elements where `flip` holds rounded the other
+  way (`bf16_rounding`)."""
+  value, other, _ = bf16_rounding(x)
+  return jnp.asarray(np.where(flip, other, value)).astype(jnp.bfloat16)
+
+
+def step_margins(margins: dict, out, sample_rng, route: float, bound: float,
+                 threshold: float | None) -> np.ndarray:
+  """Lowers `margins` to this step's decisions' (module docstring); returns its draws."""
+  shaped = np.asarray(out.logits, np.float64)
+  scale = np.abs(shaped).max()
+  categorical_rng, _ = jax.random.split(sample_rng)
+  noisy = np.asarray(jax.random.gumbel(categorical_rng, out.logits.shape, jnp.float32),
+                     np.float64) + shaped
+  draws = noisy.argmax(-1)
+  entropy = np.asarray(_entropy(out.logits), np.float64)[0]
+  order = np.argsort(entropy, kind="stable")
+  ranked = entropy[order]
+  before = np.cumsum(ranked) - ranked
+  kept = before <= bound
+  top = -np.sort(-noisy, axis=-1)
+  arg = -np.sort(-shaped, axis=-1)
+  margins["draw"] = min(margins["draw"], float((top[..., 0] - top[..., 1]).min() / scale))
+  margins["argmax"] = min(margins["argmax"], float((arg[..., 0] - arg[..., 1]).min() / scale))
+  margins["cut"] = min(margins["cut"], float(np.abs(before - bound).min() / max(bound, 1.0)))
+  cut = int(kept.sum())
+  if cut < CANVAS:  # the last kept and the first re-noised must not swap
+    margins["order"] = min(margins["order"], float(ranked[cut] - ranked[cut - 1]))
+  if threshold is not None:
+    margins["stop"] = min(margins["stop"], abs(float(entropy.mean()) - threshold))
+  margins["route"] = min(margins["route"], route)
+  margins["sc_midpoint"] = min(margins["sc_midpoint"], _bf16_midpoint_distance(
+      np.asarray(out.sc_embeddings, np.float32)))
+  selected = np.zeros(CANVAS, bool)
+  selected[order[kept]] = True  # the margins' draws are gemma's where it kept them
+  assert (draws[0][selected] == np.asarray(out.sampled_tokens)[0][selected]).all()
+  return draws
+
+
 def run_transcribed(model, params, sampler, rng, cache, full_mask, jitter: float = 0.0,
-                    jitter_seed: int = 0):
+                    jitter_seed: int = 0, flips: dict | None = None, record: bool = True):
   """`sample_next_canvas`'s loop, step by step with gemma's `sample_step` and
   `early_stop_fn`, recording each step's inputs, outputs and margins. With `jitter` > 0, the
   self-conditioning embeddings are perturbed before their bfloat16 rounding
-  (`jittered_bf16`, a generator seeded with `jitter_seed`)."""
+  (`jittered_bf16`, a generator seeded with `jitter_seed`); `flips` (step -> a 1 x W x D
+  mask) rounds the masked embeddings a step makes the other way (`flipped_bf16`). Without
+  `record`, the final canvas alone (no records, margins left at their start)."""
   initial_rng, step_rng = jax.random.split(rng)
   jitter_rng = np.random.default_rng(jitter_seed)
   if cache is None:
@@ -347,44 +407,23 @@ def run_transcribed(model, params, sampler, rng, cache, full_mask, jitter: float
     raw, intermediates, out, new_done, written = one_step(
         canvas, sc, sample_rng, jnp.full((1,), noise[step]), jnp.full((1,), noise[step + 1]),
         done, cache)
-    raw, route = np.asarray(raw, np.float32), router_margins(intermediates)
-    # Margins of this step's decisions.
-    shaped = np.asarray(out.logits, np.float64)
-    scale = np.abs(shaped).max()
-    categorical_rng, _ = jax.random.split(sample_rng)
-    noisy = np.asarray(jax.random.gumbel(categorical_rng, out.logits.shape, jnp.float32),
-                       np.float64) + shaped
-    draws = noisy.argmax(-1)
-    entropy = np.asarray(_entropy(out.logits), np.float64)[0]
-    order = np.argsort(entropy, kind="stable")
-    ranked = entropy[order]
-    before = np.cumsum(ranked) - ranked
-    kept = before <= bound
-    top = -np.sort(-noisy, axis=-1)
-    arg = -np.sort(-shaped, axis=-1)
-    margins["draw"] = min(margins["draw"], float((top[..., 0] - top[..., 1]).min() / scale))
-    margins["argmax"] = min(margins["argmax"], float((arg[..., 0] - arg[..., 1]).min() / scale))
-    margins["cut"] = min(margins["cut"], float(np.abs(before - bound).min() / max(bound, 1.0)))
-    cut = int(kept.sum())
-    if cut < CANVAS:  # the last kept and the first re-noised must not swap
-      margins["order"] = min(margins["order"], float(ranked[cut] - ranked[cut - 1]))
-    if threshold is not None:
-      margins["stop"] = min(margins["stop"], abs(float(entropy.mean()) - threshold))
-    margins["route"] = min(margins["route"], route)
-    margins["sc_midpoint"] = min(margins["sc_midpoint"], _bf16_midpoint_distance(
-        np.asarray(out.sc_embeddings, np.float32)))
-    selected = np.zeros(CANVAS, bool)
-    selected[order[kept]] = True  # the margins' draws are gemma's where it kept them
-    assert (draws[0][selected] == np.asarray(out.sampled_tokens)[0][selected]).all()
-    records.append(dict(canvas=np.asarray(canvas), sc=np.asarray(sc, np.float32),
-                        key=np.asarray(sample_rng), t=float(noise[step]),
-                        logits=raw, draws=draws.astype(np.int32),
-                        sampled=np.asarray(out.sampled_tokens), written=np.asarray(written),
-                        sc_out=np.asarray(out.sc_embeddings, np.float32),
-                        done=np.asarray(new_done)))
+    if record:
+      raw = np.asarray(raw, np.float32)
+      draws = step_margins(margins, out, sample_rng, router_margins(intermediates), bound,
+                           threshold)
+      records.append(dict(canvas=np.asarray(canvas), sc=np.asarray(sc, np.float32),
+                          key=np.asarray(sample_rng), t=float(noise[step]),
+                          logits=raw, draws=draws.astype(np.int32),
+                          sampled=np.asarray(out.sampled_tokens), written=np.asarray(written),
+                          sc_out=np.asarray(out.sc_embeddings, np.float32),
+                          done=np.asarray(new_done)))
     canvas, done = written, new_done
-    sc = (jittered_bf16(out.sc_embeddings, jitter, jitter_rng) if jitter
-          else out.sc_embeddings.astype(jnp.bfloat16))
+    if flips and step in flips:
+      sc = flipped_bf16(out.sc_embeddings, flips[step])
+    elif jitter:
+      sc = jittered_bf16(out.sc_embeddings, jitter, jitter_rng)
+    else:
+      sc = out.sc_embeddings.astype(jnp.bfloat16)
   return np.asarray(canvas), records, margins
 
 

@@ -24,13 +24,21 @@ end of turn and begin of tool response):
   `sample_step` and `early_stop_fn` jitted a step, then its truncation and cache append):
   `replays` when its tokens are the compiled loop's; `robust` when they stay the same with
   the self-conditioning embeddings perturbed before their bfloat16 rounding by noise of the
-  size of mdjax's float32 differences (JITTER; JITTER_TRIALS draws); every
-  decision's margin (the draws, the argmax gaps, the entropy bound's cut, the entropy stop's
-  threshold, the routing); `stable` when it replays, is robust and every margin clears 1e-4;
-  each canvas's steps run (`canvas_steps`: fewer than
-  max_denoising_steps where the entropy stop ended it). For the seed in
-  STEP_RECORDS, each canvas's steps (canvas, key, raw logits): the decoder's logits read the
-  cache after the canvases before it were appended.
+  size of mdjax's float32 differences (JITTER; JITTER_TRIALS draws); `flips_tried` and
+  `flips_changing`: every rounding of an embedding a later step reads that lies within
+  FLIP_MARGIN of its midpoint, rounded the other way alone (`rounding_flips`), and how many
+  of those change the run's tokens; `rounding_margin` (`_at`: canvas, step, position, dim):
+  the nearest of those to its midpoint, over the step's largest |embedding| (None: none
+  within FLIP_MARGIN changes the tokens); every other decision's margin (the draws, the
+  argmax gaps, the entropy bound's cut, the entropy stop's threshold, the routing); `stable`
+  when it replays, is robust, no flip changes it and every margin clears 1e-4; each canvas's
+  steps run (`canvas_steps`: fewer than max_denoising_steps where the entropy stop ended it).
+  For the seed in STEP_RECORDS, each canvas's steps (canvas, key, raw logits): the decoder's
+  logits read the cache after the canvases before it were appended.
+
+  With --records FILE RUN...: those runs' every step record (the embeddings before their
+  rounding among them) to FILE and their entries to FILE's .json, the fixture left alone:
+  what docs/pretrained.md's per-run table of the runs mdjax missed was read from.
 
   `batch`: gemma's sampler on both prompt rows at once (batch 2, rng key(BATCH_SEED)) against
   each row alone with that rng: gemma draws a batch's rows from one key in the batch's shape,
@@ -58,20 +66,37 @@ WIDTH, CANVASES = base.CANVAS, 3
 NEW = WIDTH * CANVASES
 CACHE = 48  # room for the prompt and three canvases (gemma stops when its cache is full)
 END_TOKENS = (1, 106, 50)
-# mdjax's self-conditioning embeddings differ from gemma's by 2.6e-7 of the largest (root
-# mean square; at most 1.05e-6), its float32 logits within 1.2e-6 of the largest
-# (tests/formats/test_diffusion_gemma.py's fixture). A run is robust when it keeps its tokens
-# with the embeddings perturbed by normal noise of that size before their bfloat16 rounding,
-# in each of JITTER_TRIALS draws: a last-bit difference that flips some of the roundings
-# (mdjax's, or another compilation's) then does not decide a token.
-JITTER, JITTER_TRIALS = 2.6e-7, 2
+# The self-conditioning embeddings are carried in bfloat16: a float32 difference between two
+# programs that moves an embedding across a rounding midpoint changes it by a bfloat16 ulp
+# (2^-8 of it), and on this random model the next steps' MoE routings and draws then follow
+# (the 5 runs mdjax missed that an earlier, weaker criterion called stable each began to
+# differ at one or two such flips, 4e-8 to 1.2e-6 of the step's largest |embedding| from
+# the midpoint: docs/pretrained.md). Measured along those runs' trajectories, wherever mdjax's step had
+# gemma's exact inputs (43 steps, the suite's XLA flags and XLA's defaults), mdjax's float32
+# embeddings differ from gemma's by at most 5.7e-6 of the step's largest |embedding| (root
+# mean square at most 9.4e-7), its logits by at most 4.7e-6 of the largest.
+# A run is robust when it keeps its tokens with the embeddings perturbed by normal noise of
+# that root mean square (JITTER, of the largest) before their rounding, in each of
+# JITTER_TRIALS draws; and flip-robust when every rounding a later step reads that lies within
+# FLIP_MARGIN of the largest (the largest difference measured, 5.7e-6, with room: 1.75x) of
+# its midpoint, rounded the other way alone, leaves its canvas's tokens as they are.
+JITTER, JITTER_TRIALS = 1e-6, 2
+FLIP_MARGIN = 1e-5
 SEEDS = tuple(range(8))
 STEP_RECORDS = (0,)
+STEP_FIELDS = ("canvas", "key", "logits", "sampled", "sc")  # what the fixture keeps a step
+# --records: every field run_transcribed records (the embeddings before their rounding,
+# `sc_out`, among them)
+ALL_STEP_FIELDS = STEP_FIELDS + ("t", "draws", "written", "sc_out", "done")
 BATCH_SEED = 0
 PROMPTS = ("none", "p0", "p1")
 CASES = (  # name, max_denoising_steps, entropy_bound, early stop
     dict(name="k4_b2", steps=4, entropy_bound=2.0),
     dict(name="k8_b4_entropy_stop", steps=8, entropy_bound=4.0, entropy_stop=True),
+    # Fewer steps a canvas, fewer embeddings read (one step's, two): runs that keep their
+    # tokens under every flip FLIP_MARGIN allows, across canvases and with the entropy stop.
+    dict(name="k2_b2", steps=2, entropy_bound=2.0),
+    dict(name="k3_b4_entropy_stop", steps=3, entropy_bound=4.0, entropy_stop=True),
 )
 
 
@@ -115,34 +140,70 @@ def compiled_run(model, params, sampler, prompt, rng) -> np.ndarray:
   return np.asarray(out.predicted_tokens)
 
 
+def truncated(canvas) -> tuple[np.ndarray, bool]:
+  """gemma's `_truncate_canvas_at_stop_tokens` of one canvas (1 x W): PAD after its first
+  end token; whether it holds one."""
+  out, stopped = _sampler._truncate_canvas_at_stop_tokens(  # pylint: disable=protected-access
+      jnp.asarray(canvas), end_tokens=END_TOKENS, canvas_length=WIDTH,
+      done=jnp.zeros((1,), bool))
+  return np.asarray(out), bool(stopped[0])
+
+
 def transcribed_run(model, params, sampler, prompt, rng, jitter: float = 0.0,
-                    jitter_seed: int = 0):
+                    jitter_seed: int = 0, record: bool = True):
   """The loop canvas by canvas: `run_transcribed` per canvas (`jitter`: its perturbed
   embeddings, canvas c's noise seeded jitter_seed + c), then gemma's truncation and append.
-  Returns (tokens NEW, canvases run, the margins, each canvas's step records)."""
+  Returns (tokens NEW, canvases run, the margins, each canvas's step records, each canvas's
+  start: its key and the cache before it)."""
   state = initial_state(model, params, prompt, rng)
   cache, full_mask, rng = state.cache, state.full_attention_mask, state.rng
-  canvases, records, margins = [], [], {}
+  canvases, records, starts, margins = [], [], [], {}
   for c in range(CANVASES):
     rng, sample_rng = jax.random.split(rng)
+    starts.append((jax.random.key_data(sample_rng), cache, full_mask))
     canvas, steps, canvas_margins = base.run_transcribed(
-        model, params, sampler, jax.random.key_data(sample_rng), cache, full_mask, jitter,
-        jitter_seed + c)
+        model, params, sampler, starts[-1][0], cache, full_mask, jitter, jitter_seed + c,
+        record=record)
     for key, value in canvas_margins.items():
       margins[key] = min(margins.get(key, np.inf), value)
-    truncated, stopped = _sampler._truncate_canvas_at_stop_tokens(  # pylint: disable=protected-access
-        jnp.asarray(canvas), end_tokens=END_TOKENS, canvas_length=WIDTH,
-        done=jnp.zeros((1,), bool))
-    cache = sampler.append_tokens_to_cache(tokens=truncated, cache=cache, params=params)
-    canvases.append(np.asarray(truncated)[0])
+    canvas, stopped = truncated(canvas)
+    cache = sampler.append_tokens_to_cache(tokens=jnp.asarray(canvas), cache=cache,
+                                           params=params)
+    canvases.append(canvas[0])
     records.append(steps)
-    if bool(stopped[0]):
+    if stopped:
       break
   tokens = np.zeros(NEW, np.int32)
   tokens[:WIDTH * len(canvases)] = np.concatenate(canvases)
   tokens = np.asarray(_sampler_loop._mask_tokens_after_end_tokens(  # pylint: disable=protected-access
       jnp.asarray(tokens)[None], end_tokens=END_TOKENS))[0]
-  return tokens, len(canvases), margins, records
+  return tokens, len(canvases), margins, records, starts
+
+
+def rounding_flips(model, params, sampler, tokens, records, starts) -> tuple[int, list]:
+  """Every bfloat16 rounding of a self-conditioning embedding that a later step reads, within
+  FLIP_MARGIN of the step's largest |embedding| of its midpoint, rounded the other way alone:
+  the canvas rerun from its start (its key, the cache before it) with that flip. Returns
+  (the flips tried, those that change the canvas's tokens: (canvas, step, position, dim,
+  the distance to the midpoint over the largest |embedding|)). The other canvases do not
+  move: a canvas's tokens alone reach the cache, and its key does not depend on them."""
+  tried, changing = 0, []
+  for c, steps in enumerate(records):
+    expected = tokens[c * WIDTH:(c + 1) * WIDTH]
+    for s, step in enumerate(steps[:-1]):  # the last step's embeddings feed nothing
+      x = step["sc_out"]
+      _, _, distance = base.bf16_rounding(x)
+      relative = distance / np.abs(x).max()
+      for where in np.argwhere(relative < FLIP_MARGIN):
+        flip = np.zeros(x.shape, bool)
+        flip[tuple(where)] = True
+        key, cache, full_mask = starts[c]
+        canvas, _, _ = base.run_transcribed(model, params, sampler, key, cache, full_mask,
+                                            flips={s: flip}, record=False)
+        tried += 1
+        if not (truncated(canvas)[0][0] == expected).all():
+          changing.append((c, s, int(where[1]), int(where[2]), float(relative[tuple(where)])))
+  return tried, changing
 
 
 def threshold_of(model, params, case: dict, prompt) -> float | None:
@@ -157,7 +218,11 @@ def threshold_of(model, params, case: dict, prompt) -> float | None:
                                 state.cache, state.full_attention_mask)
 
 
-def write_runs(model, params, prompts_BxP: np.ndarray) -> tuple[dict, list]:
+def write_runs(model, params, prompts_BxP: np.ndarray, only=None,
+               fields=STEP_FIELDS) -> tuple[dict, list]:
+  """Every run of CASES x PROMPTS x SEEDS (`only`: those named), its tokens, rng, margins
+  and stability; the step records (`fields`) of the runs in STEP_RECORDS (with `only`: of
+  each run named)."""
   arrays, runs = {}, []
   for case in CASES:
     # One threshold a case (probed with the first prompt row), as one sampler runs a batch.
@@ -167,35 +232,43 @@ def write_runs(model, params, prompts_BxP: np.ndarray) -> tuple[dict, list]:
       row = 1 if which == "p1" else 0
       prompt = None if which == "none" else prompts_BxP[row:row + 1]
       for seed in SEEDS:
+        name = f"{case['name']}_{which}_{seed}"
+        if only is not None and name not in only:
+          continue
         rng = jax.random.fold_in(jax.random.key(seed), row)
         compiled = compiled_run(model, params, sampler, prompt, rng)[0]
-        tokens, canvases, margins, records = transcribed_run(model, params, sampler, prompt,
-                                                             rng)
+        tokens, canvases, margins, records, starts = transcribed_run(model, params, sampler,
+                                                                     prompt, rng)
         replays = bool((tokens == compiled).all())
         robust = all(bool((transcribed_run(model, params, sampler, prompt, rng, JITTER,
-                                           100 * trial)[0] == compiled).all())
+                                           100 * trial, record=False)[0] == compiled).all())
                      for trial in range(1, JITTER_TRIALS + 1))
-        stable = replays and robust and all(margins[k] > base.MARGIN for k in
-                                            ("draw", "argmax", "cut", "order", "stop", "route"))
-        name = f"{case['name']}_{which}_{seed}"
+        tried, changing = rounding_flips(model, params, sampler, tokens, records, starts)
+        stable = replays and robust and not changing and all(
+            margins[k] > base.MARGIN for k in ("draw", "argmax", "cut", "order", "stop", "route"))
         stopped = bool(np.isin(compiled, END_TOKENS).any())
         print(name, "replays" if replays else "DOES NOT REPLAY",
               "robust" if robust else "NOT ROBUST", f"canvases {canvases}",
+              f"flips {len(changing)} of {tried} change it",
               "stopped" if stopped else "", {k: f"{v:.1e}" for k, v in margins.items()})
         runs.append(dict(name=name, case=case["name"], steps=case["steps"],
                          entropy_bound=case["entropy_bound"],
                          threshold=threshold, prompt=which, seed=seed, row=row,
                          canvases_run=canvases, canvas_steps=[len(r) for r in records],
                          stopped=stopped, replays=replays, robust=robust,
+                         flips_tried=tried, flips_changing=len(changing),
+                         rounding_margin=min((f[4] for f in changing), default=None),
+                         rounding_margin_at=(list(min(changing, key=lambda f: f[4])[:4])
+                                             if changing else None),
                          stable=bool(stable),
                          margins={k: (None if v == np.inf else float(v))
                                   for k, v in margins.items()}))
         arrays[f"{name}/tokens"] = compiled
         arrays[f"{name}/rng"] = np.asarray(jax.random.key_data(rng))
-        if seed not in STEP_RECORDS:
+        if (seed not in STEP_RECORDS) if only is None else False:
           continue
         for c, steps in enumerate(records):
-          for field in ("canvas", "key", "logits", "sampled", "sc"):
+          for field in fields:
             arrays[f"{name}/c{c}/steps_{field}"] = np.stack([r[field] for r in steps])
   return arrays, runs
 
@@ -217,10 +290,21 @@ def write_batch(model, params, prompts_BxP: np.ndarray) -> tuple[dict, dict]:
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", type=pathlib.Path, default=OUT)
+  parser.add_argument("--records", type=pathlib.Path, default=None,
+                      help="write the named runs' every step record to this .npz (and their "
+                      "stability to the .json beside it), not the fixture")
+  parser.add_argument("runs", nargs="*", help="with --records: the runs (names as in "
+                      "canvases.json)")
   args = parser.parse_args(argv)
   params = _checkpoint.load_params(str((args.out / "params").resolve()))
   prompts = np.load(args.out / "reference.npz")["prompt_BxP"]
   model = base.build_model()
+  if args.records is not None:
+    arrays, runs = write_runs(model, params, prompts, only=set(args.runs),
+                              fields=ALL_STEP_FIELDS)
+    np.savez_compressed(args.records, **arrays)
+    args.records.with_suffix(".json").write_text(json.dumps(dict(runs=runs), indent=1) + "\n")
+    return
   arrays, runs = write_runs(model, params, prompts)
   batch_arrays, batch = write_batch(model, params, prompts)
   np.savez_compressed(args.out / "canvases.npz", **arrays, **batch_arrays)
