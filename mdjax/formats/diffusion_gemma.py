@@ -277,7 +277,7 @@ class DiffusionGemmaFormat(Format):
 
   def config_from_hf(self, raw: dict, dtype: str):
     raise ValueError("diffusion_gemma config.json: the Hugging Face conversion of "
-                     "DiffusionGemma (DiffusionGemmaForBlockDiffusion) is not loaded yet by "
+                     "DiffusionGemma (DiffusionGemmaForBlockDiffusion) is not read by "
                      "mdjax.io.folder.load, which has no table for it: read it with "
                      "mdjax.load or mdjax.io.load (mdjax.io.diffusion_gemma_hf)")
 

@@ -148,11 +148,12 @@ def test_bad_input(tmp_path):
     mdjax.load(PARAMS, config=GIVEN, dtype="float16")
   with pytest.raises(ValueError, match="exists"):
     gemma_params.save(model(), PARAMS)
-  # The Hugging Face conversion is detected and refused by name, not misread.
+  # The Hugging Face conversion is detected; the generic folder reader refuses it by name and
+  # names the reader that loads it (mdjax.io.diffusion_gemma_hf).
   raw = {"model_type": "diffusion_gemma", "architectures": ["DiffusionGemmaForBlockDiffusion"]}
   fmt = formats.detect(raw, "config.json")
   assert fmt.family == "diffusion_gemma"
-  with pytest.raises(ValueError, match="not loaded yet"):
+  with pytest.raises(ValueError, match="not read by mdjax.io.folder.load.*diffusion_gemma_hf"):
     fmt.config_from_hf(raw, "float32")
 
 
