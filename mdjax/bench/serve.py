@@ -464,4 +464,9 @@ def notes(result: dict, args) -> str:
 
 
 if __name__ == "__main__":
+  import jax
+
+  from mdjax.serve import host_memory
+  if jax.default_backend() == "cpu":  # as python -m mdjax.serve does (not a caller's process)
+    host_memory.keep_freed_memory()
   main()

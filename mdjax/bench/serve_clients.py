@@ -94,7 +94,10 @@ def level_row(concurrency: int, records: list[dict], wall: float) -> dict:
 
 def device_info() -> dict:
   import jax
+
+  from mdjax.serve import host_memory
   device = jax.devices()[0]
   return dict(platform=device.platform, device_kind=device.device_kind,
               count=len(jax.devices()), jax=jax.__version__, cpus=os.cpu_count(),
-              load_average=[round(x, 2) for x in os.getloadavg()])
+              load_average=[round(x, 2) for x in os.getloadavg()],
+              host_memory_kept=host_memory.kept())

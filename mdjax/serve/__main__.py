@@ -165,7 +165,10 @@ def main(argv=None) -> int:
 
   import mdjax
   from mdjax.knob_registry import every_knob
-  from mdjax.serve import server
+  from mdjax.serve import host_memory, server
+
+  if jax.default_backend() == "cpu":  # each tick's buffers from the heap, not fresh pages
+    host_memory.keep_freed_memory()
 
   flags = {"sampler", "devices", "parallel", *every_knob()}
   try:

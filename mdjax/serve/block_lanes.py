@@ -40,6 +40,7 @@ from mdjax.sampling.end_of_row import EndOfRow
 from mdjax.sampling.stepping import Stepper
 from mdjax.serve import lanes
 from mdjax.serve.lanes import Lane
+from mdjax.serve.row_axes import RowAxes
 
 Array = jax.Array
 
@@ -138,22 +139,30 @@ class BlockRow:
   active: Array
 
 
-_STATIC = ("denoiser", "stepper", "sharding")
+_STATIC = ("denoiser", "stepper", "sharding", "axes")
+
+
+def _start_rows(denoiser, params, keys_B, whole_BxP, valid_BxP, tail_BxR, plan, blocks,
+                cache=None, *, stepper: BlockStepper, sharding=None, axes=None) -> BlockRow:
+  """A slot's state started on B rows (a lane's slot holds one: `_start_row`)."""
+  carry = stepper.start(denoiser, params, keys_B, whole_BxP, valid_BxP, tail_BxR, cache)
+  return BlockRow(carry=carry, plan=plan, blocks=jnp.int32(blocks), active=jnp.bool_(True))
 
 
 def _start_row(denoiser, params, key, whole_1xP, valid_1xP, tail_1xR, plan, blocks,
-               cache=None, *, stepper: BlockStepper, sharding=None) -> BlockRow:
-  carry = stepper.start(denoiser, params, key[None], whole_1xP, valid_1xP, tail_1xR, cache)
-  return BlockRow(carry=carry, plan=plan, blocks=jnp.int32(blocks), active=jnp.bool_(True))
+               cache=None, **static) -> BlockRow:
+  return _start_rows(denoiser, params, key[None], whole_1xP, valid_1xP, tail_1xR, plan,
+                     blocks, cache, **static)
 
 
 def _empty_lane(denoiser, params, key, whole_1xP, valid_1xP, tail_1xR, plan, blocks, *, slots,
                 **static):
   lanes.count_trace()
+  axes: RowAxes = static["axes"]
   row = _start_row(denoiser, params, key, whole_1xP, valid_1xP, tail_1xR, plan, blocks,
                    **static)
-  rows = jax.vmap(lambda _: row)(jnp.arange(slots))
-  return lanes.placed(rows.replace(active=jnp.zeros((slots,), bool)), static["sharding"])
+  rows = axes.stack(row, slots)
+  return axes.placed(rows.replace(active=jnp.zeros((slots,), bool)), static["sharding"])
 
 
 def _admit(denoiser, params, rows, slot, key, whole_1xP, valid_1xP, tail_1xR, plan, blocks,
@@ -161,19 +170,20 @@ def _admit(denoiser, params, rows, slot, key, whole_1xP, valid_1xP, tail_1xR, pl
   """The rows with slot `slot` started on a new row (its start cache `cache` when the prefix
   cache holds it: no pass then)."""
   lanes.count_trace()
+  axes: RowAxes = static["axes"]
   row = _start_row(denoiser, params, key, whole_1xP, valid_1xP, tail_1xR, plan, blocks, cache,
                    **static)
-  rows = jax.tree.map(lambda all_rows, one: all_rows.at[slot].set(one), rows, row)
-  return lanes.placed(rows, static["sharding"])
+  return axes.placed(axes.put(rows, slot, row), static["sharding"])
 
 
-def _start_cache(rows, slot):
+def _start_cache(rows, slot, *, axes: RowAxes):
   """The cache of the row in `slot` (a copy: its start cache, read right after `admit`)."""
   lanes.count_trace()
-  return jax.tree.map(lambda leaf: leaf[slot], rows.carry.cache)
+  return axes.take(rows, slot).carry.cache
 
 
-def _tick(denoiser, params, rows, *, stepper: BlockStepper, sharding, bucket, split, view):
+def _tick(denoiser, params, rows, *, stepper: BlockStepper, sharding, axes: RowAxes, bucket,
+          split, view):
   """One step of every active row among the `bucket` front slots: (rows, and of those
   slots: tokens_BxG (each row's first `view` generated positions, its block as it
   stands), active_B, generated_length_B, steps_B, commits_B (the block finished and the
@@ -195,26 +205,24 @@ def _tick(denoiser, params, rows, *, stepper: BlockStepper, sharding, bucket, sp
                  done & ~finishes, carry.block)
 
   if bucket == rows.active.shape[0]:
-    rows, outputs = jax.vmap(step)(rows)
-    rows = lanes.placed(rows, sharding)
+    rows, outputs = axes.vmap(step, out_rows=False)(rows)
+    rows = axes.placed(rows, sharding)
   else:
-    front = jax.tree.map(lambda leaf: lanes.front_slots(leaf, split, bucket), rows)
-    front, outputs = jax.vmap(step)(lanes.placed(front, sharding))
-    rows = lanes.placed(jax.tree.map(lambda leaf, new: lanes.put_front(leaf, new, split),
-                                     rows, front), sharding)
+    front = axes.front(rows, split, bucket)
+    front, outputs = axes.vmap(step, out_rows=False)(axes.placed(front, sharding))
+    rows = axes.placed(axes.put_front(rows, front, split), sharding)
   return (rows,) + outputs
 
 
-def _commit(denoiser, params, rows, slots_C, *, stepper: BlockStepper, sharding, refresh):
+def _commit(denoiser, params, rows, slots_C, *, stepper: BlockStepper, sharding,
+            axes: RowAxes, refresh):
   """The rows of `slots_C` (repeats allowed: they compute the same row) committed:
   their block written and the next one opened (`BlockStepper.commit`, `refresh` its
   cache pass)."""
   lanes.count_trace()
-  picked = jax.tree.map(lambda leaf: leaf[slots_C], rows)
-  picked = jax.vmap(lambda row: row.replace(
-      carry=stepper.commit(denoiser, params, row.carry, refresh)))(picked)
-  rows = jax.tree.map(lambda leaf, new: leaf.at[slots_C].set(new), rows, picked)
-  return lanes.placed(rows, sharding)
+  picked = axes.vmap(lambda row: row.replace(
+      carry=stepper.commit(denoiser, params, row.carry, refresh)))(axes.gather(rows, slots_C))
+  return axes.placed(axes.scatter(rows, slots_C, picked), sharding)
 
 
 class BlockPrograms:
@@ -231,7 +239,7 @@ class BlockPrograms:
                         donate_argnames=("rows",))
     self.commit = jax.jit(own(_commit), static_argnames=_STATIC + ("refresh",),
                           donate_argnames=("rows",))
-    self.start_cache = jax.jit(own(_start_cache))
+    self.start_cache = jax.jit(own(_start_cache), static_argnames=("axes",))
 
 
 class BlockLane(Lane):
@@ -246,7 +254,8 @@ class BlockLane(Lane):
     self.run = run
     self.family = run.stepper.stepper.family
     sharding = lanes.row_sharding(job.params, slots)
-    self.static = dict(denoiser=job.denoiser, stepper=run.stepper, sharding=sharding)
+    self.static = dict(denoiser=job.denoiser, stepper=run.stepper, sharding=sharding,
+                       axes=self.row_axes(job, padded))
     self.params, self.num_steps = job.params, run.num_steps
     self.slots = slots
     self.split = lanes.data_split(sharding, slots)
@@ -265,6 +274,20 @@ class BlockLane(Lane):
     self.last_used = time.monotonic()
     self.prefix = prefix_cache if layout.cached else None
     self.model_block = job.denoiser.block_size
+
+  @staticmethod
+  def row_axes(job, padded: bool) -> RowAxes:
+    """As `Lane.row_axes`."""
+    del padded  # a block row always reads its validity
+    run = job.blocks
+    start = functools.partial(_start_rows, job.denoiser, stepper=run.stepper)
+    two = lambda x: np.concatenate([x, x])
+    one_row = jax.eval_shape(start, job.params, jax.random.key(0)[None], run.whole_1xP,
+                             run.valid_1xP, run.tail_1xR, job.plan, np.int32(run.blocks))
+    two_rows = jax.eval_shape(start, job.params, jax.random.split(jax.random.key(0)),
+                              two(run.whole_1xP), two(run.valid_1xP), two(run.tail_1xR),
+                              job.plan, np.int32(run.blocks))
+    return RowAxes.of(one_row, two_rows)
 
   @classmethod
   def row_bytes(cls, job, padded: bool) -> int:
@@ -296,7 +319,8 @@ class BlockLane(Lane):
                                     *self.row_inputs(job),
                                     **({} if entry is None else {"cache": entry}), **static)
     if entry is None:
-      self.prefix.insert(self.key, blocks, self.programs.start_cache(self.rows, np.int32(slot)))
+      self.prefix.insert(self.key, blocks, self.programs.start_cache(
+          self.rows, np.int32(slot), axes=self.static["axes"]))
     self.owners[slot] = lanes.Slot(handle, choice, time.monotonic())
     self.last_used = time.monotonic()
 
@@ -312,7 +336,7 @@ class BlockLane(Lane):
     self._commit([slot for slot, go in zip(front, commits) if go],
                  {slot: int(n) for slot, n in zip(front, block)})
     self.last_used = time.monotonic()
-    return lanes.by_slot(front, self.slots, tokens, active, lengths, steps)
+    return lanes.TickOutputs(front, self.slots, active, tokens, lengths, steps)
 
   def _commit(self, slots: list[int], block: dict[int, int]) -> None:
     """Commits the rows of `slots`, those whose window stays put by one appending pass and
@@ -338,7 +362,7 @@ class BlockLane(Lane):
     layout = self.run.stepper.layout
     if self.prefix is not None:
       static = lanes.lane_static(self.static)
-      cache = self.programs.start_cache(self.rows, np.int32(0))
+      cache = self.programs.start_cache(self.rows, np.int32(0), axes=self.static["axes"])
       self.rows = self.programs.admit(job.denoiser, self.params, self.rows, np.int32(0),
                                       jax.random.key(0), *self.row_inputs(job), cache=cache,
                                       **static)

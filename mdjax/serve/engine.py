@@ -202,10 +202,13 @@ class Engine:
     keep): nothing compiles while serving, and no lane is dropped."""
     self.frozen = True
 
-  def submit(self, job: Job, on_update: Callable[[RowUpdate], None]) -> Handle:
+  def submit(self, job: Job, on_update: Callable[[RowUpdate], None],
+             every_step: bool = True) -> Handle:
     """Queues the job's rows; `on_update` hears of each row after every tick (from the
-    engine thread). Raises QueueFull when `max_queue` rows already wait."""
-    handle = Handle(job, on_update)
+    engine thread), or with every_step False only once, when the row finished (or failed):
+    a caller that waits for the completion spares the engine an update a row a tick. Raises
+    QueueFull when `max_queue` rows already wait."""
+    handle = Handle(job, on_update, every_step)
     with self._cv:
       if self._stopping:
         raise QueueFull("the server is shutting down", retry_after=1.0)
@@ -396,7 +399,7 @@ class Engine:
   def _tick(self, lane: Lane) -> None:
     bucket = lane.bucket()
     try:
-      tokens_NxS, active_N, lengths_N, steps_N = lane.tick(bucket)
+      outputs = lane.tick(bucket)
     except Exception as error:
       for slot, owner in enumerate(lane.owners):
         if owner is not None:
@@ -406,29 +409,32 @@ class Engine:
       return
     self._counts["ticks"] += 1  # one batched denoiser pass
     self._bucket_ticks[bucket] += 1
-    finished = self._send_updates(lane, tokens_NxS, active_N, lengths_N, steps_N)
+    finished = self._send_updates(lane, outputs)
     lane.release(finished)  # the last active rows move into the finished rows' slots
 
-  def _send_updates(self, lane: Lane, tokens_NxS, active_N, lengths_N, steps_N) -> list[int]:
-    """Each active row's update after a tick; returns the slots of the rows that finished
-    (their owners stay until the lane releases them)."""
+  def _send_updates(self, lane: Lane, outputs: lane_programs.TickOutputs) -> list[int]:
+    """Each active row's update after a tick (a row whose handle takes its last update
+    only: when it finished); returns the slots of the rows that finished (their owners stay
+    until the lane releases them). A tick's tokens are read back only for those updates."""
     left = []
     for slot, owner in enumerate(lane.owners):
       if owner is None:
         continue
+      finished = not outputs.active_N[slot]
+      if not finished and not owner.handle.every_step:
+        continue
       job = owner.handle.job
-      canvas_ids = lane.canvas_ids(tokens_NxS, slot, job)
+      canvas_ids = lane.canvas_ids(outputs.tokens_NxS, slot, job)
       masked = canvas_ids == job.mask_id
-      finished = not active_N[slot]
       completion = None
       if finished:
-        length = min(int(lengths_N[slot]), job.max_new_tokens)
+        length = min(int(outputs.lengths_N[slot]), job.max_new_tokens)
         completion = generation.completion_of(self.model, job.prompt_ids, canvas_ids, length,
                                               job.max_new_tokens)
       provisional = lane.family.rewrites and not finished
       final = np.zeros_like(masked) if provisional else ~masked
       committed = int(np.argmin(final)) if not final.all() else job.max_new_tokens
-      owner.handle.send(RowUpdate(owner.choice, int(steps_N[slot]), job.num_steps,
+      owner.handle.send(RowUpdate(owner.choice, int(outputs.steps_N[slot]), job.num_steps,
                                    canvas_ids, masked, committed, final, completion))
       if finished:
         left.append(slot)

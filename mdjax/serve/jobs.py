@@ -106,11 +106,12 @@ class Job:
 
 class Handle:
   """A submitted job: `cancel()` frees its rows at the next tick; `done` once every row
-  finished, was cancelled or failed. The engine's thread `send`s each row's updates and
+  finished, was cancelled or failed. The engine's thread `send`s each row's updates (every
+  step's, or with every_step False only a row's last: its completion or its error) and
   `close_rows` the rows that leave."""
 
-  def __init__(self, job: Job, on_update: Callable[[RowUpdate], None]):
-    self.job, self.on_update = job, on_update
+  def __init__(self, job: Job, on_update: Callable[[RowUpdate], None], every_step: bool = True):
+    self.job, self.on_update, self.every_step = job, on_update, every_step
     self.cancelled = False
     self._open = job.n
     self._lock = threading.Lock()

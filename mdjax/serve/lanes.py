@@ -32,6 +32,7 @@ from flax import struct
 
 from mdjax.sampling import Carry, Stepper
 from mdjax.sampling.end_of_row import EndOfRow
+from mdjax.serve.row_axes import RowAxes
 
 Array = jax.Array
 
@@ -62,13 +63,7 @@ class RowState:
   full_next: Array | None = None  # a cached spec: the next step makes a full pass
 
 
-_STATIC = ("denoiser", "stepper", "padded", "sharding")
-
-
-def placed(rows: RowState, sharding) -> RowState:
-  """The rows on the lane's sharding (every program returns them there, so the next one
-  sees the same input shardings and nothing retraces)."""
-  return rows if sharding is None else jax.lax.with_sharding_constraint(rows, sharding)
+_STATIC = ("denoiser", "stepper", "padded", "sharding", "axes")
 
 
 def row_sharding(params, slots: int):
@@ -84,32 +79,40 @@ def row_sharding(params, slots: int):
   return None
 
 
-def _start_row(denoiser, params, key, tokens_1xS, valid_1xS, plan, kv_plan=None, *,
-               stepper: Stepper, padded: bool, sharding=None) -> RowState:
-  valid = valid_1xS if padded else None
-  carry = stepper.start(stepper.bind(denoiser, params, valid), key[None], tokens_1xS,
+def _start_rows(denoiser, params, keys_B, tokens_BxS, valid_BxS, plan, kv_plan=None, *,
+                stepper: Stepper, padded: bool, sharding=None, axes=None) -> RowState:
+  """A slot's state started on B rows (a lane's slot holds one: `_start_row`)."""
+  valid = valid_BxS if padded else None
+  carry = stepper.start(stepper.bind(denoiser, params, valid), keys_B, tokens_BxS,
                         valid_BxL=valid)
   full_next = None if kv_plan is None else stepper.needs_full(carry, 0, kv_plan)
-  return RowState(carry=carry, plan=plan, valid_1xS=valid_1xS, index=jnp.int32(0),
+  return RowState(carry=carry, plan=plan, valid_1xS=valid_BxS, index=jnp.int32(0),
                   active=jnp.bool_(True), kv_plan=kv_plan, full_next=full_next)
+
+
+def _start_row(denoiser, params, key, tokens_1xS, valid_1xS, plan, kv_plan=None,
+               **static) -> RowState:
+  return _start_rows(denoiser, params, key[None], tokens_1xS, valid_1xS, plan, kv_plan,
+                     **static)
 
 
 def _empty_lane(denoiser, params, key, tokens_1xS, valid_1xS, plan, kv_plan=None, *, slots,
                 **static):
   """`slots` idle rows (copies of one row, inactive): the lane's fixed shapes."""
   count_trace()
+  axes: RowAxes = static["axes"]
   row = _start_row(denoiser, params, key, tokens_1xS, valid_1xS, plan, kv_plan, **static)
-  rows = jax.vmap(lambda _: row)(jnp.arange(slots))
-  return placed(rows.replace(active=jnp.zeros((slots,), bool)), static["sharding"])
+  rows = axes.stack(row, slots)
+  return axes.placed(rows.replace(active=jnp.zeros((slots,), bool)), static["sharding"])
 
 
 def _admit(denoiser, params, rows, slot, key, tokens_1xS, valid_1xS, plan, kv_plan=None,
            **static):
   """The rows with slot `slot` started on a new row."""
   count_trace()
+  axes: RowAxes = static["axes"]
   row = _start_row(denoiser, params, key, tokens_1xS, valid_1xS, plan, kv_plan, **static)
-  rows = jax.tree.map(lambda all_rows, one: all_rows.at[slot].set(one), rows, row)
-  return placed(rows, static["sharding"])
+  return axes.placed(axes.put(rows, slot, row), static["sharding"])
 
 
 def shape_bytes(start_row, *args) -> int:
@@ -119,13 +122,40 @@ def shape_bytes(start_row, *args) -> int:
   return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
 
 
-def move_row(rows, source, target, *, sharding, **static):
+def move_row(rows, source, target, *, sharding, axes: RowAxes, **static):
   """The rows with slot `target` holding slot `source`'s row, and slot `source` idle (when
   the two are one slot: that slot idle)."""
   count_trace()
-  rows = jax.tree.map(lambda leaf: leaf.at[target].set(leaf[source]), rows)
+  rows = axes.put(rows, target, axes.take(rows, source))
   rows = rows.replace(active=rows.active.at[source].set(False))
-  return placed(rows, sharding)
+  return axes.placed(rows, sharding)
+
+
+class TickOutputs:
+  """A tick's results, indexed by slot (zeros where no row ran): `active_N`, the stop flags,
+  read back at every tick; `tokens_NxS`, `lengths_N` (generated length) and `steps_N`
+  read back only when first asked for (a row finished, or a client streams every step)."""
+
+  def __init__(self, front: list[int], slots: int, active, tokens, lengths, steps):
+    self.front, self.slots = front, slots
+    self._device = (tokens, lengths, steps)
+    (self.active_N,) = by_slot(front, slots, active)
+
+  @functools.cached_property
+  def _host(self) -> tuple[np.ndarray, ...]:
+    return by_slot(self.front, self.slots, *self._device)
+
+  @property
+  def tokens_NxS(self) -> np.ndarray:
+    return self._host[0]
+
+  @property
+  def lengths_N(self) -> np.ndarray:
+    return self._host[1]
+
+  @property
+  def steps_N(self) -> np.ndarray:
+    return self._host[2]
 
 
 def by_slot(front: list[int], slots: int, *values_N) -> tuple[np.ndarray, ...]:
@@ -137,21 +167,6 @@ def by_slot(front: list[int], slots: int, *values_N) -> tuple[np.ndarray, ...]:
     array[front] = values
     out.append(array)
   return tuple(out)
-
-
-def front_slots(leaf: Array, split: int, bucket: int) -> Array:
-  """The `bucket` slots a tick advances: the first bucket / split of each of the `split`
-  equal parts of the slots (the parts the 'data' axis puts on its devices; split 1: the
-  first `bucket` slots)."""
-  parts = leaf.reshape((split, leaf.shape[0] // split) + leaf.shape[1:])
-  return parts[:, :bucket // split].reshape((bucket,) + leaf.shape[1:])
-
-
-def put_front(leaf: Array, front: Array, split: int) -> Array:
-  """`leaf` with its `front_slots` slots replaced by `front` (in place: the rows are donated)."""
-  parts = leaf.reshape((split, leaf.shape[0] // split) + leaf.shape[1:])
-  front = front.reshape((split, front.shape[0] // split) + front.shape[1:])
-  return jax.lax.dynamic_update_slice_in_dim(parts, front, 0, axis=1).reshape(leaf.shape)
 
 
 def _row_step(denoiser, params, row: RowState, *, stepper: Stepper, padded, num_steps,
@@ -175,8 +190,8 @@ def _row_step(denoiser, params, row: RowState, *, stepper: Stepper, padded, num_
 
 
 def _tick(denoiser, params, rows, hold_N=None, *, stepper: Stepper, padded, sharding,
-          num_steps, bucket, split=1):
-  """One step for every active row among the `bucket` front slots (`front_slots`; each row at
+          axes: RowAxes, num_steps, bucket, split=1):
+  """One step for every active row among the `bucket` front slots (`RowAxes.front`; each row at
   its own step): (rows, and of those slots, in `Lane.front` order: tokens_BxS, active_B,
   generated_length_B, index_B, full_next_B). One program per bucket; the other slots are not
   read. A cached spec's tick makes window passes only: the rows whose step makes a full pass
@@ -190,33 +205,31 @@ def _tick(denoiser, params, rows, hold_N=None, *, stepper: Stepper, padded, shar
     rows = rows.replace(active=rows.active & ~hold_N)
 
   if bucket == rows.active.shape[0]:  # every slot: the rows as they are
-    rows = front = placed(jax.vmap(step)(rows), sharding)
+    rows = front = axes.placed(axes.vmap(step)(rows), sharding)
   else:
-    front = jax.tree.map(lambda leaf: front_slots(leaf, split, bucket), rows)
-    front = placed(jax.vmap(step)(placed(front, sharding)), sharding)
-    rows = placed(jax.tree.map(lambda leaf, new: put_front(leaf, new, split), rows, front),
-                   sharding)
+    front = axes.front(rows, split, bucket)
+    front = axes.placed(axes.vmap(step)(axes.placed(front, sharding)), sharding)
+    rows = axes.placed(axes.put_front(rows, front, split), sharding)
   if hold_N is not None:  # the held rows, as `_refresh` left them
-    rows = placed(rows.replace(active=rows.active | held.active), sharding)
-    front = jax.tree.map(lambda leaf: front_slots(leaf, split, bucket), rows)
+    rows = axes.placed(rows.replace(active=rows.active | held.active), sharding)
+    front = axes.front(rows, split, bucket)
   tokens_BxS = front.carry.tokens_BxL[:, 0]
   lengths_B = jax.vmap(lambda r: end.generated_length(
-      r.carry.tokens_BxL, r.carry.ctx.editable_BxL, stepper.mask_id)[0])(front)
+      r.carry.tokens_BxL, r.carry.ctx.editable_BxL, stepper.mask_id)[0],
+      in_axes=(axes.tree(),))(front)
   return rows, tokens_BxS, front.active, lengths_B, front.index, front.full_next
 
 
 def _refresh(denoiser, params, rows, slots_R, *, stepper: Stepper, padded, sharding,
-             num_steps):
+             axes: RowAxes, num_steps):
   """The rows of `slots_R` (repeats allowed: they compute the same row) one step each, a
   full pass where their plan makes one (a cached spec's rows that refresh their cache this
   tick: a program over them alone, so the lane's tick runs window passes only)."""
   count_trace()
-  picked = jax.tree.map(lambda leaf: leaf[slots_R], rows)
-  picked = jax.vmap(functools.partial(_row_step, denoiser, params, stepper=stepper,
-                                      padded=padded, num_steps=num_steps,
-                                      window_only=False))(picked)
-  return placed(jax.tree.map(lambda leaf, new: leaf.at[slots_R].set(new), rows, picked),
-                sharding)
+  picked = axes.vmap(functools.partial(_row_step, denoiser, params, stepper=stepper,
+                                       padded=padded, num_steps=num_steps,
+                                       window_only=False))(axes.gather(rows, slots_R))
+  return axes.placed(axes.scatter(rows, slots_R, picked), sharding)
 
 
 def own_copy(fn):
@@ -266,13 +279,13 @@ class Lane:
     self.family = job.stepper.family
     sharding = row_sharding(job.params, slots)
     self.static = dict(denoiser=job.denoiser, stepper=job.stepper, padded=padded,
-                       sharding=sharding)
+                       sharding=sharding, axes=self.row_axes(job, padded))
     self.params, self.num_steps = job.params, job.num_steps
     self.slots = slots
     # Rows split over a 'data' axis of size d live in d equal parts, one a device. Slicing
     # the first `bucket` slots would put every active row on the first device (and move
     # them there each tick), so the front is the first bucket / d slots of each part
-    # (`front_slots`, a local slice on every device) and buckets are multiples of d: the active
+    # (`RowAxes.front`, a local slice on every device) and buckets are multiples of d: the active
     # rows fill the parts in turn (`order`), so every device ticks an equal share.
     self.split = data_split(sharding, slots)
     part = slots // self.split
@@ -308,6 +321,18 @@ class Lane:
     """The slots a tick of `bucket` advances, in the order its outputs list them."""
     part = self.slots // self.split
     return [p * part + i for p in range(self.split) for i in range(bucket // self.split)]
+
+  @staticmethod
+  def row_axes(job, padded: bool) -> RowAxes:
+    """Where the lane keeps each leaf's slots (`row_axes`): from the shapes of a slot
+    started on one row and on two (nothing compiles)."""
+    start = functools.partial(_start_rows, job.denoiser, stepper=job.stepper, padded=padded)
+    two = lambda x: np.concatenate([x, x])
+    one_row = jax.eval_shape(start, job.params, jax.random.key(0)[None], job.tokens_1xS,
+                             job.valid_1xS, job.plan, job.kv_plan)
+    two_rows = jax.eval_shape(start, job.params, jax.random.split(jax.random.key(0)),
+                              two(job.tokens_1xS), two(job.valid_1xS), job.plan, job.kv_plan)
+    return RowAxes.of(one_row, two_rows)
 
   @classmethod
   def row_bytes(cls, job, padded: bool) -> int:
@@ -349,9 +374,9 @@ class Lane:
       if self.full_next is not None:
         self.full_next[slot] = self.full_next[last]
 
-  def tick(self, bucket: int | None = None):
-    """One tick of the `bucket` program (default: the lane's bucket): (tokens_NxS,
-    active_N, lengths_N, steps_N) indexed by slot, filled for the ticked slots."""
+  def tick(self, bucket: int | None = None) -> TickOutputs:
+    """One tick of the `bucket` program (default: the lane's bucket): its outputs by slot,
+    filled for the ticked slots."""
     bucket = self.bucket() if bucket is None else bucket
     front, hold_N = self.front(bucket), None
     if self.full_next is not None:  # a cached spec: full passes only for the rows making one
@@ -368,7 +393,7 @@ class Lane:
     self.last_used = time.monotonic()
     if self.full_next is not None:
       self.full_next[front] = np.asarray(full_next)
-    return by_slot(front, self.slots, tokens, active, lengths, steps)
+    return TickOutputs(front, self.slots, active, tokens, lengths, steps)
 
   def _refresh(self, slots: list[int]) -> None:
     """Steps the rows of `slots` (their step makes a full pass) in one `refresh` program of a

@@ -132,7 +132,9 @@ class Run:
     self.handles = []
     try:
       for i, job in enumerate(call.jobs):
-        self.handles.append(call.state.engine.submit(job, on_update(i * call.n)))
+        # A whole response needs each row's completion only; a stream, every step.
+        self.handles.append(call.state.engine.submit(job, on_update(i * call.n),
+                                                     every_step=call.stream))
     except QueueFull as error:
       self.cancel()  # the prompts submitted before it
       retry = max(1, math.ceil(error.retry_after))

@@ -357,8 +357,8 @@ def test_full_queue_gets_429_and_a_client_that_leaves_cancels(dream_model):
   with running_server(dream_model, max_batch=1, max_queue=1, start=False) as server:
     handles = []
     submit = server.engine.submit
-    server.engine.submit = lambda job, on_update: handles.append(submit(job, on_update)) \
-        or handles[-1]
+    server.engine.submit = lambda job, on_update, **kw: handles.append(
+        submit(job, on_update, **kw)) or handles[-1]
     body = {"model": "dream", "prompt": "Hi", "max_tokens": 4, "stream": True, **KNOBS}
     with httpx.Client(timeout=30) as http:
       with http.stream("POST", server.base_url + "/completions", json=body) as first:

@@ -70,7 +70,8 @@ def test_rows_at_different_steps_equal_generate_offline(dream_model):
   for index, (prompt, fields) in enumerate(requests):
     job = engine.prepare(generation.prompt_ids(model, [prompt])[0], **fields)
     listener = Listener()
-    handles.append(engine.submit(job, listener))
+    # The last one waits for its completion only (a whole response): one update, no steps.
+    handles.append(engine.submit(job, listener, every_step=index < len(requests) - 1))
     jobs.append(job), listeners.append(listener)
     if index == 1:
       engine.run_once()  # the first rows are a step ahead of the next ones
@@ -82,6 +83,7 @@ def test_rows_at_different_steps_equal_generate_offline(dream_model):
       got = listener.completions[choice].completion
       np.testing.assert_array_equal(got.token_ids, want[choice].token_ids)
       assert (got.text, got.finish_reason) == (want[choice].text, want[choice].finish_reason)
+  assert len(listeners[-1].updates) == 1 and len(listeners[0].updates) > 1
   # The keys decide these tokens: the two rows of one request differ.
   assert (listeners[1].completions[0].completion.token_ids.tolist()
           != listeners[1].completions[1].completion.token_ids.tolist())
