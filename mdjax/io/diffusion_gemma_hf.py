@@ -40,7 +40,7 @@ from mdjax.formats import diffusion_gemma as orbax_layout
 from mdjax.formats import diffusion_gemma_hf as layout
 from mdjax.io import tensors as tensors_lib
 from mdjax.io.chat_template import CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE
-from mdjax.io.folder import read_chat_template
+from mdjax.io.folder import read_chat_template, side_files
 from mdjax.io.record import published_model
 from mdjax.lazy import Lazy
 from mdjax.model import Model
@@ -235,22 +235,6 @@ def load(path, *, dtype: str | None = None, mesh=None, config: Any = None,
 # --- save ------------------------------------------------------------------------------------
 
 
-def _side_files(source: str | None) -> list[str]:
-  """The SIDE_FILES of the source folder, each a regular file (a symbolic link there is a
-  ValueError: it could carry any file of the machine into the copy)."""
-  if source is None:
-    return []
-  present = []
-  for name in SIDE_FILES:
-    path = os.path.join(source, name)
-    if os.path.islink(path):
-      raise ValueError(f"{path}: a symbolic link; save copies only regular files of the source "
-                       "folder (put the file itself there)")
-    if files_lib.regular_file(path):
-      present.append(name)
-  return present
-
-
 def _copy(src: str, dst: str) -> None:
   if os.path.isfile(dst) and not os.path.islink(dst) and os.path.samefile(src, dst):
     return
@@ -320,7 +304,7 @@ def save(model: Model, path, *, dtype: str | None = None,
   if source and os.path.isdir(folder) and os.path.samefile(folder, source):
     raise ValueError(f"save: {folder} is the folder the model was loaded from (its vision "
                      "tower is copied from there as it is written); give another folder")
-  side = _side_files(source)
+  side = side_files(source, SIDE_FILES) if source is not None else []
   source_infos = tensors_lib.read_checkpoint(source) if source else {}
   tensors: dict[str, Any] = stored_tensors(params, config, np.dtype(jnp.dtype(written_dtype)))
   for name, info in source_infos.items():  # the vision tower, copied as stored

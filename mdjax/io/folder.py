@@ -382,7 +382,7 @@ def _auto_map_files(raw: dict, where: str) -> list[str]:
   return sorted(files)
 
 
-def _side_files(source: str, names) -> list[str]:
+def side_files(source: str, names) -> list[str]:
   """The names among `names` that are files of the source folder, checked to be regular
   files and not symbolic links (a link could carry any file of the machine into the copy)."""
   present = []
@@ -452,7 +452,7 @@ def save(model_or_params, path: str, *, family: str | None = None,
   source = model.source if model and model.source and os.path.isdir(model.source) else None
   source_config = os.path.join(model.source if model and model.source else "", CONFIG_FILE)
   modeling = _auto_map_files(model.hf_config or {}, source_config) if model else []
-  side = _side_files(source, SIDE_FILES + tuple(modeling)) if source else []
+  side = side_files(source, SIDE_FILES + tuple(modeling)) if source else []
 
   flat = _flat(params)
   leaves = layout.leaves(config)
