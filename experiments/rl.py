@@ -256,6 +256,78 @@ def diagnostics(start_model, name: str) -> dict:
     moved = jax.tree.map(lambda p, g: p - eta * g / norm, start_model.params, grad)
     along[str(eta)] = rate(solved(start_model.denoiser, moved, name, TASKS[name]["steps"]))
   out["along_gradient"] = {"param_norm": param_norm, "solve_rate_at_step_length": along}
+  out["gradient_snr"] = gradient_snr(start_model, task, name)
+  return out
+
+
+# The updates compared by `gradient_snr`: RFT (the table's, on the MC-ELBO, and on the
+# trajectory) and diffu-GRPO on the trajectory (d1's mean baseline, and TRL's std scaling).
+SNR_LOSSES = ("rft_elbo", "rft_trajectory", "grpo_trajectory", "grpo_trajectory_std")
+SNR_BATCHES = 40  # independent 64-rollout batches; two halves of 20 for the cross terms
+
+
+def gradient_snr(start_model, task, name: str) -> dict:
+  """Each update's gradient at the start over SNR_BATCHES batches of the table's shape (8
+  fresh puzzles x G rollouts): the signal-to-noise ratio of one batch's gradient,
+  |E g|^2 / E|g - E g|^2 (|E g|^2 less the mean's own noise), the cosine between the
+  expected gradients of two updates (from independent halves, a1.b2 / sqrt(a1.a2 b1.b2), so
+  the batches' noise cancels), and the solve rate after a step of norm 0.03 along each mean."""
+  group, steps, mask_id = RL["num_generations"], TASKS[name]["steps"], task.mask_id
+  spec = sampling.make_spec(SAMPLER["family"], steps=steps,
+                            **{k: v for k, v in SAMPLER.items() if k != "family"})
+
+  def loss(kind, params, toks, write, ok, key):
+    if kind == "rft_elbo":
+      lp = logps_lib.elbo_logps_fn(start_model.denoiser, params, toks, 16, key,
+                                   mask_id=mask_id, num_samples=RL["elbo_samples"])[:, None]
+      return losses.rft_loss(lp, jnp.ones_like(lp), ok,
+                             length_B=jnp.full(ok.shape, toks.shape[1] - 16.0))[0]
+    lp = logps_lib.trajectory_logps_fn(start_model.denoiser, params, toks, write, 16,
+                                       mask_id=mask_id, num_steps=steps)
+    if kind == "rft_trajectory":
+      return losses.rft_loss(lp, jnp.ones_like(lp), ok)[0]
+    advantages = losses.group_advantages(ok, group, scale_by_std=kind.endswith("_std"))
+    return losses.grpo_loss(lp, None, None, advantages, jnp.ones_like(lp), epsilon=RL["epsilon"],
+                            beta=0.0)[0]
+
+  grad_fns = {kind: jax.jit(jax.grad(lambda *a, kind=kind: loss(kind, *a)))
+              for kind in SNR_LOSSES}
+  grads = {kind: [] for kind in SNR_LOSSES}
+  for i in range(SNR_BATCHES):
+    rows = np.asarray(task.sample_data(jax.random.fold_in(jax.random.key(EVAL_KEY + 4), i), 8))
+    canvas = np.repeat(rows, group, 0)
+    canvas[:, 16:] = mask_id
+    fixed = np.zeros(canvas.shape, bool)
+    fixed[:, :16] = True
+    res = sampling.sample(start_model.denoiser, start_model.params,
+                          jax.random.fold_in(jax.random.key(EVAL_KEY + 5), i), canvas, spec,
+                          fixed, mask_id=mask_id)
+    ok = jnp.asarray(sudoku4.checks(np.asarray(res.tokens_BxL), task.params)["solved"],
+                     jnp.float32)
+    for kind in SNR_LOSSES:
+      g = grad_fns[kind](start_model.params, res.tokens_BxL, res.write_step_BxL, ok,
+                         jax.random.fold_in(jax.random.key(EVAL_KEY + 6), i))
+      grads[kind].append(np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)]))
+  out, halves, leaves = {}, {}, jax.tree.leaves(start_model.params)
+  for kind in SNR_LOSSES:
+    g = np.stack(grads[kind])
+    mean, noise = g.mean(0), float(((g - g.mean(0)) ** 2).sum(1).sum() / (SNR_BATCHES - 1))
+    halves[kind] = g[:SNR_BATCHES // 2].mean(0), g[SNR_BATCHES // 2:].mean(0)
+    step = np.split(0.03 * mean / np.linalg.norm(mean),
+                    np.cumsum([x.size for x in leaves])[:-1])
+    moved = jax.tree.unflatten(jax.tree.structure(start_model.params),
+                               [x - d.reshape(x.shape).astype(x.dtype)
+                                for x, d in zip(leaves, step)])
+    out[kind] = {"signal_to_noise_per_batch": max(float((mean ** 2).sum()) - noise
+                                                  / SNR_BATCHES, 0.0) / noise,
+                 "solve_rate_after_step_0.03": rate(solved(start_model.denoiser, moved, name,
+                                                           steps))}
+  out["cos_of_expected_gradients"] = {}
+  for i, a in enumerate(SNR_LOSSES):
+    for b in SNR_LOSSES[i + 1:]:
+      (a1, a2), (b1, b2) = halves[a], halves[b]
+      out["cos_of_expected_gradients"][f"{a}|{b}"] = float(
+          (a1 @ b2 + a2 @ b1) / 2 / np.sqrt(max(a1 @ a2, 1e-30) * max(b1 @ b2, 1e-30)))
   return out
 
 
