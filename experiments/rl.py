@@ -90,9 +90,13 @@ LR = {}
 LR_DEFAULT = 1e-4
 # Rows run again under other seeds (other prompts and rollouts, the same start): how far apart
 # two runs of one objective land, beside the evaluation's own s.e.
-REPEAT_ROWS, REPEAT_SEEDS = ("rft", "grpo_trajectory"), (1, 2)
-# (name, objective, estimator, extra rl fields)
+REPEAT_ROWS, REPEAT_SEEDS = ("rft", "rft_trajectory", "grpo_trajectory"), (1, 2)
+# (name, objective, estimator, extra rl fields). Two RFT rows: on the NELBO the start was
+# trained with ("rft", the baseline of `vs_rft`), and on the rollout's own trajectory
+# ("rft_trajectory", `vs_rft_trajectory`), the log-probabilities diffu-GRPO's best row reads:
+# with them the two updates have the same expected gradient (docs/rl.md).
 ROWS = (("rft", "rft", "elbo", {}),
+        ("rft_trajectory", "rft", "trajectory", {}),
         ("grpo_one_step", "grpo", "one_step", {}),
         ("grpo_trajectory", "grpo", "trajectory", {}),
         ("grpo_coupled", "grpo", "coupled", {}),
@@ -348,7 +352,7 @@ def run_task(name: str, workdir: str, log) -> tuple[dict, list, dict]:
              "steps": TASKS[name]["steps"], "sequential_steps": TASKS[name]["sequential_steps"],
              "rl_steps": TASKS[name]["rl_steps"], "task_kwargs": TASKS[name]["task_kwargs"]}
   log(f"{name}: start {summary['start']}, oracle {summary['oracle']}")
-  rows, curves, rft_after = [], {}, None
+  rows, curves, rft_after = [], {}, {}
   for row in ROWS:
     folder = os.path.join(workdir, name, row[0])
     t0 = time.time()
@@ -381,8 +385,11 @@ def run_task(name: str, workdir: str, log) -> tuple[dict, list, dict]:
                        "before": rate(before[spec_steps[1]]),
                        "after": rate(after[spec_steps[1]]),
                        **gain(before[spec_steps[1]], after[spec_steps[1]])},
-        # Against rejection-sampling fine-tuning at the same rollouts (ROWS[0]), paired.
-        "vs_rft": None if rft_after is None else gain(rft_after, after[main]),
+        # Against rejection-sampling fine-tuning at the same rollouts, paired: on the NELBO
+        # (ROWS[0]) and on the trajectory.
+        "vs_rft": None if row[0] == "rft" else gain(rft_after["rft"], after[main]),
+        "vs_rft_trajectory": (None if row[0] in ("rft", "rft_trajectory")
+                              else gain(rft_after["rft_trajectory"], after[main])),
         "eval_curve": eval_curve,
         "rollout_fraction": rollout / max(rollout + update, 1e-9),
         "oracle_reward": exact[main]["reward"], "optimum": 1.0,
@@ -391,7 +398,7 @@ def run_task(name: str, workdir: str, log) -> tuple[dict, list, dict]:
         "seconds": time.time() - t0}
     rows.append(record)
     if row[1] == "rft":
-      rft_after = after[main]
+      rft_after[row[0]] = after[main]
     log(json.dumps({k: record[k] for k in ("task", "name", "reward_before", "reward_after",
                                             "gain_in_stderr", "gain_in_paired_stderr",
                                             "train_seconds")}))
