@@ -88,6 +88,7 @@ RL = dict(batch_size=64, num_generations=8, num_iterations=1, beta=0.0, epsilon=
 # update a step: 0.458 and 0.458 after 60 steps, 2e-4 falling to 0.376 first.
 LR = {}
 LR_DEFAULT = 1e-4
+COLD_TEMPERATURES = (0.6, 0.2)  # the start and each row also scored at these
 # Rows run again under other seeds (other prompts and rollouts, the same start): how far apart
 # two runs of one objective land, beside the evaluation's own s.e.
 REPEAT_ROWS, REPEAT_SEEDS = ("rft", "rft_trajectory", "grpo_trajectory"), (1, 2)
@@ -162,11 +163,15 @@ def eval_canvas(name: str):
   return canvas, fixed, task, check
 
 
-def solved(apply_fn, params, name: str, steps: int) -> np.ndarray:
-  """Each evaluation prompt's outcome (bool [EVAL_PROMPTS]) under the sampler at `steps`."""
+def solved(apply_fn, params, name: str, steps: int, temperature: float | None = None
+           ) -> np.ndarray:
+  """Each evaluation prompt's outcome (bool [EVAL_PROMPTS]) under the sampler at `steps`
+  (and `temperature`, default the training sampler's)."""
   canvas, fixed, task, check = eval_canvas(name)
-  spec = sampling.make_spec(SAMPLER["family"], steps=steps,
-                            **{k: v for k, v in SAMPLER.items() if k != "family"})
+  knobs = {k: v for k, v in SAMPLER.items() if k != "family"}
+  if temperature is not None:
+    knobs["temperature"] = temperature
+  spec = sampling.make_spec(SAMPLER["family"], steps=steps, **knobs)
   out = sampling.sample(apply_fn, params, jax.random.key(EVAL_KEY + 1), canvas, spec, fixed,
                         mask_id=task.mask_id)
   return np.asarray(check(np.asarray(out.tokens_BxL)), bool)
@@ -347,6 +352,10 @@ def run_task(name: str, workdir: str, log) -> tuple[dict, list, dict]:
   before = {s: solved(base.denoiser, base.params, name, s) for s in spec_steps}
   exact = {s: rate(solved(oracle, None, name, s)) for s in spec_steps}
   summary = {"start": {str(s): rate(before[s]) for s in spec_steps},
+             # How much of a gain sharpening alone buys: the start sampled colder.
+             "start_at_temperature": {
+                 str(t): rate(solved(base.denoiser, base.params, name, spec_steps[0], t))
+                 for t in COLD_TEMPERATURES},
              "oracle": {str(s): exact[s] for s in spec_steps}, "optimum": 1.0,
              "pretrain_train_seconds": train.read_train_seconds(start),
              "steps": TASKS[name]["steps"], "sequential_steps": TASKS[name]["sequential_steps"],
@@ -391,6 +400,11 @@ def run_task(name: str, workdir: str, log) -> tuple[dict, list, dict]:
         "vs_rft_trajectory": (None if row[0] in ("rft", "rft_trajectory")
                               else gain(rft_after["rft_trajectory"], after[main])),
         "eval_curve": eval_curve,
+        # The same, sampled colder: a gain beyond the start's own at this temperature is
+        # more than sharpening.
+        "after_at_temperature": {
+            str(t): rate(solved(tuned.denoiser, tuned.params, name, main, t))
+            for t in COLD_TEMPERATURES},
         "rollout_fraction": rollout / max(rollout + update, 1e-9),
         "oracle_reward": exact[main]["reward"], "optimum": 1.0,
         "gap_to_optimum_closed": (ra["reward"] - rb["reward"]) / (1.0 - rb["reward"]),
