@@ -14,25 +14,30 @@ by decoding in parallel differently (one agreed position), so a gain is parallel
 
 Per task a small model is trained here by the NELBO (`PRETRAIN`); then every row fine-tunes
 it for the task's `rl_steps` steps of `RL` (8 prompts x G = 8 rollouts a step, the same
-prompts in every row, one update a step, beta 0, one constant lr): rejection-sampling fine-tuning
-(objective 'rft': the NELBO of the correct rollouts), diffu-GRPO with d1's one-step
+prompts in every row, one update a step, beta 0, one constant lr): rejection-sampling
+fine-tuning (objective 'rft': SFT on the correct rollouts, by the NELBO and by the rollout's
+own trajectory), diffu-GRPO with d1's one-step
 log-probabilities, with the rollout's own trajectory and with coupled-GRPO's mask pairs, SPG,
 wd1, IGPO (diffu-GRPO on the trajectory with hints for groups that all fail) and MDPO. Each
 model, the start and the exact oracle are scored on the same EVAL_PROMPTS fresh prompts
 (a key no training step reads) with the same sampler key, at the training sampler's steps and
 at one position a step: binomial s.e. sqrt(p (1 - p) / n) per figure; a gain's s.e. both
 unpaired, sqrt(se_before^2 + se_after^2), and paired, the s.e. of the per-prompt difference
-(the same prompts and draws score both). Diagnostics (Sudoku): the start's per-cell against
-whole-puzzle errors, the reward variance within groups, and the solve rate along the
-large-batch policy gradient at several step lengths (why the learning rate matters). RFT and
-diffu-GRPO on the trajectory run again under two more seeds (`REPEAT_SEEDS`): the spread of
-runs, beside the evaluation's s.e.; every row also compares itself with RFT, paired (`vs_rft`).
+(the same prompts and draws score both); every `eval_every` steps a checkpoint is scored
+too (`eval_curve`: is the row still rising?), and the start and each row at colder
+temperatures (how much of a gain sharpening alone buys). Diagnostics (Sudoku): the start's
+per-cell against whole-puzzle errors, the reward variance within groups, the solve rate
+along the large-batch policy gradient at several step lengths (why the learning rate
+matters), and `gradient_snr`: each update's per-batch signal-to-noise and the angles between
+their expected gradients. Both RFT rows and diffu-GRPO on the trajectory run again under two
+more seeds (`REPEAT_SEEDS`): the spread of runs, beside the evaluation's s.e.; every row
+also compares itself with both RFT rows, paired (`vs_rft`, `vs_rft_trajectory`).
 
 Writes results/rl.json (with each run's reward per RL step) and results/rl.png (each row's
-solve rate). Fixed seeds; finished runs
-in the workdir are reused (`train.train` resumes them), so a second invocation only
-evaluates. Why so few steps: the CPU is 2 cores shared with other jobs, and the whole
-command is sized to finish within about an hour there (docs/rl.md gives the times).
+solve rate, and at its checkpoints). Fixed seeds; finished runs in the workdir are reused
+(`train.train` resumes them), so a second invocation only evaluates. The CPU is 2 cores
+shared with other jobs; the whole command takes about 1.5 hours of training there
+(docs/rl.md gives the times).
 """
 
 from __future__ import annotations
@@ -80,6 +85,10 @@ SAMPLER = dict(family="confidence", score="prob", count_rule="even", temperature
 # against 0.465 and 0.448-0.464), at a quarter of the update time.
 RL = dict(batch_size=64, num_generations=8, num_iterations=1, beta=0.0, epsilon=0.5,
           p_mask_prompt=0.15, elbo_samples=4)
+# Pilots at 120 Sudoku steps (docs/rl.md), none better than this setting: diffu-GRPO on the
+# trajectory 0.483; with lr 3e-4 0.489, with scale_by_std 0.481, with num_iterations 2 0.469
+# (RFT with 2: 0.477), on the MC-ELBO 0.465; RFT at 3e-4 0.485 (at 480 steps 0.481: its
+# plateau is not the learning rate's).
 # One constant learning rate for every row, tuned on Sudoku (docs/rl.md): diffu-GRPO with 4
 # inner updates at 1e-3 collapsed to 0 within 4 steps, at 2e-4 and 5e-4 wandered at or below
 # the start, at 3e-5 rose steadily (`diagnostics` shows why: the solve rate falls once a step
