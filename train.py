@@ -183,8 +183,8 @@ def main(argv):
   except (ValueError, RuntimeError) as error:
     _fail(error, RUNTIME)
   from mdjax import rl, train  # rl: registers the objectives 'grpo' and 'wd1'
-  from mdjax.accelerators import distill  # registers 'dparallel' and 'd3llm'
-  del rl, distill
+  from mdjax.accelerators import cdlm, distill  # register 'cdlm', 'dparallel' and 'd3llm'
+  del rl, cdlm, distill
   try:
     train.train(_CONFIG.value, _WORKDIR.value)
   except train.ConfigError as error:

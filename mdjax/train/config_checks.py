@@ -58,6 +58,9 @@ CONFIG_RANGES = (
 
 # The objectives' names, live: those registered on import (`objectives.register`) join it.
 OBJECTIVES = objectives.OBJECTIVES.keys()
+# The objectives that train a block-causal model (model.block_size): the block NELBO, and
+# CDLM's student (mdjax.accelerators.cdlm).
+BLOCK_OBJECTIVES = ("nelbo", "cdlm")
 
 
 _ABSENT = object()
@@ -122,9 +125,9 @@ def check_config(config) -> None:
     if not _integer(1)[0](block_size):
       refuse("model.block_size", block_size, "must be None or an integer >= 1 (dividing the "
              "sequence length)")
-    if config.objective != "nelbo":
-      refuse("model.block_size", block_size, f"needs objective='nelbo' (the block NELBO), not "
-             f"{config.objective!r}")
+    if config.objective not in BLOCK_OBJECTIVES:
+      refuse("model.block_size", block_size, f"needs objective='nelbo' (the block NELBO) or "
+             f"'cdlm' (a block-causal student), not {config.objective!r}")
     if config.model.get("time_conditioning") or config.model.get("causal"):
       refuse("model.block_size", block_size, "needs model.time_conditioning=False and "
              "model.causal=False")
