@@ -159,7 +159,7 @@ def cdlm_loss(apply_fn, params, key, tokens_BxL, write_step_BxL, teacher_probs_B
   loss, aux = cdlm_terms(logits[:batch], logits_star, logits[batch:], teacher_probs_BxLxV,
                          truth_BxL, masked_y, masked_star, dlm_masked, t_B,
                          generated=generated, **weights)
-  aux["step"] = step_B.astype(jnp.float32).mean()
+  aux["trajectory_step"] = step_B.astype(jnp.float32).mean()
   return loss, aux
 
 

@@ -14,9 +14,9 @@ with standard errors, in results/parallelism.json's point schema plus `method`, 
   order policy and its untrained start (`mdjax.bench.order_policy`);
 - teacher "trained", a model trained here (configs/sudoku4_teacher.py, fixed seed), at
   temperature 0 (the references' greedy setting): the same training-free families and a
-  Learn2PD filter on it, and its students distilled by 'dparallel' and 'd3llm'
-  (configs/distill_*.py, `mdjax.accelerators.distill`), each decoded with the same
-  confidence thresholds (trained: true).
+  Learn2PD filter on it, its students distilled by 'dparallel', 'd3llm' and 'cdlm'
+  (configs/distill_*.py), each decoded with the same confidence thresholds (trained: true),
+  CDLM's block-causal one block by block with the exact cache of the finished blocks.
 
 Then AUP per method, and each trained point against the training-free frontier of its own
 teacher (`mdjax.accelerators.frontier`): at equal calls (accuracy difference in standard
@@ -24,13 +24,15 @@ errors), at equal accuracy (`speedup`, the frontier's calls over the point's), a
 the exact denoiser's frontier at equal calls (`to_exact`). Last, `combined_ratio`: the best
 student with a threshold and the KV cache against the teacher one token a step uncached, at
 equal exact accuracy, in wall time and in denoiser calls, timed side by side. Fixed seeds;
-the models train from scratch unless --workdir holds finished runs.
+the models train from scratch unless --workdir holds finished runs; --only=cdlm computes
+that student's rows again into the file (the teacher in --workdir checked to be its own).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import math
 import os
 import sys
@@ -42,7 +44,7 @@ import jax
 import numpy as np
 
 from mdjax import files, report, sampling
-from mdjax.accelerators import distill, frontier, learn2pd
+from mdjax.accelerators import cdlm, distill, frontier, learn2pd
 from mdjax.bench import order_policy as order_policy_bench
 from mdjax.bench import parallelism as bench
 
@@ -51,7 +53,7 @@ ACCEPT_THRESHOLDS = (0.5, 0.9, 0.96, 0.99)
 THRESHOLDS = (0.99, 0.9, 0.7, 0.6, 0.5, 0.3)
 GAMMAS = (0.1, 0.5, 1.5)
 RHOS = (1, 2, 4)
-STUDENTS = distill.NAMES
+STUDENTS = distill.NAMES + (cdlm.NAME,)  # the bidirectional ones, then the block-causal
 ORACLE, TRAINED = "oracle", "trained"  # the two teachers' labels
 
 
@@ -93,22 +95,46 @@ def filter_methods(n: int, filt, temperature: float, sizes: str) -> list[Method]
                                             temperature=temperature), True) for a in accept]
 
 
-def student_methods(name: str, n: int, temperature: float, sizes: str) -> list[Method]:
+def student_methods(name: str, n: int, temperature: float, sizes: str,
+                    block_size: int | None = None) -> list[Method]:
   """A student decoded with the training-free thresholds (the references decode theirs with
-  a threshold) and one position a step."""
+  a threshold) and one position a step; a block-causal student (CDLM's) block by block
+  with the exact cache of the finished blocks, its reference's rule."""
   thresholds = (0.9,) if sizes == "tiny" else THRESHOLDS
   t = dict(temperature=temperature)
-  return ([Method(name, (("threshold", tau),), sampling.ConfidenceSpec(steps=n, threshold=tau,
-                                                                       **t), True)
+  blocks = {} if block_size is None else dict(block_length=block_size, kv_cache="exact")
+  more = tuple(blocks.items())
+  return ([Method(name, (("threshold", tau),) + more,
+                  sampling.ConfidenceSpec(steps=n, threshold=tau, **blocks, **t), True)
            for tau in thresholds]
-          + [Method(name, (("steps", n),), sampling.ConfidenceSpec(steps=n, **t), True)])
+          + [Method(name, (("steps", n),) + more, sampling.ConfidenceSpec(steps=n, **blocks, **t),
+                    True)])
+
+
+def block_calls(spec, write_step_BxL, prompt_length: int) -> np.ndarray | None:
+  """The denoiser calls each row alone makes under a spec of several blocks (None for any
+  other): its distinct write steps. A row's block finished early leaves it idle until the
+  next block's first step, steps a batch of one skips and `rounds_B` still counts; each
+  call of a row that never rewrites writes at least one position."""
+  block = getattr(spec, "block_length", None)
+  writes_BxG = np.asarray(write_step_BxL)[:, prompt_length:]
+  if block is None or block >= writes_BxG.shape[1]:
+    return None
+  return np.array([len(set(row[row >= 0].tolist())) for row in writes_BxG], np.float64)
 
 
 def measure(ot: bench.OracleTask, m: Method, canvas: np.ndarray, seed: int,
             temperature: float, teacher: str) -> dict:
   """One point: results/parallelism.json's record, with method, trained, teacher and
   temperature."""
-  record, _ = bench.run_point(ot, bench.Point(m.method, m.knobs, m.spec, False), canvas, seed)
+  record, out = bench.run_point(ot, bench.Point(m.method, m.knobs, m.spec, False), canvas,
+                                seed)
+  calls = block_calls(m.spec, out.write_step_BxL, ot.prompt_length)
+  if calls is not None:  # bench.run_point's delta method on the calls of a batch of one
+    mean_calls, rows = float(calls.mean()), len(calls)
+    record.update(mean_forwards=mean_calls, tpf=ot.generated / mean_calls,
+                  tpf_se=ot.generated * float(calls.std(ddof=1)) / (math.sqrt(rows)
+                                                                   * mean_calls**2))
   record.update(method=m.method, trained=m.trained, teacher=teacher, temperature=temperature)
   return record
 
@@ -170,11 +196,9 @@ def _configs():
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   if root not in sys.path:
     sys.path.insert(0, root)
-  import configs.distill_d3llm
-  import configs.distill_dparallel
-  import configs.sudoku4_teacher
-  return {"teacher": configs.sudoku4_teacher, "dparallel": configs.distill_dparallel,
-          "d3llm": configs.distill_d3llm}
+  modules = dict(teacher="sudoku4_teacher", dparallel="distill_dparallel",
+                 d3llm="distill_d3llm", cdlm="distill_cdlm")
+  return {name: importlib.import_module(f"configs.{m}") for name, m in modules.items()}
 
 
 def _train(config, workdir: str, log) -> dict:
@@ -195,7 +219,7 @@ def _train(config, workdir: str, log) -> dict:
 
 
 def train_models(root: str, *, seed: int, teacher_steps: int | None, student_steps: int | None,
-                 log=print) -> dict:
+                 students: Sequence[str] = STUDENTS, log=print) -> dict:
   """The teacher (configs/sudoku4_teacher.py) and its students (configs/distill_*.py, from
   the teacher, the teacher's own rollouts): {name: (Model, record)}."""
   import mdjax
@@ -207,7 +231,7 @@ def train_models(root: str, *, seed: int, teacher_steps: int | None, student_ste
     config.checkpoint.every = teacher_steps
   teacher_dir = os.path.join(root, "teacher")
   models = {"teacher": (None, _train(config, teacher_dir, log))}
-  for name in STUDENTS:
+  for name in students:
     config = cfgs[name].get_config()
     config.seed = seed
     config.train.init_from = teacher_dir
@@ -219,6 +243,14 @@ def train_models(root: str, *, seed: int, teacher_steps: int | None, student_ste
     models[name] = (None, _train(config, os.path.join(root, name), log))
   return {name: (mdjax.load(os.path.join(root, name)), record)
           for name, (_, record) in models.items()}
+
+
+def student_points(ot: bench.OracleTask, model, name: str, canvas: np.ndarray, seed: int,
+                   sizes: str) -> list[dict]:
+  """A student's points on the trained teacher's prompts at temperature 0 (a block-causal
+  one in its own blocks, with the exact cache)."""
+  return [measure(with_model(ot, model), m, canvas, seed, 0.0, TRAINED)
+          for m in student_methods(name, ot.generated, 0.0, sizes, model.denoiser.block_size)]
 
 
 def with_model(ot: bench.OracleTask, model) -> bench.OracleTask:
@@ -253,35 +285,51 @@ COMBINED_THRESHOLDS = (0.9, 0.99, 0.999, 0.9999)  # searched upwards: fewest cal
 
 def combined(teacher_ot: bench.OracleTask, students: dict, points: list[dict],
              canvas: np.ndarray, seed: int, *, repeats: int = 5, latency_rows: int = 32,
-             thresholds: Sequence[float] = COMBINED_THRESHOLDS, log=print) -> dict:
-  """The best student (most AUP at temperature 0) with a confidence threshold, with the dual
-  KV cache and without it, against the teacher one position a step, uncached: for each, the
-  lowest threshold of `thresholds` whose accuracy is within 2 standard errors of the
-  teacher's; then each timed side by side with the baseline (interleaved, median of
-  `repeats`) on all rows in one batch and on `latency_rows` rows one at a time (batch size 1,
-  where TPF is counted). The teacher's own threshold (no training) found the same way is the
-  training-free reference."""
+             thresholds: Sequence[float] = COMBINED_THRESHOLDS, labels: Sequence[str] | None = None,
+             previous: dict | None = None, log=print) -> dict:
+  """The best bidirectional student (most AUP at temperature 0) with a confidence threshold,
+  with the dual KV cache and without it, and the block-causal student (CDLM's, when given)
+  block by block with the exact cache and without it, against the teacher one position a
+  step, uncached: for each, the lowest threshold of `thresholds` whose accuracy is within 2
+  standard errors of the teacher's; then each timed side by side with the baseline
+  (interleaved, median of `repeats`) on all rows in one batch and on `latency_rows` rows
+  one at a time (batch size 1, where TPF is counted). The teacher's own threshold (no
+  training) found the same way is the training-free reference. `labels`: only these
+  variants, the others kept from `previous` (a former result)."""
   n = teacher_ot.generated
   here = [p for p in points if p["teacher"] == TRAINED and p["temperature"] == 0.0]
   aup = frontier.aup_by_method(here)[teacher_ot.name][TRAINED]["0.0"]
-  name = max(STUDENTS, key=lambda s: aup.get(s, -1.0))
-  student_ot = with_model(teacher_ot, students[name])
+  name = max(distill.NAMES, key=lambda s: aup.get(s, -1.0))
+  spec_of = lambda tau, kv, block: sampling.ConfidenceSpec(
+      steps=n, threshold=tau, temperature=0.0, kv_cache=kv, block_length=block)
+  candidates = [("none", name, "none", None), ("dual", name, "dual", n),
+                ("teacher_threshold", "teacher", "none", None)]
+  if cdlm.NAME in students:
+    block = students[cdlm.NAME].denoiser.block_size
+    candidates += [("exact", cdlm.NAME, "exact", block), ("blocks", cdlm.NAME, "none", block)]
   base_spec = sampling.ConfidenceSpec(steps=n, score="prob", count_rule="even", temperature=0.0)
   base = measure(teacher_ot, Method("teacher", (("steps", n),), base_spec, False), canvas, seed,
                  0.0, TRAINED)
-  searched, tried = {}, []
-  for label, ot, method, kv in (("none", student_ot, name, "none"),
-                                ("dual", student_ot, name, "dual"),
-                                ("teacher_threshold", teacher_ot, "teacher", "none")):
+  out = dict(previous or {}, student=name, baseline=base, repeats=repeats,
+             latency_rows=latency_rows, thresholds=list(thresholds))
+  out["variants"] = dict(out.get("variants") or {})
+  tried = [r for r in out.get("searched") or [] if labels is not None
+           and r["variant"] not in labels]
+  searched = {}
+  for label, method, kv, block in candidates:
+    if labels is not None and label not in labels:
+      continue
+    ot = teacher_ot if method == "teacher" else with_model(teacher_ot, students[method])
+    knobs = (("block_length", block),) if block and block < n else ()
     for tau in thresholds:
-      spec = sampling.ConfidenceSpec(steps=n, threshold=tau, temperature=0.0, kv_cache=kv,
-                                     block_length=None if kv == "none" else n)
-      rec = measure(ot, Method(method, (("threshold", tau), ("kv_cache", kv)), spec,
+      spec = spec_of(tau, kv, block)
+      rec = measure(ot, Method(method, (("threshold", tau), ("kv_cache", kv)) + knobs, spec,
                                method != "teacher"), canvas, seed, 0.0, TRAINED)
       tried.append(dict(rec, variant=label))
       if _within(rec, base):
         searched[label] = (ot, spec, rec)
         break
+  out["searched"] = tried
   key = jax.random.key(seed)
 
   def runner(ot, spec, rows):
@@ -294,8 +342,6 @@ def combined(teacher_ot: bench.OracleTask, students: dict, points: list[dict],
     calls = [runner(ot, spec, canvas[i:i + 1]) for i in range(latency_rows)]
     return lambda: [c() for c in calls]
 
-  out = {"student": name, "baseline": base, "repeats": repeats, "latency_rows": latency_rows,
-         "thresholds": list(thresholds), "searched": tried, "variants": {}}
   for label, (ot, spec, rec) in searched.items():
     seconds = {}
     for size, (slow, fast) in {
@@ -306,22 +352,22 @@ def combined(teacher_ot: bench.OracleTask, students: dict, points: list[dict],
       seconds[size] = {"baseline": float(np.median([a for a, _ in pairs])),
                        "combined": float(np.median([b for _, b in pairs]))}
     variant = {"model": rec["method"], "kv_cache": spec.kv_cache, "threshold": spec.threshold,
-               "point": rec, "seconds": seconds,
+               "block_length": spec.block_length, "point": rec, "seconds": seconds,
                "calls_ratio": base["mean_forwards"] / rec["mean_forwards"],
                "wall_ratio_batch": seconds["batch"]["baseline"] / seconds["batch"]["combined"],
                "wall_ratio_batch1": (seconds["batch1"]["baseline"]
                                      / seconds["batch1"]["combined"])}
     out["variants"][label] = variant
-    log(f"combined: {rec['method']} threshold {spec.threshold}, kv_cache {spec.kv_cache}: "
-        f"accuracy {rec['accuracy']:.3f} ± {rec['accuracy_se']:.3f} at "
-        f"{rec['mean_forwards']:.2f} calls; teacher one a step {base['accuracy']:.3f} ± "
+    log(f"combined: {rec['method']} threshold {spec.threshold}, kv_cache {spec.kv_cache}, "
+        f"block {spec.block_length}: accuracy {rec['accuracy']:.3f} ± {rec['accuracy_se']:.3f} "
+        f"at {rec['mean_forwards']:.2f} calls; teacher one a step {base['accuracy']:.3f} ± "
         f"{base['accuracy_se']:.3f}: calls {variant['calls_ratio']:.2f}x, wall "
         f"{variant['wall_ratio_batch1']:.2f}x at batch 1, {variant['wall_ratio_batch']:.2f}x "
         f"at batch {len(canvas)}")
-  trained = [v for k, v in out["variants"].items() if k != "teacher_threshold"]
-  if trained:
-    best = max(trained, key=lambda v: v["wall_ratio_batch1"])
-    out.update(best=best["kv_cache"], calls_ratio=best["calls_ratio"],
+  if any(k != "teacher_threshold" for k in out["variants"]):
+    label, best = max(((k, v) for k, v in out["variants"].items() if k != "teacher_threshold"),
+                      key=lambda kv: kv[1]["wall_ratio_batch1"])
+    out.update(best=best["kv_cache"], best_variant=label, calls_ratio=best["calls_ratio"],
                wall_ratio_batch1=best["wall_ratio_batch1"],
                wall_ratio_batch=best["wall_ratio_batch"])
   return out
@@ -368,9 +414,7 @@ def run(*, task: str = "sudoku4", temperatures: Sequence[float] = (0.0, 1.0), ro
       pts, filters[f"{TRAINED} 0.0"] = teacher_sweep(teacher_ot, canvas, 0.0, TRAINED, **sweep)
       points += pts
       for name in STUDENTS:
-        student_ot = with_model(ot, models[name][0])
-        points += [measure(student_ot, m, canvas, seed, 0.0, TRAINED)
-                   for m in student_methods(name, ot.generated, 0.0, sizes)]
+        points += student_points(ot, models[name][0], name, canvas, seed, sizes)
       log(f"{ot.name} trained teacher and students: ({time.perf_counter() - t0:.0f} s)")
       combined_out = combined(teacher_ot, {s: models[s][0] for s in STUDENTS}, points, canvas,
                               seed, repeats=3 if sizes == "tiny" else 5, log=log,
@@ -392,6 +436,48 @@ def run(*, task: str = "sudoku4", temperatures: Sequence[float] = (0.0, 1.0), ro
       "combined_calls_ratio": (combined_out or {}).get("calls_ratio"),
       "seconds": time.perf_counter() - started,
   }
+
+
+ONLY = (cdlm.NAME,)  # the students `--only` trains (or loads) and measures again
+
+
+def update(path: str, names: Sequence[str], *, workdir: str | None,
+           student_steps: int | None = None, log=print) -> dict:
+  """The file's results with the students `names` (points, model records, combined
+  variants) computed again, AUP and equal calls recomputed, the rest kept. The teacher in
+  `workdir` must be the file's: its threshold-0.9 point is measured again to the bit."""
+  if set(names) - set(ONLY):
+    raise ValueError(f"--only={','.join(names)}: not students it computes again ({ONLY}).")
+  started, results = time.perf_counter(), files.read_json(path)
+  cfg = results["config"]
+  ot = {t.name: t for t in bench.oracle_tasks("full")}[cfg["task"]]
+  canvas, seed = bench.canvas_of(ot, cfg["rows"], cfg["seed"]), cfg["seed"]
+  with tempfile.TemporaryDirectory() as tmp:
+    models = train_models(workdir or tmp, seed=seed, students=names, log=log,
+                          teacher_steps=results["models"]["teacher"]["steps"],
+                          student_steps=student_steps)
+    teacher_ot = with_model(ot, models["teacher"][0])
+    again = measure(teacher_ot, free_methods(ot.generated, 0.0, "full")[1], canvas, seed, 0.0,
+                    TRAINED)
+    if [(p["accuracy"], p["mean_forwards"]) for p in results["points"]
+        if p["teacher"] == TRAINED and p["method"] == again["method"]
+        and p["knobs"] == again["knobs"]] != [(again["accuracy"], again["mean_forwards"])]:
+      raise ValueError(f"the teacher in {workdir} is not the one {path} was measured on "
+                       "(its threshold-0.9 point differs); regenerate the whole file.")
+    points = [p for p in results["points"] if p["method"] not in names]
+    for name in names:
+      points += student_points(ot, models[name][0], name, canvas, seed, cfg["sizes"])
+      results["models"][name] = models[name][1]
+    results["combined"] = combined(
+        teacher_ot, {s: models[s][0] for s in names}, points, canvas, seed,
+        repeats=results["combined"]["repeats"], thresholds=results["combined"]["thresholds"],
+        labels=("exact", "blocks"), previous=results["combined"], log=log)
+  results.update(points=points, aup=frontier.aup_by_method(points),
+                 equal_calls=frontier.equal_calls(points, ORACLE),
+                 combined_ratio=results["combined"].get("wall_ratio_batch1"),
+                 combined_calls_ratio=results["combined"].get("calls_ratio"),
+                 updated={"only": list(names), "seconds": time.perf_counter() - started})
+  return results
 
 
 def table(results: dict) -> str:
@@ -488,13 +574,20 @@ def main(argv: Sequence[str] | None = None, log=print) -> dict:
                       help="each student's steps (default: its config's)")
   parser.add_argument("--workdir", default=None, help="where the teacher and students train "
                       "(finished runs there are loaded); default a temporary folder")
+  parser.add_argument("--only", default=None, help="comma-separated students to train (or "
+                      f"load) and measure again ({', '.join(ONLY)}) into --out, the rest kept "
+                      "as the file has it; the teacher (in --workdir) must be the file's")
   args = parser.parse_args(argv)
   if args.rows < 2:
     raise ValueError(f"--rows={args.rows} must be >= 2 (standard errors).")
-  results = run(task=args.task, temperatures=[float(t) for t in args.temperatures.split(",")],
-                rows=args.rows, train_rows=args.train_rows, epochs=args.epochs, seed=args.seed,
-                sizes=args.sizes, teacher_steps=args.teacher_steps,
-                student_steps=args.student_steps, workdir=args.workdir, log=log)
+  if args.only:
+    results = update(args.out, args.only.split(","), workdir=args.workdir,
+                     student_steps=args.student_steps, log=log)
+  else:
+    results = run(task=args.task, temperatures=[float(t) for t in args.temperatures.split(",")],
+                  rows=args.rows, train_rows=args.train_rows, epochs=args.epochs,
+                  seed=args.seed, sizes=args.sizes, teacher_steps=args.teacher_steps,
+                  student_steps=args.student_steps, workdir=args.workdir, log=log)
   summary(results, log)
   report.write_json(args.out, results)
   figure = plot(results, os.path.splitext(args.out)[0] + ".png")

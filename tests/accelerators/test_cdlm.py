@@ -139,7 +139,7 @@ def _config(**changes):
 
 @pytest.mark.slow
 def test_the_pool_keeps_the_teachers_distribution_at_each_write():
-  # The sudoku4 oracle as the teacher, greedy, in blocks of 4: each written cell is the
+  # The sudoku4 oracle as the teacher, greedy, in blocks of 8: each written cell is the
   # argmax of the distribution kept for it (ties: the lower id, as the sampler's), that
   # distribution is the oracle's on the canvas before the write, and the truth rows hold the
   # pool's prompts.
@@ -150,9 +150,9 @@ def test_the_pool_keeps_the_teachers_distribution_at_each_write():
   np.testing.assert_array_equal(pool["truth"][:, :16], tokens[:, :16])
   np.testing.assert_array_equal(probs[:, 16:].argmax(-1), tokens[:, 16:])
   np.testing.assert_array_equal(probs[:, :16], 0.0)
-  # Blocks in order, one cell a step: row 0's steps 4b..4b+3 write block b.
+  # Blocks in order, one cell a step: row 0's steps 8b..8b+7 write block b.
   np.testing.assert_array_equal(np.sort(writes[0, 16:]), np.arange(16))
-  assert (writes[0, 16:].reshape(4, 4) // 4 == np.arange(4)[:, None]).all()
+  assert (writes[0, 16:].reshape(2, 8) // 8 == np.arange(2)[:, None]).all()
   import mdjax
   oracle = mdjax.load("sudoku4", task_kwargs=config.task_kwargs.to_dict())
   i = int(np.flatnonzero(writes[0] == 9)[0])
@@ -214,11 +214,11 @@ def test_a_short_lora_run_lowers_the_loss_resumes_bit_for_bit_and_keeps_the_base
   resumed = jax.device_get(train.train(config, str(workdir), log=lambda *a: None))
   jax.tree.map(np.testing.assert_array_equal, resumed, whole)
   resolved = cdlm.resolve_config(config)
-  assert resolved.model.block_size == 4 and resolved.model.d_model == 32
+  assert resolved.model.block_size == 8 and resolved.model.d_model == 32
   task = tasks.from_config(resolved)
   first, _, apply_fn, _ = train.init_state(resolved, train.make_mesh(), task)
   first = jax.device_get(first)
-  assert apply_fn.block_size == 4
+  assert apply_fn.block_size == 8
   jax.tree.map(np.testing.assert_array_equal, whole.params["base"], first.params["base"])
   before = _mean_loss(resolved, first.params, apply_fn, task)
   after = _mean_loss(resolved, whole.params, apply_fn, task)

@@ -4,8 +4,12 @@ students, the combined ratio). The frontier's arithmetic: tests/accelerators/tes
 
 import json
 
+import jax
+import numpy as np
 import pytest
 
+import mdjax
+from mdjax import sampling
 from mdjax.bench import accelerators
 
 SCHEMA = {"task", "accuracy", "accuracy_se", "tpf", "tpf_se", "method", "trained", "teacher",
@@ -30,22 +34,56 @@ def test_a_tiny_run_writes_the_schema(tmp_path):
           ("learned_commit", True)}
   # UPO's learned order and its untrained start: on sudoku4's oracle at temperature 0.
   assert by_teacher["oracle"] == free | {("order_policy", True), ("order_policy_untrained", False)}
-  assert by_teacher["trained"] == free | {("dparallel", True), ("d3llm", True)}
-  assert set(written["models"]) == {"teacher", "dparallel", "d3llm"}
+  assert by_teacher["trained"] == free | {("dparallel", True), ("d3llm", True), ("cdlm", True)}
+  assert set(written["models"]) == {"teacher", "dparallel", "d3llm", "cdlm"}
+  cdlm_points = [p for p in written["points"] if p["method"] == "cdlm"]
+  assert all(p["knobs"]["block_length"] == 8 and p["knobs"]["kv_cache"] == "exact"
+             for p in cdlm_points)
   assert written["models"]["dparallel"]["steps"] == 2
   assert written["filters"]["oracle 0.0"]["params"] == 2 * 16 * 32 + 32 + 16
   assert set(written["aup"]["sudoku4"]) == {"oracle", "trained"}
   trained_rows = [r for r in written["equal_calls"] if r["teacher"] == "trained"]
-  assert len(trained_rows) == 2 + 2 * 2  # the filter's 2 points, each student's 2
+  assert len(trained_rows) == 2 + 3 * 2  # the filter's 2 points, each student's 2
   assert all("to_exact" in r or r["training_free"] is None for r in trained_rows)
   combined = written["combined"]
   assert combined["student"] in ("dparallel", "d3llm")
   for kv, variant in combined["variants"].items():
-    assert kv in ("none", "dual", "teacher_threshold") and variant["point"]["accuracy"] >= 0
+    assert kv in ("none", "dual", "teacher_threshold", "exact", "blocks")
+    assert variant["point"]["accuracy"] >= 0
     assert variant["calls_ratio"] == pytest.approx(
         combined["baseline"]["mean_forwards"] / variant["point"]["mean_forwards"])
-  if set(combined["variants"]) & {"none", "dual"}:
+  if set(combined["variants"]) & {"none", "dual", "exact", "blocks"}:
     assert written["combined_ratio"] == combined["wall_ratio_batch1"] > 0
     assert written["combined_calls_ratio"] == combined["calls_ratio"]
   assert results["points"] == written["points"]
   assert (tmp_path / "acc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  # --only=cdlm: the same student loaded again gives the same points, the rest kept.
+  again = accelerators.main(["--only", "cdlm", "--student_steps", "2", "--workdir",
+                             str(tmp_path / "runs"), "--out", str(out)], log=lambda *a: None)
+  assert again["points"] == written["points"] and again["updated"]["only"] == ["cdlm"]
+  assert again["models"]["teacher"] == written["models"]["teacher"]
+  with pytest.raises(ValueError, match="not students it computes"):
+    accelerators.main(["--only", "d3llm", "--out", str(out)], log=lambda *a: None)
+
+
+@pytest.mark.slow
+def test_calls_of_a_blocked_spec_are_the_calls_of_a_batch_of_one():
+  # Blocks of 4 with a threshold on sudoku4's oracle: a block finished early leaves its row
+  # idle until the next block, steps a batch of one skips (and `rounds_B` counts); each row
+  # alone makes as many calls as it has distinct write steps. (With the exact cache of a
+  # block-causal model the calls are the same: the finished block's append rides on the
+  # next block's first call.)
+  oracle = mdjax.load("sudoku4")
+  canvas = np.array(oracle.task.sample_data(jax.random.key(1), 6))
+  canvas[:, 16:] = oracle.mask_id
+  spec = sampling.ConfidenceSpec(steps=16, threshold=0.99, block_length=4, temperature=0.0)
+  out = sampling.sample(oracle.denoiser, oracle.params, jax.random.key(0), canvas, spec,
+                        mask_id=oracle.mask_id)
+  calls = accelerators.block_calls(spec, out.write_step_BxL, 16)
+  alone = [int(sampling.sample(oracle.denoiser, oracle.params, jax.random.key(0),
+                               canvas[i:i + 1], spec, mask_id=oracle.mask_id).nfe)
+           for i in range(6)]
+  np.testing.assert_array_equal(calls, alone)
+  assert calls.max() < 16 and (np.asarray(out.rounds_B) > calls).any()
+  assert accelerators.block_calls(sampling.ConfidenceSpec(steps=16), out.write_step_BxL,
+                                  16) is None
