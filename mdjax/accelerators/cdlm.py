@@ -63,6 +63,7 @@ NAME = "cdlm"
 # The reference's weights for LLaDA-8B-Instruct (Dream-7B-Instruct: dlm 0.01).
 DISTILL_WEIGHT, CONSISTENCY_WEIGHT, DLM_WEIGHT = 1.0, 0.5, 0.1
 DLM_EPS = 1e-3  # t = (1 - eps) u + eps: LLaDA's masked-denoising draw
+THRESHOLD = 0.9  # the reference's decoding threshold (tau_conf)
 DEFAULTS = dict(teacher=None, prompt_length=0, num_prompts=3200, temperature=0.0,
                 distill_weight=DISTILL_WEIGHT, consistency_weight=CONSISTENCY_WEIGHT,
                 dlm_weight=DLM_WEIGHT)

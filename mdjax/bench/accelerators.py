@@ -31,14 +31,13 @@ that student's rows again into the file (the teacher in --workdir checked to be 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import math
 import os
 import sys
 import tempfile
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -47,96 +46,11 @@ from mdjax import files, report, sampling
 from mdjax.accelerators import cdlm, distill, frontier, learn2pd
 from mdjax.bench import order_policy as order_policy_bench
 from mdjax.bench import parallelism as bench
+from mdjax.bench.accelerator_points import (ORACLE, TRAINED, Method, filter_methods,
+                                            free_methods, measure, student_points, with_model)
 
 SEED = 0
-ACCEPT_THRESHOLDS = (0.5, 0.9, 0.96, 0.99)
-THRESHOLDS = (0.99, 0.9, 0.7, 0.6, 0.5, 0.3)
-GAMMAS = (0.1, 0.5, 1.5)
-RHOS = (1, 2, 4)
 STUDENTS = distill.NAMES + (cdlm.NAME,)  # the bidirectional ones, then the block-causal
-ORACLE, TRAINED = "oracle", "trained"  # the two teachers' labels
-
-
-@dataclasses.dataclass(frozen=True)
-class Method:
-  """One point of the sweep: its method name, knobs and spec; trained or training-free."""
-
-  method: str
-  knobs: tuple
-  spec: Any
-  trained: bool
-
-
-def free_methods(n: int, temperature: float, sizes: str) -> list[Method]:
-  """The training-free families' points for `n` generated positions."""
-  t = dict(temperature=temperature)
-  if sizes == "tiny":
-    return [Method("confidence_threshold", (("threshold", 0.9),),
-                   sampling.ConfidenceSpec(steps=n, threshold=0.9, **t), False),
-            Method("ancestral", (("steps", n),), sampling.AncestralSpec(steps=n, **t), False)]
-  out = [Method("confidence_threshold", (("threshold", tau),),
-                sampling.ConfidenceSpec(steps=n, threshold=tau, **t), False) for tau in THRESHOLDS]
-  out += [Method("entropy_bounded", (("gamma", g),),
-                 sampling.EntropyBoundedSpec(steps=n, gamma=g, **t), False) for g in GAMMAS]
-  for rho in RHOS:
-    steps = max(1, math.ceil(n / rho))
-    out.append(Method("confidence", (("steps", steps),),
-                      sampling.ConfidenceSpec(steps=steps, **t), False))
-    out.append(Method("ancestral", (("steps", steps),), sampling.AncestralSpec(steps=steps, **t),
-                      False))
-  return out
-
-
-def filter_methods(n: int, filt, temperature: float, sizes: str) -> list[Method]:
-  """The learned_commit sampler at its accept thresholds."""
-  accept = ACCEPT_THRESHOLDS[1:3] if sizes == "tiny" else ACCEPT_THRESHOLDS
-  return [Method("learned_commit", (("accept_threshold", a),),
-                 sampling.LearnedCommitSpec(steps=n, commit_filter=filt, accept_threshold=a,
-                                            temperature=temperature), True) for a in accept]
-
-
-def student_methods(name: str, n: int, temperature: float, sizes: str,
-                    block_size: int | None = None) -> list[Method]:
-  """A student decoded with the training-free thresholds (the references decode theirs with
-  a threshold) and one position a step; a block-causal student (CDLM's) block by block
-  with the exact cache of the finished blocks, its reference's rule."""
-  thresholds = (0.9,) if sizes == "tiny" else THRESHOLDS
-  t = dict(temperature=temperature)
-  blocks = {} if block_size is None else dict(block_length=block_size, kv_cache="exact")
-  more = tuple(blocks.items())
-  return ([Method(name, (("threshold", tau),) + more,
-                  sampling.ConfidenceSpec(steps=n, threshold=tau, **blocks, **t), True)
-           for tau in thresholds]
-          + [Method(name, (("steps", n),) + more, sampling.ConfidenceSpec(steps=n, **blocks, **t),
-                    True)])
-
-
-def block_calls(spec, write_step_BxL, prompt_length: int) -> np.ndarray | None:
-  """The denoiser calls each row alone makes under a spec of several blocks (None for any
-  other): its distinct write steps. A row's block finished early leaves it idle until the
-  next block's first step, steps a batch of one skips and `rounds_B` still counts; each
-  call of a row that never rewrites writes at least one position."""
-  block = getattr(spec, "block_length", None)
-  writes_BxG = np.asarray(write_step_BxL)[:, prompt_length:]
-  if block is None or block >= writes_BxG.shape[1]:
-    return None
-  return np.array([len(set(row[row >= 0].tolist())) for row in writes_BxG], np.float64)
-
-
-def measure(ot: bench.OracleTask, m: Method, canvas: np.ndarray, seed: int,
-            temperature: float, teacher: str) -> dict:
-  """One point: results/parallelism.json's record, with method, trained, teacher and
-  temperature."""
-  record, out = bench.run_point(ot, bench.Point(m.method, m.knobs, m.spec, False), canvas,
-                                seed)
-  calls = block_calls(m.spec, out.write_step_BxL, ot.prompt_length)
-  if calls is not None:  # bench.run_point's delta method on the calls of a batch of one
-    mean_calls, rows = float(calls.mean()), len(calls)
-    record.update(mean_forwards=mean_calls, tpf=ot.generated / mean_calls,
-                  tpf_se=ot.generated * float(calls.std(ddof=1)) / (math.sqrt(rows)
-                                                                   * mean_calls**2))
-  record.update(method=m.method, trained=m.trained, teacher=teacher, temperature=temperature)
-  return record
 
 
 def oracle_point(ot: bench.OracleTask, canvas: np.ndarray, seed: int, temperature: float,
@@ -245,19 +159,6 @@ def train_models(root: str, *, seed: int, teacher_steps: int | None, student_ste
           for name, (_, record) in models.items()}
 
 
-def student_points(ot: bench.OracleTask, model, name: str, canvas: np.ndarray, seed: int,
-                   sizes: str) -> list[dict]:
-  """A student's points on the trained teacher's prompts at temperature 0 (a block-causal
-  one in its own blocks, with the exact cache)."""
-  return [measure(with_model(ot, model), m, canvas, seed, 0.0, TRAINED)
-          for m in student_methods(name, ot.generated, 0.0, sizes, model.denoiser.block_size)]
-
-
-def with_model(ot: bench.OracleTask, model) -> bench.OracleTask:
-  """The task with a model in place of its exact denoiser."""
-  return dataclasses.replace(ot, denoiser=model.denoiser, denoiser_params=model.params)
-
-
 # ----------------------------------------------------------------------------
 # The combined figure.
 # ----------------------------------------------------------------------------
@@ -289,12 +190,13 @@ def combined(teacher_ot: bench.OracleTask, students: dict, points: list[dict],
              previous: dict | None = None, log=print) -> dict:
   """The best bidirectional student (most AUP at temperature 0) with a confidence threshold,
   with the dual KV cache and without it, and the block-causal student (CDLM's, when given)
-  block by block with the exact cache and without it, against the teacher one position a
-  step, uncached: for each, the lowest threshold of `thresholds` whose accuracy is within 2
-  standard errors of the teacher's; then each timed side by side with the baseline
-  (interleaved, median of `repeats`) on all rows in one batch and on `latency_rows` rows
-  one at a time (batch size 1, where TPF is counted). The teacher's own threshold (no
-  training) found the same way is the training-free reference. `labels`: only these
+  block by block with the exact cache, against the teacher one position a step, uncached:
+  for each, the lowest threshold of `thresholds` whose accuracy is within 2 standard errors
+  of the teacher's; then each timed side by side with the baseline (interleaved, median of
+  `repeats`) on all rows in one batch and on `latency_rows` rows one at a time (batch size
+  1, where TPF is counted). The teacher's own threshold (no training) found the same way is
+  the training-free reference; `exact_cache`: the block-causal student at its reference's
+  threshold with the exact cache against itself without it. `labels`: only these
   variants, the others kept from `previous` (a former result)."""
   n = teacher_ot.generated
   here = [p for p in points if p["teacher"] == TRAINED and p["temperature"] == 0.0]
@@ -306,7 +208,7 @@ def combined(teacher_ot: bench.OracleTask, students: dict, points: list[dict],
                 ("teacher_threshold", "teacher", "none", None)]
   if cdlm.NAME in students:
     block = students[cdlm.NAME].denoiser.block_size
-    candidates += [("exact", cdlm.NAME, "exact", block), ("blocks", cdlm.NAME, "none", block)]
+    candidates.append(("exact", cdlm.NAME, "exact", block))
   base_spec = sampling.ConfidenceSpec(steps=n, score="prob", count_rule="even", temperature=0.0)
   base = measure(teacher_ot, Method("teacher", (("steps", n),), base_spec, False), canvas, seed,
                  0.0, TRAINED)
@@ -342,15 +244,28 @@ def combined(teacher_ot: bench.OracleTask, students: dict, points: list[dict],
     calls = [runner(ot, spec, canvas[i:i + 1]) for i in range(latency_rows)]
     return lambda: [c() for c in calls]
 
-  for label, (ot, spec, rec) in searched.items():
+  def paired(slow_ot, slow_spec, ot, spec):
     seconds = {}
     for size, (slow, fast) in {
-        "batch": (runner(teacher_ot, base_spec, canvas), runner(ot, spec, canvas)),
-        "batch1": (one_by_one(teacher_ot, base_spec), one_by_one(ot, spec))}.items():
+        "batch": (runner(slow_ot, slow_spec, canvas), runner(ot, spec, canvas)),
+        "batch1": (one_by_one(slow_ot, slow_spec), one_by_one(ot, spec))}.items():
       slow(), fast()  # compiled and warm
       pairs = [(_seconds(slow, 1), _seconds(fast, 1)) for _ in range(repeats)]
       seconds[size] = {"baseline": float(np.median([a for a, _ in pairs])),
                        "combined": float(np.median([b for _, b in pairs]))}
+    return seconds
+
+  if cdlm.NAME in students and (labels is None or "exact" in labels):
+    ot, tau = with_model(teacher_ot, students[cdlm.NAME]), cdlm.THRESHOLD
+    bare, cached = (spec_of(tau, kv, block) for kv in ("none", "exact"))
+    seconds = paired(ot, bare, ot, cached)
+    out["exact_cache"] = {"threshold": tau, "block_length": block, "seconds": seconds,
+                          "same_tokens": bool((runner(ot, bare, canvas)()
+                                               == runner(ot, cached, canvas)()).all()),
+                          **{f"wall_ratio_{k}": v["baseline"] / v["combined"]
+                             for k, v in seconds.items()}}
+  for label, (ot, spec, rec) in searched.items():
+    seconds = paired(teacher_ot, base_spec, ot, spec)
     variant = {"model": rec["method"], "kv_cache": spec.kv_cache, "threshold": spec.threshold,
                "block_length": spec.block_length, "point": rec, "seconds": seconds,
                "calls_ratio": base["mean_forwards"] / rec["mean_forwards"],

@@ -10,7 +10,7 @@ import pytest
 
 import mdjax
 from mdjax import sampling
-from mdjax.bench import accelerators
+from mdjax.bench import accelerator_points, accelerators
 
 SCHEMA = {"task", "accuracy", "accuracy_se", "tpf", "tpf_se", "method", "trained", "teacher",
           "temperature", "family", "knobs", "rows", "generated", "mean_forwards"}
@@ -79,11 +79,11 @@ def test_calls_of_a_blocked_spec_are_the_calls_of_a_batch_of_one():
   spec = sampling.ConfidenceSpec(steps=16, threshold=0.99, block_length=4, temperature=0.0)
   out = sampling.sample(oracle.denoiser, oracle.params, jax.random.key(0), canvas, spec,
                         mask_id=oracle.mask_id)
-  calls = accelerators.block_calls(spec, out.write_step_BxL, 16)
+  calls = accelerator_points.block_calls(spec, out.write_step_BxL, 16)
   alone = [int(sampling.sample(oracle.denoiser, oracle.params, jax.random.key(0),
                                canvas[i:i + 1], spec, mask_id=oracle.mask_id).nfe)
            for i in range(6)]
   np.testing.assert_array_equal(calls, alone)
   assert calls.max() < 16 and (np.asarray(out.rounds_B) > calls).any()
-  assert accelerators.block_calls(sampling.ConfidenceSpec(steps=16), out.write_step_BxL,
+  assert accelerator_points.block_calls(sampling.ConfidenceSpec(steps=16), out.write_step_BxL,
                                   16) is None
