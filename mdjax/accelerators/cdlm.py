@@ -184,14 +184,16 @@ def teacher_probs(teacher, spec, tokens_NxL, writes_NxL, prompt_length: int,
   denoiser = sampling.Denoiser.of(teacher.denoiser)
 
   @jax.jit
-  def replay(params, tokens, writes):
-    def body(probs, step):
-      visible = (jnp.arange(length) < prompt_length) | (writes < step)
-      z = jnp.where(visible, tokens, teacher.mask_id)
-      t_B = jnp.full((tokens.shape[0],), jnp.asarray(time_K)[step])
-      p = jax.nn.softmax(denoiser(params, z, t_B).astype(jnp.float32), -1)[:, prompt_length:]
-      return jnp.where((writes[:, prompt_length:] == step)[..., None], p, probs), None
-    start = jnp.zeros(tokens[:, prompt_length:].shape + (teacher.vocab_size,), jnp.float32)
+  def replay(params, tokens_BxL, writes_BxL):
+    def body(probs_BxGxV, step):
+      visible_BxL = (jnp.arange(length) < prompt_length) | (writes_BxL < step)
+      z_BxL = jnp.where(visible_BxL, tokens_BxL, teacher.mask_id)
+      t_B = jnp.full((tokens_BxL.shape[0],), jnp.asarray(time_K)[step])
+      p_BxGxV = jax.nn.softmax(denoiser(params, z_BxL, t_B).astype(jnp.float32),
+                               -1)[:, prompt_length:]
+      written_BxG = writes_BxL[:, prompt_length:] == step
+      return jnp.where(written_BxG[..., None], p_BxGxV, probs_BxGxV), None
+    start = jnp.zeros(tokens_BxL[:, prompt_length:].shape + (teacher.vocab_size,), jnp.float32)
     return jax.lax.scan(body, start, jnp.arange(len(time_K)))[0]
 
   out = [np.asarray(replay(teacher.params, tokens_NxL[i:i + chunk], writes_NxL[i:i + chunk]))
