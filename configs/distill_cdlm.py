@@ -7,7 +7,8 @@ docs/accelerators.md).
       --config.train.init_from=/tmp/sudoku4_teacher \\
       --config.distill.teacher=/tmp/sudoku4_teacher
   python sample.py --workdir=/tmp/sudoku4_cdlm --sampler=confidence --steps=16 \\
-      --block_length=8 --threshold=0.9 --kv_cache=exact
+      --block_length=8 --threshold=0.9 --kv_cache=exact --temperature=0 \\
+      --prompt=1,4,3,0,4,4,2,1,2,4,4,4,4,0,4,4  # a puzzle: digits 0-3, 4 a blank
 
 The teacher decodes 3,200 puzzles once, in blocks of 8 cells (two grid rows), one cell a
 step, greedily, and its distribution at each write is kept. The reference's 32-token blocks
