@@ -58,3 +58,29 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint = ml_collections.ConfigDict(dict(every=500, keep=3))
   c.sampler = ml_collections.ConfigDict(dict(family="ancestral", steps=32))
   return c
+
+
+def distill_config(objective: str, num_steps: int, **knobs):
+  """A sudoku4 distillation run (configs/distill_*.py): the student started from the teacher
+  (`train.init_from`; its model fields left unset, so they are the start's), 64 rows a step at
+  a constant 3e-4, the teacher's 3,200 greedy decodings of the bench's puzzles as its data,
+  `knobs` the objective's own distill fields; decoded at threshold 0.9, greedily."""
+  c = base_config()
+  c.task = "sudoku4"
+  c.task_kwargs.given_probability = 0.5  # the bench's puzzles (sudoku4.DEFAULT)
+  c.objective = objective
+  c.batch_size = 64
+  c.train.update(init_from="", num_steps=num_steps, lr=3e-4, lr_floor=1.0, warmup_steps=0,
+                 weight_decay=0.01)
+  c.checkpoint.update(every=100, keep=1)
+  c.log_every = 50
+  c.eval_batches = 1
+  c.num_eval_samples = 0
+  c.sampler.update(family="confidence", steps=16, threshold=0.9, temperature=0.0)
+  c.distill = ml_collections.ConfigDict(dict(
+      teacher=config_dict.placeholder(str), prompt_length=16, num_prompts=3200,
+      temperature=0.0, **knobs))
+  c.model = ml_collections.ConfigDict({
+      name: config_dict.placeholder(type(value) if value is not None else int)
+      for name, value in c.model.items()})
+  return c

@@ -27,34 +27,15 @@ puzzles. Model fields other than block_size are the start point's;
 --config.train.lora.rank=8 trains LoRA adapters only.
 """
 
-import ml_collections
-from ml_collections import config_dict
-
-from configs.base import base_config
+from configs.base import distill_config
 
 BLOCK_SIZE = 8
 
 
 def get_config():
-  c = base_config()
-  c.task = "sudoku4"
-  c.task_kwargs.given_probability = 0.5  # the bench's puzzles (sudoku4.DEFAULT)
-  c.objective = "cdlm"
-  c.batch_size = 64
-  c.train.update(init_from="", num_steps=800, lr=3e-4, lr_floor=1.0, warmup_steps=0,
-                 weight_decay=0.01)
-  c.checkpoint.update(every=100, keep=1)
-  c.log_every = 50
-  c.eval_batches = 1
-  c.num_eval_samples = 0
+  c = distill_config("cdlm", num_steps=800, distill_weight=1.0, consistency_weight=0.5,
+                     dlm_weight=0.1)
   # The reference's decoding: its blocks, threshold 0.9, the exact cache of finished blocks.
-  c.sampler.update(family="confidence", steps=16, block_length=BLOCK_SIZE, threshold=0.9,
-                   kv_cache="exact", temperature=0.0)
-  c.distill = ml_collections.ConfigDict(dict(
-      teacher=config_dict.placeholder(str), prompt_length=16, num_prompts=3200,
-      temperature=0.0, distill_weight=1.0, consistency_weight=0.5, dlm_weight=0.1))
-  c.model = ml_collections.ConfigDict({
-      name: config_dict.placeholder(type(value) if value is not None else int)
-      for name, value in c.model.items()})
+  c.sampler.update(block_length=BLOCK_SIZE, kv_cache="exact")
   c.model.block_size = BLOCK_SIZE  # the student's own attention: block-causal
   return c

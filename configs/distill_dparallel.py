@@ -18,32 +18,14 @@ oracle (--config.distill.teacher=sudoku4) and the student LoRA adapters
 (--config.train.lora.rank=8). Model fields are the start point's.
 """
 
-import ml_collections
 from ml_collections import config_dict
 
-from configs.base import base_config
+from configs.base import distill_config
 
 
 def get_config():
-  c = base_config()
-  c.task = "sudoku4"
-  c.task_kwargs.given_probability = 0.5  # the bench's puzzles (sudoku4.DEFAULT)
-  c.objective = "dparallel"
-  c.batch_size = 64
-  c.train.update(init_from="", num_steps=300, lr=3e-4, lr_floor=1.0, warmup_steps=0,
-                 weight_decay=0.01)
-  c.checkpoint.update(every=100, keep=1)
-  c.log_every = 50
-  c.eval_batches = 1
-  c.num_eval_samples = 0
-  c.sampler.update(family="confidence", steps=16, threshold=0.9, temperature=0.0)
-  c.distill = ml_collections.ConfigDict(dict(
-      teacher=config_dict.placeholder(str), prompt_length=16, num_prompts=3200,
-      temperature=0.0,
+  return distill_config(
+      "dparallel", num_steps=300,
       teacher_block_length=config_dict.placeholder(int),
       block_length=config_dict.placeholder(int),  # None: the whole 16-cell solution
-      mask_ratio=0.5, eps=1e-3, entropy_temperature=0.5, entropy_weight=2.0))
-  c.model = ml_collections.ConfigDict({
-      name: config_dict.placeholder(type(value) if value is not None else int)
-      for name, value in c.model.items()})
-  return c
+      mask_ratio=0.5, eps=1e-3, entropy_temperature=0.5, entropy_weight=2.0)

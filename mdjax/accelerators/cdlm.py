@@ -45,18 +45,13 @@ config.distill (configs/distill_cdlm.py):
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
-from mdjax import loader, models, sampling
+from mdjax import sampling
 from mdjax.accelerators import distill, dparallel
-from mdjax.tasks import sft as sft_data
-from mdjax.train import objectives, sft, state_io
+from mdjax.train import objectives, sft
 from mdjax.train.config_checks import ConfigError
 
 NAME = "cdlm"
@@ -209,39 +204,22 @@ def teacher_probs(teacher, spec, tokens_NxL, writes_NxL, prompt_length: int,
 def options(config) -> dict:
   """config.distill's knobs with the defaults; a ConfigError naming a field that is unknown
   or out of range, or a student without blocks."""
-  given = config.get("distill", ml_collections.ConfigDict())
-  given = given.to_dict() if hasattr(given, "to_dict") else dict(given or {})
-  unknown = sorted(set(given) - set(DEFAULTS))
-  if unknown:
-    raise ConfigError(f"config field distill.{unknown[0]}: unknown to objective {NAME!r} "
-                      f"(its knobs: {', '.join(DEFAULTS)}).")
-  opts = {**DEFAULTS, **{k: v for k, v in given.items() if v is not None or k == "teacher"}}
-
-  def refuse(name, allowed):
-    raise ConfigError(f"config field distill.{name}={opts[name]!r} {allowed}.")
-
-  def integer(value, low):
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= low
-
-  def nonnegative(value):
-    return (isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
-            and math.isfinite(value) and value >= 0)
-
-  if not isinstance(opts["teacher"], str) or not opts["teacher"]:
-    refuse("teacher", "must name the teacher: a train.py workdir or a task's exact oracle "
-           "(sudoku4, oracle:permutation)")
-  if not integer(opts["prompt_length"], 0):
-    refuse("prompt_length", "must be an integer >= 0")
-  if not integer(opts["num_prompts"], 1):
-    refuse("num_prompts", "must be an integer >= 1")
+  opts = distill.given_knobs(config, NAME, DEFAULTS)
   for name in ("temperature", "distill_weight", "consistency_weight", "dlm_weight"):
-    if not nonnegative(opts[name]):
-      refuse(name, "must be a finite number >= 0")
+    if not (distill.is_number(opts[name]) and opts[name] >= 0):
+      distill.refuse(opts, name, "must be a finite number >= 0")
   block = config.get("model", {}).get("block_size")
-  if not (isinstance(block, (int, np.integer)) and not isinstance(block, bool) and block >= 1):
+  if not distill.is_integer(block, 1):
     raise ConfigError(f"config field model.block_size={block!r}: the CDLM student is "
                       "block-causal; set its block (an integer >= 1; configs/distill_cdlm.py: 4).")
   return opts
+
+
+def _refuse_causal_start(init_from, fields: dict) -> None:
+  """A block-causal student cannot start from a causal or time-conditioned model."""
+  if fields.get("causal") or fields.get("time_conditioning"):
+    raise ConfigError(f"config field train.init_from={init_from!r}: its model is causal or "
+                      "time-conditioned; a block-causal student needs neither.")
 
 
 def resolve_config(config):
@@ -250,40 +228,9 @@ def resolve_config(config):
   if config.get("objective") != NAME:
     return config
   options(config)
-  init_from = config.get("train", {}).get("init_from")
-  resolved = ml_collections.ConfigDict(config.to_dict())
-  fields, defaults = {}, {}
-  if init_from:
-    try:
-      kind, where = sft_data.split_start(init_from)
-      if kind != "workdir":
-        raise ValueError("a CDLM student starts from a train.py workdir (or fresh)")
-      saved, _ = state_io.start_config(where)
-    except ValueError as error:
-      raise ConfigError(f"config field train.init_from: {error}") from None
-    if saved.get("task") != config.task:
-      raise ConfigError(f"config field task={config.task!r}: the start point {where!r} was "
-                        f"trained on task {saved.get('task')!r}.")
-    fields = dict(saved.get("model") or {})
-    if fields.get("causal") or fields.get("time_conditioning"):
-      raise ConfigError(f"config field train.init_from={init_from!r}: its model is causal or "
-                        "time-conditioned; a block-causal student needs neither.")
-  else:  # a fresh student: the base model's fields where the config leaves them
-    defaults = {f.name: f.default for f in dataclasses.fields(models.TransformerConfig)
-                if f.default is not dataclasses.MISSING}
-  model = {}
-  for name in sorted(set(config.model.keys()) | set(fields)):
-    value = config.model.get(name)
-    if value is None:
-      model[name] = fields.get(name, defaults.get(name))
-    elif (name in fields and name not in sft.COMPUTE_FIELDS + ("block_size",)
-          and value != fields[name]):
-      raise ConfigError(f"config field model.{name}={value!r} differs from the start point's "
-                        f"{fields[name]!r} ({init_from}); leave it unset.")
-    else:
-      model[name] = value
-  resolved.model = ml_collections.ConfigDict(model)
-  return resolved
+  return distill.resolve_student(config, "a CDLM student",
+                                 free=sft.COMPUTE_FIELDS + ("block_size",),
+                                 check_start=_refuse_causal_start)
 
 
 def check_layout(opts: dict, block: int, task) -> None:

@@ -49,7 +49,7 @@ import numpy as np
 from mdjax import loader, models, sampling
 from mdjax.accelerators import d3llm, dparallel
 from mdjax.tasks import sft as sft_data
-from mdjax.train import objectives, sft, state_io
+from mdjax.train import objectives, sft, start_point
 from mdjax.train.config_checks import ConfigError
 
 NAMES = ("dparallel", "d3llm")
@@ -63,62 +63,75 @@ DEFAULTS = {
 }
 
 
-def options(config) -> dict:
-  """config.distill's knobs with the objective's defaults; a ConfigError naming a field that
-  is unknown to the objective or out of range."""
-  objective = config.objective
+def is_integer(value, low: int) -> bool:
+  """An integer (not a bool) >= low."""
+  return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= low
+
+
+def is_number(value) -> bool:
+  """A finite real number (not a bool)."""
+  return (isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
+          and math.isfinite(value))
+
+
+def refuse(opts: dict, name: str, allowed: str):
+  """The ConfigError of knob distill.`name`: its value and what is `allowed`."""
+  raise ConfigError(f"config field distill.{name}={opts[name]!r} {allowed}.")
+
+
+def given_knobs(config, objective: str, defaults: dict) -> dict:
+  """config.distill's knobs over the objective's `defaults`, the ones every distillation
+  objective has checked (teacher, prompt_length, num_prompts); a ConfigError naming a field
+  that is unknown to the objective or out of range."""
   given = config.get("distill", ml_collections.ConfigDict())
   given = given.to_dict() if hasattr(given, "to_dict") else dict(given or {})
-  defaults = DEFAULTS[objective]
   unknown = sorted(set(given) - set(defaults))
   if unknown:
     raise ConfigError(f"config field distill.{unknown[0]}: unknown to objective {objective!r} "
                       f"(its knobs: {', '.join(defaults)}).")
   opts = {**defaults, **{k: v for k, v in given.items() if v is not None or k == "teacher"}}
-
-  def refuse(name, allowed):
-    raise ConfigError(f"config field distill.{name}={opts[name]!r} {allowed}.")
-
-  def integer(value, low):
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= low
-
-  def number(value):
-    return (isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
-            and math.isfinite(value))
-
   if not isinstance(opts["teacher"], str) or not opts["teacher"]:
-    refuse("teacher", "must name the teacher: a train.py workdir or a task's exact oracle "
-           "(sudoku4, oracle:permutation)")
-  if not integer(opts["prompt_length"], 0):
-    refuse("prompt_length", "must be an integer >= 0")
-  if not integer(opts["num_prompts"], 1):
-    refuse("num_prompts", "must be an integer >= 1")
-  if not (number(opts["temperature"]) and opts["temperature"] >= 0):
-    refuse("temperature", "must be a finite number >= 0")
+    refuse(opts, "teacher", "must name the teacher: a train.py workdir or a task's exact "
+           "oracle (sudoku4, oracle:permutation)")
+  if not is_integer(opts["prompt_length"], 0):
+    refuse(opts, "prompt_length", "must be an integer >= 0")
+  if not is_integer(opts["num_prompts"], 1):
+    refuse(opts, "num_prompts", "must be an integer >= 1")
+  return opts
+
+
+def options(config) -> dict:
+  """config.distill's knobs with the objective's defaults; a ConfigError naming a field that
+  is unknown to the objective or out of range."""
+  objective = config.objective
+  opts = given_knobs(config, objective, DEFAULTS[objective])
+  if not (is_number(opts["temperature"]) and opts["temperature"] >= 0):
+    refuse(opts, "temperature", "must be a finite number >= 0")
   for name in ("teacher_block_length", "block_length"):
-    if name in opts and opts[name] is not None and not integer(opts[name], 1):
-      refuse(name, "must be None or an integer >= 1")
-  if not (number(opts["entropy_temperature"]) and opts["entropy_temperature"] > 0):
-    refuse("entropy_temperature", "must be a finite number > 0")
-  if not (number(opts["entropy_weight"]) and opts["entropy_weight"] >= 0):
-    refuse("entropy_weight", "must be a finite number >= 0")
+    if name in opts and opts[name] is not None and not is_integer(opts[name], 1):
+      refuse(opts, name, "must be None or an integer >= 1")
+  if not (is_number(opts["entropy_temperature"]) and opts["entropy_temperature"] > 0):
+    refuse(opts, "entropy_temperature", "must be a finite number > 0")
+  if not (is_number(opts["entropy_weight"]) and opts["entropy_weight"] >= 0):
+    refuse(opts, "entropy_weight", "must be a finite number >= 0")
   if objective == "dparallel":
     for name in ("mask_ratio", "eps"):
-      if not (number(opts[name]) and 0 <= opts[name] <= 1):
-        refuse(name, "must lie in [0, 1]")
+      if not (is_number(opts[name]) and 0 <= opts[name] <= 1):
+        refuse(opts, name, "must lie in [0, 1]")
   else:
     for name in ("min_mask_ratio", "max_mask_ratio"):
-      if not (number(opts[name]) and 0 <= opts[name] <= 1):
-        refuse(name, "must lie in [0, 1]")
+      if not (is_number(opts[name]) and 0 <= opts[name] <= 1):
+        refuse(opts, name, "must lie in [0, 1]")
     if opts["min_mask_ratio"] > opts["max_mask_ratio"]:
-      refuse("min_mask_ratio", f"must not exceed max_mask_ratio={opts['max_mask_ratio']!r}")
+      refuse(opts, "min_mask_ratio",
+             f"must not exceed max_mask_ratio={opts['max_mask_ratio']!r}")
     if not isinstance(opts["complementary"], bool):
-      refuse("complementary", "must be True or False")
+      refuse(opts, "complementary", "must be True or False")
     if opts["block_lengths"] is not None:
       try:
         opts["block_lengths"] = parse_block_lengths(opts["block_lengths"])
       except ValueError:
-        refuse("block_lengths", "must be block lengths >= 1, e.g. '8,8,12,12,16,16'")
+        refuse(opts, "block_lengths", "must be block lengths >= 1, e.g. '8,8,12,12,16,16'")
   return opts
 
 
@@ -131,43 +144,40 @@ def parse_block_lengths(value) -> tuple[int, ...]:
   return sizes
 
 
+def resolve_student(config, who: str, free=sft.COMPUTE_FIELDS, check_start=None):
+  """`config` with the student's model fields (a copy): the start's when it starts from a
+  workdir (`check_start(init_from, fields)` may refuse them), the base model's defaults where
+  a fresh student's config leaves them; `free` fields a run may change. `who` names the
+  student in the error a published start gets."""
+  init_from = config.get("train", {}).get("init_from")
+  resolved = ml_collections.ConfigDict(config.to_dict())
+  fields, defaults = {}, {}
+  if init_from:
+    try:
+      kind, where = sft_data.split_start(init_from)
+    except ValueError as error:
+      raise ConfigError(f"config field train.init_from: {error}") from None
+    if kind != "workdir":
+      raise ConfigError(f"config field train.init_from: {who} starts from a train.py workdir "
+                        "(or fresh)")
+    fields = dict(start_point.workdir_start(config, where).get("model") or {})
+    if check_start is not None:
+      check_start(init_from, fields)
+  else:  # a fresh student: the base model's fields where the config leaves them
+    defaults = {f.name: f.default for f in dataclasses.fields(models.TransformerConfig)
+                if f.default is not dataclasses.MISSING}
+  resolved.model = ml_collections.ConfigDict(
+      start_point.merged_model(config.model, fields, defaults, free, init_from))
+  return resolved
+
+
 def resolve_config(config):
   """A distillation config checked, its model fields the start's (a copy) when it starts
   from a workdir; any other config unchanged."""
   if config.get("objective") not in NAMES:
     return config
   options(config)
-  init_from = config.get("train", {}).get("init_from")
-  resolved = ml_collections.ConfigDict(config.to_dict())
-  fields = {}
-  if init_from:
-    try:
-      kind, where = sft_data.split_start(init_from)
-      if kind != "workdir":
-        raise ValueError("a distillation student starts from a train.py workdir (or fresh)")
-      saved, _ = state_io.start_config(where)
-    except ValueError as error:
-      raise ConfigError(f"config field train.init_from: {error}") from None
-    if saved.get("task") != config.task:
-      raise ConfigError(f"config field task={config.task!r}: the start point {where!r} was "
-                        f"trained on task {saved.get('task')!r}.")
-    fields = dict(saved.get("model") or {})
-  defaults = {}
-  if not init_from:  # a fresh student: the base model's fields where the config leaves them
-    defaults = {f.name: f.default for f in dataclasses.fields(models.TransformerConfig)
-                if f.default is not dataclasses.MISSING}
-  model = {}
-  for name in sorted(set(config.model.keys()) | set(fields)):
-    value = config.model.get(name)
-    if value is None:
-      model[name] = fields.get(name, defaults.get(name))
-    elif name in fields and name not in sft.COMPUTE_FIELDS and value != fields[name]:
-      raise ConfigError(f"config field model.{name}={value!r} differs from the start point's "
-                        f"{fields[name]!r} ({init_from}); leave it unset.")
-    else:
-      model[name] = value
-  resolved.model = ml_collections.ConfigDict(model)
-  return resolved
+  return resolve_student(config, "a distillation student")
 
 
 def load_teacher(opts: dict, config, task):

@@ -12,7 +12,7 @@ import ml_collections
 from mdjax import models
 from mdjax.rl.options import OBJECTIVE_NAMES, rl_options
 from mdjax.tasks import sft as sft_data
-from mdjax.train import sft, state_io
+from mdjax.train import sft, start_point, state_io
 from mdjax.train.config_checks import ConfigError
 
 
@@ -40,13 +40,7 @@ def resolve_config(config):
     raise ConfigError(f"config field train.init_from: {error}") from None
   resolved = ml_collections.ConfigDict(config.to_dict())
   if kind == "workdir":
-    try:
-      saved, _ = state_io.start_config(where)  # its sizes checked against its arrays first
-    except ValueError as error:
-      raise ConfigError(f"config field train.init_from: {error}") from None
-    if saved.get("task") != config.task:
-      raise ConfigError(f"config field task={config.task!r}: the start point {where!r} was "
-                        f"trained on task {saved.get('task')!r}.")
+    saved = start_point.workdir_start(config, where)  # its sizes checked against its arrays
     fields = dict(saved.get("model") or {})
     resolved.task_kwargs = ml_collections.ConfigDict(
         {**(saved.get("task_kwargs") or {}), **config.task_kwargs.to_dict()})
@@ -70,16 +64,7 @@ def resolve_config(config):
                   num_heads=published.num_heads, d_ff=published.mlp_hidden, positions="rope",
                   norm="rms", mlp="swiglu", time_conditioning=False, causal=False,
                   block_size=None)
-  model = {}
-  for name in sorted(set(config.model.keys()) | set(fields)):
-    value = config.model.get(name)
-    if value is None or name in ("dtype", "remat"):
-      model[name] = fields.get(name) if value is None else value
-    elif name in fields and value != fields[name]:
-      raise ConfigError(f"config field model.{name}={value!r} differs from the start point's "
-                        f"{fields[name]!r} ({init_from}); leave it unset.")
-    else:
-      model[name] = value
+  model = start_point.merged_model(config.model, fields, {}, sft.COMPUTE_FIELDS, init_from)
   if model.get("dtype") is None:
     model["dtype"] = "float32"
   if model.get("remat") is None:
