@@ -18,10 +18,12 @@ import jax
 import numpy as np
 
 from mdjax import generation, sampling
+from mdjax.sampling import canvas_stepping
 from mdjax.errors import ArgumentError
 from mdjax.model import Model
-from mdjax.serve import block_lanes, limits, served
+from mdjax.serve import block_lanes, canvas_lanes, limits, served
 from mdjax.serve.block_lanes import BlockRun
+from mdjax.serve.canvas_lanes import CanvasesRun
 
 MAX_SEED = 2**32 - 1  # a request's seed: jax.random.key's 32 bits (without x64)
 
@@ -71,6 +73,7 @@ class Job:
   plan: Any
   blocks: BlockRun | None = None  # block by block (`block_lanes`): the row's layout
   kv_plan: Any = None  # a KV-cached spec on one canvas: the cache's per-step plan
+  canvases: CanvasesRun | None = None  # DiffusionGemma's canvases (`canvas_lanes`): the door
 
   @property
   def spec(self):
@@ -95,12 +98,16 @@ class Job:
     """The cache the run decodes against, as a response names it (None: none)."""
     if self.blocks is not None:
       return self.blocks.describe()
+    if self.canvases is not None:
+      return self.canvases.describe()
     return None if self.kv_plan is None else f"kv_cache={self.spec.kv_cache!r}"
 
   @property
   def lane_key(self) -> tuple:
     if self.blocks is not None:
       return (self.denoiser, id(self.params), self.blocks.stepper)
+    if self.canvases is not None:  # a slot a request: its rows' count is the lane's
+      return (self.denoiser, id(self.params), self.canvases)
     return (self.denoiser, id(self.params), self.stepper, self.canvas_length)
 
 
@@ -161,7 +168,8 @@ def prepare_job(model: Model, prompt, *, room: int, max_steps: int, max_prompt_b
                         "sample.py) for it, or a step-wise sampler (confidence, ancestral, "
                         "mdlm, dream, remask, ...).")
   params = model.params if run.params is None else run.params
-  lay_out = block_job if run.blocks_of is not None else canvas_job
+  lay_out = (block_job if run.blocks_of is not None else
+             canvases_job if canvas_stepping.serves(run.spec) else canvas_job)
   return lay_out(model, ids, run, params, max_new_tokens=int(max_new_tokens), seed=seed, n=n,
                  room=room, max_steps=max_steps, names=names)
 
@@ -194,3 +202,14 @@ def block_job(model: Model, ids, run, params, *, max_new_tokens: int, seed: int,
              denoiser=denoiser, params=params, tokens_1xS=blocks.whole_1xP,
              valid_1xS=blocks.valid_1xP, stepper=blocks.stepper.stepper, plan=block_plan,
              blocks=blocks)
+
+
+def canvases_job(model: Model, ids, run, params, *, max_new_tokens: int, seed: int, n: int,
+                 room: int, max_steps: int, names: dict) -> Job:
+  """A request of DiffusionGemma's canvases, as a slot of a `canvas_lanes.CanvasesLane`."""
+  tokens, valid, prepared, canvases = canvas_lanes.canvases_run(
+      model, ids, run, params, max_new_tokens=max_new_tokens, n=n, room=room, names=names)
+  limits.check_num_steps(canvases.stepper.num_steps(), max_steps)
+  return Job(prompt_ids=ids, max_new_tokens=max_new_tokens, seed=seed, n=n,
+             denoiser=prepared.denoiser, params=params, tokens_1xS=tokens, valid_1xS=valid,
+             stepper=prepared.stepper, plan=prepared.plan, canvases=canvases)

@@ -30,6 +30,7 @@ from typing import Callable
 import jax
 
 from mdjax.serve.block_lanes import BlockLane
+from mdjax.serve.canvas_lanes import CanvasesLane
 from mdjax.serve.lanes import Lane
 
 
@@ -128,7 +129,7 @@ class LaneTable:
       if key in self._sized:
         self._sized.move_to_end(key)
         return self._sized[key]
-    kind = Lane if job.blocks is None else BlockLane
+    kind = _kind(job)
     size = self.slots * kind.row_bytes(job, self.padded)
     with self._sized_lock:
       self._sized[key] = size
@@ -182,11 +183,17 @@ class LaneTable:
 
 
   def _lane(self, job) -> Lane:
-    """A new lane for `job`: block by block (`Job.blocks`, with the prefix cache) or on one
-    canvas."""
-    if job.blocks is None:
-      return Lane(job, self.slots, self.padded)
-    return BlockLane(job, self.slots, self.padded, prefix_cache=self.prefix_cache)
+    """A new lane for `job`: block by block (`Job.blocks`, with the prefix cache),
+    DiffusionGemma's canvases (`Job.canvases`) or on one canvas."""
+    if job.blocks is not None:
+      return BlockLane(job, self.slots, self.padded, prefix_cache=self.prefix_cache)
+    return _kind(job)(job, self.slots, self.padded)
+
+
+def _kind(job) -> type:
+  """The lane class of `job`: block by block, DiffusionGemma's canvases, or one canvas."""
+  return BlockLane if job.blocks is not None else (
+      CanvasesLane if job.canvases is not None else Lane)
 
 
 def _yield_to_serving() -> None:

@@ -22,8 +22,9 @@ cache. A denoiser without self-conditioning or without the cached passes (an ora
 stub) sees the whole canvas at each call instead, later canvases still on the mask.
 
 One program: a scan over the canvases, each a run of the family's steps (a loop that jumps
-over the steps after every row stopped). Serving it a step at a time is a loop over canvases
-of `stepping` runs of `canvas_spec` on `window_denoiser`, with `canvas_keys` between them.
+over the steps after every row stopped), built of `first_carry`, then per canvas
+`open_canvas`, `canvas_denoiser` and `close_canvas`. `sampling.canvas_stepping` steps the same
+pieces one denoising step at a time (a served lane: `mdjax.serve.canvas_lanes`).
 """
 
 from __future__ import annotations
@@ -207,68 +208,112 @@ class DiffusionGemmaCanvases(Family):
     return {"stop_step_NxB": aux}
 
   def run(self, spec, denoiser: BoundDenoiser, core, ctx, plan):
-    batch, length = core.tokens_BxL.shape
-    width, steps = spec.reference_length, spec.steps
-    first = length - spec.canvases * width
-    inner = canvas_spec(spec)
-    keep = cached(denoiser.model)
-    ones_B = jnp.ones((batch,), jnp.float32)
-    window = window_denoiser(denoiser.model)
-    ends_at = jnp.asarray(spec.ends_at or (-1,), jnp.int32)
-    cache = None
-    if keep:  # the prompt, encoded: one pass
-      cache = denoiser.prefill(core.tokens_BxL, ones_B)[1]
-      core = core.count(nfe=1)
+    batch = core.tokens_BxL.shape[0]
+    steps, inner = spec.steps, canvas_spec(spec)
 
     def one_canvas(carry: CanvasesCarry, c):
-      start = first + c * width
-      rng_B, key_B = canvas_keys(carry.rng_B)
-      ended_B = carry.ended_B
-      # Ended rows hold padding, fixed: their canvas is never drawn or seen.
-      fixed_BxW = jnp.broadcast_to(ended_B[:, None], (batch, width))
-      tokens_BxW = jnp.where(fixed_BxW, 0, ctx.mask_id)
+      carry, key_B, tokens_BxW, fixed_BxW = open_canvas(spec, carry, ctx)
       canvas_core, canvas_ctx = stepping.start_canvas(key_B, tokens_BxW, fixed_BxW,
                                                       ctx.mask_id, vocab_size=ctx.vocab_size)
-      context = Window(start=start, cache=carry.cache) if keep else Window(
-          start=start, canvas_BxL=carry.core.tokens_BxL, valid_BxL=denoiser.valid_BxL)
-      bound = BoundDenoiser(window, denoiser.params, valid_BxL=jnp.ones((batch, width), bool),
-                            context=context, mask_in_vocab=denoiser.mask_in_vocab)
+      bound = canvas_denoiser(spec, denoiser, carry, c)
 
       def denoise():
         out, aux, _ = stepping.run(inner, bound, canvas_core, canvas_ctx, plan)
         return out, aux.stop_step_B
 
       idle = lambda: (canvas_core, jnp.full((batch,), steps, jnp.int32))
-      canvas_core, stop_B = jax.lax.cond(ended_B.all(), idle, denoise)
-      canvas_BxW = canvas_core.tokens_BxL
-      stopped_B = ~ended_B & jnp.isin(canvas_BxW, ends_at).any(-1)
-      full = carry.core
-      here_BxL = ((jnp.arange(length) >= start) & (jnp.arange(length) < start + width))[None]
-      write_BxL = here_BxL & ~ended_B[:, None]
-      place = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part, start, 1)
-      full = full.replace(
-          tokens_BxL=jnp.where(write_BxL, place(full.tokens_BxL, canvas_BxW), full.tokens_BxL),
-          write_step_BxL=jnp.where(write_BxL, place(full.write_step_BxL,
-                                                    canvas_core.write_step_BxL + c * steps),
-                                   full.write_step_BxL),
-          write_conf_BxL=jnp.where(write_BxL, place(full.write_conf_BxL,
-                                                    canvas_core.write_conf_BxL),
-                                   full.write_conf_BxL),
-          counters=full.counters + canvas_core.counters)
-      cache_now, ended_now_B = carry.cache, ended_B | stopped_B
-      if keep:  # the finished canvas appended (gemma's append_tokens_to_cache): one pass
-        more = (c + 1 < spec.canvases) & ~ended_now_B.all()
-        append = lambda: denoiser.decode(carry.cache, canvas_BxW, start, ones_B)[1]
-        cache_now = jax.lax.cond(more, append, lambda: carry.cache)
-        full = full.count(nfe=more.astype(jnp.int32))
-      stop_B = jnp.where(ended_B, -1, stop_B)
-      return CanvasesCarry(core=full, rng_B=rng_B, ended_B=ended_now_B, cache=cache_now), stop_B
+      canvas_core, stop_B = jax.lax.cond(carry.ended_B.all(), idle, denoise)
+      return close_canvas(spec, denoiser, carry, canvas_core, stop_B, c)
 
-    carry = CanvasesCarry(core=core, rng_B=ctx.keys_B, ended_B=jnp.zeros((batch,), bool),
-                          cache=cache)
+    carry = first_carry(denoiser, core, ctx)
     carry, stop_NxB = jax.lax.scan(one_canvas, carry, jnp.arange(spec.canvases, dtype=jnp.int32))
     core = after_stop(spec, carry.core, ctx, spec.canvases * steps - 1)
     return core, stop_NxB, None
+
+
+# ----------------------------------------------------------------------------
+# The pieces of a run: `run` scans them over the canvases, and
+# `sampling.canvas_stepping.CanvasesStepper` steps them one denoising step at a time.
+# ----------------------------------------------------------------------------
+
+
+def canvas_start(spec: DiffusionGemmaCanvasesSpec, length: int, c) -> Array:
+  """Where canvas c starts on a length-L canvas (the canvases are its last positions)."""
+  return length - spec.canvases * spec.reference_length + c * spec.reference_length
+
+
+def first_carry(denoiser: BoundDenoiser, core: Core, ctx) -> CanvasesCarry:
+  """The carry before the first canvas: the prompt encoded (one pass; cached), no row
+  ended, each row's rng its key."""
+  batch = core.tokens_BxL.shape[0]
+  cache = None
+  if cached(denoiser.model):  # the prompt, encoded: one pass
+    cache = denoiser.prefill(core.tokens_BxL, jnp.ones((batch,), jnp.float32))[1]
+    core = core.count(nfe=1)
+  return CanvasesCarry(core=core, rng_B=ctx.keys_B, ended_B=jnp.zeros((batch,), bool),
+                       cache=cache)
+
+
+def open_canvas(spec: DiffusionGemmaCanvasesSpec, carry: CanvasesCarry, ctx):
+  """(the carry with each row's rng moved past the canvas, the canvas's row keys, its
+  tokens_BxW and fixed_BxW): ended rows hold padding, fixed, so their canvas is never drawn
+  or seen."""
+  batch, width = carry.ended_B.shape[0], spec.reference_length
+  rng_B, key_B = canvas_keys(carry.rng_B)
+  fixed_BxW = jnp.broadcast_to(carry.ended_B[:, None], (batch, width))
+  tokens_BxW = jnp.where(fixed_BxW, 0, ctx.mask_id)
+  return carry.replace(rng_B=rng_B), key_B, tokens_BxW, fixed_BxW
+
+
+def canvas_denoiser(spec: DiffusionGemmaCanvasesSpec, denoiser: BoundDenoiser,
+                    carry: CanvasesCarry, c) -> BoundDenoiser:
+  """The denoiser of canvas c (`window_denoiser`): its W tokens against the cache of the
+  prompt and the canvases before it, or the whole canvas recomputed."""
+  batch, width = carry.ended_B.shape[0], spec.reference_length
+  start = canvas_start(spec, carry.core.tokens_BxL.shape[1], c)
+  context = Window(start=start, cache=carry.cache) if cached(denoiser.model) else Window(
+      start=start, canvas_BxL=carry.core.tokens_BxL, valid_BxL=denoiser.valid_BxL)
+  return BoundDenoiser(window_denoiser(denoiser.model), denoiser.params,
+                       valid_BxL=jnp.ones((batch, width), bool), context=context,
+                       mask_in_vocab=denoiser.mask_in_vocab)
+
+
+def close_canvas(spec: DiffusionGemmaCanvasesSpec, denoiser: BoundDenoiser,
+                 carry: CanvasesCarry, canvas_core: Core, stop_B: Array, c):
+  """(the carry after canvas c, each row's stop step there: -1 for a row ended before
+  it): the finished canvas written into the whole one (rows that had ended keep theirs), a
+  row whose canvas holds a stop id ended, and, while a canvas follows and a row goes on,
+  the canvas appended to the cache (gemma's append_tokens_to_cache: one pass; cached)."""
+  batch, length = carry.core.tokens_BxL.shape
+  width, steps = spec.reference_length, spec.steps
+  start = canvas_start(spec, length, c)
+  ones_B = jnp.ones((batch,), jnp.float32)
+  ends_at = jnp.asarray(spec.ends_at or (-1,), jnp.int32)
+  ended_B = carry.ended_B
+  canvas_BxW = canvas_core.tokens_BxL
+  stopped_B = ~ended_B & jnp.isin(canvas_BxW, ends_at).any(-1)
+  full = carry.core
+  here_BxL = ((jnp.arange(length) >= start) & (jnp.arange(length) < start + width))[None]
+  write_BxL = here_BxL & ~ended_B[:, None]
+  place = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part, start, 1)
+  full = full.replace(
+      tokens_BxL=jnp.where(write_BxL, place(full.tokens_BxL, canvas_BxW), full.tokens_BxL),
+      write_step_BxL=jnp.where(write_BxL, place(full.write_step_BxL,
+                                                canvas_core.write_step_BxL + c * steps),
+                               full.write_step_BxL),
+      write_conf_BxL=jnp.where(write_BxL, place(full.write_conf_BxL,
+                                                canvas_core.write_conf_BxL),
+                               full.write_conf_BxL),
+      counters=full.counters + canvas_core.counters)
+  cache_now, ended_now_B = carry.cache, ended_B | stopped_B
+  if cached(denoiser.model):  # the finished canvas appended (gemma's append_tokens_to_cache)
+    more = (c + 1 < spec.canvases) & ~ended_now_B.all()
+    append = lambda: denoiser.decode(carry.cache, canvas_BxW, start, ones_B)[1]
+    cache_now = jax.lax.cond(more, append, lambda: carry.cache)
+    full = full.count(nfe=more.astype(jnp.int32))
+  stop_B = jnp.where(ended_B, -1, stop_B)
+  return CanvasesCarry(core=full, rng_B=carry.rng_B, ended_B=ended_now_B,
+                       cache=cache_now), stop_B
 
 
 def after_stop(spec: DiffusionGemmaCanvasesSpec, core: Core, ctx, step) -> Core:
