@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mdjax.models import moe
+
 Array = jax.Array
 
 NORM_EPS = 1e-6  # gemma's RMSNorm epsilon
@@ -109,10 +111,19 @@ def route(layer: dict, h_TxD: Array, experts_per_token: int) -> tuple[Array, Arr
 def experts(layer: dict, x_TxD: Array, experts_Txk: Array, weights_Txk: Array) -> Array:
   """The chosen experts' weighted outputs, T x D: the T * k assignments sorted by expert,
   each expert's gated MLP over its run of rows (`jax.lax.ragged_dot`), times its
-  per_expert_scale, unsorted and weighted."""
+  per_expert_scale, unsorted and weighted. Safe under `jax.vmap` (a served lane vmaps the
+  network over its rows; `ragged_dot` has no batching rule): a vmap over rows folds them
+  into the tokens, one call over every row's tokens as a batch runs (`moe.over_tokens`)."""
+  weights = tuple(layer[name].astype(x_TxD.dtype)  # dense (a quantized weight answers)
+                  for name in ("experts_gating", "experts_linear", "per_expert_scale"))
+  return moe.over_tokens(_experts, 3)(x_TxD, experts_Txk, weights_Txk, *weights)
+
+
+def _experts(x_TxD: Array, experts_Txk: Array, weights_Txk: Array, gating_Ex2xFxD: Array,
+             linear_ExFxD: Array, scale_E: Array) -> Array:
   tokens, d = x_TxD.shape
   k = experts_Txk.shape[1]
-  gating_Ex2xFxD = layer["experts_gating"].astype(x_TxD.dtype)
+  gating_Ex2xFxD = gating_Ex2xFxD.astype(x_TxD.dtype)
   num_experts, _, hidden, _ = gating_Ex2xFxD.shape
   expert_A = experts_Txk.reshape(-1)  # A = T * k assignments, token-major
   order_A = jnp.argsort(expert_A, stable=True)
@@ -121,8 +132,8 @@ def experts(layer: dict, x_TxD: Array, experts_Txk: Array, weights_Txk: Array) -
   w_ExDx2F = gating_Ex2xFxD.transpose(0, 3, 1, 2).reshape(num_experts, d, 2 * hidden)
   gate_Ax2xF = jax.lax.ragged_dot(rows_AxD, w_ExDx2F, sizes_E).reshape(-1, 2, hidden)
   act_AxF = jax.nn.gelu(gate_Ax2xF[:, 0]) * gate_Ax2xF[:, 1]
-  out_AxD = jax.lax.ragged_dot(act_AxF, layer["experts_linear"].astype(x_TxD.dtype), sizes_E)
-  out_AxD = out_AxD * layer["per_expert_scale"].astype(out_AxD.dtype)[expert_A[order_A], None]
+  out_AxD = jax.lax.ragged_dot(act_AxF, linear_ExFxD.astype(x_TxD.dtype), sizes_E)
+  out_AxD = out_AxD * scale_E.astype(out_AxD.dtype)[expert_A[order_A], None]
   unsorted_TxkxD = jnp.zeros_like(out_AxD).at[order_A].set(out_AxD).reshape(tokens, k, d)
   return jnp.einsum("tkd,tk->td", unsorted_TxkxD, weights_Txk.astype(x_TxD.dtype))
 

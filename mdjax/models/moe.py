@@ -151,12 +151,12 @@ def routed(moe: MoEConfig, layer: dict, x_TxD: Array, experts_Txk: Array,
            weights_Txk: Array) -> Array:
   """The routed experts' weighted output, T x D: the T * k assignments sorted by expert,
   each expert's SwiGLU over its run of rows (`jax.lax.ragged_dot`), unsorted, combined in
-  float32. Safe under `jax.vmap` (`_over_tokens`)."""
+  float32. Safe under `jax.vmap` (`over_tokens`)."""
   dtype = x_TxD.dtype
   weights = tuple(layer[name].astype(dtype) for name in ("experts_gate", "experts_up",
                                                          "experts_down"))
   fn = functools.partial(_routed, moe.experts_per_token, moe.num_experts)
-  return _over_tokens(fn, 3)(x_TxD, experts_Txk, weights_Txk, *weights)
+  return over_tokens(fn, 3)(x_TxD, experts_Txk, weights_Txk, *weights)
 
 
 def _routed(k: int, num_experts: int, x_TxD: Array, experts_Txk: Array, weights_Txk: Array,
@@ -213,7 +213,7 @@ def _routed_on(k: int, num_experts: int, axes: tuple[str, ...], x_TxD: Array,
   return y_TxD.astype(x_TxD.dtype)
 
 
-def _over_tokens(fn, num_token_args: int):
+def over_tokens(fn, num_token_args: int):
   """`fn(*args) -> out_TxD`, whose first `num_token_args` args have a leading token axis and
   whose tokens are independent, made safe under `jax.vmap` and still differentiable.
 

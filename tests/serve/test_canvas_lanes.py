@@ -111,3 +111,19 @@ def test_the_canvases_family_is_not_named_by_a_request():
   engine = Engine(model(), max_batch=1, canvas_length=CANVAS)
   with pytest.raises(ArgumentError, match="leave sampler out"):
     engine.prepare([5, 6], max_new_tokens=8, seed=0, sampler="diffusion_gemma_canvases")
+
+
+@pytest.mark.slow
+def test_the_one_canvas_rule_is_served_on_the_checkpoint():
+  """`sampler="diffusion_gemma"` (DiffusionGemma's rule on one canvas, a step-wise family) on
+  the checkpoint: its lane vmaps the network over rows, through the MoE's `ragged_dot` (was:
+  no batching rule, the request failed); a request's rows equal generate's."""
+  engine = Engine(model(), max_batch=2, canvas_length=16)
+  job = engine.prepare([5, 6, 7, 8], max_new_tokens=8, seed=1, n=2, sampler="diffusion_gemma",
+                       knobs=dict(steps=4))
+  [(_, got)] = serve(engine, [([5, 6, 7, 8], dict(max_new_tokens=8, seed=1, n=2,
+                                                    sampler="diffusion_gemma",
+                                                    knobs=dict(steps=4)))], join_after=0)
+  want = mdjax.generate(model(), [[5, 6, 7, 8]] * 2, max_new_tokens=8, key=1, spec=job.spec)
+  assert [got[c].completion.token_ids.tolist() for c in range(2)] == [
+      w.token_ids.tolist() for w in want]
