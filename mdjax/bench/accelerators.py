@@ -115,27 +115,41 @@ def _configs():
   return {name: importlib.import_module(f"configs.{m}") for name, m in modules.items()}
 
 
+def _finished(workdir: str, num_steps: int) -> bool:
+  """Whether `workdir` holds a run's checkpoint at `num_steps`."""
+  from mdjax.train import state_io
+  return (os.path.isdir(os.path.join(workdir, "checkpoints")) and num_steps in
+          state_io.step_dirs(state_io.checkpoint_manager(workdir, read_only=True)))
+
+
 def _train(config, workdir: str, log) -> dict:
-  """Trains `config` in `workdir` (a finished run there is only loaded): its record."""
+  """Trains `config` in `workdir` (a finished run there is only loaded, without building its
+  loss: a student's teacher pool is the teacher's decodings): its record."""
   from mdjax import train
   started = time.perf_counter()
-  train.train(config, workdir, log=lambda *a: None)
+  if not _finished(workdir, config.train.num_steps):
+    train.train(config, workdir, log=lambda *a: None)
   seconds = time.perf_counter() - started
   trained = train.read_train_seconds(workdir)
   log(f"trained {config.objective}: {workdir} ({config.train.num_steps} steps, {trained or 0:.0f} s "
       f"of training; {seconds:.0f} s in this call)")
   # train_seconds: the run's own training clock (its cost, wherever it was trained);
   # this_run_seconds: this call's (a finished run is only loaded).
-  return {"objective": config.objective, "steps": config.train.num_steps,
-          "batch_size": config.batch_size, "train_seconds": trained,
-          "this_run_seconds": seconds,
-          "model": {k: v for k, v in config.model.to_dict().items() if v is not None}}
+  record = {"objective": config.objective, "steps": config.train.num_steps,
+            "batch_size": config.batch_size, "train_seconds": trained,
+            "this_run_seconds": seconds,
+            "model": {k: v for k, v in config.model.to_dict().items() if v is not None}}
+  if "distill" in config:  # a student: how many of the teacher's decodings it learned from
+    record["num_prompts"] = config.distill.num_prompts
+  return record
 
 
 def train_models(root: str, *, seed: int, teacher_steps: int | None, student_steps: int | None,
-                 students: Sequence[str] = STUDENTS, log=print) -> dict:
+                 students: Sequence[str] = STUDENTS, student_prompts: int | None = None,
+                 log=print) -> dict:
   """The teacher (configs/sudoku4_teacher.py) and its students (configs/distill_*.py, from
-  the teacher, the teacher's own rollouts): {name: (Model, record)}."""
+  the teacher, the teacher's own rollouts; `student_prompts` of them, None the configs'
+  3,200): {name: (Model, record)}."""
   import mdjax
   cfgs = _configs()
   config = cfgs["teacher"].get_config()
@@ -154,6 +168,8 @@ def train_models(root: str, *, seed: int, teacher_steps: int | None, student_ste
     if student_steps:
       config.train.num_steps = student_steps
       config.checkpoint.every = student_steps
+    if student_prompts:
+      config.distill.num_prompts = student_prompts
     models[name] = (None, _train(config, os.path.join(root, name), log))
   return {name: (mdjax.load(os.path.join(root, name)), record)
           for name, (_, record) in models.items()}
@@ -296,7 +312,7 @@ def combined(teacher_ot: bench.OracleTask, students: dict, points: list[dict],
 def run(*, task: str = "sudoku4", temperatures: Sequence[float] = (0.0, 1.0), rows: int = 1000,
         train_rows: int = 2000, epochs: int = 4000, seed: int = SEED, sizes: str = "full",
         teacher_steps: int | None = None, student_steps: int | None = None,
-        workdir: str | None = None, log=print) -> dict:
+        student_prompts: int | None = None, workdir: str | None = None, log=print) -> dict:
   """The whole bench as one dict (results/accelerators.json). teacher_steps 0: no trained
   teacher (the oracle's part alone)."""
   started = time.perf_counter()
@@ -323,7 +339,8 @@ def run(*, task: str = "sudoku4", temperatures: Sequence[float] = (0.0, 1.0), ro
                        "(configs/sudoku4_teacher.py); --teacher_steps=0 runs the oracle alone.")
     with tempfile.TemporaryDirectory() as tmp:
       models = train_models(workdir or tmp, seed=seed, teacher_steps=teacher_steps,
-                            student_steps=student_steps, log=log)
+                            student_steps=student_steps, student_prompts=student_prompts,
+                            log=log)
       teacher_ot = with_model(ot, models["teacher"][0])
       t0 = time.perf_counter()
       pts, filters[f"{TRAINED} 0.0"] = teacher_sweep(teacher_ot, canvas, 0.0, TRAINED, **sweep)
@@ -487,6 +504,9 @@ def main(argv: Sequence[str] | None = None, log=print) -> dict:
                       "trained teacher)")
   parser.add_argument("--student_steps", type=int, default=None,
                       help="each student's steps (default: its config's)")
+  parser.add_argument("--student_prompts", type=int, default=None,
+                      help="the teacher's decodings each student learns from (default: its "
+                      "config's distill.num_prompts, 3,200)")
   parser.add_argument("--workdir", default=None, help="where the teacher and students train "
                       "(finished runs there are loaded); default a temporary folder")
   parser.add_argument("--only", default=None, help="comma-separated students to train (or "
@@ -502,7 +522,8 @@ def main(argv: Sequence[str] | None = None, log=print) -> dict:
     results = run(task=args.task, temperatures=[float(t) for t in args.temperatures.split(",")],
                   rows=args.rows, train_rows=args.train_rows, epochs=args.epochs,
                   seed=args.seed, sizes=args.sizes, teacher_steps=args.teacher_steps,
-                  student_steps=args.student_steps, workdir=args.workdir, log=log)
+                  student_steps=args.student_steps, student_prompts=args.student_prompts,
+                  workdir=args.workdir, log=log)
   summary(results, log)
   report.write_json(args.out, results)
   figure = plot(results, os.path.splitext(args.out)[0] + ".png")

@@ -21,7 +21,8 @@ def test_a_tiny_run_writes_the_schema(tmp_path):
   out = tmp_path / "acc.json"
   results = accelerators.main(["--sizes", "tiny", "--rows", "16", "--train_rows", "12",
                                "--epochs", "20", "--temperatures", "0", "--teacher_steps", "2",
-                               "--student_steps", "2", "--workdir", str(tmp_path / "runs"),
+                               "--student_steps", "2", "--student_prompts", "64",
+                               "--workdir", str(tmp_path / "runs"),
                                "--out", str(out)], log=lambda *a: None)
   written = json.loads(out.read_text())
   assert written["config"]["task"] == "sudoku4" and written["config"]["rows"] == 16
@@ -40,6 +41,7 @@ def test_a_tiny_run_writes_the_schema(tmp_path):
   assert all(p["knobs"]["block_length"] == 8 and p["knobs"]["kv_cache"] == "exact"
              for p in cdlm_points)
   assert written["models"]["dparallel"]["steps"] == 2
+  assert {written["models"][s]["num_prompts"] for s in ("dparallel", "d3llm", "cdlm")} == {64}
   assert written["filters"]["oracle 0.0"]["params"] == 2 * 16 * 32 + 32 + 16
   assert set(written["aup"]["sudoku4"]) == {"oracle", "trained"}
   trained_rows = [r for r in written["equal_calls"] if r["teacher"] == "trained"]
