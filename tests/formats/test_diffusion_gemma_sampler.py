@@ -3,12 +3,17 @@
 step's recorded inputs: canvas, self-conditioning embeddings, key, noise proportion), mdjax's
 logits within 1e-4 of the largest and its step's tokens exactly; end to end, the
 `diffusion_gemma` family with reference_draws writes the reference's canvas for every run the
-writer found replay-stable, a case's keys at once (a batch is its rows run alone).
+writer found replay-stable, each alone (a batch of one, as the writer ran them), except
+MACHINE_DEPENDENT.
 
 The end-to-end equality holds under the suite's XLA flags (tests/conftest.py); rounding
 differences between compilations can flip a bfloat16 rounding of the self-conditioning
 embeddings and so a later draw, as they do between two compilations of gemma's own code (under
-XLA's default CPU flags, 11 of the 13 stable runs match)."""
+XLA's default CPU flags, 11 of the 13 stable runs match). This fixture's "stable" is the
+writer's first criterion (gemma's replay, decisions clear of 1e-4), which does not flip the
+roundings near a midpoint as the canvases fixture's does (tests/formats/
+test_diffusion_gemma_canvases.py), so a run whose closest rounding is nearest its midpoint can
+still depend on the host's CPU."""
 
 import functools
 import json
@@ -62,6 +67,13 @@ def _tolerance(expected: np.ndarray) -> float:
 # draw kept, hot temperatures and the prompt let a bfloat16 rounding of the
 # self-conditioning embeddings flip a later draw between two compilations of gemma's code.
 UNSTABLE = {("k8_b8_hot", True)}
+# Stable by the writer's criterion, but not on every host: its closest self-conditioning
+# rounding is 1.5e-5 bfloat16 ulps from its midpoint (the least of the 13 stable runs; the
+# next 4.6e-5), and on a Sapphire Rapids host (AVX-512, AMX; jax 0.10.2) its tokens differ from
+# gemma's at 5 of 8 positions, under every --xla_cpu_max_isa tried (AVX2, AVX512,
+# AVX512_BF16) and alone or in its case's batch; the CI hosts before it wrote gemma's tokens.
+# Its steps are still checked one by one (test_each_step_writes_the_references_tokens).
+MACHINE_DEPENDENT = {"k6_b2_prompt_2"}
 
 
 def test_the_fixture_says_which_runs_are_stable():
@@ -70,6 +82,7 @@ def test_the_fixture_says_which_runs_are_stable():
   cases = {(n.rsplit("_", 2)[0], r["prompt"]) for n, r in runs().items()}
   stable = {(n.rsplit("_", 2)[0], r["prompt"]) for n, r in runs().items() if r["stable"]}
   assert cases - stable == UNSTABLE
+  assert all(runs()[n]["stable"] for n in MACHINE_DEPENDENT)
   assert all(r["stable"] == (r["replays"] and all(
       m is None or m > 1e-4 for k, m in r["margins"].items() if k != "sc_midpoint"))
              for r in runs().values())
@@ -112,30 +125,35 @@ def test_each_step_given_the_references_inputs(name):
                                atol=1e-4 * np.abs(z[f"{name}/steps_sc_out"][i]).max())
 
 
+def _compared(case: str, prompt: bool) -> list[str]:
+  """The runs of a case compared end to end: the stable ones, MACHINE_DEPENDENT aside."""
+  return [n for n, r in runs().items()
+          if n.startswith(f"{case}_{'prompt' if prompt else 'alone'}_") and r["stable"]
+          and n not in MACHINE_DEPENDENT]
+
+
 def _run_end_to_end(case: str, prompt: bool):
-  """The family over [prompt; W generated] with every key of the case as one batch."""
-  names = [n for n, r in runs().items()
-           if n.startswith(f"{case}_{'prompt' if prompt else 'alone'}_")]
-  run, z, m = runs()[names[0]], arrays(), model()
-  keys = jnp.asarray(np.stack([z[f"{n}/key"] for n in names]))
-  batch = len(names)
-  head = np.tile(prompt_row(), (batch, 1)) if prompt else np.zeros((batch, 0), np.int32)
-  canvas = np.concatenate([head, np.full((batch, WIDTH), 128, np.int32)], 1)
+  """The family over [prompt; W generated] for each stable run of the case, alone (a batch
+  of one, as gemma's writer ran each key: XLA's matmuls may round a row's last bits
+  differently at another batch size, and a bfloat16 rounding of the self-conditioning
+  embeddings can turn that into a later draw), one compiled program for all of them."""
+  names = _compared(case, prompt)
+  assert names, f"no stable run of {case}"
+  z, m = arrays(), model()
+  head = prompt_row() if prompt else np.zeros((1, 0), np.int32)
+  canvas = np.concatenate([head, np.full((1, WIDTH), 128, np.int32)], 1)
   denoiser = network.denoiser(m.config, PROMPT if prompt else 0)
-  out = sampling.sample(denoiser, m.params, keys, canvas, spec_of(run), mask_id=128)
-  got = np.asarray(out.tokens_BxL)[:, -WIDTH:]
-  compared = 0
-  for row, n in enumerate(names):
-    if runs()[n]["stable"]:
-      np.testing.assert_array_equal(got[row], z[f"{n}/final"][0], err_msg=n)
-      compared += 1
-  assert compared, f"no stable run of {case}"
+  for n in names:
+    out = sampling.sample(denoiser, m.params, jnp.asarray(z[f"{n}/key"])[None], canvas,
+                          spec_of(runs()[n]), mask_id=128)
+    np.testing.assert_array_equal(np.asarray(out.tokens_BxL)[0, -WIDTH:], z[f"{n}/final"][0],
+                                  err_msg=n)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case, prompt", [
     (case, prompt) for case in ("k4_b0.1", "k6_b2", "k8_b8_hot", "k8_b4_entropy_stop")
-    for prompt in (False, True) if (case, prompt) not in UNSTABLE])
+    for prompt in (False, True) if _compared(case, prompt)])
 def test_canvases_equal_the_references_key_for_key(case, prompt):
   _run_end_to_end(case, prompt)
 
