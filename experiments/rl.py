@@ -1,16 +1,20 @@
-"""RL on two exact-check tasks: what each objective after d1 adds, against rejection-sampling
+"""RL on three exact-check tasks: what each objective after d1 adds, against rejection-sampling
 fine-tuning at the same number of rollouts, the exact oracle and the optimum.
 
   python experiments/rl.py [--workdir=/tmp/mdjax_rl] [--out=results] [--tasks=sudoku4,...]
 
-Two tasks whose exact check is the reward, chosen to pull apart the two things RL can teach a
-parallel decoder. **Sudoku 4x4** (each cell given with probability 0.7; d1's sampler:
-low-confidence, 4 cells a step, temperature 1): the start's own errors dominate (it solves
-0.68 one cell a step where the oracle solves 1.0), so a gain is task knowledge.
-**list_replace** (n = 6 items of 12, the output copies the prompt with exactly one item
-replaced by a marker; 2 decoding steps of 3 positions): the start is near the exact oracle
-(parallel draws of the marker position collide or miss), and the optimum 1.0 is reached only
-by decoding in parallel differently (one agreed position), so a gain is parallel decoding.
+Three tasks whose exact check is the reward (experiments/rl_tasks.py: their settings, and
+how a model is scored), chosen to pull apart the two things RL can teach a parallel decoder.
+**Sudoku 4x4** (each cell given with probability 0.7; d1's sampler: low-confidence, 4 cells a
+step, temperature 1): the start's own errors dominate (it solves 0.68 one cell a step where
+the oracle solves 1.0), so a gain is task knowledge. **list_replace** (n = 6 items of 12, the
+output copies the prompt with exactly one item replaced by a marker; 2 decoding steps of 3
+positions): the start is near the exact oracle (parallel draws of the marker position collide
+or miss), and the optimum 1.0 is reached only by decoding in parallel differently (one agreed
+position), so a gain is parallel decoding. **ScanAndAdd** (n = 2 values; the completion
+writes the answer and the 3 commands it must agree with; 3 decoding steps): both at once,
+the start far from the task (it solves 0.2 at 3 steps and one position a step alike) and the
+oracle short of the optimum under 3 steps (0.67).
 
 Per task a small model is trained here by the NELBO (`PRETRAIN`); then every row fine-tunes
 it for the task's `rl_steps` steps of `RL` (8 prompts x G = 8 rollouts a step, the same
@@ -25,7 +29,9 @@ at one position a step: binomial s.e. sqrt(p (1 - p) / n) per figure; a gain's s
 unpaired, sqrt(se_before^2 + se_after^2), and paired, the s.e. of the per-prompt difference
 (the same prompts and draws score both); every `eval_every` steps a checkpoint is scored
 too (`eval_curve`: is the row still rising?), and the start and each row at colder
-temperatures (how much of a gain sharpening alone buys). Diagnostics (Sudoku): the start's
+temperatures (how much of a gain sharpening alone buys); beside the reward's check, every
+check of the task is kept (`start_checks`, `oracle_checks`, `checks_after`: ScanAndAdd's
+reward does not look at the number of adds, `add_count_valid` does). Diagnostics (Sudoku): the start's
 per-cell against whole-puzzle errors, the reward variance within groups, the solve rate
 along the large-batch policy gradient at several step lengths (why the learning rate
 matters), and `gradient_snr`: each update's per-batch signal-to-noise and the angles between
@@ -35,22 +41,22 @@ also compares itself with both RFT rows, paired (`vs_rft`, `vs_rft_trajectory`).
 
 Writes results/rl.json (with each run's reward per RL step) and results/rl.png (each row's
 solve rate, and at its checkpoints). Fixed seeds; finished runs in the workdir are reused
-(`train.train` resumes them), so a second invocation only evaluates. The CPU is 2 cores
-shared with other jobs; the whole command takes about 1.5 hours of training there
-(docs/rl.md gives the times).
+(`train.train` resumes them), so a second invocation only evaluates. `--tasks=NAME,...`, a
+subset, replaces only those tasks' summaries, rows and curves in an existing OUT/rl.json and
+keeps the other tasks' as they are (the default, every task, writes it from scratch). The
+CPU is 2 cores shared with other jobs; the whole command takes about 1.5 hours of training
+there (docs/rl.md gives the times).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -58,33 +64,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mdjax  # noqa: E402
 from configs import grpo as grpo_config  # noqa: E402
 from configs.base import base_config  # noqa: E402
-from mdjax import jsonl, report, sampling, tasks, train  # noqa: E402
-from mdjax.rl import logps as logps_lib  # noqa: E402
-from mdjax.rl import losses  # noqa: E402
+from experiments.rl_diagnostics import diagnostics  # noqa: E402
+from experiments.rl_tasks import (CHECKS, EVAL_PROMPTS, RL, SAMPLER, SEED, TASKS,  # noqa: E402
+                                  eval_canvas, fractions, gain, outcomes, rate, solved)
+from mdjax import jsonl, report, train  # noqa: E402
 from mdjax.rl import trainer  # noqa: E402,F401  (registers the RL objectives)
-from mdjax.tasks import lists, sudoku4  # noqa: E402
 
-SEED = 0
-EVAL_PROMPTS = 2000
-EVAL_KEY = 20261206  # the evaluation prompts' key: no training step folds it
 MODEL = dict(d_model=64, num_layers=2, num_heads=4, d_ff=128)
 PRETRAIN = dict(num_steps=600, batch_size=64, lr=3e-3, warmup_steps=100)
-# rl_steps: Sudoku runs 480 steps because at 120 every row was still rising and RFT and
-# diffu-GRPO were level (0.482 and 0.483); from 120 to 480 RFT stays at 0.48-0.50 while
-# diffu-GRPO on the trajectory climbs to 0.53 (docs/rl.md). eval_every: the checkpoints
-# scored on the evaluation prompts (each row's `eval_curve`).
-TASKS = {
-    "sudoku4": dict(task_kwargs=dict(given_probability=0.7), steps=4, sequential_steps=16,
-                    rl_steps=480, eval_every=60),
-    "list_replace": dict(task_kwargs=dict(n=6, m=12), steps=2, sequential_steps=6,
-                         rl_steps=60, eval_every=30),
-}
-SAMPLER = dict(family="confidence", score="prob", count_rule="even", temperature=1.0)
-# One update per rollout batch (TRL's default num_iterations; d1 runs 12): on Sudoku 60 steps
-# of diffu-GRPO (trajectory) at lr 1e-4 reached what 4 inner updates at 3e-5 reach (0.463
-# against 0.465 and 0.448-0.464), at a quarter of the update time.
-RL = dict(batch_size=64, num_generations=8, num_iterations=1, beta=0.0, epsilon=0.5,
-          p_mask_prompt=0.15, elbo_samples=4)
 # Pilots at 120 Sudoku steps (docs/rl.md), none better than this setting: diffu-GRPO on the
 # trajectory 0.483; with lr 3e-4 0.489, with scale_by_std 0.481, with num_iterations 2 0.469
 # (RFT with 2: 0.477), on the MC-ELBO 0.465; RFT at 3e-4 0.485 (at 480 steps 0.481: its
@@ -158,49 +145,6 @@ def rl_config(name: str, row, start: str, seed: int = SEED):
   return c
 
 
-def eval_canvas(name: str):
-  """(canvas, fixed, task, check): the evaluation prompts, their completions masked."""
-  task = tasks.get(name, TASKS[name]["task_kwargs"])
-  rows = np.asarray(task.sample_data(jax.random.key(EVAL_KEY), EVAL_PROMPTS))
-  prompt = trainer.sources.PROMPT_LENGTHS[name](task.params)
-  canvas = rows.copy()
-  canvas[:, prompt:] = task.mask_id
-  fixed = np.zeros(canvas.shape, bool)
-  fixed[:, :prompt] = True
-  check = ((lambda x: sudoku4.checks(x, task.params)["solved"]) if name == "sudoku4" else
-           (lambda x: lists.checks(x, task.params)["valid"]))
-  return canvas, fixed, task, check
-
-
-def solved(apply_fn, params, name: str, steps: int, temperature: float | None = None
-           ) -> np.ndarray:
-  """Each evaluation prompt's outcome (bool [EVAL_PROMPTS]) under the sampler at `steps`
-  (and `temperature`, default the training sampler's)."""
-  canvas, fixed, task, check = eval_canvas(name)
-  knobs = {k: v for k, v in SAMPLER.items() if k != "family"}
-  if temperature is not None:
-    knobs["temperature"] = temperature
-  spec = sampling.make_spec(SAMPLER["family"], steps=steps, **knobs)
-  out = sampling.sample(apply_fn, params, jax.random.key(EVAL_KEY + 1), canvas, spec, fixed,
-                        mask_id=task.mask_id)
-  return np.asarray(check(np.asarray(out.tokens_BxL)), bool)
-
-
-def rate(outcomes) -> dict:
-  p = float(np.mean(outcomes))
-  return {"reward": p, "stderr": math.sqrt(p * (1 - p) / len(outcomes))}
-
-
-def gain(before, after) -> dict:
-  """The gain and its s.e., unpaired and paired (the per-prompt difference's)."""
-  b, a = np.asarray(before, float), np.asarray(after, float)
-  diff = a.mean() - b.mean()
-  unpaired = math.sqrt(rate(b)["stderr"] ** 2 + rate(a)["stderr"] ** 2)
-  paired = float((a - b).std(ddof=1) / math.sqrt(len(a)))
-  return {"gain": float(diff), "gain_in_stderr": diff / unpaired if unpaired else None,
-          "gain_in_paired_stderr": diff / paired if paired else None}
-
-
 def _model_at(folder: str, step: int):
   """(denoiser, params) of a run's checkpoint at `step`."""
   model = mdjax.load(folder, step=step, log=_quiet)
@@ -213,142 +157,6 @@ def metrics_of(workdir: str) -> list[dict]:
     return list(jsonl.log_rows(f, path))  # as the run's own readers: a bad line skipped
 
 
-def diagnostics(start_model, name: str) -> dict:
-  """Why Sudoku's RL gains are small at this scale (module docstring)."""
-  canvas, fixed, task, _ = eval_canvas(name)
-  truth = np.asarray(task.sample_data(jax.random.key(EVAL_KEY), EVAL_PROMPTS))[:, 16:]
-  blank = canvas[:, :16] == sudoku4.BLANK
-  out = {}
-  for steps in (TASKS[name]["steps"], TASKS[name]["sequential_steps"]):
-    spec = sampling.make_spec(SAMPLER["family"], steps=steps,
-                              **{k: v for k, v in SAMPLER.items() if k != "family"})
-    tokens = np.asarray(sampling.sample(start_model.denoiser, start_model.params,
-                                        jax.random.key(EVAL_KEY + 1), canvas, spec, fixed,
-                                        mask_id=task.mask_id).tokens_BxL)
-    wrong = tokens[:, 16:] != truth  # against the drawn solution (a few puzzles have two)
-    blank_accuracy = float(1 - wrong[blank].mean())
-    out[f"steps_{steps}"] = {
-        "blank_cell_accuracy": blank_accuracy,
-        "given_cell_accuracy": float(1 - wrong[~blank].mean()),
-        "mean_blanks": float(blank.sum(1).mean()),
-        "all_cells_right": float((~wrong).all(1).mean()),
-        "independent_cells_prediction": float(np.mean(blank_accuracy ** blank.sum(1))),
-        "wrong_cells_histogram": np.bincount(wrong.sum(1), minlength=5)[:5].tolist()}
-  # Reward variance within groups: G = 8 rollouts of 256 fresh puzzles by the start.
-  group, count = RL["num_generations"], 256
-  rows = np.asarray(task.sample_data(jax.random.key(EVAL_KEY + 2), count))
-  ids = np.repeat(rows, group, 0)
-  cv = ids.copy()
-  cv[:, 16:] = task.mask_id
-  fx = np.zeros(cv.shape, bool)
-  fx[:, :16] = True
-  spec = sampling.make_spec(SAMPLER["family"], steps=TASKS[name]["steps"],
-                            **{k: v for k, v in SAMPLER.items() if k != "family"})
-  res = sampling.sample(start_model.denoiser, start_model.params, jax.random.key(EVAL_KEY + 3),
-                        cv, spec, fx, mask_id=task.mask_id)
-  toks, write = np.asarray(res.tokens_BxL), np.asarray(res.write_step_BxL)
-  ok = sudoku4.checks(toks, task.params)["solved"].astype(np.float32)
-  p_G = ok.reshape(-1, group).mean(1)
-  out["groups"] = {"rollouts": int(ok.size), "solve_rate": float(ok.mean()),
-                   "mixed_groups": float(((p_G > 0) & (p_G < 1)).mean()),
-                   "all_fail_groups": float((p_G == 0).mean()),
-                   "all_pass_groups": float((p_G == 1).mean()),
-                   "mean_within_group_variance": float((p_G * (1 - p_G)).mean()),
-                   "total_variance": float(ok.var())}
-  # The solve rate along the mean diffu-GRPO gradient (trajectory estimator, beta 0) of these
-  # 2048 rollouts, a step of length eta in parameter norm: the first-order gain, and where
-  # the curvature takes it back.
-  advantages = losses.group_advantages(jnp.asarray(ok), group)
-
-  def loss(params):
-    lp = logps_lib.trajectory_logps_fn(start_model.denoiser, params, toks, write, 16,
-                                       mask_id=task.mask_id, num_steps=TASKS[name]["steps"])
-    return -(advantages[:, None] * lp).sum() / lp.size
-
-  grad = jax.jit(jax.grad(loss))(start_model.params)
-  norm = float(jnp.sqrt(sum((g ** 2).sum() for g in jax.tree.leaves(grad))))
-  param_norm = float(jnp.sqrt(sum((p.astype(jnp.float32) ** 2).sum()
-                                  for p in jax.tree.leaves(start_model.params))))
-  along = {}
-  for eta in (0.0, 0.01, 0.03, 0.1, 0.3):
-    moved = jax.tree.map(lambda p, g: p - eta * g / norm, start_model.params, grad)
-    along[str(eta)] = rate(solved(start_model.denoiser, moved, name, TASKS[name]["steps"]))
-  out["along_gradient"] = {"param_norm": param_norm, "solve_rate_at_step_length": along}
-  out["gradient_snr"] = gradient_snr(start_model, task, name)
-  return out
-
-
-# The updates compared by `gradient_snr`: RFT (the table's, on the MC-ELBO, and on the
-# trajectory) and diffu-GRPO on the trajectory (d1's mean baseline, and TRL's std scaling).
-SNR_LOSSES = ("rft_elbo", "rft_trajectory", "grpo_trajectory", "grpo_trajectory_std")
-SNR_BATCHES = 40  # independent 64-rollout batches; two halves of 20 for the cross terms
-
-
-def gradient_snr(start_model, task, name: str) -> dict:
-  """Each update's gradient at the start over SNR_BATCHES batches of the table's shape (8
-  fresh puzzles x G rollouts): the signal-to-noise ratio of one batch's gradient,
-  |E g|^2 / E|g - E g|^2 (|E g|^2 less the mean's own noise), the cosine between the
-  expected gradients of two updates (from independent halves, a1.b2 / sqrt(a1.a2 b1.b2), so
-  the batches' noise cancels), and the solve rate after a step of norm 0.03 along each mean."""
-  group, steps, mask_id = RL["num_generations"], TASKS[name]["steps"], task.mask_id
-  spec = sampling.make_spec(SAMPLER["family"], steps=steps,
-                            **{k: v for k, v in SAMPLER.items() if k != "family"})
-
-  def loss(kind, params, toks, write, ok, key):
-    if kind == "rft_elbo":
-      lp = logps_lib.elbo_logps_fn(start_model.denoiser, params, toks, 16, key,
-                                   mask_id=mask_id, num_samples=RL["elbo_samples"])[:, None]
-      return losses.rft_loss(lp, jnp.ones_like(lp), ok,
-                             length_B=jnp.full(ok.shape, toks.shape[1] - 16.0))[0]
-    lp = logps_lib.trajectory_logps_fn(start_model.denoiser, params, toks, write, 16,
-                                       mask_id=mask_id, num_steps=steps)
-    if kind == "rft_trajectory":
-      return losses.rft_loss(lp, jnp.ones_like(lp), ok)[0]
-    advantages = losses.group_advantages(ok, group, scale_by_std=kind.endswith("_std"))
-    return losses.grpo_loss(lp, None, None, advantages, jnp.ones_like(lp), epsilon=RL["epsilon"],
-                            beta=0.0)[0]
-
-  grad_fns = {kind: jax.jit(jax.grad(lambda *a, kind=kind: loss(kind, *a)))
-              for kind in SNR_LOSSES}
-  grads = {kind: [] for kind in SNR_LOSSES}
-  for i in range(SNR_BATCHES):
-    rows = np.asarray(task.sample_data(jax.random.fold_in(jax.random.key(EVAL_KEY + 4), i), 8))
-    canvas = np.repeat(rows, group, 0)
-    canvas[:, 16:] = mask_id
-    fixed = np.zeros(canvas.shape, bool)
-    fixed[:, :16] = True
-    res = sampling.sample(start_model.denoiser, start_model.params,
-                          jax.random.fold_in(jax.random.key(EVAL_KEY + 5), i), canvas, spec,
-                          fixed, mask_id=mask_id)
-    ok = jnp.asarray(sudoku4.checks(np.asarray(res.tokens_BxL), task.params)["solved"],
-                     jnp.float32)
-    for kind in SNR_LOSSES:
-      g = grad_fns[kind](start_model.params, res.tokens_BxL, res.write_step_BxL, ok,
-                         jax.random.fold_in(jax.random.key(EVAL_KEY + 6), i))
-      grads[kind].append(np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)]))
-  out, halves, leaves = {}, {}, jax.tree.leaves(start_model.params)
-  for kind in SNR_LOSSES:
-    g = np.stack(grads[kind])
-    mean, noise = g.mean(0), float(((g - g.mean(0)) ** 2).sum(1).sum() / (SNR_BATCHES - 1))
-    halves[kind] = g[:SNR_BATCHES // 2].mean(0), g[SNR_BATCHES // 2:].mean(0)
-    step = np.split(0.03 * mean / np.linalg.norm(mean),
-                    np.cumsum([x.size for x in leaves])[:-1])
-    moved = jax.tree.unflatten(jax.tree.structure(start_model.params),
-                               [x - d.reshape(x.shape).astype(x.dtype)
-                                for x, d in zip(leaves, step)])
-    out[kind] = {"signal_to_noise_per_batch": max(float((mean ** 2).sum()) - noise
-                                                  / SNR_BATCHES, 0.0) / noise,
-                 "solve_rate_after_step_0.03": rate(solved(start_model.denoiser, moved, name,
-                                                           steps))}
-  out["cos_of_expected_gradients"] = {}
-  for i, a in enumerate(SNR_LOSSES):
-    for b in SNR_LOSSES[i + 1:]:
-      (a1, a2), (b1, b2) = halves[a], halves[b]
-      out["cos_of_expected_gradients"][f"{a}|{b}"] = float(
-          (a1 @ b2 + a2 @ b1) / 2 / np.sqrt(max(a1 @ a2, 1e-30) * max(b1 @ b2, 1e-30)))
-  return out
-
-
 def run_task(name: str, workdir: str, log) -> tuple[dict, list, dict]:
   """(task summary, rows, curves) of one task."""
   spec_steps = (TASKS[name]["steps"], TASKS[name]["sequential_steps"])
@@ -356,11 +164,16 @@ def run_task(name: str, workdir: str, log) -> tuple[dict, list, dict]:
   train.train(pretrain_config(name), start, log=_quiet)
   base = mdjax.load(start, log=_quiet)
   _, _, task, _ = eval_canvas(name)
-  oracle = (sudoku4.make_exact_denoiser(task.params) if name == "sudoku4"
-            else lists.make_exact_denoiser(task.params))
-  before = {s: solved(base.denoiser, base.params, name, s) for s in spec_steps}
-  exact = {s: rate(solved(oracle, None, name, s)) for s in spec_steps}
+  oracle = task.exact_denoiser
+  start_checks = {s: outcomes(base.denoiser, base.params, name, s) for s in spec_steps}
+  oracle_checks = {s: outcomes(oracle, None, name, s) for s in spec_steps}
+  before = {s: start_checks[s][CHECKS[name]] for s in spec_steps}
+  exact = {s: rate(oracle_checks[s][CHECKS[name]]) for s in spec_steps}
   summary = {"start": {str(s): rate(before[s]) for s in spec_steps},
+             # Every check of the task, the reward's and the others (ScanAndAdd's reward
+             # does not look at the number of adds: add_count_valid does).
+             "start_checks": {str(s): fractions(start_checks[s]) for s in spec_steps},
+             "oracle_checks": {str(s): fractions(oracle_checks[s]) for s in spec_steps},
              # How much of a gain sharpening alone buys: the start sampled colder.
              "start_at_temperature": {
                  str(t): rate(solved(base.denoiser, base.params, name, spec_steps[0], t))
@@ -377,7 +190,8 @@ def run_task(name: str, workdir: str, log) -> tuple[dict, list, dict]:
     config = rl_config(name, row, start)
     train.train(config, folder, log=_quiet)
     tuned = mdjax.load(folder, log=_quiet)
-    after = {s: solved(tuned.denoiser, tuned.params, name, s) for s in spec_steps}
+    after_checks = {s: outcomes(tuned.denoiser, tuned.params, name, s) for s in spec_steps}
+    after = {s: after_checks[s][CHECKS[name]] for s in spec_steps}
     every = TASKS[name]["eval_every"]
     # The held-out solve rate at every eval_every-th step: is the row still rising at the end?
     eval_curve = ([[0, float(before[spec_steps[0]].mean())]]
@@ -411,6 +225,7 @@ def run_task(name: str, workdir: str, log) -> tuple[dict, list, dict]:
         "eval_curve": eval_curve,
         # The same, sampled colder: a gain beyond the start's own at this temperature is
         # more than sharpening.
+        "checks_after": {str(s): fractions(after_checks[s]) for s in spec_steps},
         "after_at_temperature": {
             str(t): rate(solved(tuned.denoiser, tuned.params, name, main, t))
             for t in COLD_TEMPERATURES},
@@ -427,18 +242,18 @@ def run_task(name: str, workdir: str, log) -> tuple[dict, list, dict]:
                                             "train_seconds")}))
   repeats = {}
   for row in (r for r in ROWS if r[0] in REPEAT_ROWS):
-    outcomes = [next(r for r in rows if r["name"] == row[0])["reward_after"]]
+    seed_rewards = [next(r for r in rows if r["name"] == row[0])["reward_after"]]
     seconds = []
     for seed in REPEAT_SEEDS:
       folder = os.path.join(workdir, name, f"{row[0]}_seed{seed}")
       train.train(rl_config(name, row, start, seed), folder, log=_quiet)
       tuned = mdjax.load(folder, log=_quiet)
-      outcomes.append(rate(solved(tuned.denoiser, tuned.params, name,
-                                  TASKS[name]["steps"]))["reward"])
+      seed_rewards.append(rate(solved(tuned.denoiser, tuned.params, name,
+                                      TASKS[name]["steps"]))["reward"])
       seconds.append(train.read_train_seconds(folder) or 0.0)
-    repeats[row[0]] = {"seeds": [SEED, *REPEAT_SEEDS], "reward_after": outcomes,
-                       "mean": float(np.mean(outcomes)),
-                       "std": float(np.std(outcomes, ddof=1)), "train_seconds": seconds}
+    repeats[row[0]] = {"seeds": [SEED, *REPEAT_SEEDS], "reward_after": seed_rewards,
+                       "mean": float(np.mean(seed_rewards)),
+                       "std": float(np.std(seed_rewards, ddof=1)), "train_seconds": seconds}
   summary["seed_repeats"] = repeats
   log(f"{name} seed repeats: {json.dumps(repeats)}")
   if name == "sudoku4":
@@ -447,7 +262,24 @@ def run_task(name: str, workdir: str, log) -> tuple[dict, list, dict]:
   return summary, rows, curves
 
 
+def keep_other_tasks(previous: dict, summaries: dict, rows: list, curves: dict
+                     ) -> tuple[dict, list, dict, dict]:
+  """(summaries, rows, curves, task settings) of a subset run joined with an earlier
+  results/rl.json (`previous`): the tasks run now replace theirs, every other task's figures
+  stay as they were (with the settings they were run under); tasks in TASKS order."""
+  order = sorted(set(previous["tasks"]) | set(summaries),
+                 key=lambda n: (list(TASKS).index(n) if n in TASKS else len(TASKS), n))
+  new = set(summaries)
+  return ({n: (summaries if n in new else previous["tasks"])[n] for n in order},
+          [r for n in order for r in (rows if n in new else previous["rows"]) if r["task"] == n],
+          {k: v for n in order for k, v in (curves if n in new else previous["curves"]).items()
+           if k.split("/")[0] == n},
+          {n: (TASKS if n in new else previous["config"]["tasks"])[n] for n in order})
+
+
 def run(workdir: str, out: str, names) -> dict:
+  """Runs the tasks `names` and writes OUT/rl.json and rl.png: every task's from scratch, or
+  (a subset, with OUT/rl.json present) those tasks' figures in place of theirs there."""
   start_time = time.time()
   log = lambda message: print(message, flush=True)  # noqa: E731
   summaries, rows, curves = {}, [], {}
@@ -455,10 +287,16 @@ def run(workdir: str, out: str, names) -> dict:
     summaries[name], task_rows, task_curves = run_task(name, workdir, log)
     rows += task_rows
     curves.update(task_curves)
+  settings = {name: TASKS[name] for name in names}
+  path = os.path.join(out, "rl.json")
+  if set(names) != set(TASKS) and os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      summaries, rows, curves, settings = keep_other_tasks(json.load(f), summaries, rows, curves)
+    log(f"{path}: {sorted(names)} replaced, the other tasks' figures kept")
   sudoku = summaries.get("sudoku4")
   results = {
       "config": {"seed": SEED, "eval_prompts": EVAL_PROMPTS, "sampler": SAMPLER,
-                 "pretrain": dict(PRETRAIN, model=MODEL), "tasks": TASKS, "rl": RL,
+                 "pretrain": dict(PRETRAIN, model=MODEL), "tasks": settings, "rl": RL,
                  "lr": {"default": LR_DEFAULT, **LR}, "rows": [r[0] for r in ROWS],
                  "seed_repeats": {"rows": REPEAT_ROWS, "seeds": REPEAT_SEEDS},
                  "reward": "each task's exact check (rewards.TASK_CHECKS)",
@@ -480,7 +318,7 @@ def run(workdir: str, out: str, names) -> dict:
       + sum(sum(rep["train_seconds"]) for s in summaries.values()
             for rep in s["seed_repeats"].values()),
       "seconds": time.time() - start_time}
-  report.write_json(os.path.join(out, "rl.json"), results)
+  report.write_json(path, results)
   try:
     plot(results, os.path.join(out, "rl.png"))
   except ImportError:
@@ -532,11 +370,20 @@ def plot(results: dict, path: str) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--workdir", default="/tmp/mdjax_rl")
-  parser.add_argument("--out", default="results")
-  parser.add_argument("--tasks", default=",".join(TASKS))
+  parser.add_argument("--workdir", default="/tmp/mdjax_rl",
+                      help="runs are trained here; finished ones are reused")
+  parser.add_argument("--out", default="results", help="where rl.json and rl.png go")
+  parser.add_argument("--tasks", default=",".join(TASKS),
+                      help=f"comma-separated, of {','.join(TASKS)} (default: all, OUT/rl.json "
+                           f"written from scratch); a subset replaces only those tasks' "
+                           f"summaries, rows and curves in an existing OUT/rl.json and keeps "
+                           f"the other tasks' as they are")
   args = parser.parse_args()
-  run(args.workdir, args.out, [t for t in args.tasks.split(",") if t])
+  names = [t for t in args.tasks.split(",") if t]
+  unknown = sorted(set(names) - set(TASKS))
+  if unknown or not names:
+    parser.error(f"--tasks={args.tasks!r}: unknown {unknown}; the tasks are {list(TASKS)}")
+  run(args.workdir, args.out, sorted(set(names), key=list(TASKS).index))
 
 
 if __name__ == "__main__":
