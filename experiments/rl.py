@@ -31,10 +31,10 @@ unpaired, sqrt(se_before^2 + se_after^2), and paired, the s.e. of the per-prompt
 too (`eval_curve`: is the row still rising?), and the start and each row at colder
 temperatures (how much of a gain sharpening alone buys); beside the reward's check, every
 check of the task is kept (`start_checks`, `oracle_checks`, `checks_after`: ScanAndAdd's
-reward does not look at the number of adds, `add_count_valid` does). Diagnostics (Sudoku): the start's
-per-cell against whole-puzzle errors, the reward variance within groups, the solve rate
-along the large-batch policy gradient at several step lengths (why the learning rate
-matters), and `gradient_snr`: each update's per-batch signal-to-noise and the angles between
+reward does not look at the number of adds, `add_count_valid` does). Diagnostics (Sudoku):
+the start's per-cell against whole-puzzle errors, the reward variance within groups, the
+solve rate along the large-batch policy gradient at several step lengths (why the learning
+rate matters), and `gradient_snr`: each update's per-batch signal-to-noise and the angles between
 their expected gradients. Both RFT rows and diffu-GRPO on the trajectory run again under two
 more seeds (`REPEAT_SEEDS`): the spread of runs, beside the evaluation's s.e.; every row
 also compares itself with both RFT rows, paired (`vs_rft`, `vs_rft_trajectory`).

@@ -22,12 +22,12 @@ EVAL_KEY = 20261206  # the evaluation prompts' key: no training step folds it
 # scored on the evaluation prompts (each row's `eval_curve`).
 # ScanAndAdd: n = 2 values (3 commands, 2 of them adds; the completion ANS, 3 answer digits,
 # OPS and the commands, 8 positions) because the start learns little of the sum at larger n
-# (pilots, 600-3000 NELBO steps at n = 3 and 4: 0.07-0.12 solved at 3 decoding steps and at
-# one position a step); at n = 2 it solves 0.21 at 3 steps, where the oracle solves 0.67
-# (0.26 at 2 steps, 0.87 at 4): far below the oracle, above zero, and a sampler under which
-# parallel decoding still costs the oracle a third. 240 RL steps: in pilots diffu-GRPO on
+# (pilots, 600-3000 NELBO steps at n = 3 and 4: 0.06-0.12 solved at 3 decoding steps,
+# 0.07-0.22 one position a step); at n = 2 it solves 0.21 at 3 steps, where the oracle
+# solves 0.67 (0.26 at 2 steps, 0.87 at 4): far below the oracle, above zero, and a sampler
+# under which parallel decoding still costs the oracle a third. 240 RL steps: in pilots diffu-GRPO on
 # the trajectory and RFT were still rising at 120 (0.558 and 0.539) and apart at 240 (0.760
-# and 0.628), each run about 2 minutes of training on the loaded 2-core CPU.
+# and 0.628); the task's 15 runs take about 9 minutes of training (docs/rl.md).
 TASKS = {
     "sudoku4": dict(task_kwargs=dict(given_probability=0.7), steps=4, sequential_steps=16,
                     rl_steps=480, eval_every=60),
