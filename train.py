@@ -183,8 +183,9 @@ def main(argv):
   except (ValueError, RuntimeError) as error:
     _fail(error, RUNTIME)
   from mdjax import rl, train  # rl: registers the objectives 'grpo' and 'wd1'
-  from mdjax.accelerators import cdlm, distill  # register 'cdlm', 'dparallel' and 'd3llm'
-  del rl, cdlm, distill
+  # register 'cdlm', 'dparallel', 'd3llm' and 'duo'
+  from mdjax.accelerators import cdlm, distill, duo
+  del rl, cdlm, distill, duo
   try:
     train.train(_CONFIG.value, _WORKDIR.value)
   except train.ConfigError as error:

@@ -61,6 +61,9 @@ OBJECTIVES = objectives.OBJECTIVES.keys()
 # The objectives that train a block-causal model (model.block_size): the block NELBO, and
 # CDLM's student (mdjax.accelerators.cdlm).
 BLOCK_OBJECTIVES = ("nelbo", "cdlm")
+# The objectives that train under uniform noise (`noise`): UDLM's NELBO, and DUO's
+# consistency distillation of a uniform-noise model (mdjax.accelerators.duo).
+UNIFORM_OBJECTIVES = ("nelbo", "duo")
 
 
 _ABSENT = object()
@@ -197,9 +200,9 @@ def _check_noise(config, refuse) -> None:
   if weighting == "dynamic" and name != "hybrid":
     refuse("gidd.weighting", weighting, f"must be 'elbo' or 'clip' with noise={name!r} "
            "('dynamic' weighs GIDD's hybrid process)")
-  if config.objective != "nelbo":
-    refuse("noise", name, f"needs objective='nelbo' (UDLM's / GIDD's NELBO), not "
-           f"{config.objective!r}")
+  if config.objective not in (UNIFORM_OBJECTIVES if name == "uniform" else ("nelbo",)):
+    refuse("noise", name, f"needs objective='nelbo' (UDLM's / GIDD's NELBO) or, for uniform "
+           f"noise, 'duo' (its distillation), not {config.objective!r}")
   block_size = _field(config, "model.block_size")
   if block_size not in (_ABSENT, None):
     refuse("model.block_size", block_size, f"must be None with noise={name!r} (the block NELBO "

@@ -46,6 +46,10 @@ class Objective:
   run(config, workdir, log, interrupts) -> final state: a loop of its own (RL: rollouts,
   rewards, inner updates), run by `loop.train` in place of the supervised loop, after the
   config checks and under the workdir's lock and signal handlers. None: the supervised loop.
+  teacher_copy: the train state keeps a copy of the student's trained parameters
+  (`TrainState.teacher_params`, a LoRA run's adapters), set to the student's at every step
+  that is a multiple of the loss's `teacher_every` attribute and passed to the loss as
+  `teacher_params=` (DUO's teacher: the student of the round before); checkpointed with it.
   """
 
   name: str
@@ -57,6 +61,7 @@ class Objective:
   workdir_folders: tuple[str, ...] = ()
   samples: bool = True
   run: Callable[..., Any] | None = None
+  teacher_copy: bool = False
 
 
 OBJECTIVES: dict[str, Objective] = {}

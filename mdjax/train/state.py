@@ -27,6 +27,10 @@ class TrainState:
   params: Any
   opt_state: Any
   ema_params: Any
+  # An objective's teacher kept in the state (`objectives.Objective.teacher_copy`, DUO): a
+  # copy of the student's trained parameters (a LoRA run's adapters), refreshed every
+  # `loss_fn.teacher_every` steps. None for every other objective.
+  teacher_params: Any = None
 
 
 # ----------------------------------------------------------------------------
@@ -120,17 +124,27 @@ def train_step(state: TrainState, x_BxL: Array, *, loss_fn, optimizer, ema_decay
   """value_and_grad of the loss (over `grad_accum_steps` micro-batches: see
   `accumulated_value_and_grad`; of a LoRA model's adapters only) -> optax -> metrics (with `learning_rate`, its value as
   `lr`). A loss with `takes_step` set (an attribute of the function) is called with
-  step=state.step (a traced scalar: a schedule over training). Pure."""
+  step=state.step (a traced scalar: a schedule over training); one with `teacher_every` with
+  teacher_params= the state's teacher, first set to the student's trained parameters at every
+  multiple of that many steps (`objectives.Objective.teacher_copy`). Pure."""
   noise_key = jax.random.fold_in(jax.random.key(seed), streams.RowStream.TRAIN_NOISE)
   key = jax.random.fold_in(noise_key, state.step)
+  teacher_every = getattr(loss_fn, "teacher_every", None)
   if getattr(loss_fn, "takes_step", False):  # a loss that changes over training (annealing)
     loss_fn = functools.partial(loss_fn, step=state.step)
-  trained, grad_loss_fn = state.params, loss_fn
-  if lora.is_adapted(state.params):
+  adapted = lora.is_adapted(state.params)
+  trained = state.params["lora"] if adapted else state.params
+  teacher = state.teacher_params
+  if teacher_every:  # DUO: the student's copy, every so many steps
+    teacher = jax.lax.cond(state.step % teacher_every == 0, lambda: trained,
+                           lambda: state.teacher_params)
+    whole = {"base": state.params["base"], "lora": teacher} if adapted else teacher
+    loss_fn = functools.partial(loss_fn, teacher_params=jax.lax.stop_gradient(whole))
+  grad_loss_fn = loss_fn
+  if adapted:
     # LoRA: differentiate the adapters only; the frozen base's gradient (zeros) is never
     # formed, nor carried through gradient accumulation's loop.
     base = state.params["base"]
-    trained = state.params["lora"]
     grad_loss_fn = lambda adapters, *args: loss_fn({"base": base, "lora": adapters}, *args)
   if grad_accum_steps == 1:
     (loss, aux), grads = jax.value_and_grad(grad_loss_fn, has_aux=True)(trained, key, x_BxL)
@@ -150,7 +164,7 @@ def train_step(state: TrainState, x_BxL: Array, *, loss_fn, optimizer, ema_decay
   if learning_rate is not None:  # the rate of this update: optax counts updates from 0
     metrics["lr"] = learning_rate(state.step)
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                    ema_params=ema), metrics
+                    ema_params=ema, teacher_params=teacher), metrics
 
 
 def init_state(config, mesh: Mesh, task: tasks.Task):
@@ -175,11 +189,15 @@ def init_state(config, mesh: Mesh, task: tasks.Task):
     params = {"base": params, "lora": adapters}
     apply_fn = lora.adapt(apply_fn, lora_config)
   optimizer = make_optimizer(config.train)
+  objective = objectives.OBJECTIVES.get(config.get("objective"))
+  teacher = None
+  if objective is not None and objective.teacher_copy:  # replaced at step 0 by the student's
+    teacher = jax.tree.map(jnp.copy, params["lora"] if lora_config is not None else params)
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
                      opt_state=optimizer.init(params),
                      # A copy: the train step donates the state, each buffer once.
                      ema_params=(jax.tree.map(jnp.copy, params) if config.train.ema_decay > 0
-                                 else None))
+                                 else None), teacher_params=teacher)
   shardings = state_sharding(mesh, state, config.train.fsdp)
   return jax.device_put(state, shardings), graphdef, apply_fn, shardings
 
