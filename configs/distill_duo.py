@@ -37,7 +37,7 @@ def get_config():
   c.sampler.update(family="uniform_ancestral", steps=8)
   c.distill = ml_collections.ConfigDict(dict(
       teacher=config_dict.placeholder(str), teacher_steps=64, update_teacher_every=100,
-      loss="kl-bwd", gamma_min=config_dict.placeholder(float),
+      loss="kl-bwd", match="posterior", gamma_min=config_dict.placeholder(float),
       gamma_max=config_dict.placeholder(float)))
   c.model = ml_collections.ConfigDict({
       name: config_dict.placeholder(type(value) if value is not None else int)

@@ -18,18 +18,20 @@ each round's student, the next round's teacher, takes steps twice as long). Each
   x_t = argmax w_t, x_s = argmax w_s: the duality maps them to uniform-noise latents whose
   keep probability is alpha_u = (V P(argmax w_u = x0) - 1) / (V - 1) (the paper's eq. 10,
   `usdm_alpha`);
-  loss = the mean over positions of KL(q_student(.|x_t, t) || q_teacher(.|x_s, s)) ('kl-bwd',
-  the reference's default; 'kl-fwd' swaps the two), the teacher's side stop-gradient.
+  loss = the mean over positions of KL(student(x_t, t) || teacher(x_s, s)) ('kl-bwd', the
+  reference's default; 'kl-fwd' swaps the two), the teacher's side stop-gradient.
 
 Where mdjax differs, and why:
-- Parameterization. The reference's network outputs x_theta, the weights it plugs into the
-  bridge q(x_s | x_t, x0 = x_theta); mdjax's denoiser outputs the posterior p(x0_i | x_t)
-  (`mdjax.noise.process`). The two are one map apart: x_theta is the posterior with position
-  i's own evidence q_t(x_t,i | v) divided out (`NoiseProcess.plugin_from_posterior`; at the
-  optimum of UDLM's NELBO the reference's x_theta is exactly that). The KL is taken between
-  those plug-in weights, the student's at (x_t, t) and the teacher's at (x_s, s), so it is
-  the reference's quantity and the student's reverse step under mdjax's sampler
-  (`uniform_ancestral`: the bridge of the plug-in weights) is the reference's sampler's.
+- What the KL compares (distill.match). The reference's network outputs x_theta, the
+  weights it plugs into the bridge q(x_s | x_t, x0 = x_theta), and its KL compares those.
+  mdjax's denoiser outputs the posterior p(x0_i | x_t) (`mdjax.noise.process`); x_theta is
+  the posterior with position i's own evidence q_t(x_t,i | v) divided out
+  (`NoiseProcess.plugin_from_posterior`, match='plugin'). Near t = 0 that division is
+  ill-conditioned (q_t(x_t,i | v) is about (1 - alpha) / V for v other than x_t,i: the
+  posterior's tail divided by ~1e-5), and a student distilled on those weights was measured
+  to sample noise (docs/accelerators.md, "DUO"). The default, match='posterior', compares the
+  two denoisers' outputs as they are: the teacher's posterior at (x_s, s) nears x0 as s nears
+  0, the anchor of the consistency chain.
 - Times. The reference conditions its network on sigma = -log alpha; mdjax's on its
   schedule's time, here t(alpha) of the run's schedule (inverted by bisection), clipped to
   [1e-5, 1] as the NELBO's times are.
@@ -40,7 +42,8 @@ Where mdjax differs, and why:
   the run's vocabulary (for V = 50,257 the reference's own); distill.gamma_min / gamma_max
   set them.
 - The integral of eq. 10 is a trapezoid sum over the Gaussian (4,001 points in [-10, 10],
-  float32, computed where it is used), not the reference's cached table read at the nearest of its points.
+  float32, computed where it is used), not the reference's cached table read at its nearest
+  point.
 - The teacher is the student's copy at steps 0, K, 2K, ... (the reference's
   `_maybe_update_teacher_weights` with teacher_ema False, its script's setting).
 
@@ -49,6 +52,8 @@ config.distill (configs/distill_duo.py):
   teacher_steps         T: round 0's step is 1/T (the reference's algo.T; its script: 512)
   update_teacher_every  steps a round (the reference's 10,000)
   loss                  'kl-bwd' (KL(student || teacher), the reference's default) or 'kl-fwd'
+  match                 what the KL compares: 'posterior' (the denoisers' outputs) or
+                        'plugin' (the reference's x_theta, the plug-in weights)
   gamma_min, gamma_max  the Gaussian log-SNR range (None: module docstring)
 """
 
@@ -69,14 +74,15 @@ from mdjax.train.config_checks import ConfigError
 
 NAME = "duo"
 LOSSES = ("kl-bwd", "kl-fwd")
+MATCHES = ("posterior", "plugin")
 # configs/algo/distillation.yaml and scripts/distil_owt.sh of the reference.
 TEACHER_STEPS, UPDATE_TEACHER_EVERY = 512, 10_000
 REFERENCE_GAMMA, REFERENCE_VOCAB = (-4.0, -1.0), 50_257  # its range, for GPT-2's tokens
 T_EPS = 1e-3  # the reference's training.sampling_eps: t ~ U(eps, 1)
 MIN_TIME = 1e-5  # mdjax's NELBO draws t >= 1e-5: the student's and teacher's times alike
 DEFAULTS = dict(teacher=None, teacher_steps=TEACHER_STEPS,
-                update_teacher_every=UPDATE_TEACHER_EVERY, loss="kl-bwd", gamma_min=None,
-                gamma_max=None)
+                update_teacher_every=UPDATE_TEACHER_EVERY, loss="kl-bwd", match="posterior",
+                gamma_min=None, gamma_max=None)
 QUADRATURE_POINTS, QUADRATURE_HALF_WIDTH = 4001, 10.0
 
 
@@ -182,10 +188,18 @@ def kl_terms(log_student_BxLxV, log_teacher_BxLxV, loss: str = "kl-bwd"):
   return jnp.sum(jnp.where(p > 0, p * (log_p - log_q), 0.0), -1)
 
 
+def matched(process, logits_BxLxV, z_BxL, t_B, match: str):
+  """The log-distribution the KL compares: the denoiser's posterior ('posterior') or its
+  plug-in weights ('plugin', the reference's x_theta; `log_plugin`)."""
+  if match == "plugin":
+    return log_plugin(process, logits_BxLxV, z_BxL, t_B)
+  return jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), -1)
+
+
 def duo_loss(apply_fn, params, teacher_params, key, x0_BxL, *, process, dt, gamma_min: float,
-             gamma_max: float, loss: str = "kl-bwd"):
+             gamma_max: float, loss: str = "kl-bwd", match: str = "posterior"):
   """DUO's consistency loss of a batch (module docstring): (loss, aux), the loss the mean
-  KL per position in nats."""
+  KL per position in nats between the student's and the teacher's `matched` outputs."""
   batch = x0_BxL.shape[0]
   vocab = process.vocab_size
   time_key, noise_key = jax.random.split(key)
@@ -197,9 +211,9 @@ def duo_loss(apply_fn, params, teacher_params, key, x0_BxL, *, process, dt, gamm
   alpha_t_B, alpha_s_B = usdm_alpha(gamma_t_B, vocab), usdm_alpha(gamma_s_B, vocab)
   time_t_B = time_for_alpha(process.schedule, alpha_t_B)
   time_s_B = time_for_alpha(process.schedule, alpha_s_B)
-  log_student = log_plugin(process, apply_fn(params, x_t, time_t_B), x_t, time_t_B)
+  log_student = matched(process, apply_fn(params, x_t, time_t_B), x_t, time_t_B, match)
   teacher_logits = jax.lax.stop_gradient(apply_fn(teacher_params, x_s, time_s_B))
-  log_teacher = log_plugin(process, teacher_logits, x_s, time_s_B)
+  log_teacher = matched(process, teacher_logits, x_s, time_s_B, match)
   kl = kl_terms(log_student, log_teacher, loss).mean()
   return kl, {"kl": kl, "dt": jnp.asarray(dt, jnp.float32), "alpha_t": alpha_t_B.mean(),
               "noisy_fraction": (x_t != x0_BxL).mean(),
@@ -229,6 +243,8 @@ def options(config) -> dict:
       distill.refuse(opts, name, "must be an integer >= 1")
   if opts["loss"] not in LOSSES:
     distill.refuse(opts, "loss", f"must be one of {LOSSES}")
+  if opts["match"] not in MATCHES:
+    distill.refuse(opts, "match", f"must be one of {MATCHES}")
   for name in ("gamma_min", "gamma_max"):
     if opts[name] is not None and not distill.is_number(opts[name]):
       distill.refuse(opts, name, "must be None or a finite number")
@@ -293,7 +309,8 @@ def _loss_fn(config, apply_fn, task):
     dt = jnp.exp2(jnp.asarray(n, jnp.float32)) / steps
     teacher = params if teacher_params is None else teacher_params
     return duo_loss(apply_fn, params, teacher, key, x_BxL, process=process, dt=dt,
-                    gamma_min=gamma_min, gamma_max=gamma_max, loss=opts["loss"])
+                    gamma_min=gamma_min, gamma_max=gamma_max, loss=opts["loss"],
+                    match=opts["match"])
 
   loss.takes_step = True  # the train step passes step=state.step (the round)
   loss.teacher_every = every  # and teacher_params=, the student's copy at the round's start

@@ -4,16 +4,18 @@ generative perplexity and entropy against sampling steps.
   python -m mdjax.bench.duo [--workdir=/tmp/duo_bench --out=results/duo.json --samples=128]
 
 Trains (or reuses) in WORKDIR: `teacher`, configs/shakespeare_uniform.py at a small size
-(SMALL_MODEL, TEACHER_STEPS steps: UDLM's NELBO under uniform noise); `student`, configs/
-distill_duo.py on it (DUO's consistency distillation: ROUNDS rounds of ROUND_STEPS steps,
-T = TEACHER_T); `judge`, configs/shakespeare_causal.py at the same size (JUDGE_STEPS
-steps), the causal model that scores the samples. Then for K in SAMPLE_STEPS both models
+(SMALL_MODEL, TEACHER_STEPS steps: UDLM's NELBO under uniform noise); three
+students (STUDENTS), configs/distill_duo.py on it (DUO's consistency distillation: ROUNDS
+rounds of ROUND_STEPS steps, T = TEACHER_T): the KL of the posteriors, the objective's
+default; of the plug-in weights, the reference's x_theta; and of the plug-in weights from
+alpha 0.95 on; `judge`, configs/shakespeare_causal.py at the same size (JUDGE_STEPS
+steps), the causal model that scores the samples. Then for K in SAMPLE_STEPS the four models
 draw `samples` prompt-less 64-character samples with the exact reverse kernel
 (uniform_ancestral, K steps; row i from fold_in(key(SEED), i)), scored as
 `mdjax.bench.noise_text` scores them: gen-ppl per character with its standard error over
 the samples, and each sample's unigram entropy (nats). Also the validation NELBO (bits/char)
-of both under uniform noise (distillation trades likelihood for few-step samples), the
-held-out text's own row, and per K the student's gen-ppl minus the teacher's with its
+of each under uniform noise (distillation trades likelihood for few-step samples), the
+held-out text's own row, and per student and K its gen-ppl minus the teacher's with its
 standard error (the two sets of samples independent). Written to `out` (JSON), seeds fixed.
 """
 
@@ -26,10 +28,8 @@ import time
 
 import mdjax
 from mdjax import evaluate, report, train
-from mdjax.accelerators import duo as duo_objective
+from mdjax.accelerators import duo as duo_objective  # registers the objective 'duo'
 from mdjax.bench import noise_text, timing
-
-del duo_objective  # imported to register the objective 'duo'
 
 SEED = 0
 SMALL_MODEL = dict(d_model=96, num_layers=3, num_heads=4, d_ff=384)
@@ -38,6 +38,14 @@ ROUNDS, ROUND_STEPS, TEACHER_T = 5, 80, 64
 SAMPLE_STEPS = (4, 8, 16, 32)
 NUM_SAMPLES = 128
 SAMPLER = (("uniform_ancestral", "uniform_ancestral", {}),)
+# The students: {name: (distill.match, the keep probability at gamma_min or None)}.
+# 'student' the objective's defaults; 'student_plugin' the KL of the reference's x_theta, the
+# plug-in weights, over the default range; 'student_plugin95' the same with the range cut
+# at alpha 0.95 (t = 0.05), where the teacher's plug-in weights are still sane
+# (docs/accelerators.md, "DUO").
+STUDENTS = {"student": ("posterior", None), "student_plugin": ("plugin", None),
+            "student_plugin95": ("plugin", 0.95)}
+MODELS = ("teacher",) + tuple(STUDENTS)
 
 
 def _short(config, steps: int):
@@ -61,13 +69,16 @@ def judge_config(steps: int = JUDGE_STEPS):
   return _short(shakespeare_causal.get_config(), steps)
 
 
-def student_config(teacher: str, rounds: int = ROUNDS, round_steps: int = ROUND_STEPS):
-  """configs/distill_duo.py on `teacher`: `rounds` rounds of `round_steps` steps."""
+def student_config(teacher: str, rounds: int = ROUNDS, round_steps: int = ROUND_STEPS,
+                   match: str = "posterior", gamma_min: float | None = None):
+  """configs/distill_duo.py on `teacher`: `rounds` rounds of `round_steps` steps, the KL
+  between the two models' `match` ('posterior', the default, or 'plugin'), from
+  `gamma_min` (None: the objective's default)."""
   from configs import distill_duo  # repo root
   config = distill_duo.get_config()
   config.seed = SEED
   config.distill.update(teacher=teacher, teacher_steps=TEACHER_T,
-                        update_teacher_every=round_steps)
+                        update_teacher_every=round_steps, match=match, gamma_min=gamma_min)
   config.train.num_steps = rounds * round_steps
   config.checkpoint.every = config.train.num_steps
   return config
@@ -79,9 +90,9 @@ def differences(rows: list[dict]) -> list[dict]:
   standard errors (z)."""
   by = {(r["process"], r["steps"]): r for r in rows}
   out = []
-  for k in sorted({r["steps"] for r in rows}):
-    s, t = by[("student", k)], by[("teacher", k)]
-    row = {"steps": k}
+  for name, k in sorted({(r["process"], r["steps"]) for r in rows if r["process"] in STUDENTS}):
+    s, t = by[(name, k)], by[("teacher", k)]
+    row = {"student": name, "steps": k}
     for key in ("gen_ppl", "entropy"):
       diff, se = s[key] - t[key], math.hypot(s[key + "_se"], t[key + "_se"])
       row.update({f"{key}_diff": diff, f"{key}_diff_se": se, f"{key}_z": diff / se})
@@ -92,12 +103,17 @@ def differences(rows: list[dict]) -> list[dict]:
 def run(workdir: str, num_samples: int = NUM_SAMPLES, teacher_steps: int = TEACHER_STEPS,
         judge_steps: int = JUDGE_STEPS, rounds: int = ROUNDS,
         round_steps: int = ROUND_STEPS, sample_steps=SAMPLE_STEPS, log=print) -> dict:
-  paths = {name: os.path.join(workdir, name) for name in ("teacher", "student", "judge")}
-  configs = {"teacher": teacher_config(teacher_steps), "judge": judge_config(judge_steps),
-             "student": student_config(paths["teacher"], rounds, round_steps)}
-  for name in ("teacher", "student", "judge"):  # the student needs the teacher
+  paths = {name: os.path.join(workdir, name) for name in MODELS + ("judge",)}
+  configs = {"teacher": teacher_config(teacher_steps), "judge": judge_config(judge_steps)}
+  train.ensure_trained(configs["teacher"], paths["teacher"])  # the students need it
+  vocab = mdjax.load(paths["teacher"]).vocab_size
+  gammas = {}
+  for name, (match, alpha) in STUDENTS.items():
+    gammas[name] = None if alpha is None else duo_objective.gamma_for_alpha(alpha, vocab)
+    configs[name] = student_config(paths["teacher"], rounds, round_steps, match, gammas[name])
+  for name in MODELS[1:] + ("judge",):
     train.ensure_trained(configs[name], paths[name])
-  models = {name: mdjax.load(paths[name]) for name in ("teacher", "student")}
+  models = {name: mdjax.load(paths[name]) for name in MODELS}
   task = models["teacher"].task
   windows = task.validation_windows(noise_text.WINDOWS)
   nelbo = {}
@@ -118,7 +134,7 @@ def run(workdir: str, num_samples: int = NUM_SAMPLES, teacher_steps: int = TEACH
                                  samplers={name: SAMPLER for name in models}, log=log)
   diffs = differences(rows)
   for d in diffs:
-    log(f"K={d['steps']:>3}: student - teacher gen-ppl {d['gen_ppl_diff']:+.2f} ± "
+    log(f"{d['student']} K={d['steps']:>3}: minus teacher gen-ppl {d['gen_ppl_diff']:+.2f} ± "
         f"{d['gen_ppl_diff_se']:.2f} ({d['gen_ppl_z']:+.1f} s.e.), entropy "
         f"{d['entropy_diff']:+.3f} ± {d['entropy_diff_se']:.3f}")
   return {
@@ -126,16 +142,18 @@ def run(workdir: str, num_samples: int = NUM_SAMPLES, teacher_steps: int = TEACH
       "teacher": {"config": "configs/shakespeare_uniform.py", "steps": teacher_steps,
                   "train_seconds": train.read_train_seconds(paths["teacher"]),
                   **nelbo["teacher"]},
-      "student": {"config": "configs/distill_duo.py", "rounds": rounds,
-                  "round_steps": round_steps, "teacher_steps_T": TEACHER_T,
-                  "steps": rounds * round_steps,
-                  "train_seconds": train.read_train_seconds(paths["student"]),
-                  **nelbo["student"]},
+      "students": {name: {"config": "configs/distill_duo.py", "match": match,
+                          "alpha_at_gamma_min": alpha, "gamma_min": gammas[name],
+                          "rounds": rounds, "round_steps": round_steps,
+                          "teacher_steps_T": TEACHER_T, "steps": rounds * round_steps,
+                          "train_seconds": train.read_train_seconds(paths[name]),
+                          **nelbo[name]} for name, (match, alpha) in STUDENTS.items()},
       "judge": judge_row, "gen_ppl": [reference] + rows, "differences": diffs,
       "units": "gen_ppl: per character under the judge; entropy: nats, each sample's "
                "unigram entropy over its characters, averaged; _se: standard errors over "
-               "the samples (judge fixed); process: 'teacher' or 'student' (the model); "
-               "differences: student minus teacher, se sqrt(se_s^2 + se_t^2)"}
+               "the samples (judge fixed); process: the model ('teacher' or a student of "
+               "`students`); differences: a student minus the teacher at the same steps, "
+               "se sqrt(se_s^2 + se_t^2), z the difference in standard errors"}
 
 
 def main(argv=None) -> None:

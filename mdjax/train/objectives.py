@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 from typing import Any, Callable
 
 import ml_collections
@@ -71,6 +72,21 @@ def register(objective: Objective) -> Objective:
   """Makes an objective known to the config checks, the train state and the loop."""
   OBJECTIVES[objective.name] = objective
   return objective
+
+
+# Objectives that modules outside mdjax.train register (train.py imports them), by the module
+# that does: `ensure` imports it, so a saved run of one loads anywhere (`mdjax.load`) with
+# the train state it was saved with (DUO's holds its teacher).
+REGISTERED_BY = {"dparallel": "mdjax.accelerators.distill",
+                 "d3llm": "mdjax.accelerators.distill", "cdlm": "mdjax.accelerators.cdlm",
+                 "duo": "mdjax.accelerators.duo"}
+
+
+def ensure(name) -> None:
+  """Registers the objective `name` by importing its module (`REGISTERED_BY`) if it is not
+  known yet; anything else is left to the checks."""
+  if name not in OBJECTIVES and name in REGISTERED_BY:
+    importlib.import_module(REGISTERED_BY[name])
 
 
 def get(name: str) -> Objective:

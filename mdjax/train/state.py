@@ -189,6 +189,7 @@ def init_state(config, mesh: Mesh, task: tasks.Task):
     params = {"base": params, "lora": adapters}
     apply_fn = lora.adapt(apply_fn, lora_config)
   optimizer = make_optimizer(config.train)
+  objectives.ensure(config.get("objective"))  # a saved run's, loaded by mdjax.load
   objective = objectives.OBJECTIVES.get(config.get("objective"))
   teacher = None
   if objective is not None and objective.teacher_copy:  # replaced at step 0 by the student's

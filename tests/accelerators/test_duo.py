@@ -15,8 +15,10 @@ import pytest
 
 from configs import distill_duo
 from experiments.tiny_text import tiny_config, write_corpus
+import mdjax
 from mdjax import diffusion, noise, tasks, train
 from mdjax.accelerators import duo
+from mdjax.train import objectives
 from mdjax.train.config_checks import ConfigError
 
 
@@ -102,37 +104,50 @@ def test_the_plugin_weights_and_both_kls_by_hand():
 
 
 @functools.cache
-def _compiled(stub, loss):
+def _compiled(stub, loss, match):
   process = noise.Uniform(vocab_size=4)
   return jax.jit(lambda key, x0, dt: duo.duo_loss(stub, None, None, key, x0, process=process,
                                                   dt=dt, gamma_min=-3.0, gamma_max=2.0,
-                                                  loss=loss))
+                                                  loss=loss, match=match))
 
 
-def _loss(stub, dt=0.25, loss="kl-bwd"):
+def _loss(stub, dt=0.25, loss="kl-bwd", match="plugin"):
   x0 = jnp.asarray(np.random.default_rng(1).integers(0, 4, (8, 6)), jnp.int32)
-  return _compiled(stub, loss)(jax.random.key(3), x0, jnp.float32(dt))
+  return _compiled(stub, loss, match)(jax.random.key(3), x0, jnp.float32(dt))
 
 
-def test_the_loss_is_zero_where_the_plugin_weights_agree_along_the_trajectory():
-  # A denoiser whose posterior is fixed weights times the position's own evidence has the
-  # same plug-in weights at every (x, t): student and teacher agree, the KL is 0. One whose
-  # weights depend on t disagrees between t and s.
-  process = noise.Uniform(vocab_size=4)
-  weights_V = jnp.array([0.3, -1.0, 0.8, 0.1])
+PROCESS = noise.Uniform(vocab_size=4)
+WEIGHTS_V = jnp.array([0.3, -1.0, 0.8, 0.1])
 
-  def consistent(params, z_BxL, t_B):
-    return weights_V + jnp.log(process.likelihood(z_BxL, t_B))
 
-  def drifting(params, z_BxL, t_B):
-    return consistent(params, z_BxL, t_B) + 3.0 * t_B[:, None, None] * weights_V
+def _same_plugin(params, z_BxL, t_B):
+  """Posterior: fixed weights times the position's own evidence: the same plug-in weights
+  at every (x, t)."""
+  return WEIGHTS_V + jnp.log(PROCESS.likelihood(z_BxL, t_B))
 
+
+def _drifting_plugin(params, z_BxL, t_B):
+  return _same_plugin(params, z_BxL, t_B) + 3.0 * t_B[:, None, None] * WEIGHTS_V
+
+
+def _same_posterior(params, z_BxL, t_B):
+  return jnp.broadcast_to(WEIGHTS_V, z_BxL.shape + (4,))
+
+
+@pytest.mark.parametrize("match, consistent, inconsistent", [
+    ("plugin", _same_plugin, _drifting_plugin), ("posterior", _same_posterior, _same_plugin)])
+def test_the_loss_is_zero_where_the_matched_outputs_agree_along_the_trajectory(
+    match, consistent, inconsistent):
+  # Student and teacher agree wherever the compared output does not depend on (x, t): the
+  # KL is 0. The plug-in weights of a posterior that holds the position's own evidence
+  # differ where x_t and x_s or t and s differ, and the posterior of one with drifting plug-in
+  # weights too; with dt = 0 the two sides are one latent at one time.
   for loss in duo.LOSSES:
-    value, aux = _loss(consistent, loss=loss)
+    value, aux = _loss(consistent, loss=loss, match=match)
     assert abs(float(value)) < 1e-5
-    assert float(_loss(drifting, loss=loss)[0]) > 1e-3
+  assert float(_loss(inconsistent, match=match)[0]) > 1e-3
   assert 0 < float(aux["moved_fraction"]) < 1  # x_t and x_s differ at some positions
-  assert float(_loss(drifting, dt=0.0)[0]) < 1e-5  # dt = 0: the same latent and time
+  assert float(_loss(inconsistent, dt=0.0, match=match)[0]) < 1e-5
 
 
 # ----------------------------------------------------------------------------
@@ -179,6 +194,7 @@ def _student(teacher_path, text_path="/nowhere.txt", **changes):
 @pytest.mark.parametrize("changes, field", [
     ({"distill.teacher": None}, "distill.teacher"),
     ({"distill.loss": "kl"}, "distill.loss"),
+    ({"distill.match": "x0"}, "distill.match"),
     ({"distill.update_teacher_every": 0}, "distill.update_teacher_every"),
     ({"distill.gamma_min": 1.0, "distill.gamma_max": 0.5}, "distill.gamma_min"),
     ({"distill.gamma_max": float("nan")}, "distill.gamma_max"),
@@ -192,6 +208,16 @@ def test_bad_duo_configs_are_refused_by_field(changes, field):
   config.update_from_flattened_dict(changes)
   with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
     duo.resolve_config(config)
+
+
+def test_each_objective_registered_elsewhere_is_registered_by_its_module():
+  # mdjax.load of a saved run imports the module that registers its objective
+  # (`objectives.ensure`): DUO's train state holds its teacher, which the objective decides.
+  for name, module in objectives.REGISTERED_BY.items():
+    objectives.ensure(name)
+    assert name in objectives.OBJECTIVES, (name, module)
+  assert objectives.get("duo").teacher_copy
+  assert not any(objectives.get(name).teacher_copy for name in ("nelbo", "cdlm", "d3llm"))
 
 
 def test_an_unknown_knob_is_refused():
@@ -246,6 +272,7 @@ def test_a_short_run_lowers_the_loss_resumes_bit_for_bit_and_trains_lora(corpus,
   shutil.rmtree(workdir / "checkpoints" / "12")
   resumed = jax.device_get(train.train(config, str(workdir), log=_quiet))
   jax.tree.map(np.testing.assert_array_equal, resumed, whole)
+  assert mdjax.load(str(workdir)).step == 12  # its state (with the teacher) read back
   resolved = duo.resolve_config(config)
   task = tasks.from_config(resolved)
   first, _, apply_fn, _ = train.init_state(resolved, train.make_mesh(), task)
