@@ -48,7 +48,6 @@ import numpy as np
 
 from mdjax import loader, models, sampling
 from mdjax.accelerators import d3llm, dparallel
-from mdjax.tasks import sft as sft_data
 from mdjax.train import objectives, sft, start_point
 from mdjax.train.config_checks import ConfigError
 
@@ -79,17 +78,23 @@ def refuse(opts: dict, name: str, allowed: str):
   raise ConfigError(f"config field distill.{name}={opts[name]!r} {allowed}.")
 
 
-def given_knobs(config, objective: str, defaults: dict) -> dict:
-  """config.distill's knobs over the objective's `defaults`, the ones every distillation
-  objective has checked (teacher, prompt_length, num_prompts); a ConfigError naming a field
-  that is unknown to the objective or out of range."""
+def known_knobs(config, objective: str, defaults: dict) -> dict:
+  """config.distill's knobs over the objective's `defaults` (a knob left None keeps its
+  default; `teacher` is taken as given); a ConfigError naming a field unknown to it."""
   given = config.get("distill", ml_collections.ConfigDict())
   given = given.to_dict() if hasattr(given, "to_dict") else dict(given or {})
   unknown = sorted(set(given) - set(defaults))
   if unknown:
     raise ConfigError(f"config field distill.{unknown[0]}: unknown to objective {objective!r} "
                       f"(its knobs: {', '.join(defaults)}).")
-  opts = {**defaults, **{k: v for k, v in given.items() if v is not None or k == "teacher"}}
+  return {**defaults, **{k: v for k, v in given.items() if v is not None or k == "teacher"}}
+
+
+def given_knobs(config, objective: str, defaults: dict) -> dict:
+  """`known_knobs`, the ones every distillation objective has checked (teacher,
+  prompt_length, num_prompts); a ConfigError naming a field that is unknown to the objective
+  or out of range."""
+  opts = known_knobs(config, objective, defaults)
   if not isinstance(opts["teacher"], str) or not opts["teacher"]:
     refuse(opts, "teacher", "must name the teacher: a train.py workdir or a task's exact "
            "oracle (sudoku4, oracle:permutation)")
@@ -153,13 +158,8 @@ def resolve_student(config, who: str, free=sft.COMPUTE_FIELDS, check_start=None)
   resolved = ml_collections.ConfigDict(config.to_dict())
   fields, defaults = {}, {}
   if init_from:
-    try:
-      kind, where = sft_data.split_start(init_from)
-    except ValueError as error:
-      raise ConfigError(f"config field train.init_from: {error}") from None
-    if kind != "workdir":
-      raise ConfigError(f"config field train.init_from: {who} starts from a train.py workdir "
-                        "(or fresh)")
+    where = start_point.workdir_of(init_from, "train.init_from",
+                                   f"{who} starts from a train.py workdir (or fresh)")
     fields = dict(start_point.workdir_start(config, where).get("model") or {})
     if check_start is not None:
       check_start(init_from, fields)

@@ -228,13 +228,7 @@ def duo_loss(apply_fn, params, teacher_params, key, x0_BxL, *, process, dt, gamm
 def options(config) -> dict:
   """config.distill's knobs with the defaults; a ConfigError naming a field that is unknown
   or out of range."""
-  given = config.get("distill", ml_collections.ConfigDict())
-  given = given.to_dict() if hasattr(given, "to_dict") else dict(given or {})
-  unknown = sorted(set(given) - set(DEFAULTS))
-  if unknown:
-    raise ConfigError(f"config field distill.{unknown[0]}: unknown to objective {NAME!r} "
-                      f"(its knobs: {', '.join(DEFAULTS)}).")
-  opts = {**DEFAULTS, **{k: v for k, v in given.items() if v is not None}}
+  opts = distill.known_knobs(config, NAME, DEFAULTS)
   if not isinstance(opts["teacher"], str) or not opts["teacher"]:
     distill.refuse(opts, "teacher", "must name the teacher: a train.py workdir trained with "
                    "noise='uniform'")
@@ -269,13 +263,9 @@ def resolve_config(config):
     return config
   opts = options(config)
   teacher = opts["teacher"]
-  try:
-    kind, where = sft_data.split_start(teacher)
-  except ValueError as error:
-    raise ConfigError(f"config field distill.teacher={teacher!r}: {error}") from None
-  if kind != "workdir":
-    raise ConfigError(f"config field distill.teacher={teacher!r}: DUO's teacher is a train.py "
-                      "workdir trained with noise='uniform'.")
+  where = start_point.workdir_of(teacher, f"distill.teacher={teacher!r}",
+                                 "DUO's teacher is a train.py workdir trained with "
+                                 "noise='uniform'.")
   init_from = config.get("train", {}).get("init_from")
   if init_from and sft_data.resolve_start(init_from) != sft_data.resolve_start(where):
     raise ConfigError(f"config field train.init_from={init_from!r}: DUO's student starts as "

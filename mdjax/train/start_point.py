@@ -4,8 +4,21 @@ resolve their own start (distillation, CDLM, RL)."""
 
 from __future__ import annotations
 
+from mdjax.tasks import sft as sft_data
 from mdjax.train import state_io
 from mdjax.train.config_checks import ConfigError
+
+
+def workdir_of(start: str, field: str, only: str) -> str:
+  """The workdir a start path (`train.init_from`, a teacher) names; a ConfigError naming
+  `field` when it names none, or a published folder (`only` says what is allowed)."""
+  try:
+    kind, where = sft_data.split_start(start)
+  except ValueError as error:
+    raise ConfigError(f"config field {field}: {error}") from None
+  if kind != "workdir":
+    raise ConfigError(f"config field {field}: {only}")
+  return where
 
 
 def workdir_start(config, where: str) -> dict:
