@@ -1,8 +1,8 @@
 """The serving benchmark (`python -m mdjax.bench.serve` -> results/serve.json).
 
 A server (`mdjax.serve.server.running`: the OpenAI-compatible app over the engine, in a
-thread of this process) is loaded by `openai.OpenAI` clients, one thread each, at 1, 4, 16
-and 32 concurrent clients; every request has the same sampler settings and max_tokens (one
+thread of this process) is loaded by `openai` clients in a process of their own
+(`serve_clients.load_generator`), one connection each, at 1, 4, 16 and 32 concurrent clients; every request has the same sampler settings and max_tokens (one
 engine lane, one compiled step), prompts differ. Beside it: the 16 prompts of the
 concurrency-16 run through one batched `mdjax.generate` call (the offline batch), the
 engine alone without HTTP (`Engine.run_once`, unstarted: the tick time at batch 1 and 16),
@@ -27,6 +27,7 @@ lane against its uncached one, ~20 more minutes on the shared CPU) and the `pref
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -40,8 +41,8 @@ from mdjax import files
 CONCURRENCY = (1, 4, 16, 32)
 # The load generator, shared with serve_cached (re-exported: bench.request_plan, ...).
 from mdjax.bench.serve_clients import (API_KEY, OFFLINE_PROMPTS, device_info,  # noqa: F401
-                                       level_row, model_info, one_request, request_plan,
-                                       run_clients)
+                                       level_row, load_generator, model_info, one_request,
+                                       request_plan)
 DEFAULT_WORKDIR = os.path.join(tempfile.gettempdir(), "mdjax_bench_serve_model")
 
 # Sixteen prompts of 12 to 16 characters (two lengths, so rows are left-padded).
@@ -254,8 +255,9 @@ def main(argv: Sequence[str] | None = None, log=print) -> dict:
   served: list[dict] = []
   rows: list[dict] = []
   c16_runs: list[dict] = []
-  with running(model, max_batch=args.max_batch, canvas_length=canvas,
-               max_queue=max(64, 2 * max(levels)), api_key=API_KEY) as server:
+  with contextlib.ExitStack() as stack:
+    server = stack.enter_context(running(model, max_batch=args.max_batch, canvas_length=canvas,
+                                         max_queue=max(64, 2 * max(levels)), api_key=API_KEY))
     engine = server.engine
     name = served_name(model)
     spec_of = lambda record: engine.prepare(
@@ -267,8 +269,8 @@ def main(argv: Sequence[str] | None = None, log=print) -> dict:
     # Warm-up: every program of the lane compiles here (the empty lane, admit, move, and the
     # tick of every bucket), so nothing compiles while measured.
     engine.warm(job, timeout=600)
-    warm, _ = run_clients(server.base_url, API_KEY, name,
-                          request_plan(2, 4, prompts, args.seed + 7), 2, fields)
+    clients = stack.enter_context(load_generator(server.base_url, API_KEY, name))
+    warm, _ = clients.run(request_plan(2, 4, prompts, args.seed + 7), 2, fields)
     compiles_before = engine.stats().compiles
     for concurrency in levels:
       runs = args.repeats if concurrency == OFFLINE_PROMPTS else 1
@@ -277,7 +279,7 @@ def main(argv: Sequence[str] | None = None, log=print) -> dict:
         count = max(args.requests, concurrency)
         count -= count % concurrency  # every client sends as many
         plan = request_plan(concurrency, count, prompts, args.seed + 100 * run)
-        records, wall = run_clients(server.base_url, API_KEY, name, plan, concurrency, fields)
+        records, wall = clients.run(plan, concurrency, fields)
         served += records
         level.append(level_row(concurrency, records, wall))
         log(f"concurrency {concurrency} run {run}: {level[-1]} (wall {wall:.2f} s)")

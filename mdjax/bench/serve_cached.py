@@ -16,6 +16,7 @@ same spec, the 16 prompts at once) of each, timed between the 16-client runs, ev
 from __future__ import annotations
 
 import os
+import resource
 import tempfile
 import time
 
@@ -90,28 +91,48 @@ def offline_kwargs(job, fields: dict) -> dict:
   return {k: v for k, v in fields.items() if k not in ("max_tokens", "sampler")}
 
 
+def cpu_seconds() -> float:
+  """CPU seconds this process has used (every thread: the server's, the engine's, XLA's)."""
+  usage = resource.getrusage(resource.RUSAGE_SELF)
+  return usage.ru_utime + usage.ru_stime
+
+
 def offline_call(model, prompts, kwargs: dict, seed: int):
   """A call of one batched `mdjax.generate` of the prompts (the offline batch): it returns
-  (seconds, tokens, nfe)."""
+  (seconds, tokens, nfe, CPU seconds)."""
   import jax
 
   import mdjax
 
   def call():
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), cpu_seconds()
     out = mdjax.generate(model, [list(p) for p in prompts], max_new_tokens=MAX_TOKENS,
                          key=jax.random.key(seed), **kwargs)
-    return time.perf_counter() - started, int(sum(len(c.token_ids) for c in out)), int(out.nfe)
+    return (time.perf_counter() - started, int(sum(len(c.token_ids) for c in out)),
+            int(out.nfe), cpu_seconds() - cpu)
 
   return call
 
 
 def offline_record(timed: list) -> dict:
   """The offline batch's record from its timed calls: tokens/s of the median."""
-  median = sorted(seconds for seconds, _, _ in timed)[len(timed) // 2]
-  _, tokens, nfe = timed[0]
+  median = sorted(call[0] for call in timed)[len(timed) // 2]
+  _, tokens, nfe, _ = timed[0]
   return dict(tokens=tokens, median_s=round(median, 4), tokens_per_s=round(tokens / median, 2),
-              nfe=nfe, runs_s=[round(seconds, 3) for seconds, _, _ in timed])
+              nfe=nfe, runs_s=[round(call[0], 3) for call in timed],
+              runs_cpu_s=[round(call[3], 3) for call in timed])
+
+
+def paired(served: list, offline: list) -> dict:
+  """Each 16-client run against the offline call timed right after it: served tokens/s over
+  offline tokens/s (wall), and served tokens a CPU second of this process (the server and
+  its engine; the clients run in their own) over offline tokens a CPU second."""
+  wall = [round(run["tokens"] / run["seconds"] / (tokens / seconds), 3)
+          for run, (seconds, tokens, _, _) in zip(served, offline)]
+  cpu = [round(run["tokens"] / run["cpu_s"] / (tokens / cpu_s), 3)
+         for run, (_, tokens, _, cpu_s) in zip(served, offline)]
+  return dict(wall=wall, cpu=cpu, served_cpu_s=[round(run["cpu_s"], 3) for run in served],
+              clients_cpu_s=[run["clients_cpu_s"] for run in served])
 
 
 def offline_equal(model, records: list[dict], kwargs: dict) -> list[dict]:
@@ -147,9 +168,11 @@ def run(*, levels, repeats: int, max_batch: int, seed: int, shape: str = "cpu",
   rows = {name: [] for name in lanes}
   c16 = {name: [] for name in lanes}
   records16 = {name: [] for name in lanes}
+  runs16 = {name: [] for name in lanes}  # each 16-client run: tokens, seconds, CPU seconds
   served = {name: 0 for name in lanes}  # requests (one row each) served by each lane
   with running(model, max_batch=max_batch, max_queue=max(64, 2 * max(levels)),
-               max_programs=4, api_key=bench.API_KEY) as server:
+               max_programs=4, api_key=bench.API_KEY) as server, \
+       bench.load_generator(server.base_url, bench.API_KEY, served_name(model)) as clients:
     engine, name = server.engine, served_name(model)
     jobs = {lane: engine.prepare(prompts[0], max_new_tokens=MAX_TOKENS, seed=0,
                                  sampler=lanes[lane].get("sampler"), knobs=knobs[lane])
@@ -172,12 +195,18 @@ def run(*, levels, repeats: int, max_batch: int, seed: int, shape: str = "cpu",
         count = max(concurrency, 8)
         plan = bench.request_plan(concurrency, count, prompts, seed + 100 * run_index)
         for lane, fields in lanes.items():  # side by side: the same load on both
-          records, wall = bench.run_clients(server.base_url, bench.API_KEY, name, plan,
-                                            concurrency, fields)
+          cpu, clients_cpu = cpu_seconds(), clients.cpu_seconds()
+          records, wall = clients.run(plan, concurrency, fields)
           level[lane].append(bench.level_row(concurrency, records, wall))
           served[lane] += len(records)
-          if concurrency == bench.OFFLINE_PROMPTS and run_index == 0:
-            records16[lane] = records
+          if concurrency == bench.OFFLINE_PROMPTS:
+            runs16[lane].append(dict(
+                tokens=sum(r["completion_tokens"] for r in records), seconds=wall,
+                cpu_s=cpu_seconds() - cpu,
+                clients_cpu_s=None if clients_cpu is None
+                else round(clients.cpu_seconds() - clients_cpu, 3)))
+            if run_index == 0:
+              records16[lane] = records
           log(f"{lane} concurrency {concurrency} run {run_index}: {level[lane][-1]}")
         if concurrency == bench.OFFLINE_PROMPTS:  # offline between the served runs
           for lane, call in offline_calls.items():
@@ -222,7 +251,9 @@ def run(*, levels, repeats: int, max_batch: int, seed: int, shape: str = "cpu",
       full_passes_per_cached_row=round(full_passes / max(served["cached"], 1), 3),
       compiles=dict(before=compiles_before, after=compiles_after,
                     grew=compiles_after != compiles_before),
-      profile=dict(offline=offline, c16_runs_tokens_per_s=c16, requests_served=served),
+      profile=dict(offline=offline, c16_runs_tokens_per_s=c16, requests_served=served,
+                   paired_16_to_offline={lane: paired(runs16[lane], timed[lane])
+                                         for lane in lanes}),
   )
   result["notes"] = notes(result)
   return result
@@ -234,22 +265,32 @@ def notes(result: dict) -> str:
   ratios = result["ratio_cached_to_uncached"]
   parts = [f"Random LLaDA-shaped model ({result['model']['params']:,} parameters), prompts of "
            f"{PROMPT_LEN} ids, {MAX_TOKENS} new tokens in blocks of {BLOCK}, threshold "
-           f"{THRESHOLD}, {result['settings']['max_batch']} slots; load average "
-           f"{result['device']['load_average'][0]} at the end (a shared CPU: medians, the "
-           "two lanes measured in turn at each level)."]
+           f"{THRESHOLD}, {result['settings']['max_batch']} slots, clients in a process of "
+           f"their own; load average {result['device']['load_average'][0]} at the end (a "
+           "shared CPU: medians, the two lanes measured in turn at each level)."]
   if 16 in rows["cached"]:
+    pairs = result["profile"]["paired_16_to_offline"]["cached"]
     parts.append(
         f"At 16 clients the cached lane serves {rows['cached'][16]['tokens_per_s']} tokens/s "
         f"against the uncached lane's {rows['uncached'][16]['tokens_per_s']} "
         f"({ratios.get(16)}x; goal 3x), and {result['ratio_cached_16_to_offline_cached']}x "
         f"the offline cached batch ({result['offline_batch_tokens_per_s']['cached']} tokens/s; "
-        "goal 0.9x).")
+        f"goal 0.9x); each 16-client run against the offline call right after it: "
+        f"{pairs['wall']} in tokens/s, {pairs['cpu']} in tokens a CPU second of the "
+        "server's process (the engine, HTTP; the clients' own process used "
+        f"{pairs['clients_cpu_s']} CPU s a run).")
+  nfe = result["profile"]["offline"]["cached"]["nfe"]
+  steps = result["settings"]["num_steps"]["cached"]
+  fired = (f"The threshold fired: the offline cached batch made {nfe} denoiser calls of "
+           f"the {steps} its bound allows (a block ends when its slowest row's does)"
+           if nfe < steps else
+           f"The threshold never fired (random weights): every block ran its "
+           f"{steps // (MAX_TOKENS // BLOCK)} steps, one full pass and the rest window "
+           "passes cached, all full passes uncached")
   parts.append(
       f"Offline the dual cache is {result['offline_cached_to_uncached']}x the uncached "
-      "decoder: the ceiling of the served ratio. Random weights never pass the threshold, so "
-      "every block runs its 32 steps: one full pass and 31 window passes cached, 32 full "
-      f"passes uncached; the cached lane made {result['full_passes_per_cached_row']} full "
-      "passes a row.")
+      f"decoder: the ceiling of the served ratio. {fired}; the cached lane made "
+      f"{result['full_passes_per_cached_row']} full passes a row.")
   parts.append(f"Served == offline: {result['served_equals_offline']} over "
                f"{result['served_checked']} requests (the 16-client runs of both lanes).")
   return " ".join(parts)

@@ -1,12 +1,28 @@
 """The load generator of the serving benchmarks (`mdjax.bench.serve`, `serve_cached`): the
-`openai` client's requests from threads, a level's row, the model's and machine's record."""
+`openai` client's requests from a process of its own, a level's row, the model's and
+machine's record.
+
+The clients run outside the server's process, as a server's clients do: in the server's
+process their threads would take the interpreter's lock from the server's event loop and
+its engine thread, and delay both (what the benchmark measured before: 16 client threads
+in the server's process reached the engine up to seconds after the clock started). The
+process is started once (`load_generator`), its imports and each run's connections made
+before its clock starts; a run's wall time is from the first request sent to the last
+answer, measured there.
+
+    python -m mdjax.bench.serve_clients    # the process: one JSON run a line on stdin
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import os
-import threading
+import subprocess
+import sys
 import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -35,52 +51,110 @@ def request_plan(concurrency: int, requests: int, prompts: Sequence[str], seed: 
   return [dict(prompt=prompts[j % len(prompts)], seed=base + j) for j in range(requests)]
 
 
-def run_clients(base_url: str, api_key: str, model_name: str, plan: list, concurrency: int,
-                fields: dict) -> tuple[list[dict], float]:
-  """The plan's requests from `concurrency` threads (client k sends requests k, k + c, ...
-  one after another, each thread with its own `openai.OpenAI`): (a record per request,
-  wall seconds from the first send to the last answer)."""
+class LoadGenerator:
+  """The client process (`load_generator`): `run` sends one run's requests."""
+
+  def __init__(self, process: subprocess.Popen, base_url: str, api_key: str, model_name: str):
+    self.process = process
+    self.server = dict(base_url=base_url, api_key=api_key, model_name=model_name)
+
+  def cpu_seconds(self) -> float | None:
+    """CPU seconds the client process has used (None where /proc cannot tell)."""
+    try:
+      with open(f"/proc/{self.process.pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+      return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+  def run(self, plan: list, concurrency: int, fields: dict) -> tuple[list[dict], float]:
+    """The plan's requests from `concurrency` clients (client k sends requests k, k + c,
+    ... one after another, each client with its own `openai.AsyncOpenAI` and connection):
+    (a record per request, wall seconds from the first send to the last answer)."""
+    line = json.dumps(dict(self.server, plan=plan, concurrency=concurrency, fields=fields))
+    self.process.stdin.write(line + "\n")
+    self.process.stdin.flush()
+    answer = self.process.stdout.readline()
+    if not answer:
+      raise RuntimeError(f"the client process ended (exit code {self.process.wait()})")
+    out = json.loads(answer)
+    if out.get("error"):
+      raise RuntimeError(f"the clients failed: {out['error']}")
+    return out["records"], out["wall"]
+
+
+@contextlib.contextmanager
+def load_generator(base_url: str, api_key: str, model_name: str) -> Iterator[LoadGenerator]:
+  """The client process (`python -m mdjax.bench.serve_clients`), started and ready (its
+  imports done); it ends with the block."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  process = subprocess.Popen([sys.executable, "-m", "mdjax.bench.serve_clients"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+  try:
+    if process.stdout.readline().strip() != "ready":
+      raise RuntimeError(f"the client process did not start (exit code {process.wait()})")
+    yield LoadGenerator(process, base_url, api_key, model_name)
+  finally:
+    process.stdin.close()
+    try:
+      process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+      process.kill()
+      process.wait()
+
+
+async def run_async(base_url: str, api_key: str, model_name: str, plan: list,
+                    concurrency: int, fields: dict) -> tuple[list[dict], float]:
+  """`LoadGenerator.run` in the client process: each client's connection opened (a
+  `GET /v1/models`) before the clock, which stops at the last response's arrival."""
   import openai
 
-  records: list[dict | None] = [None] * len(plan)
-  errors: list[BaseException] = []
-  barrier = threading.Barrier(concurrency + 1)
+  clients = [openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0,
+                                timeout=600) for _ in range(concurrency)]
+  try:
+    await asyncio.gather(*(api.models.list() for api in clients))
+    answers: list = [None] * len(plan)  # (the raw response, its latency)
 
-  def client(k: int) -> None:
-    api = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=300)
-    barrier.wait()
-    try:
+    async def client(k: int) -> None:
       for j in range(k, len(plan), concurrency):
-        records[j] = one_request(api, model_name, plan[j], fields)
-    except BaseException as error:  # reported after the join
-      errors.append(error)
+        started = time.perf_counter()
+        raw = await clients[k].completions.with_raw_response.create(
+            **request_body(model_name, plan[j], fields))
+        answers[j] = raw, time.perf_counter() - started
 
-  threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(concurrency)]
-  for thread in threads:
-    thread.start()
-  barrier.wait()
-  started = time.perf_counter()
-  for thread in threads:
-    thread.join()
-  wall = time.perf_counter() - started
-  if errors:
-    raise RuntimeError(f"{len(errors)} client(s) failed; first: {errors[0]!r}")
-  return records, wall
+    started = time.perf_counter()
+    await asyncio.gather(*(client(k) for k in range(concurrency)))
+    wall = time.perf_counter() - started
+    # Parsed after the clock: the body has arrived whole; the openai client's models are the
+    # clients' own work, on the server's cores here but not on a real server's.
+    return [record_of(request, raw.parse().model_dump(), latency)
+            for request, (raw, latency) in zip(plan, answers)], wall
+  finally:
+    await asyncio.gather(*(api.close() for api in clients))
 
 
-def one_request(api, model_name: str, request: dict, fields: dict) -> dict:
-  started = time.perf_counter()
-  response = api.completions.create(
-      model=model_name, prompt=request["prompt"], max_tokens=fields["max_tokens"],
-      temperature=fields["temperature"], seed=request["seed"],
-      extra_body={k: v for k, v in fields.items() if k not in ("max_tokens", "temperature")})
-  latency = time.perf_counter() - started
-  body = response.model_dump()
+def request_body(model_name: str, request: dict, fields: dict) -> dict:
+  """`completions.create`'s arguments for one request of a plan."""
+  return dict(model=model_name, prompt=request["prompt"], max_tokens=fields["max_tokens"],
+              temperature=fields["temperature"], seed=request["seed"],
+              extra_body={k: v for k, v in fields.items()
+                          if k not in ("max_tokens", "temperature")})
+
+
+def record_of(request: dict, body: dict, latency: float) -> dict:
+  """A request's record from its response's body."""
   choice = body["choices"][0]
   return dict(prompt=request["prompt"], seed=request["seed"], latency_s=latency,
               token_ids=[int(t) for t in choice["mdjax"]["token_ids"]],
               completion_tokens=int(body["usage"]["completion_tokens"]),
               spec=body["mdjax"]["spec"], text=choice["text"])
+
+
+def one_request(api, model_name: str, request: dict, fields: dict) -> dict:
+  """One request from this process (a synchronous `openai.OpenAI`), outside any timing."""
+  started = time.perf_counter()
+  response = api.completions.create(**request_body(model_name, request, fields))
+  return record_of(request, response.model_dump(), time.perf_counter() - started)
 
 
 def level_row(concurrency: int, records: list[dict], wall: float) -> dict:
@@ -101,3 +175,24 @@ def device_info() -> dict:
               count=len(jax.devices()), jax=jax.__version__, cpus=os.cpu_count(),
               load_average=[round(x, 2) for x in os.getloadavg()],
               host_memory_kept=host_memory.kept())
+
+
+def main() -> None:
+  """The client process: a run a line of JSON on stdin, its records and wall on stdout."""
+  import openai  # noqa: F401  (imported before "ready": not in a run's time)
+
+  print("ready", flush=True)
+  for line in sys.stdin:
+    run = json.loads(line)
+    try:
+      records, wall = asyncio.run(run_async(
+          run["base_url"], run["api_key"], run["model_name"], run["plan"],
+          run["concurrency"], run["fields"]))
+      out = dict(records=records, wall=wall)
+    except Exception as error:  # the parent raises it
+      out = dict(error=repr(error))
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+  main()

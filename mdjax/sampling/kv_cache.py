@@ -60,6 +60,10 @@ class KVPlan:
   # served lane: rows at different steps share a program, where a per-row choice would run
   # both passes) runs the window pass alone (static).
   window_only: bool = struct.field(pytree_node=False, default=False)
+  # A caller who knows that every row refreshes or owes a refresh at this step, on the dual
+  # cache (which appends nothing: its only other pass is the window), runs the full pass
+  # alone (static; a served lane's rows that refresh, stepped in a program of their own).
+  full_only: bool = struct.field(pytree_node=False, default=False)
 
 
 @struct.dataclass
@@ -233,6 +237,11 @@ def call(denoiser: BoundDenoiser, state: KVState, tokens_BxL: Array, t, kv_plan:
 
   if kv_plan.window_only:
     return window()
+  if kv_plan.full_only:
+    if kv_plan.append is not None:  # an append is not a full pass: both run exactly
+      raise ValueError("KVPlan.full_only is for the dual cache; the exact cache's rows may "
+                       "append instead, so its plan chooses the pass per row.")
+    return full()
   if kv_plan.append is None:
     return jax.lax.cond(kv_plan.refresh | state.stale, full, window)
 

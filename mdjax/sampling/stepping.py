@@ -364,7 +364,8 @@ class Stepper:
   def needs_full(self, carry: Carry, index, kv_plan_K) -> Array:
     """A cached spec: whether step `index` makes more than a window pass (a cache refresh,
     an append, or a refresh owed by a skipped step); a caller that knows none of its rows
-    does may run the step with `kv_plan_K.replace(window_only=True)`, one pass."""
+    does may run the step with `kv_plan_K.replace(window_only=True)`, one pass; one that
+    knows all of them do, on the dual cache, with `full_only=True`."""
     return kv_cache.needs_full(carry.state.kv, plan_at(kv_plan_K, index))
 
   def needs_call(self, carry: Carry, index, plan_K) -> Array:

@@ -170,14 +170,16 @@ def by_slot(front: list[int], slots: int, *values_N) -> tuple[np.ndarray, ...]:
 
 
 def _row_step(denoiser, params, row: RowState, *, stepper: Stepper, padded, num_steps,
-              window_only: bool) -> RowState:
-  """One step of one row (an idle row as it is). window_only: no row of the program makes
-  a full pass at this step (a cached spec: `kv_cache.KVPlan.window_only`)."""
+              passes: str = "any") -> RowState:
+  """One step of one row (an idle row as it is). passes (a cached spec): "window", no row of
+  the program makes a full pass at this step (`kv_cache.KVPlan.window_only`); "full", every
+  row does (`KVPlan.full_only`); "any", each row's plan chooses (under vmap a per-row
+  choice runs every pass it may choose)."""
   index = jnp.minimum(row.index, num_steps - 1)
   bound = stepper.bind(denoiser, params, row.valid_1xS if padded else None)
   kv_plan = row.kv_plan
-  if kv_plan is not None and window_only:
-    kv_plan = kv_plan.replace(window_only=True)
+  if kv_plan is not None and passes != "any":
+    kv_plan = kv_plan.replace(window_only=passes == "window", full_only=passes == "full")
   carry = stepper.step(bound, row.carry, index, row.plan, kv_plan)
   keep = lambda new, old: jnp.where(row.active, new, old)
   row = row.replace(carry=jax.tree.map(keep, carry, row.carry),
@@ -197,9 +199,8 @@ def _tick(denoiser, params, rows, hold_N=None, *, stepper: Stepper, padded, shar
   read. A cached spec's tick makes window passes only: the rows whose step makes a full pass
   were stepped by `_refresh` before it, and `hold_N` keeps them as they are."""
   count_trace()
-  end = EndOfRow.of(stepper.spec)
   step = functools.partial(_row_step, denoiser, params, stepper=stepper, padded=padded,
-                           num_steps=num_steps, window_only=hold_N is not None)
+                           num_steps=num_steps, passes="any" if hold_N is None else "window")
   if hold_N is not None:
     held = rows.replace(active=rows.active & hold_N)
     rows = rows.replace(active=rows.active & ~hold_N)
@@ -213,23 +214,35 @@ def _tick(denoiser, params, rows, hold_N=None, *, stepper: Stepper, padded, shar
   if hold_N is not None:  # the held rows, as `_refresh` left them
     rows = axes.placed(rows.replace(active=rows.active | held.active), sharding)
     front = axes.front(rows, split, bucket)
-  tokens_BxS = front.carry.tokens_BxL[:, 0]
+  return (rows,) + _outputs(front, stepper, axes)
+
+
+def _outputs(stepped: RowState, stepper: Stepper, axes: RowAxes) -> tuple:
+  """What a program that stepped these rows reads back (`TickOutputs`), in their order:
+  tokens_BxS, active_B, generated_length_B, index_B, full_next_B."""
+  end = EndOfRow.of(stepper.spec)
   lengths_B = jax.vmap(lambda r: end.generated_length(
       r.carry.tokens_BxL, r.carry.ctx.editable_BxL, stepper.mask_id)[0],
-      in_axes=(axes.tree(),))(front)
-  return rows, tokens_BxS, front.active, lengths_B, front.index, front.full_next
+      in_axes=(axes.tree(),))(stepped)
+  return (stepped.carry.tokens_BxL[:, 0], stepped.active, lengths_B, stepped.index,
+          stepped.full_next)
 
 
 def _refresh(denoiser, params, rows, slots_R, *, stepper: Stepper, padded, sharding,
              axes: RowAxes, num_steps):
   """The rows of `slots_R` (repeats allowed: they compute the same row) one step each, a
   full pass where their plan makes one (a cached spec's rows that refresh their cache this
-  tick: a program over them alone, so the lane's tick runs window passes only)."""
+  tick: a program over them alone, so the lane's tick runs window passes only): (rows, and
+  of `slots_R`, in its order, what `_tick` returns of its front). On the dual cache every
+  one of them makes a full pass (`full_only`), so none pays the window pass as well."""
   count_trace()
+  picked = axes.gather(rows, slots_R)
+  passes = "full" if picked.kv_plan.append is None else "any"
   picked = axes.vmap(functools.partial(_row_step, denoiser, params, stepper=stepper,
                                        padded=padded, num_steps=num_steps,
-                                       window_only=False))(axes.gather(rows, slots_R))
-  return axes.placed(axes.scatter(rows, slots_R, picked), sharding)
+                                       passes=passes))(picked)
+  rows = axes.placed(axes.scatter(rows, slots_R, picked), sharding)
+  return (rows,) + _outputs(picked, stepper, axes)
 
 
 def own_copy(fn):
@@ -384,7 +397,10 @@ class Lane:
       refreshing = [slot for slot in front if self.owners[slot] is not None
                     and self.full_next[slot]]
       if refreshing:
-        self._refresh(refreshing)
+        outputs = self._refresh(refreshing)
+        if len(refreshing) == self.active:  # every row stepped: no tick left to run
+          self.last_used = time.monotonic()
+          return outputs
         hold_N[refreshing] = True
     self.rows, tokens, active, lengths, steps, full_next = self.programs.tick(
         self.static["denoiser"], self.params, self.rows, hold_N, num_steps=self.num_steps,
@@ -395,14 +411,17 @@ class Lane:
       self.full_next[front] = np.asarray(full_next)
     return TickOutputs(front, self.slots, active, tokens, lengths, steps)
 
-  def _refresh(self, slots: list[int]) -> None:
+  def _refresh(self, slots: list[int]) -> TickOutputs:
     """Steps the rows of `slots` (their step makes a full pass) in one `refresh` program of a
-    power-of-two size (repeats fill it)."""
+    power-of-two size (repeats fill it): their outputs, as a tick of those rows alone."""
     size = 1 << max(0, len(slots) - 1).bit_length()
-    slots_R = np.asarray(slots + [slots[0]] * (size - len(slots)), np.int32)
-    self.rows = self.programs.refresh(self.static["denoiser"], self.params, self.rows, slots_R,
-                                      num_steps=self.num_steps, **lane_static(self.static))
+    padded = slots + [slots[0]] * (size - len(slots))
+    self.rows, tokens, active, lengths, steps, full_next = self.programs.refresh(
+        self.static["denoiser"], self.params, self.rows, np.asarray(padded, np.int32),
+        num_steps=self.num_steps, **lane_static(self.static))
     self.full_passes += len(slots)
+    self.full_next[padded] = np.asarray(full_next)  # a repeat reads its row's own value
+    return TickOutputs(padded, self.slots, active, tokens, lengths, steps)
 
   def warm(self, job) -> None:
     """Compiles the lane's programs now: `admit` (a row of `job`, made idle again at once),

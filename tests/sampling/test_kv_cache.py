@@ -161,6 +161,25 @@ def test_refresh_plan(refresh_every):
   assert int(result.saved_calls) == 12
 
 
+def test_a_caller_may_fix_the_pass():
+  """KVPlan.window_only and full_only run one pass whatever the plan chooses (a served lane
+  that knows its rows' passes); full_only refuses the exact cache, whose rows may append."""
+  from mdjax.sampling import kv_cache
+
+  denoiser, tokens = _pass_tagging_denoiser(), jnp.asarray(_canvas(batch=2))
+  stale = kv_cache.init(denoiser, tokens)  # a new cache: the plan's choice is a refresh
+  fresh = stale.replace(stale=jnp.array(False))  # here the plan's choice is the window
+  plan = kv_cache.KVPlan(refresh=jnp.array(False), start=jnp.int32(PROMPT))
+  favoured = lambda out: int(jnp.argmax(out[0][0, PROMPT]))  # 0: a full pass, 1: a window
+  call = lambda state, plan: kv_cache.call(denoiser, state, tokens, 1.0, plan, 4)
+  assert favoured(call(stale, plan)) == 0 and favoured(call(fresh, plan)) == 1
+  assert favoured(call(stale, plan.replace(window_only=True))) == 1
+  full = call(fresh, plan.replace(full_only=True))
+  assert favoured(full) == 0 and not bool(full[1].stale)
+  with pytest.raises(ValueError, match="full_only"):
+    call(fresh, plan.replace(append=jnp.array(True), full_only=True))
+
+
 def test_bad_input(transformer):
   apply_fn, params = transformer
   key, tokens = jax.random.key(0), _canvas()

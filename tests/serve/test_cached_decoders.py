@@ -161,6 +161,23 @@ def test_llada_kv_caches_served_equal_generate(kv_cache):
 
 
 @pytest.mark.slow
+def test_rows_that_all_refresh_run_no_tick():
+  """Rows in step (one request of two rows): at each block's first step every row makes its
+  full pass in the refresh program (the full pass alone: KVPlan.full_only) and no tick
+  program runs beside it; the rows still equal generate."""
+  engine = Engine(load(os.path.join("pretrained", "llada")), max_batch=2, max_queue=4)
+  knobs = dict(steps=8, block_length=4, kv_cache="dual", temperature=1.0)
+  requests = [((5, 6, 7, 8, 9, 10, 11), dict(max_new_tokens=8, seed=3, n=2, knobs=knobs))]
+  served = serve(engine, requests, join_after=0)
+  assert_offline(os.path.join("pretrained", "llada"), requests, served)
+  [lane] = engine.lanes
+  refresh_ticks = lane.full_passes // 2  # two rows refresh at each
+  assert refresh_ticks >= 1
+  # Each engine tick ran the refresh program alone or the tick program alone.
+  assert sum(lane.ticks_by_bucket.values()) == engine.stats().ticks - refresh_ticks
+
+
+@pytest.mark.slow
 def test_sdar_served_over_http_equals_generate():
   """A real server: concurrent requests on SDAR's reference decoder through the openai
   client (the engine case's requests and lane: its programs and offline answers are
