@@ -66,22 +66,9 @@ WIDTH, CANVASES = base.CANVAS, 3
 NEW = WIDTH * CANVASES
 CACHE = 48  # room for the prompt and three canvases (gemma stops when its cache is full)
 END_TOKENS = (1, 106, 50)
-# The self-conditioning embeddings are carried in bfloat16: a float32 difference between two
-# programs that moves an embedding across a rounding midpoint changes it by a bfloat16 ulp
-# (2^-8 of it), and on this random model the next steps' MoE routings and draws then follow
-# (the 5 runs mdjax missed that an earlier, weaker criterion called stable each began to
-# differ at one or two such flips, 4e-8 to 1.2e-6 of the step's largest |embedding| from
-# the midpoint: docs/pretrained.md). Measured along those runs' trajectories, wherever mdjax's step had
-# gemma's exact inputs (43 steps, the suite's XLA flags and XLA's defaults), mdjax's float32
-# embeddings differ from gemma's by at most 5.7e-6 of the step's largest |embedding| (root
-# mean square at most 9.4e-7), its logits by at most 4.7e-6 of the largest.
-# A run is robust when it keeps its tokens with the embeddings perturbed by normal noise of
-# that root mean square (JITTER, of the largest) before their rounding, in each of
-# JITTER_TRIALS draws; and flip-robust when every rounding a later step reads that lies within
-# FLIP_MARGIN of the largest (the largest difference measured, 5.7e-6, with room: 1.75x) of
-# its midpoint, rounded the other way alone, leaves its canvas's tokens as they are.
-JITTER, JITTER_TRIALS = 1e-6, 2
-FLIP_MARGIN = 1e-5
+# A run's robustness to the bfloat16 rounding of its self-conditioning embeddings (JITTER,
+# JITTER_TRIALS, FLIP_MARGIN: the sizes and why, beside them in diffusion_gemma.py).
+JITTER, JITTER_TRIALS, FLIP_MARGIN = base.JITTER, base.JITTER_TRIALS, base.FLIP_MARGIN
 SEEDS = tuple(range(8))
 STEP_RECORDS = (0,)
 STEP_FIELDS = ("canvas", "key", "logits", "sampled", "sc")  # what the fixture keeps a step
@@ -181,28 +168,19 @@ def transcribed_run(model, params, sampler, prompt, rng, jitter: float = 0.0,
 
 
 def rounding_flips(model, params, sampler, tokens, records, starts) -> tuple[int, list]:
-  """Every bfloat16 rounding of a self-conditioning embedding that a later step reads, within
-  FLIP_MARGIN of the step's largest |embedding| of its midpoint, rounded the other way alone:
-  the canvas rerun from its start (its key, the cache before it) with that flip. Returns
-  (the flips tried, those that change the canvas's tokens: (canvas, step, position, dim,
-  the distance to the midpoint over the largest |embedding|)). The other canvases do not
-  move: a canvas's tokens alone reach the cache, and its key does not depend on them."""
+  """`diffusion_gemma.canvas_flips` of each canvas, rerun from its start (its key, the cache
+  before it) and truncated as gemma does: (the flips tried, those that change the canvas's
+  tokens: (canvas, step, position, dim, the distance to the midpoint over the largest
+  |embedding|)). The other canvases do not move: a canvas's tokens alone reach the cache,
+  and its key does not depend on them."""
   tried, changing = 0, []
   for c, steps in enumerate(records):
-    expected = tokens[c * WIDTH:(c + 1) * WIDTH]
-    for s, step in enumerate(steps[:-1]):  # the last step's embeddings feed nothing
-      x = step["sc_out"]
-      _, _, distance = base.bf16_rounding(x)
-      relative = distance / np.abs(x).max()
-      for where in np.argwhere(relative < FLIP_MARGIN):
-        flip = np.zeros(x.shape, bool)
-        flip[tuple(where)] = True
-        key, cache, full_mask = starts[c]
-        canvas, _, _ = base.run_transcribed(model, params, sampler, key, cache, full_mask,
-                                            flips={s: flip}, record=False)
-        tried += 1
-        if not (truncated(canvas)[0][0] == expected).all():
-          changing.append((c, s, int(where[1]), int(where[2]), float(relative[tuple(where)])))
+    key, cache, full_mask = starts[c]
+    canvas_tried, canvas_changing = base.canvas_flips(
+        model, params, sampler, key, cache, full_mask, steps,
+        lambda canvas: truncated(canvas)[0][0], tokens[c * WIDTH:(c + 1) * WIDTH])
+    tried += canvas_tried
+    changing += [(c, *flip) for flip in canvas_changing]
   return tried, changing
 
 
@@ -244,8 +222,7 @@ def write_runs(model, params, prompts_BxP: np.ndarray, only=None,
                                            100 * trial, record=False)[0] == compiled).all())
                      for trial in range(1, JITTER_TRIALS + 1))
         tried, changing = rounding_flips(model, params, sampler, tokens, records, starts)
-        stable = replays and robust and not changing and all(
-            margins[k] > base.MARGIN for k in ("draw", "argmax", "cut", "order", "stop", "route"))
+        stable = replays and robust and not changing and base.decisions_clear(margins)
         stopped = bool(np.isin(compiled, END_TOKENS).any())
         print(name, "replays" if replays else "DOES NOT REPLAY",
               "robust" if robust else "NOT ROBUST", f"canvases {canvases}",
@@ -256,10 +233,7 @@ def write_runs(model, params, prompts_BxP: np.ndarray, only=None,
                          threshold=threshold, prompt=which, seed=seed, row=row,
                          canvases_run=canvases, canvas_steps=[len(r) for r in records],
                          stopped=stopped, replays=replays, robust=robust,
-                         flips_tried=tried, flips_changing=len(changing),
-                         rounding_margin=min((f[4] for f in changing), default=None),
-                         rounding_margin_at=(list(min(changing, key=lambda f: f[4])[:4])
-                                             if changing else None),
+                         flips_tried=tried, **base.flip_fields(changing),
                          stable=bool(stable),
                          margins={k: (None if v == np.inf else float(v))
                                   for k, v in margins.items()}))
