@@ -3,17 +3,17 @@ the teacher's replayed distributions, the config checks, and (slow) a short LoRA
 lowers the loss and resumes bit for bit."""
 
 import math
-import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import distill_cdlm, sudoku4_teacher
+from configs import distill_cdlm
 from mdjax import tasks, train
 from mdjax.accelerators import cdlm
 from mdjax.train.config_checks import ConfigError
+from tests.accelerators.students import tiny_start, tiny_student, trained_and_resumed
 
 
 def _softmax(logits_V):
@@ -126,15 +126,7 @@ def test_the_masked_denoising_term_is_unbiased():
 
 
 def _config(**changes):
-  config = distill_cdlm.get_config()
-  config.distill.teacher = "sudoku4"
-  config.model.update(d_model=32, num_layers=1, num_heads=2, d_ff=64)
-  config.batch_size = 16
-  config.distill.num_prompts = 64
-  config.eval_at_end = False
-  with config.unlocked():
-    config.update_from_flattened_dict(changes)
-  return config
+  return tiny_student(distill_cdlm, num_prompts=64, **changes)
 
 
 @pytest.mark.slow
@@ -200,19 +192,11 @@ def _mean_loss(config, params, apply_fn, task):
 def test_a_short_lora_run_lowers_the_loss_resumes_bit_for_bit_and_keeps_the_base(tmp_path):
   # The start: one NELBO step of a bidirectional model; the student: the same weights under
   # block-causal attention, LoRA adapters only.
-  start = sudoku4_teacher.get_config()
-  start.model.update(d_model=32, num_layers=1, num_heads=2, d_ff=64)
-  start.update_from_flattened_dict({"train.num_steps": 1, "eval_at_end": False})
-  train.train(start, str(tmp_path / "start"), log=lambda *a: None)
   config = _config(**{"train.num_steps": 40, "train.lr": 3e-3, "checkpoint.every": 20,
-                      "train.lora.rank": 4, "train.init_from": str(tmp_path / "start")})
+                      "train.lora.rank": 4, "train.init_from": tiny_start(tmp_path / "start")})
   for name in ("d_model", "num_layers", "num_heads", "d_ff"):
     config.model[name] = None  # the start's
-  workdir = tmp_path / "run"
-  whole = jax.device_get(train.train(config, str(workdir), log=lambda *a: None))
-  shutil.rmtree(workdir / "checkpoints" / "40")
-  resumed = jax.device_get(train.train(config, str(workdir), log=lambda *a: None))
-  jax.tree.map(np.testing.assert_array_equal, resumed, whole)
+  whole = trained_and_resumed(config, tmp_path / "run")
   resolved = cdlm.resolve_config(config)
   assert resolved.model.block_size == 8 and resolved.model.d_model == 32
   task = tasks.from_config(resolved)

@@ -4,17 +4,17 @@ resumes bit for bit and trains LoRA adapters only."""
 
 import itertools
 import math
-import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import distill_d3llm, distill_dparallel, sudoku4_teacher
+from configs import distill_d3llm, distill_dparallel
 from mdjax import tasks, train
 from mdjax.accelerators import d3llm, distill, dparallel
 from mdjax.train.config_checks import ConfigError
+from tests.accelerators.students import tiny_start, tiny_student, trained_and_resumed
 
 
 def _ce(logits_V, target):
@@ -181,18 +181,6 @@ def test_a_knob_of_the_other_objective_is_refused():
 # ----------------------------------------------------------------------------
 
 
-def _tiny(module, **changes):
-  """A 1-layer student of the sudoku4 oracle, fresh, 16 rows a step."""
-  config = module.get_config()
-  config.distill.teacher = "sudoku4"
-  config.model.update(d_model=32, num_layers=1, num_heads=2, d_ff=64)
-  config.batch_size = 16
-  config.distill.num_prompts = 256
-  config.eval_at_end = False
-  config.update_from_flattened_dict(changes)
-  return config
-
-
 def _mean_loss(config, params, apply_fn, task):
   """The loss on 8 fixed keys and batches (the train step's own rows)."""
   loss_fn = train.make_loss_fn(config, apply_fn, task)
@@ -208,20 +196,12 @@ def _mean_loss(config, params, apply_fn, task):
 @pytest.mark.parametrize("module, lora_rank", [(distill_dparallel, 0), (distill_d3llm, 4)])
 def test_a_short_run_lowers_the_loss_resumes_bit_for_bit_and_trains_lora(tmp_path, module,
                                                                           lora_rank):
-  config = _tiny(module, **{"train.num_steps": 40, "train.lr": 3e-3, "checkpoint.every": 20,
+  config = tiny_student(module, **{"train.num_steps": 40, "train.lr": 3e-3, "checkpoint.every": 20,
                             "train.lora.rank": lora_rank})
   if lora_rank:  # LoRA adapts a trained start (here one NELBO step of the same model)
-    start = sudoku4_teacher.get_config()
-    start.model.update(d_model=32, num_layers=1, num_heads=2, d_ff=64)
-    start.update_from_flattened_dict({"train.num_steps": 1, "eval_at_end": False})
-    train.train(start, str(tmp_path / "start"), log=lambda *a: None)
-    config.train.init_from = str(tmp_path / "start")
-  workdir = tmp_path / "run"
-  whole = jax.device_get(train.train(config, str(workdir), log=lambda *a: None))
+    config.train.init_from = tiny_start(tmp_path / "start")
   # Resumed from step 20: the same state (params, Adam) to the bit.
-  shutil.rmtree(workdir / "checkpoints" / "40")
-  resumed = jax.device_get(train.train(config, str(workdir), log=lambda *a: None))
-  jax.tree.map(np.testing.assert_array_equal, resumed, whole)
+  whole = trained_and_resumed(config, tmp_path / "run")
   resolved = distill.resolve_config(config)
   task = tasks.from_config(resolved)
   first, _, apply_fn, _ = train.init_state(resolved, train.make_mesh(), task)
