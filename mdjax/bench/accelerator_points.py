@@ -104,11 +104,12 @@ def measure(ot: bench.OracleTask, m: Method, canvas: np.ndarray, seed: int,
 
 
 def student_points(ot: bench.OracleTask, model, name: str, canvas: np.ndarray, seed: int,
-                   sizes: str) -> list[dict]:
-  """A student's points on the trained teacher's prompts at temperature 0 (a block-causal
+                   sizes: str, temperature: float = 0.0) -> list[dict]:
+  """A student's points on the trained teacher's prompts at `temperature` (a block-causal
   one in its own blocks, with the exact cache)."""
-  return [measure(with_model(ot, model), m, canvas, seed, 0.0, TRAINED)
-          for m in student_methods(name, ot.generated, 0.0, sizes, model.denoiser.block_size)]
+  return [measure(with_model(ot, model), m, canvas, seed, temperature, TRAINED)
+          for m in student_methods(name, ot.generated, temperature, sizes,
+                                   model.denoiser.block_size)]
 
 
 def with_model(ot: bench.OracleTask, model) -> bench.OracleTask:

@@ -10,7 +10,7 @@ import pytest
 
 import mdjax
 from mdjax import sampling
-from mdjax.bench import accelerator_points, accelerators
+from mdjax.bench import accelerator_models, accelerator_points, accelerators
 
 SCHEMA = {"task", "accuracy", "accuracy_se", "tpf", "tpf_se", "method", "trained", "teacher",
           "temperature", "family", "knobs", "rows", "generated", "mean_forwards"}
@@ -19,7 +19,7 @@ SCHEMA = {"task", "accuracy", "accuracy_se", "tpf", "tpf_se", "method", "trained
 @pytest.mark.slow
 def test_a_tiny_run_writes_the_schema(tmp_path):
   out = tmp_path / "acc.json"
-  results = accelerators.main(["--sizes", "tiny", "--rows", "16", "--train_rows", "12",
+  results = accelerators.main(["--task", "sudoku4", "--sizes", "tiny", "--rows", "16", "--train_rows", "12",
                                "--epochs", "20", "--temperatures", "0", "--teacher_steps", "2",
                                "--student_steps", "2", "--student_prompts", "64",
                                "--workdir", str(tmp_path / "runs"),
@@ -92,3 +92,56 @@ def test_calls_of_a_blocked_spec_are_the_calls_of_a_batch_of_one():
   assert calls.max() < 16 and (np.asarray(out.rounds_B) > calls).any()
   assert accelerator_points.block_calls(sampling.ConfidenceSpec(steps=16), out.write_step_BxL,
                                   16) is None
+
+
+def _task_run(task: str, ratio: float, points: int) -> dict:
+  """One task's bench result, reduced to what merging reads."""
+  return {"config": {"task": task}, "models": {task: points}, "filters": {}, "seconds": 1.0,
+          "points": [{"task": task, "row": i} for i in range(points)],
+          "equal_calls": [{"task": task}], "aup": {task: {"oracle": {}}},
+          "combined": {"wall_ratio_batch1": ratio, "calls_ratio": 2 * ratio},
+          "combined_ratio": ratio, "combined_calls_ratio": 2 * ratio}
+
+
+def test_a_task_run_is_merged_into_the_file_its_other_tasks_kept():
+  first = accelerators.merged(None, _task_run("sudoku4", 3.0, 2))
+  both = accelerators.merged(first, _task_run("scan_and_add", 5.0, 3))
+  assert both["config"]["task"] == "sudoku4" and both["models"] == {"sudoku4": 2}
+  assert both["tasks"]["scan_and_add"]["models"] == {"scan_and_add": 3}
+  assert [p["task"] for p in both["points"]] == ["sudoku4"] * 2 + ["scan_and_add"] * 3
+  assert [r["task"] for r in both["equal_calls"]] == ["sudoku4", "scan_and_add"]
+  assert set(both["aup"]) == {"sudoku4", "scan_and_add"}
+  # combined_ratio: the largest over the tasks, its task named
+  assert (both["combined_ratio"], both["combined_calls_ratio"], both["combined_task"]) == (
+      5.0, 10.0, "scan_and_add")
+  again = accelerators.merged(both, _task_run("scan_and_add", 1.0, 1))  # its rows replaced
+  assert [p["task"] for p in again["points"]] == ["sudoku4"] * 2 + ["scan_and_add"]
+  assert (again["combined_ratio"], again["combined_task"]) == (3.0, "sudoku4")
+  top = accelerators.merged(again, _task_run("sudoku4", 0.5, 1))  # the first task's again
+  assert top["tasks"] == again["tasks"] and top["models"] == {"sudoku4": 1}
+  assert [p["task"] for p in top["points"]] == ["scan_and_add", "sudoku4"]
+  assert (top["combined_ratio"], top["combined_task"]) == (1.0, "scan_and_add")
+
+
+def test_students_take_their_teachers_task_and_sudoku4s_configs_are_unchanged():
+  modules = accelerator_models.config_modules(
+      dict(sudoku4="sudoku4_teacher", scan_and_add="scan_and_add_cpu",
+           **accelerator_models.STUDENT_CONFIGS))
+  sudoku4, scan = (modules[t].get_config() for t in ("sudoku4", "scan_and_add"))
+  for name in accelerator_models.STUDENTS:
+    as_written = modules[name].get_config()
+    as_written.update(seed=0, eval_at_end=False)
+    as_written.train.init_from = as_written.distill.teacher = "/runs/teacher"
+    given = accelerator_models.student_config(
+        modules[name], sudoku4, "/runs/teacher", accelerator_models.setting("sudoku4"),
+        seed=0, prompt_length=16, generated=16)
+    assert given.to_dict() == as_written.to_dict(), name
+    on_scan = accelerator_models.student_config(
+        modules[name], scan, "/runs/teacher", accelerator_models.setting("scan_and_add"),
+        seed=0, prompt_length=0, generated=25)
+    assert (on_scan.task, on_scan.task_kwargs.to_dict()) == ("scan_and_add", {"max_command_id": 1})
+    assert on_scan.distill.prompt_length == 0 and on_scan.distill.temperature == 1.0
+    assert (on_scan.sampler.steps, on_scan.sampler.temperature) == (25, 1.0)
+  assert on_scan.model.block_size == on_scan.sampler.block_length == 5  # cdlm: 25 = 5 x 5
+  with pytest.raises(ValueError, match="permutation.*trained teacher exists for"):
+    accelerator_models.setting("permutation")
