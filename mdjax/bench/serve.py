@@ -22,6 +22,9 @@ matter to the timings; its shape does.
 lane against its uncached one, ~20 more minutes on the shared CPU) and the `prefix` record
 (`mdjax.bench.serve_prefix`: the prefix cache on a shared system prompt, ~5 minutes);
 `--parts=cached,prefix` runs them alone and keeps the rest of --out as it was.
+`--parts=cached_trained` (not in the default) adds the `cached_trained` record
+(`mdjax.bench.serve_trained`: the cached rows on a LLaDA-shaped model trained here, whose
+threshold fires; its training, ~5.5 CPU minutes, runs once into a temporary folder).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from mdjax import files
 
 
 CONCURRENCY = (1, 4, 16, 32)
+PARTS = ("cached", "prefix", "cached_trained")  # the records beside the plain rows
 # The load generator, shared with serve_cached (re-exported: bench.request_plan, ...).
 from mdjax.bench.serve_clients import (API_KEY, OFFLINE_PROMPTS, device_info,  # noqa: F401
                                        level_row, load_generator, model_info, one_request,
@@ -226,7 +230,8 @@ def main(argv: Sequence[str] | None = None, log=print) -> dict:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--parts", default="plain,cached,prefix",
                       help="plain (the character model's rows), cached (serve_cached's), "
-                      "prefix (serve_prefix's)")
+                      "prefix (serve_prefix's), cached_trained (serve_trained's: not in the "
+                      "default, ~15 more minutes)")
   parser.add_argument("--cached_shape", default="cpu", help="the cached rows' model: cpu (a "
                       "small random LLaDA-shaped one) or a published shape of "
                       "mdjax.bench.families.PUBLISHED (LLaDA2.0-mini: an accelerator's)")
@@ -368,12 +373,12 @@ def main(argv: Sequence[str] | None = None, log=print) -> dict:
   )
   result["notes"] = notes(result, args)
   result["bench_seconds"] = round(time.perf_counter() - bench_started, 1)
-  if parts & {"cached", "prefix"}:
+  if parts & set(PARTS):
     return write_parts(args, result, parts, log)
   if args.out and os.path.exists(args.out):  # the parts not run keep their records
     with open(args.out, encoding="utf-8") as f:
       kept = json.load(f)
-    result.update({k: kept[k] for k in ("cached", "prefix") if k in kept})
+    result.update({k: kept[k] for k in PARTS if k in kept})
   if args.out:
     write_record(args.out, result, log)
   log(result["notes"])
@@ -390,9 +395,9 @@ def write_record(path: str, result: dict, log) -> None:
 
 
 def write_parts(args, result: dict, parts: set, log) -> dict:
-  """`result` (empty: --out's record as it is) with its `cached` and `prefix` records (those
-  of `parts`), written to --out."""
-  from mdjax.bench import serve_cached, serve_prefix
+  """`result` (empty: --out's record as it is) with its `cached`, `prefix` and
+  `cached_trained` records (those of `parts`), written to --out."""
+  from mdjax.bench import serve_cached, serve_prefix, serve_trained
 
   if not result and args.out and os.path.exists(args.out):
     with open(args.out, encoding="utf-8") as f:
@@ -406,6 +411,11 @@ def write_parts(args, result: dict, parts: set, log) -> dict:
     result["prefix"] = serve_prefix.run(max_batch=args.max_batch, seed=args.seed,
                                         repeats=args.repeats, log=log)
     log(result["prefix"]["notes"])
+  if "cached_trained" in parts:
+    result["cached_trained"] = serve_trained.run(
+        levels=[int(c) for c in args.concurrency.split(",")], repeats=args.repeats,
+        max_batch=args.max_batch, seed=args.seed, log=log)
+    log(result["cached_trained"]["notes"])
   if args.out:
     write_record(args.out, result, log)
   return result

@@ -29,18 +29,24 @@ PROMPTS = 16
 DEFAULT_PATH = os.path.join(tempfile.gettempdir(), "mdjax_bench_serve_llada")
 
 
+def llada_config():
+  """The LLaDA-shaped network of these rows (SHAPE, VOCAB, LLaDA's RoPE base)."""
+  from mdjax.models import published
+
+  return published.PublishedConfig(
+      family="llada", vocab_size=VOCAB, num_kv_heads=SHAPE["num_heads"],
+      head_dim=SHAPE["d_model"] // SHAPE["num_heads"], rope_theta=500000.0, norm_eps=1e-5,
+      qkv_bias=False, logit_shift=False, mask_id=MASK_ID, eos_id=EOS_ID, eot_id=EOT_ID,
+      max_len=512, **SHAPE)
+
+
 def random_llada(path: str, log=print):
   """The random LLaDA-shaped checkpoint (written to `path` once, then loaded)."""
   import mdjax
   from mdjax import io
   from mdjax.bench.pretrained import spread_params
-  from mdjax.models import published
 
-  config = published.PublishedConfig(
-      family="llada", vocab_size=VOCAB, num_kv_heads=SHAPE["num_heads"],
-      head_dim=SHAPE["d_model"] // SHAPE["num_heads"], rope_theta=500000.0, norm_eps=1e-5,
-      qkv_bias=False, logit_shift=False, mask_id=MASK_ID, eos_id=EOS_ID, eot_id=EOT_ID,
-      max_len=512, **SHAPE)
+  config = llada_config()
   if not os.path.exists(os.path.join(path, "config.json")):
     io.save(spread_params(config, 0), path, config=config)
     log(f"wrote the random LLaDA-shaped checkpoint to {path}")
@@ -135,33 +141,46 @@ def paired(served: list, offline: list) -> dict:
               clients_cpu_s=[run["clients_cpu_s"] for run in served])
 
 
-def offline_equal(model, records: list[dict], kwargs: dict) -> list[dict]:
-  """The served records that differ from `mdjax.generate` of their prompt alone."""
+def offline_check(model, records: list[dict], kwargs: dict) -> tuple[list[dict], list[int]]:
+  """The served records that differ from `mdjax.generate` of their prompt alone, and each
+  record's denoiser calls there (its steps: a block ends when the threshold has unmasked
+  it)."""
   import jax
 
   import mdjax
 
-  mismatches = []
+  mismatches, nfe = [], []
   for record in records:
     out = mdjax.generate(model, [record["prompt"]], max_new_tokens=MAX_TOKENS,
                          key=jax.random.key(record["seed"]), **kwargs)
     offline = [int(t) for t in out[0].token_ids]
+    nfe.append(int(out.nfe))
     if offline != record["token_ids"]:
       mismatches.append(dict(seed=record["seed"], served=record["token_ids"], offline=offline))
-  return mismatches
+  return mismatches, nfe
 
 
 def run(*, levels, repeats: int, max_batch: int, seed: int, shape: str = "cpu",
         path: str = DEFAULT_PATH, log=print) -> dict:
   """The `cached` record of results/serve.json. shape: "cpu" (the random LLaDA-shaped
   model of SHAPE) or a name of `mdjax.bench.families.PUBLISHED` (an accelerator's)."""
-  from mdjax.bench import serve_clients as bench
-  from mdjax.serve.server import running, served_name
-
   model = random_llada(path, log) if shape == "cpu" else published_shape(shape)
   rng = np.random.default_rng(seed)
   prompts = [[int(t) for t in rng.integers(0, min(EOS_ID, model.eos_id or EOS_ID) - 1,
                                            PROMPT_LEN)] for _ in range(PROMPTS)]
+  return measure(model, prompts, levels=levels, repeats=repeats, max_batch=max_batch,
+                 seed=seed, about=dict(shape=SHAPE if shape == "cpu" else shape,
+                                       weights="random (spread logits)"), log=log)
+
+
+def measure(model, prompts: list[list[int]], *, levels, repeats: int, max_batch: int,
+            seed: int, about: dict, log=print) -> dict:
+  """Both lanes of `model` served and offline on `prompts` (PROMPTS of PROMPT_LEN ids), each
+  16-client request checked against `mdjax.generate`: a record of results/serve.json. about:
+  what the record says of the model beside `model_info` (its shape, its weights)."""
+  from mdjax.bench import serve_clients as bench
+  from mdjax.serve.server import running, served_name
+
   lanes = lanes_of(model)
   knobs = {name: {k: v for k, v in fields.items() if k not in ("max_tokens", "sampler")}
            for name, fields in lanes.items()}
@@ -221,15 +240,15 @@ def run(*, levels, repeats: int, max_batch: int, seed: int, shape: str = "cpu",
 
   offline = {lane: offline_record(timed[lane] or [offline_calls[lane]()]) for lane in lanes}
   log(f"offline batches: {offline}")
-  mismatches = [bad for lane in lanes for bad in offline_equal(model, records16[lane],
-                                                               kwargs[lane])]
+  checks = {lane: offline_check(model, records16[lane], kwargs[lane]) for lane in lanes}
+  mismatches = [bad for lane in lanes for bad in checks[lane][0]]
   equal, checked = not mismatches, sum(len(records16[lane]) for lane in lanes)
+  blocks = MAX_TOKENS // BLOCK
   by = {lane: {row["concurrency"]: row for row in rows[lane]} for lane in lanes}
   at = lambda lane, c: by[lane].get(c, {}).get("tokens_per_s")
   ratio = lambda a, b: None if not a or not b else round(a / b, 3)
   result = dict(
-      model=dict(bench.model_info(model), shape=SHAPE if shape == "cpu" else shape,
-                 weights="random (spread logits)"),
+      model=dict(bench.model_info(model), **about),
       settings=dict(max_batch=max_batch, prompt_len=PROMPT_LEN, max_tokens=MAX_TOKENS,
                     canvas_length=PROMPT_LEN + MAX_TOKENS, block_length=BLOCK,
                     threshold=THRESHOLD, temperature=0.0,
@@ -249,6 +268,9 @@ def run(*, levels, repeats: int, max_batch: int, seed: int, shape: str = "cpu",
                                        offline["uncached"]["tokens_per_s"]),
       served_equals_offline=equal, served_checked=checked, mismatches=mismatches[:3],
       full_passes_per_cached_row=round(full_passes / max(served["cached"], 1), 3),
+      # each checked request's denoiser calls alone (served == offline, so its served steps)
+      steps_per_block={lane: round(float(np.mean(checks[lane][1])) / blocks, 3)
+                       for lane in lanes if checks[lane][1]},
       compiles=dict(before=compiles_before, after=compiles_after,
                     grew=compiles_after != compiles_before),
       profile=dict(offline=offline, c16_runs_tokens_per_s=c16, requests_served=served,
@@ -263,7 +285,8 @@ def notes(result: dict) -> str:
   """What the numbers say, computed from them."""
   rows = {lane: {r["concurrency"]: r for r in result["rows"][lane]} for lane in result["rows"]}
   ratios = result["ratio_cached_to_uncached"]
-  parts = [f"Random LLaDA-shaped model ({result['model']['params']:,} parameters), prompts of "
+  parts = [f"LLaDA-shaped model, {result['model']['weights']} weights "
+           f"({result['model']['params']:,} parameters), prompts of "
            f"{PROMPT_LEN} ids, {MAX_TOKENS} new tokens in blocks of {BLOCK}, threshold "
            f"{THRESHOLD}, {result['settings']['max_batch']} slots, clients in a process of "
            f"their own; load average {result['device']['load_average'][0]} at the end (a "
@@ -284,9 +307,12 @@ def notes(result: dict) -> str:
   fired = (f"The threshold fired: the offline cached batch made {nfe} denoiser calls of "
            f"the {steps} its bound allows (a block ends when its slowest row's does)"
            if nfe < steps else
-           f"The threshold never fired (random weights): every block ran its "
+           f"The threshold never fired: every block ran its "
            f"{steps // (MAX_TOKENS // BLOCK)} steps, one full pass and the rest window "
            "passes cached, all full passes uncached")
+  if result.get("steps_per_block"):
+    fired += (f"; each checked request alone took {result['steps_per_block']} steps a block "
+              "(mean)")
   parts.append(
       f"Offline the dual cache is {result['offline_cached_to_uncached']}x the uncached "
       f"decoder: the ceiling of the served ratio. {fired}; the cached lane made "
