@@ -21,12 +21,12 @@ import numpy as np
 
 from mdjax import streams
 from mdjax.denoiser import Denoiser
-from mdjax.sampling import kv_cache, skipping
+from mdjax.sampling import kv_cache
 from mdjax.sampling.base import BoundDenoiser, Canvas, SamplerSpec, family_of
 from mdjax.sampling.end_of_row import EndOfRow
 from mdjax.sampling.stepping import (Carry, SampleResult, Stepper, StepInputs, advance,
                                      check_key_rows, invalid_input, plan_at, result, run,
-                                     skip_steps, skips_idle_steps, start_canvas)
+                                     skips_idle_steps, start_canvas)
 
 Array = jax.Array
 
@@ -330,9 +330,7 @@ def _step_jit(denoiser, params, carry: Carry, inputs: StepInputs, *, stepper: St
 @functools.partial(jax.jit, static_argnames=("stepper",))
 def _jump_jit(carry: Carry, plan, kv_plan, start, *, stepper: Stepper):
   """The first step from `start` that needs a call, and the carry after the jump to it."""
-  needs = lambda state, i: stepper.needs_call(carry.replace(state=state), i, plan)
-  following = skipping.next_needed(needs, plan.t.shape[0], carry.state, start)
-  return following, carry.replace(state=skip_steps(kv_plan, carry.state, start, following))
+  return stepper.jump(carry, start, plan, kv_plan)
 
 
 def sample_python_loop(apply_fn, params: Any, key: Array, tokens_BxL: Array, spec: SamplerSpec,

@@ -372,6 +372,21 @@ class Stepper:
     """Whether step `index` can write anything in any row (else a loop may jump over it)."""
     return needs_call(self.family, self.spec, carry.ctx, carry.state, plan_at(plan_K, index))
 
+  @property
+  def skips_idle(self) -> bool:
+    """Whether a loop may jump over the steps that need no call (`jump`): the family's steps
+    can be idle and the spec does not forbid it (`skips_idle_steps` without a canvas)."""
+    return skips_idle_steps(self.family, self.spec)
+
+  def jump(self, carry: Carry, start, plan_K, kv_plan_K=None) -> tuple[Array, Carry]:
+    """(the first step >= `start` that needs a call, K if none does; the carry after the
+    jump over the idle steps before it: counted as saved calls, a cache refresh planned at
+    one of them owed to the next call): what `sample`'s loop does between two calls."""
+    num_steps = self.num_steps(carry.tokens_BxL.shape[1])
+    following = skipping.next_needed(lambda c, i: self.needs_call(c, i, plan_K), num_steps,
+                                     carry, start)
+    return following, carry.replace(state=skip_steps(kv_plan_K, carry.state, start, following))
+
   def done(self, carry: Carry, index) -> Array:
     """Per row: finished before step `index` (the steps are spent, or, for a family that
     never rewrites, the row has nothing left to write, or a family whose rows stop early

@@ -2,7 +2,8 @@
 programs: `empty` (the slots, idle), `admit` (a request's row started in a free slot),
 `move` (a row copied from one slot to another, the vacated one idle) and `tick` (every
 active row one denoising step, each at its own step: `sampling.Stepper.step`, vmapped over
-rows).
+rows; then, as `sample`'s loop does, each row jumps over the steps after it that would write
+nothing, `Stepper.jump`: a block that a threshold filled early ticks none of its idle steps).
 
 A lane keeps its active rows packed at the front of its slots (`Lane.order`: the slots in
 the order they fill): a row that leaves is replaced by the last active row (`move`), so a
@@ -181,10 +182,17 @@ def _row_step(denoiser, params, row: RowState, *, stepper: Stepper, padded, num_
   if kv_plan is not None and passes != "any":
     kv_plan = kv_plan.replace(window_only=passes == "window", full_only=passes == "full")
   carry = stepper.step(bound, row.carry, index, row.plan, kv_plan)
+  following = index + 1
+  if stepper.skips_idle:  # as offline: a block the threshold has filled ticks no idle step
+    # (a row that ends here keeps its step: its last update names the step it ended at)
+    jumped, skipped = stepper.jump(carry, following, row.plan, row.kv_plan)
+    ends = stepper.done(carry, following)[0]
+    following = jnp.where(ends, following, jumped)
+    carry = jax.tree.map(lambda here, there: jnp.where(ends, here, there), carry, skipped)
   keep = lambda new, old: jnp.where(row.active, new, old)
   row = row.replace(carry=jax.tree.map(keep, carry, row.carry),
-                    index=keep(index + 1, row.index),
-                    active=row.active & ~stepper.done(carry, index + 1)[0])
+                    index=keep(following, row.index),
+                    active=row.active & ~stepper.done(carry, following)[0])
   if kv_plan is None:
     return row
   next_index = jnp.minimum(row.index, num_steps - 1)

@@ -178,6 +178,23 @@ def test_rows_that_all_refresh_run_no_tick():
 
 
 @pytest.mark.slow
+def test_a_block_the_threshold_fills_ticks_none_of_its_idle_steps():
+  """A threshold every position passes fills each block at its first step: the row jumps
+  over the block's other steps as generate's loop does (`Stepper.jump`), so a request of
+  two blocks of 4 steps takes 2 ticks (each block's refresh), not 8; it still equals
+  generate, and its last update names the step it ended at (its second block's first)."""
+  engine = Engine(load(os.path.join("pretrained", "llada")), max_batch=2, max_queue=4)
+  knobs = dict(steps=8, block_length=4, kv_cache="dual", threshold=1e-9, temperature=1.0)
+  requests = [((5, 6, 7, 8, 9, 10, 11), dict(max_new_tokens=8, seed=4, knobs=knobs))]
+  served = serve(engine, requests, join_after=0)
+  assert_offline(os.path.join("pretrained", "llada"), requests, served)
+  [lane] = engine.lanes
+  assert engine.stats().ticks == 2 and lane.full_passes == 2
+  [(job, got)] = served
+  assert job.num_steps == 8 and got[0].step == 5
+
+
+@pytest.mark.slow
 def test_sdar_served_over_http_equals_generate():
   """A real server: concurrent requests on SDAR's reference decoder through the openai
   client (the engine case's requests and lane: its programs and offline answers are
