@@ -231,7 +231,7 @@ def main(argv: Sequence[str] | None = None, log=print) -> dict:
   parser.add_argument("--parts", default="plain,cached,prefix",
                       help="plain (the character model's rows), cached (serve_cached's), "
                       "prefix (serve_prefix's), cached_trained (serve_trained's: not in the "
-                      "default, ~15 more minutes)")
+                      "default, ~5 more minutes, ~20 the first time)")
   parser.add_argument("--cached_shape", default="cpu", help="the cached rows' model: cpu (a "
                       "small random LLaDA-shaped one) or a published shape of "
                       "mdjax.bench.families.PUBLISHED (LLaDA2.0-mini: an accelerator's)")
