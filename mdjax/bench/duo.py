@@ -48,7 +48,7 @@ STUDENTS = {"student": ("posterior", None), "student_plugin": ("plugin", None),
 MODELS = ("teacher",) + tuple(STUDENTS)
 
 
-def _short(config, steps: int):
+def short_config(config, steps: int):
   config.seed = SEED
   config.model.update(SMALL_MODEL)
   config.train.update(num_steps=steps, warmup_steps=min(config.train.warmup_steps, steps // 8))
@@ -60,13 +60,13 @@ def _short(config, steps: int):
 def teacher_config(steps: int = TEACHER_STEPS):
   """configs/shakespeare_uniform.py at SMALL_MODEL for `steps` steps."""
   from configs import shakespeare_uniform  # repo root
-  return _short(shakespeare_uniform.get_config(), steps)
+  return short_config(shakespeare_uniform.get_config(), steps)
 
 
 def judge_config(steps: int = JUDGE_STEPS):
   """configs/shakespeare_causal.py at SMALL_MODEL for `steps` steps: the judge."""
   from configs import shakespeare_causal  # repo root
-  return _short(shakespeare_causal.get_config(), steps)
+  return short_config(shakespeare_causal.get_config(), steps)
 
 
 def student_config(teacher: str, rounds: int = ROUNDS, round_steps: int = ROUND_STEPS,
@@ -100,6 +100,28 @@ def differences(rows: list[dict]) -> list[dict]:
   return out
 
 
+def judged(models: dict, judge_path: str, judge_config, log=print, what: str = "NELBO"):
+  """(nelbo, judge, judge_row, reference): each model's validation NELBO on
+  noise_text.WINDOWS held-out windows, the judge trained by `judge_config` in `judge_path`
+  (loaded, and its summary), and the held-out text's row, each logged (`what` names the
+  NELBO)."""
+  task = next(iter(models.values())).task
+  windows = task.validation_windows(noise_text.WINDOWS)
+  nelbo = {}
+  for name, model in models.items():
+    nelbo[name] = noise_text.validation_nelbo(model, windows)
+    log(f"{name:9s} {nelbo[name]['bits_per_char']:.4f} ± {nelbo[name]['stderr']:.4f} "
+        f"bits/char ({what})")
+  judge = evaluate.load_judge(judge_path)
+  steps = judge_config.train.num_steps
+  judge_row = noise_text.judge_summary(judge_path, steps, judge_config.batch_size * task.length)
+  log(f"judge: {judge_row['val_bits_per_char']:.4f} bits/char held out after {steps} steps")
+  log(noise_text.TABLE_HEADER)
+  reference = noise_text.reference_row(task, judge, windows)
+  log(noise_text.table_line(reference))
+  return nelbo, judge, judge_row, reference
+
+
 def run(workdir: str, num_samples: int = NUM_SAMPLES, teacher_steps: int = TEACHER_STEPS,
         judge_steps: int = JUDGE_STEPS, rounds: int = ROUNDS,
         round_steps: int = ROUND_STEPS, sample_steps=SAMPLE_STEPS, log=print) -> dict:
@@ -115,20 +137,8 @@ def run(workdir: str, num_samples: int = NUM_SAMPLES, teacher_steps: int = TEACH
     train.ensure_trained(configs[name], paths[name])
   models = {name: mdjax.load(paths[name]) for name in MODELS}
   task = models["teacher"].task
-  windows = task.validation_windows(noise_text.WINDOWS)
-  nelbo = {}
-  for name, model in models.items():
-    nelbo[name] = noise_text.validation_nelbo(model, windows)
-    log(f"{name:8s} {nelbo[name]['bits_per_char']:.4f} ± {nelbo[name]['stderr']:.4f} "
-        "bits/char (uniform-noise NELBO)")
-  judge = evaluate.load_judge(paths["judge"])
-  tokens_per_step = configs["judge"].batch_size * task.length
-  judge_row = noise_text.judge_summary(paths["judge"], judge_steps, tokens_per_step)
-  log(f"judge: {judge_row['val_bits_per_char']:.4f} bits/char held out after {judge_steps} "
-      "steps")
-  log(noise_text.TABLE_HEADER)
-  reference = noise_text.reference_row(task, judge, windows)
-  log(noise_text.table_line(reference))
+  nelbo, judge, judge_row, reference = judged(models, paths["judge"], configs["judge"], log,
+                                              "uniform-noise NELBO")
   rows = noise_text.gen_ppl_rows(models, judge, steps=sample_steps, num_samples=num_samples,
                                  length=task.length,
                                  samplers={name: SAMPLER for name in models}, log=log)
@@ -156,20 +166,26 @@ def run(workdir: str, num_samples: int = NUM_SAMPLES, teacher_steps: int = TEACH
                "se sqrt(se_s^2 + se_t^2), z the difference in standard errors"}
 
 
-def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--workdir", default="/tmp/duo_bench")
-  parser.add_argument("--out", default="results/duo.json")
+def bench_main(run_fn, doc: str, workdir: str, out: str, argv=None) -> None:
+  """The command line of a Shakespeare student bench (this one's, distill_text's):
+  `run_fn(workdir, samples, log=...)`'s result, timed, written to --out."""
+  parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+  parser.add_argument("--workdir", default=workdir)
+  parser.add_argument("--out", default=out)
   parser.add_argument("--samples", type=int, default=NUM_SAMPLES, help="samples per point")
   args = parser.parse_args(argv)
   if args.samples < 2:
     parser.error(f"--samples={args.samples} must be >= 2 (a standard error needs two)")
   start, cpu = time.perf_counter(), time.process_time()
-  result = run(args.workdir, args.samples, log=lambda line: print(line, flush=True))
+  result = run_fn(args.workdir, args.samples, log=lambda line: print(line, flush=True))
   result["seconds"] = round(time.perf_counter() - start, 1)
   result["cpu_seconds"] = round(time.process_time() - cpu, 1)
   report.write_json(args.out, result)
   print(f"wrote {args.out} in {result['seconds']:.0f} s ({result['cpu_seconds']:.0f} CPU s)")
+
+
+def main(argv=None) -> None:
+  bench_main(run, __doc__, "/tmp/duo_bench", "results/duo.json", argv)
 
 
 if __name__ == "__main__":
