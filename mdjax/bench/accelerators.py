@@ -293,7 +293,9 @@ def summary(results: dict, log=print) -> None:
   if results.get("combined_ratio"):
     log(f"combined_ratio (wall, batch 1) {results['combined_ratio']:.2f}; calls "
         f"{results['combined_calls_ratio']:.2f} ({results['combined_task']})")
-  log(f"total {results['seconds']:.0f} s")
+  seconds = {results["config"]["task"]: results["seconds"],
+             **{t: r["seconds"] for t, r in (results.get("tasks") or {}).items()}}
+  log("seconds: " + ", ".join(f"{t} {s:.0f}" for t, s in seconds.items()))
 
 
 def plot(results: dict, path: str) -> str:
