@@ -24,7 +24,10 @@ lane against its uncached one, ~20 more minutes on the shared CPU) and the `pref
 `--parts=cached,prefix` runs them alone and keeps the rest of --out as it was.
 `--parts=cached_trained` (not in the default) adds the `cached_trained` record
 (`mdjax.bench.serve_trained`: the cached rows on a LLaDA-shaped model trained here, whose
-threshold fires; its training, ~5.5 CPU minutes, runs once into a temporary folder).
+threshold fires; its training, ~5.5 CPU minutes, runs once into a temporary folder);
+`--parts=cached_trained_partial` the `cached_trained_partial` record (the same recipe trained
+for fewer steps, into a folder of its own: a model between, its threshold passing a few
+positions a step).
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ from mdjax import files
 
 
 CONCURRENCY = (1, 4, 16, 32)
-PARTS = ("cached", "prefix", "cached_trained")  # the records beside the plain rows
+# the records beside the plain rows
+PARTS = ("cached", "prefix", "cached_trained", "cached_trained_partial")
 # The load generator, shared with serve_cached (re-exported: bench.request_plan, ...).
 from mdjax.bench.serve_clients import (API_KEY, OFFLINE_PROMPTS, device_info,  # noqa: F401
                                        level_row, load_generator, model_info, one_request,
@@ -230,8 +234,9 @@ def main(argv: Sequence[str] | None = None, log=print) -> dict:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--parts", default="plain,cached,prefix",
                       help="plain (the character model's rows), cached (serve_cached's), "
-                      "prefix (serve_prefix's), cached_trained (serve_trained's: not in the "
-                      "default, ~5 more minutes, ~20 the first time)")
+                      "prefix (serve_prefix's), cached_trained and cached_trained_partial "
+                      "(serve_trained's: not in the default, ~5 more minutes each, 10-15 more "
+                      "the first time: the training)")
   parser.add_argument("--cached_shape", default="cpu", help="the cached rows' model: cpu (a "
                       "small random LLaDA-shaped one) or a published shape of "
                       "mdjax.bench.families.PUBLISHED (LLaDA2.0-mini: an accelerator's)")
@@ -395,8 +400,8 @@ def write_record(path: str, result: dict, log) -> None:
 
 
 def write_parts(args, result: dict, parts: set, log) -> dict:
-  """`result` (empty: --out's record as it is) with its `cached`, `prefix` and
-  `cached_trained` records (those of `parts`), written to --out."""
+  """`result` (empty: --out's record as it is) with its `cached`, `prefix` and trained
+  (`serve_trained.RECORDS`) records (those of `parts`), written to --out."""
   from mdjax.bench import serve_cached, serve_prefix, serve_trained
 
   if not result and args.out and os.path.exists(args.out):
@@ -411,11 +416,12 @@ def write_parts(args, result: dict, parts: set, log) -> dict:
     result["prefix"] = serve_prefix.run(max_batch=args.max_batch, seed=args.seed,
                                         repeats=args.repeats, log=log)
     log(result["prefix"]["notes"])
-  if "cached_trained" in parts:
-    result["cached_trained"] = serve_trained.run(
-        levels=[int(c) for c in args.concurrency.split(",")], repeats=args.repeats,
-        max_batch=args.max_batch, seed=args.seed, log=log)
-    log(result["cached_trained"]["notes"])
+  for record in serve_trained.RECORDS:
+    if record in parts:
+      result[record] = serve_trained.run(
+          levels=[int(c) for c in args.concurrency.split(",")], repeats=args.repeats,
+          max_batch=args.max_batch, seed=args.seed, record=record, log=log)
+      log(result[record]["notes"])
   if args.out:
     write_record(args.out, result, log)
   return result

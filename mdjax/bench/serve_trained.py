@@ -1,6 +1,7 @@
 """The cached lane against the uncached one on a model trained here, where Fast-dLLM's
 threshold fires (`python -m mdjax.bench.serve --parts=cached_trained`: the `cached_trained`
-record of results/serve.json).
+record of results/serve.json; `--parts=cached_trained_partial`: the same recipe trained for
+fewer steps, `cached_trained_partial`, whose threshold passes a few positions a step).
 
 `mdjax.bench.serve_cached`'s random checkpoint never reaches the 0.9 threshold, so every
 block runs all its 32 steps. Here the same LLaDA-shaped network (`serve_cached.llada_config`)
@@ -9,8 +10,9 @@ prompt decides: each row counts up modulo `RECIPE["alphabet"]` ids from a random
 (`task_rows`), so a masked position follows from any visible one and its distance. The loss
 is LLaDA's SFT NELBO (`diffusion.nelbo_loss` over the response positions, the prompt
 visible, per response token) on rows of the served canvas (PROMPT_LEN + MAX_TOKENS), with
-AdamW. The weights are saved in the published layout (`DEFAULT_PATH`, with the recipe and
-the training's losses in `TRAIN_FILE`) once and loaded after; a changed recipe trains again.
+AdamW. The weights are saved in the published layout (each record's folder of `RECORDS`, with
+the recipe and the training's losses in `TRAIN_FILE`) once and loaded after; a changed recipe
+trains again.
 The rows are `serve_cached.measure`'s on 16 held-out rows of the task (another seed): both
 lanes served and offline, paired, every 16-client request against `mdjax.generate`, and the
 steps a block each request took; beside them how many served tokens are the task's.
@@ -33,6 +35,16 @@ TRAIN_FILE = "mdjax_training.json"
 # How the checkpoint is trained (a change trains it again): ~1 s a step on 2 CPU cores.
 RECIPE = dict(task="count", alphabet=64, steps=300, batch=16, lr=3e-3, warmup=10,
               lr_floor=0.1, seed=0)
+# Fully trained, a block takes ~1 step (the threshold passes all 32 positions at once, so the
+# dual cache saves no pass); this many steps of the same recipe (its cosine over them) leave a
+# model between that and the random one's 32 steps a block: ~2 positions a step (measured on
+# the held-out prompts alone: 160 steps 32 a block, 175 14.9, 200 1.66; the step is steep).
+PARTIAL_STEPS = 175
+# Each trained record of results/serve.json: its recipe and the folder its checkpoint lives in.
+RECORDS = {
+    "cached_trained": (RECIPE, DEFAULT_PATH),
+    "cached_trained_partial": (dict(RECIPE, steps=PARTIAL_STEPS), DEFAULT_PATH + "_partial"),
+}
 
 
 def task_rows(rng: np.random.Generator, rows: int, alphabet: int) -> np.ndarray:
@@ -116,13 +128,16 @@ def checkpoint(path: str = DEFAULT_PATH, recipe: dict | None = None, log=print) 
   return info
 
 
-def run(*, levels, repeats: int, max_batch: int, seed: int, path: str = DEFAULT_PATH,
-        recipe: dict | None = None, log=print) -> dict:
-  """The `cached_trained` record of results/serve.json."""
+def run(*, levels, repeats: int, max_batch: int, seed: int, record: str = "cached_trained",
+        log=print) -> dict:
+  """The `record` record of results/serve.json (a name of RECORDS: its recipe and folder)."""
   import jax
 
   import mdjax
 
+  if record not in RECORDS:
+    raise ValueError(f"record={record!r}: expected one of {sorted(RECORDS)}")
+  recipe, path = RECORDS[record]
   training = checkpoint(path, recipe, log)
   model = mdjax.load(path)
   alphabet = training["recipe"]["alphabet"]

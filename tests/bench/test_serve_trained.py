@@ -1,11 +1,12 @@
-"""mdjax.bench.serve_trained (results/serve.json's `cached_trained`): the task's rows, the
-trained checkpoint written once and reused, and `--parts=cached_trained` beside the other
-records. The training and the measurement themselves are the benchmark's (minutes)."""
+"""mdjax.bench.serve_trained (results/serve.json's `cached_trained` and
+`cached_trained_partial`): the task's rows, the trained checkpoint written once and reused, and
+each `--parts=` record beside the other records. The training and the measurement themselves are the benchmark's (minutes)."""
 
 import json
 
 import jax
 import numpy as np
+import pytest
 
 from mdjax.bench import serve as bench
 from mdjax.bench import serve_cached, serve_trained
@@ -64,3 +65,31 @@ def test_cached_trained_part_alone_keeps_the_other_records(tmp_path, monkeypatch
   assert result == {"rows": [1], "notes": "plain", "cached": {"notes": "random"},
                     "cached_trained": {"notes": "trained notes"}}
   assert seen["levels"] == [1, 16] and seen["repeats"] == 3
+  assert seen["record"] == "cached_trained"
+
+
+def test_the_partial_record_is_the_same_recipe_for_fewer_steps_in_a_folder_of_its_own(
+    tmp_path, monkeypatch):
+  recipe, path = serve_trained.RECORDS["cached_trained_partial"]
+  full_recipe, full_path = serve_trained.RECORDS["cached_trained"]
+  assert full_recipe == serve_trained.RECIPE and full_path == serve_trained.DEFAULT_PATH
+  assert 0 < recipe["steps"] < full_recipe["steps"]
+  assert {k: v for k, v in recipe.items() if k != "steps"} == \
+      {k: v for k, v in full_recipe.items() if k != "steps"}
+  assert path != full_path  # neither checkpoint trains over the other
+
+  out = tmp_path / "serve.json"
+  kept = {"rows": [1], "cached": {"notes": "random"}, "cached_trained": {"notes": "full"}}
+  out.write_text(json.dumps(kept))
+  seen = []
+  monkeypatch.setattr(serve_trained, "run",
+                      lambda **kwargs: seen.append(kwargs) or {"notes": kwargs["record"]})
+  result = bench.main([f"--out={out}", "--parts=cached_trained_partial"], log=lambda *a: None)
+  assert [kwargs["record"] for kwargs in seen] == ["cached_trained_partial"]
+  assert result == dict(kept, cached_trained_partial={"notes": "cached_trained_partial"})
+  assert json.loads(out.read_text()) == result
+
+
+def test_an_unknown_record_is_refused_before_any_training():
+  with pytest.raises(ValueError, match="record='cached_trained_half'.*cached_trained_partial"):
+    serve_trained.run(levels=[1], repeats=1, max_batch=1, seed=0, record="cached_trained_half")
