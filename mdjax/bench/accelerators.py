@@ -120,8 +120,8 @@ def run(*, task: str = "sudoku4", temperatures: Sequence[float] | None = None,
   if task not in by_name:
     raise ValueError(f"task={task!r} must be one of {sorted(by_name)} (sizes={sizes!r}).")
   task_setting = trained_models.setting(task) if teacher_steps != 0 else None
-  if temperatures is None:
-    temperatures = (task_setting or trained_models.setting(task)).oracle_temperatures
+  if temperatures is None:  # a task without a trained setting: both
+    temperatures = getattr(trained_models.SETTINGS.get(task), "oracle_temperatures", (0.0, 1.0))
   ot = by_name[task]
   canvas = bench.canvas_of(ot, rows, seed)  # results/parallelism.json's prompts
   points, filters, trained, combined_out = [], {}, None, None
