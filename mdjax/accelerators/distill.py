@@ -4,9 +4,11 @@ does).
 
 The teacher (any `mdjax.load` path: a workdir, or a task's exact oracle, both through the
 denoiser contract) decodes distill.num_prompts prompts drawn from the task's law (positions
-[0, distill.prompt_length) of its rows; the rest masked) once, when the run starts, with the
-references' setting: LLaDA's low-confidence remasking, one position a step, at
-distill.temperature (0: greedy, the references' first attempt). Its final tokens are the
+[0, distill.prompt_length) of its rows; the rest masked) once, when the run starts, by default
+with the references' setting: LLaDA's low-confidence remasking, one position a step, at
+distill.temperature (0: greedy, the references' first attempt); distill.teacher_sampler
+'ancestral' decodes it by the teacher's own law instead (MD4's ancestral sampler, as many
+steps as generated positions). Its final tokens are the
 student's targets and its write steps the trajectories, a fixed dataset as the references'
 (dParallel's distillation set, d3LLM's trajectory files), read in a new random order each
 epoch:
@@ -26,6 +28,9 @@ config.distill (configs/distill_dparallel.py, configs/distill_d3llm.py):
   prompt_length    positions of each row the teacher is given (sudoku4: 16)
   num_prompts      the pool's size (the teacher's decodings; an epoch)
   temperature      the teacher's sampling temperature
+  teacher_sampler  the pool's sampler: 'confidence' (the references' low-confidence
+                   remasking) or 'ancestral' (the teacher's own law; prompt-less text, where
+                   low-confidence remasking writes spaces first)
   teacher_block_length  its semi-autoregressive blocks (None: one block)
   block_length     'dparallel': the block of its semi-AR mask (None: the whole generation)
   mask_ratio, eps  'dparallel': the block's mask probability (1 - eps) mask_ratio + eps
@@ -52,8 +57,9 @@ from mdjax.train import objectives, sft, start_point
 from mdjax.train.config_checks import ConfigError
 
 NAMES = ("dparallel", "d3llm")
+TEACHER_SAMPLERS = ("confidence", "ancestral")  # distill.teacher_sampler: default first
 COMMON = dict(teacher=None, prompt_length=0, num_prompts=3200, temperature=0.0,
-              teacher_block_length=None, entropy_temperature=0.5, entropy_weight=2.0)
+              teacher_sampler=TEACHER_SAMPLERS[0], teacher_block_length=None, entropy_temperature=0.5, entropy_weight=2.0)
 DEFAULTS = {
     "dparallel": dict(COMMON, block_length=None, mask_ratio=dparallel.MASK_RATIO,
                       eps=dparallel.EPS),
@@ -112,6 +118,8 @@ def options(config) -> dict:
   opts = given_knobs(config, objective, DEFAULTS[objective])
   if not (is_number(opts["temperature"]) and opts["temperature"] >= 0):
     refuse(opts, "temperature", "must be a finite number >= 0")
+  if opts["teacher_sampler"] not in TEACHER_SAMPLERS:
+    refuse(opts, "teacher_sampler", f"must be one of {', '.join(map(repr, TEACHER_SAMPLERS))}")
   for name in ("teacher_block_length", "block_length"):
     if name in opts and opts[name] is not None and not is_integer(opts[name], 1):
       refuse(opts, name, "must be None or an integer >= 1")
@@ -200,9 +208,14 @@ def load_teacher(opts: dict, config, task):
   return teacher
 
 
-def teacher_spec(generated: int, opts: dict) -> sampling.ConfidenceSpec:
-  """The references' teacher sampler: LLaDA's low-confidence remasking (the drawn token's
-  probability), one position a step, LLaDA's even counts."""
+def teacher_spec(generated: int, opts: dict) -> sampling.SamplerSpec:
+  """The pool's sampler, `generated` steps at distill.temperature: the references' LLaDA
+  low-confidence remasking (the drawn token's probability, one position a step, LLaDA's even
+  counts), or with teacher_sampler 'ancestral' MD4's ancestral sampler (the teacher's law)."""
+  # CDLM's knobs have no teacher_sampler: its pool is always the references'.
+  if opts.get("teacher_sampler", TEACHER_SAMPLERS[0]) == "ancestral":
+    return sampling.AncestralSpec(steps=generated, temperature=float(opts["temperature"]),
+                                  block_length=opts["teacher_block_length"])
   return sampling.ConfidenceSpec(steps=generated, score="prob", count_rule="even",
                                  temperature=float(opts["temperature"]),
                                  block_length=opts["teacher_block_length"])

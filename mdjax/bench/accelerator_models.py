@@ -91,10 +91,10 @@ def _train(config, workdir: str, log) -> dict:
 
 
 def student_config(module, teacher_config, teacher_dir: str, task_setting: TaskSetting, *,
-                   seed: int, prompt_length: int, generated: int):
+                   seed: int, prompt_length: int, generated: int, eval_at_end: bool = False):
   """A student's config (configs/distill_*.py, written for sudoku4) on the teacher's task:
   its task and task fields, the prompt, the pool's temperature, the sampler's steps and
-  temperature, CDLM's block (sudoku4's config unchanged by it)."""
+  temperature, CDLM's block (sudoku4's config unchanged by it), `eval_at_end`."""
   config = module.get_config()
   config.seed = seed
   config.task = teacher_config.task
@@ -107,7 +107,7 @@ def student_config(module, teacher_config, teacher_dir: str, task_setting: TaskS
   if config.objective == cdlm.NAME:
     config.model.block_size = task_setting.cdlm_block
     config.sampler.block_length = task_setting.cdlm_block
-  config.eval_at_end = False
+  config.eval_at_end = eval_at_end
   return config
 
 

@@ -6,22 +6,22 @@ Shakespeare (characters): generative perplexity and entropy against sampling ste
 
 Trains (or reuses) in WORKDIR: `teacher`, configs/shakespeare_char.py at duo.py's SMALL_MODEL
 for TEACHER_STEPS steps (MD4's NELBO); `dparallel` and `d3llm`, configs/distill_dparallel.py
-and configs/distill_d3llm.py moved to Shakespeare (STUDENT_STEPS steps from the teacher, its
-NUM_PROMPTS prompt-less decodings at temperature 1 as their data: greedy decoding would write
-one text); `judge`, duo.py's causal judge. Then each model draws `samples` prompt-less
-64-character samples per point of `points` (row i from fold_in(key(SEED), i)): K steps of the
-fixed-step samplers (FIXED) for K in SAMPLE_STEPS, and sweeps of the adaptive ones' knobs
-(ADAPTIVE), the teacher also with its pool sampler (POOL, what the students learn from),
-scored as `mdjax.bench.noise_text` scores them: gen-ppl per character and each sample's
-unigram entropy (nats), ± standard errors over the samples, and the mean denoiser calls per
-sample. Also each model's validation NELBO, the held-out text's row, and per student row its
+and configs/distill_d3llm.py moved to Shakespeare (`student_config`: STUDENT_STEPS steps from
+the teacher, its NUM_PROMPTS prompt-less decodings as their data, by its own law:
+POOL_SAMPLER at temperature 1; greedy decoding would write one text, the references'
+low-confidence remasking mostly spaces); `judge`, duo.py's causal judge. Then each model
+draws `samples` prompt-less 64-character samples per point of `points` (row i from
+fold_in(key(SEED), i)): K steps of the fixed-step samplers (FIXED) for K in SAMPLE_STEPS, and
+sweeps of the adaptive ones' knobs (ADAPTIVE), the teacher also with its pool sampler (POOL,
+what the students learn from) and the references' (REFERENCE_POOL), scored as
+`mdjax.bench.noise_text` scores them: gen-ppl per character and each sample's unigram entropy
+(nats), ± standard errors over the samples, and the mean denoiser calls per sample. Also each model's validation NELBO, the held-out text's row, and per student row its
 gen-ppl minus the teacher's best (lowest gen-ppl) training-free row within its budget (K, or
 an adaptive row's mean calls), with its standard error. Written to `out` (JSON), seeds fixed.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import time
@@ -32,8 +32,7 @@ import numpy as np
 import mdjax
 import mdjax.accelerators.distill  # registers the objectives 'dparallel' and 'd3llm'
 from mdjax import sampling, train
-from mdjax.bench import duo, noise_text, timing
-from mdjax.train import state_io
+from mdjax.bench import accelerator_models, duo, noise_text, timing
 
 SEED = 0
 TEACHER_STEPS, STUDENT_STEPS = duo.TEACHER_STEPS, 300
@@ -51,10 +50,19 @@ FIXED = (("ancestral", "ancestral", {}), ("confidence", "confidence", {}))
 # With K as their bound they would write most of the canvas at the last step.
 ADAPTIVE = (("entropy_bounded", "entropy_bounded", "gamma", (1.0, 4.0, 16.0, 64.0)),
             ("threshold", "confidence", "threshold", (0.9, 0.8, 0.7, 0.3, 0.2)))
-# The teacher's sampler of the students' data (distill.teacher_spec at temperature 1: LLaDA's
-# low-confidence remasking, the drawn token's probability, one position a step), sampled
-# and scored beside the others but no candidate for the teacher's best: what they learn.
-POOL = ("pool", "confidence", {"score": "prob", "count_rule": "even"})
+# The teacher's sampler of the students' data (distill.teacher_spec at temperature 1, as many
+# steps as positions): its own law, MD4's ancestral sampler. The references' LLaDA
+# low-confidence remasking (the drawn token's probability, one position a step) writes the
+# most probable character, a space, first: its pool is mostly spaces. Both sampled and
+# scored beside the others but no candidate for the teacher's best.
+POOL_SAMPLER = "ancestral"  # distill.teacher_sampler
+POOL = ("pool", "ancestral", {})
+REFERENCE_POOL = ("reference_pool", "confidence", {"score": "prob", "count_rule": "even"})
+POOLS = (POOL, REFERENCE_POOL)
+# The students' setting: unconditional text at temperature 1 (accelerator_models' form; the
+# CDLM block is unused here: no CDLM student).
+SETTING = accelerator_models.TaskSetting("shakespeare_char", temperature=1.0, cdlm_block=8,
+                                         oracle_temperatures=(1.0,))
 
 
 def points(sample_steps=SAMPLE_STEPS, length: int = 64) -> list[tuple]:
@@ -72,28 +80,21 @@ def teacher_config(steps: int = TEACHER_STEPS):
 
 
 def student_config(name: str, teacher: str, steps: int = STUDENT_STEPS,
-                   num_prompts: int = NUM_PROMPTS):
-  """configs/distill_<name>.py on configs/shakespeare_char.py's task: started from `teacher`
-  and learning its `num_prompts` prompt-less decodings at temperature 1, `steps` steps."""
-  from configs import shakespeare_char  # repo root
-  config = importlib.import_module(f"configs.{STUDENTS[name]}").get_config()
-  config.seed = SEED
-  config.task = "text"
-  config.task_kwargs = shakespeare_char.get_config().task_kwargs
-  config.train.update(init_from=teacher, num_steps=steps)
-  config.checkpoint.every = steps
-  config.distill.update(teacher=teacher, prompt_length=0, temperature=1.0,
-                        num_prompts=num_prompts)
-  config.sampler.temperature = 1.0  # the workdir's own sampler: text, not one greedy row
+                   num_prompts: int = NUM_PROMPTS, distill_overrides: dict | None = None):
+  """configs/distill_<name>.py on configs/shakespeare_char.py's task
+  (`accelerator_models.student_config` at SETTING, no prompt): started from `teacher` and
+  learning its `num_prompts` decodings by POOL_SAMPLER at temperature 1, `steps` steps;
+  `distill_overrides` (e.g. entropy_weight=0) over its distill fields."""
+  module = accelerator_models.config_modules({name: STUDENTS[name]})[name]
+  text = teacher_config()
+  config = accelerator_models.student_config(
+      module, text, teacher, SETTING, seed=SEED, prompt_length=0,
+      generated=text.task_kwargs.length, eval_at_end=True)
+  config.train.num_steps = config.checkpoint.every = steps
+  config.distill.num_prompts = num_prompts
+  config.distill.teacher_sampler = POOL_SAMPLER
+  config.distill.update(distill_overrides or {})
   return config
-
-
-def trained_step(workdir: str) -> int:
-  """The newest checkpoint's step in `workdir` (0: none)."""
-  if not os.path.isdir(os.path.join(workdir, "checkpoints")):
-    return 0
-  return max(state_io.step_dirs(state_io.checkpoint_manager(workdir, read_only=True)),
-             default=0)
 
 
 def ensure(config, workdir: str, log=print) -> dict:
@@ -101,7 +102,7 @@ def ensure(config, workdir: str, log=print) -> dict:
   student's teacher pool is not decoded again); its cost: the run's own training clock, and
   this call's wall and CPU seconds."""
   start, cpu = time.perf_counter(), time.process_time()
-  if trained_step(workdir) != config.train.num_steps:
+  if not accelerator_models.finished(workdir, config.train.num_steps):
     train.ensure_trained(config, workdir)
   cost = {"steps": config.train.num_steps, "train_seconds": train.read_train_seconds(workdir),
           "this_run_seconds": round(time.perf_counter() - start, 1),
@@ -141,10 +142,11 @@ def budget(row: dict) -> float:
 def differences(rows: list[dict]) -> list[dict]:
   """Per student row: its gen-ppl minus the teacher's best training-free row within its
   budget (the lowest gen-ppl among the teacher's rows whose `budget` is at most the
-  student's, POOL left out; None where there is none), se sqrt(se_s^2 + se_t^2)
+  student's, POOLS left out; None where there is none), se sqrt(se_s^2 + se_t^2)
   (independent samples), z the difference in standard errors; beside it the difference to
   the teacher with the same sampler and knobs."""
-  teacher = [r for r in rows if r["process"] == "teacher" and r["sampler"] != POOL[0]]
+  pools = {label for label, _, _ in POOLS}
+  teacher = [r for r in rows if r["process"] == "teacher" and r["sampler"] not in pools]
   out = []
   for s in rows:
     if s["process"] not in STUDENTS:
@@ -177,12 +179,14 @@ def table_line(row: dict) -> str:
 
 def run(workdir: str, num_samples: int = NUM_SAMPLES, teacher_steps: int = TEACHER_STEPS,
         judge_steps: int = duo.JUDGE_STEPS, student_steps: int = STUDENT_STEPS,
-        num_prompts: int = NUM_PROMPTS, sample_steps=SAMPLE_STEPS, log=print) -> dict:
+        num_prompts: int = NUM_PROMPTS, sample_steps=SAMPLE_STEPS,
+        distill_overrides: dict | None = None, log=print) -> dict:
   paths = {name: os.path.join(workdir, name) for name in MODELS + ("judge",)}
   configs = {"teacher": teacher_config(teacher_steps), "judge": duo.judge_config(judge_steps)}
   costs = {"teacher": ensure(configs["teacher"], paths["teacher"], log)}
   for name in STUDENTS:
-    configs[name] = student_config(name, paths["teacher"], student_steps, num_prompts)
+    configs[name] = student_config(name, paths["teacher"], student_steps, num_prompts,
+                                   distill_overrides)
     costs[name] = ensure(configs[name], paths[name], log)
   costs["judge"] = ensure(configs["judge"], paths["judge"], log)
   models = {name: mdjax.load(paths[name]) for name in MODELS}
@@ -190,7 +194,7 @@ def run(workdir: str, num_samples: int = NUM_SAMPLES, teacher_steps: int = TEACH
   nelbo, judge, judge_row, reference = duo.judged(models, paths["judge"], configs["judge"], log)
   rows = []
   for name, model in models.items():
-    extra = [POOL + (task.length, False)] if name == "teacher" else []
+    extra = [pool + (task.length, False) for pool in POOLS] if name == "teacher" else []
     for label, family, knobs, steps, adaptive in points(sample_steps, task.length) + extra:
       rows.append(sampled_row(name, model, judge, label, family, knobs, steps, num_samples,
                               task.length, adaptive))
@@ -210,13 +214,22 @@ def run(workdir: str, num_samples: int = NUM_SAMPLES, teacher_steps: int = TEACH
                    "adaptive": [{"label": label, "family": family, "knob": knob,
                                  "values": list(values)}
                                 for label, family, knob, values in ADAPTIVE],
-                   "pool": {"label": POOL[0], "family": POOL[1], "knobs": POOL[2]}},
+                   "pool": {"label": POOL[0], "family": POOL[1], "knobs": POOL[2],
+                            "teacher_sampler": POOL_SAMPLER, "steps": task.length},
+                   "reference_pool": {"label": REFERENCE_POOL[0], "family": REFERENCE_POOL[1],
+                                      "knobs": REFERENCE_POOL[2], "steps": task.length}},
       "teacher": {"config": "configs/shakespeare_char.py", **costs["teacher"],
                   **nelbo["teacher"]},
       "students": {name: {"config": f"configs/{module}.py", "num_prompts": num_prompts,
-                          "teacher_temperature": 1.0, "prompt_length": 0, **costs[name],
+                          "teacher_temperature": 1.0, "prompt_length": 0,
+                          "teacher_sampler": POOL_SAMPLER,
+                          "distill_overrides": dict(distill_overrides or {}), **costs[name],
                           **nelbo[name]} for name, module in STUDENTS.items()},
       "judge": {**judge_row, **costs["judge"]}, "gen_ppl": [reference] + rows,
+      "pools": {r["sampler"]: {k: r[k] for k in ("gen_ppl", "gen_ppl_se", "entropy",
+                                                 "entropy_se", "calls")}
+                for r in rows if r["process"] == "teacher" and r["sampler"] in
+                {label for label, _, _ in POOLS}},
       "differences": diffs,
       "units": "gen_ppl: per character under the judge; entropy: nats, each sample's "
                "unigram entropy over its characters, averaged; calls: denoiser calls per "
@@ -224,7 +237,7 @@ def run(workdir: str, num_samples: int = NUM_SAMPLES, teacher_steps: int = TEACH
                "steps the canvas, stop by their knob); _se: standard errors over the "
                "samples (judge fixed); "
                "bits_per_char of a model: its validation NELBO; differences: a student's "
-               "row minus the teacher's lowest gen-ppl row (pool left out) whose budget "
+               "row minus the teacher's lowest gen-ppl row (pools left out) whose budget "
                "(K, or the mean calls of an adaptive row) is at most the student's, se "
                "sqrt(se_s^2 + se_t^2), z the difference in standard errors; train_seconds: "
                "the run's training clock, this_run_*: this call's (0 for a reused run)"}

@@ -2,6 +2,7 @@
 enumeration, their curricula, the config checks, and (slow) a short run that lowers the loss,
 resumes bit for bit and trains LoRA adapters only."""
 
+import dataclasses
 import itertools
 import math
 
@@ -11,8 +12,10 @@ import numpy as np
 import pytest
 
 from configs import distill_d3llm, distill_dparallel
-from mdjax import tasks, train
+import mdjax
+from mdjax import sampling, tasks, train
 from mdjax.accelerators import d3llm, distill, dparallel
+from mdjax.tasks import sudoku4
 from mdjax.train.config_checks import ConfigError
 from tests.accelerators.students import tiny_start, tiny_student, trained_and_resumed
 
@@ -158,6 +161,8 @@ def test_the_curricula_by_hand(progress, block, low):
      "distill.block_lengths"),
     (distill_d3llm, {"distill.teacher": "sudoku4", "train.init_from": "pretrained:/nowhere"},
      "train.init_from"),
+    (distill_d3llm, {"distill.teacher": "sudoku4", "distill.teacher_sampler": "greedy"},
+     "distill.teacher_sampler"),
 ])
 def test_bad_distill_configs_are_refused_by_field(module, changes, field):
   config = module.get_config()
@@ -165,6 +170,32 @@ def test_bad_distill_configs_are_refused_by_field(module, changes, field):
     config.update_from_flattened_dict(changes)
   with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
     distill.resolve_config(config)
+
+
+@pytest.mark.parametrize("module", [distill_dparallel, distill_d3llm])
+def test_the_pool_is_the_references_unless_the_teachers_law_is_asked(module):
+  config = module.get_config()
+  config.distill.teacher = "sudoku4"
+  assert "teacher_sampler" not in config.distill  # the sudoku4 configs as they were
+  assert distill.teacher_spec(16, distill.options(config)) == sampling.ConfidenceSpec(
+      steps=16, score="prob", count_rule="even", temperature=0.0)
+  with config.unlocked():
+    config.distill.update(teacher_sampler="ancestral", temperature=1.0)
+  spec = distill.teacher_spec(16, distill.options(config))
+  assert spec == sampling.AncestralSpec(steps=16, temperature=1.0)
+  # The exact oracle decoded by its own law: every solution cell a digit, written at one of
+  # the steps. A step may write several cells, drawn apart (a grid may break); a row whose
+  # cells were written one a step was drawn from the exact law: solved. (At 256 steps
+  # about 63% of the rows: prod(1 - k / 256), k < 16.)
+  oracle = mdjax.load("sudoku4")
+  steps = 256
+  tokens, writes = distill.teacher_pool(oracle, dataclasses.replace(spec, steps=steps),
+                                        oracle.task, 64, 16, seed=0)
+  assert ((tokens[:, 16:] >= 0) & (tokens[:, 16:] < sudoku4.NUM_DIGITS)).all()
+  assert ((writes[:, 16:] >= 0) & (writes[:, 16:] < steps)).all()
+  apart = np.array([len(set(w)) == 16 for w in writes[:, 16:]])
+  assert 0 < apart.sum() < 64
+  assert sudoku4.checks(tokens[apart])["solved"].all()
 
 
 def test_a_knob_of_the_other_objective_is_refused():

@@ -22,7 +22,13 @@ def test_student_config_is_the_distill_config_moved_to_prompt_less_text(name):
   assert config.train.num_steps == config.checkpoint.every == 7
   opts = distill.options(config)  # the objective's own checks accept it
   assert (opts["prompt_length"], opts["temperature"], opts["num_prompts"]) == (0, 1.0, 128)
-  assert config.sampler.temperature == 1.0
+  assert opts["teacher_sampler"] == "ancestral" and opts["entropy_weight"] == 2.0
+  # The workdir's own sampler: text at temperature 1 (not one greedy row), 64 characters.
+  assert (config.sampler.temperature, config.sampler.steps, config.eval_at_end) == (1.0, 64, True)
+  side = distill_text.student_config(name, "/tmp/teacher", 7, 128, {"entropy_weight": 0.0})
+  assert distill.options(side)["entropy_weight"] == 0.0
+  side.distill.entropy_weight = 2.0
+  assert side.to_dict() == config.to_dict()  # the override is its one change
 
 
 def _row(process, sampler, steps, gen_ppl, se, entropy=2.0, calls=None, adaptive=False):
@@ -35,7 +41,7 @@ def test_differences_are_to_the_teachers_lowest_gen_ppl_within_the_budget():
   rows = [_row("teacher", "a", 4, 10.0, 1.0), _row("teacher", "b", 4, 8.0, 2.0, entropy=1.5),
           _row("teacher", "a", 8, 6.0, 1.0), _row("teacher", "b", 8, 7.0, 1.0),
           _row("teacher", "e", 64, 5.0, 1.0, calls=9.0, adaptive=True),
-          _row("teacher", "pool", 64, 1.0, 1.0),
+          _row("teacher", "pool", 64, 1.0, 1.0), _row("teacher", "reference_pool", 64, 1.0, 1.0),
           _row("dparallel", "a", 4, 7.0, 1.0), _row("d3llm", "b", 8, 9.0, 2.0),
           _row("d3llm", "e", 64, 4.0, 1.0, calls=3.5, adaptive=True),
           _row("dparallel", "e", 64, 4.0, 1.0, calls=9.5, adaptive=True)]
@@ -56,7 +62,7 @@ def test_differences_are_to_the_teachers_lowest_gen_ppl_within_the_budget():
   # An adaptive student row at 3.5 calls: no teacher row within it.
   assert third["budget"] == 3.5 and third["teacher_sampler"] is None
   assert "gen_ppl_diff" not in third and third["same_sampler_gen_ppl_diff"] == -1.0
-  # At 9.5 calls the teacher's adaptive row (9 calls) is the best; its pool is no candidate.
+  # At 9.5 calls the teacher's adaptive row (9 calls) is the best; its pools are no candidates.
   assert (fourth["teacher_sampler"], fourth["teacher_calls"]) == ("e", 9.0)
   assert fourth["gen_ppl_diff"] == pytest.approx(-1.0)
 
@@ -89,10 +95,13 @@ def test_sampled_rows_are_generates_samples_with_their_calls(trained):
     assert np.isfinite(row["calls_se"])
 
 
-def test_the_pool_row_samples_as_the_students_teacher_decodes():
-  label, family, knobs = distill_text.POOL
-  opts = {"temperature": 1.0, "teacher_block_length": None}
+def test_the_pool_rows_sample_as_the_students_teacher_and_the_references_decode():
+  opts = distill.options(distill_text.student_config("d3llm", "/tmp/teacher"))
+  _, family, knobs = distill_text.POOL
   assert sampling.make_spec(family, steps=64, **knobs) == distill.teacher_spec(64, opts)
+  _, family, knobs = distill_text.REFERENCE_POOL
+  references = dict(opts, teacher_sampler=distill.TEACHER_SAMPLERS[0])  # the default
+  assert sampling.make_spec(family, steps=64, **knobs) == distill.teacher_spec(64, references)
 
 
 def test_judged_gives_each_models_nelbo_the_judge_and_the_held_out_row(trained):
