@@ -58,13 +58,17 @@ def _first_order_bound(apply, float_params, quantized_params, picked):
   half_steps = jax.tree.map(
       lambda q: (jnp.repeat(q.scale, q.shape[-2] // q.scale.shape[-2], axis=-2) / 2
                  if is_quantized_leaf(q) else 0.0), quantized_params, is_leaf=is_quantized_leaf)
-  _, pullback = jax.vjp(lambda p: apply(p)[picked], float_params)
-  bounds = []
-  for i in range(len(picked[0])):
-    grads = pullback(jnp.zeros(len(picked[0])).at[i].set(1.0))[0]
-    terms = jax.tree.map(lambda s, g: jnp.sum(jnp.abs(g) * s), half_steps, grads)
-    bounds.append(float(sum(jax.tree.leaves(terms))))
-  return np.asarray(bounds)
+
+  @jax.jit  # one program, run for each logit (op by op, each op was compiled on its own)
+  def bound(params, half_steps, cotangent):
+    _, pullback = jax.vjp(lambda p: apply(p)[picked], params)
+    terms = jax.tree.map(lambda s, g: jnp.sum(jnp.abs(g) * s), half_steps,
+                         pullback(cotangent)[0])
+    return sum(jax.tree.leaves(terms))
+
+  count = len(picked[0])
+  return np.asarray([float(bound(float_params, half_steps, jnp.zeros(count).at[i].set(1.0)))
+                     for i in range(count)])
 
 
 def _canvas(model, key=0, batch=2, length=16):
@@ -88,7 +92,7 @@ def _check_round_trip(path_or_model, **load):
   # denoiser, so the two differ by the weights' rounding alone.
   float_params = quantize.float_layout(model)[1]
   tokens, t = _canvas(model), jnp.full((2,), 0.5)
-  apply = lambda p: quantized.denoiser.apply(p, tokens, t)
+  apply = jax.jit(lambda p: quantized.denoiser.apply(p, tokens, t))  # one program a layout
   float_logits, quantized_logits = np.asarray(apply(float_params)), np.asarray(apply(
       quantized.params))
   np.testing.assert_array_equal(np.isfinite(float_logits), np.isfinite(quantized_logits))
