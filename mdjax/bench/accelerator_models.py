@@ -7,8 +7,10 @@ temperature its teacher and students decode at, and the CDLM student's block. su
 students decode greedily, the references' setting (the 16 given cells fix the answer);
 ScanAndAdd is unconditional (no prompt: the whole sequence is generated), where greedy
 decoding would write one sequence for every row, so its teacher's pool and every sampler run
-at temperature 1, the law's own. CDLM's block divides the task's length (25 = 5 blocks of 5
-on ScanAndAdd).
+at temperature 1, the law's own, as are permutation and the list tasks (their laws draw the
+order or the replaced item: greedy decoding would write one of them), whose teachers are one
+config (configs/oracle_task_teacher.py, `module:task`). CDLM's block divides the task's
+length (25 = 5 blocks of 5 on ScanAndAdd; the list tasks' prompt, then their answer).
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ class TaskSetting:
 SETTINGS = {
     "sudoku4": TaskSetting("sudoku4_teacher", 0.0, 8, (0.0, 1.0)),
     "scan_and_add": TaskSetting("scan_and_add_cpu", 1.0, 5, (1.0,)),
+    "permutation": TaskSetting("oracle_task_teacher:permutation", 1.0, 3, (1.0,)),
+    **{task: TaskSetting(f"oracle_task_teacher:{task}", 1.0, 4, (1.0,))
+       for task in ("list_copy", "list_replace", "list_shuffle")},
 }
 
 
@@ -59,6 +64,27 @@ def config_modules(names: dict) -> dict:
   if root not in sys.path:
     sys.path.insert(0, root)
   return {name: importlib.import_module(f"configs.{m}") for name, m in names.items()}
+
+
+def teacher_config_of(task_setting: TaskSetting):
+  """The setting's teacher config: `module` or `module:argument` (train.py's
+  --config=configs/module.py:argument), its get_config called with the argument."""
+  module, _, argument = task_setting.teacher.partition(":")
+  get_config = config_modules({"teacher": module})["teacher"].get_config
+  return get_config(argument) if argument else get_config()
+
+
+def check_sizes(task_setting: TaskSetting, oracle_task) -> None:
+  """A ValueError unless the setting's teacher trains on the oracle task's sizes (length and
+  vocabulary: `--sizes=tiny` shrinks some oracle tasks, never their teachers)."""
+  from mdjax import tasks
+  trained = tasks.from_config(teacher_config_of(task_setting))
+  if (trained.length, trained.vocab_size) != (oracle_task.length, oracle_task.vocab_size):
+    raise ValueError(
+        f"task={oracle_task.name!r}: its teacher ({task_setting.teacher}) trains on length "
+        f"{trained.length}, vocabulary {trained.vocab_size}, the oracle task here has "
+        f"{oracle_task.length}, {oracle_task.vocab_size} (--sizes=tiny shrinks it); run it "
+        "with --sizes=full or --teacher_steps=0.")
 
 
 def finished(workdir: str, num_steps: int) -> bool:
@@ -120,8 +146,8 @@ def train_models(root: str, task: str, *, seed: int, prompt_length: int, generat
   {name: (Model, record)}."""
   import mdjax
   task_setting = setting(task)
-  cfgs = config_modules(dict(teacher=task_setting.teacher, **STUDENT_CONFIGS))
-  teacher_config = cfgs["teacher"].get_config()
+  cfgs = config_modules(STUDENT_CONFIGS)
+  teacher_config = teacher_config_of(task_setting)
   teacher_config.seed = seed
   if teacher_steps:
     teacher_config.train.num_steps = teacher_steps

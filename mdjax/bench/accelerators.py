@@ -123,6 +123,8 @@ def run(*, task: str = "sudoku4", temperatures: Sequence[float] | None = None,
   if temperatures is None:  # a task without a trained setting: both
     temperatures = getattr(trained_models.SETTINGS.get(task), "oracle_temperatures", (0.0, 1.0))
   ot = by_name[task]
+  if task_setting is not None:
+    trained_models.check_sizes(task_setting, ot.task)
   canvas = bench.canvas_of(ot, rows, seed)  # results/parallelism.json's prompts
   points, filters, trained, combined_out = [], {}, None, None
   sweep = dict(train_rows=train_rows, epochs=epochs, seed=seed, sizes=sizes, log=log)

@@ -10,7 +10,7 @@ import pytest
 
 import mdjax
 from mdjax import sampling
-from mdjax.bench import accelerator_models, accelerator_points, accelerators
+from mdjax.bench import accelerator_models, accelerator_points, accelerators, parallelism
 
 SCHEMA = {"task", "accuracy", "accuracy_se", "tpf", "tpf_se", "method", "trained", "teacher",
           "temperature", "family", "knobs", "rows", "generated", "mean_forwards"}
@@ -143,5 +143,22 @@ def test_students_take_their_teachers_task_and_sudoku4s_configs_are_unchanged():
     assert on_scan.distill.prompt_length == 0 and on_scan.distill.temperature == 1.0
     assert (on_scan.sampler.steps, on_scan.sampler.temperature) == (25, 1.0)
   assert on_scan.model.block_size == on_scan.sampler.block_length == 5  # cdlm: 25 = 5 x 5
-  with pytest.raises(ValueError, match="permutation.*trained teacher exists for"):
-    accelerator_models.setting("permutation")
+  with pytest.raises(ValueError, match="two_color.*trained teacher exists for"):
+    accelerator_models.setting("two_color")
+
+
+def test_every_setting_trains_its_teacher_on_the_oracle_tasks_sizes():
+  oracle = {t.name: t for t in parallelism.oracle_tasks("full")}
+  for task, setting in accelerator_models.SETTINGS.items():
+    config = accelerator_models.teacher_config_of(setting)
+    assert config.task == task
+    accelerator_models.check_sizes(setting, oracle[task].task)  # raises on a mismatch
+    # CDLM's blocks tile the sequence, the prompt (if any) whole in its first blocks
+    length, prompt = oracle[task].task.length, oracle[task].prompt_length
+    assert length % setting.cdlm_block == 0 and prompt % setting.cdlm_block == 0, task
+  tiny = {t.name: t for t in parallelism.oracle_tasks("tiny")}
+  with pytest.raises(ValueError, match="permutation.*length 6.*has 3"):
+    accelerator_models.check_sizes(accelerator_models.SETTINGS["permutation"],
+                                   tiny["permutation"].task)
+  with pytest.raises(ValueError, match="task='sudoku4' must be one of"):
+    accelerator_models.config_modules({"t": "oracle_task_teacher"})["t"].get_config("sudoku4")
