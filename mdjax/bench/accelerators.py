@@ -15,10 +15,11 @@ batch size 1) with standard errors, in results/parallelism.json's point schema p
   order policy and its untrained start (`mdjax.bench.order_policy`);
 - teacher "trained", a model trained here (the task's config, fixed seed:
   `accelerator_models.SETTINGS`), at the task's temperature (sudoku4 greedily, the
-  references' setting; ScanAndAdd, unconditional, at 1): the same training-free families and
-  a Learn2PD filter on it, its students distilled by 'dparallel', 'd3llm' and 'cdlm'
-  (configs/distill_*.py), each decoded with the same confidence thresholds (trained: true),
-  CDLM's block-causal one block by block with the exact cache of the finished blocks.
+  references' setting; ScanAndAdd, permutation and the list tasks at 1, their laws'): the
+  same training-free families and a Learn2PD filter on it, its students distilled by
+  'dparallel', 'd3llm' and 'cdlm' (configs/distill_*.py), each decoded with the same
+  confidence thresholds (trained: true), CDLM's block-causal one block by block with the
+  exact cache of the finished blocks; on sudoku4 UPO's order policy trained on this teacher.
 
 Then AUP per method, and each trained point against the training-free frontier of its own
 teacher (`mdjax.accelerators.frontier`): at equal calls (accuracy difference in standard
@@ -27,8 +28,9 @@ the exact denoiser's frontier at equal calls (`to_exact`). Last, per task, the c
 figure (`mdjax.bench.accelerator_combined`); the file's `combined_ratio` is the largest over
 its tasks (`combined_task`). The file's first task keeps its own keys at the top level
 (config, models, filters, combined), the others' are under `tasks`. Fixed seeds; the models
-train from scratch unless --workdir holds finished runs; --only=cdlm computes that student's
-rows of the file's first task again (the teacher in --workdir checked to be its own).
+train from scratch unless --workdir holds finished runs; --only=cdlm (that student) or
+--only=order_policy (the learned order) computes those rows of the file's first task on its
+trained teacher again (the teacher in --workdir checked to be its own).
 """
 from __future__ import annotations
 
@@ -102,6 +104,14 @@ def teacher_sweep(ot: bench.OracleTask, canvas: np.ndarray, temperature: float, 
   return points, {"filter": repr(filt), "teacher": teacher, **info}
 
 
+def order_points(ot: bench.OracleTask, canvas: np.ndarray, seed: int, sizes: str,
+                 teacher: str, log) -> list[dict]:
+  """UPO's learned order (`mdjax.bench.order_policy`) trained on the frozen `teacher` and its
+  untrained start, at temperature 0 on the evaluation prompts."""
+  return [dict(p, teacher=teacher)
+          for p in order_policy_bench.accelerator_points(ot, canvas, seed, sizes, log)]
+
+
 # ----------------------------------------------------------------------------
 # The bench.
 # ----------------------------------------------------------------------------
@@ -135,8 +145,7 @@ def run(*, task: str = "sudoku4", temperatures: Sequence[float] | None = None,
     points += pts
     log(f"{ot.name} oracle T={temperature}: {len(pts)} points ({time.perf_counter() - t0:.0f} s)")
   if task == "sudoku4" and 0.0 in temperatures:  # UPO's learned order: bench/order_policy.py
-    points += [dict(p, teacher=ORACLE) for p in order_policy_bench.accelerator_points(
-        ot, canvas, seed, sizes, log)]
+    points += order_points(ot, canvas, seed, sizes, ORACLE, log)
   if task_setting is not None:
     temperature = task_setting.temperature
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,6 +160,8 @@ def run(*, task: str = "sudoku4", temperatures: Sequence[float] | None = None,
       points += pts
       for name in STUDENTS:
         points += student_points(ot, models[name][0], name, canvas, seed, sizes, temperature)
+      if task == "sudoku4" and temperature == 0.0:  # the learned order on the trained teacher
+        points += order_points(teacher_ot, canvas, seed, sizes, TRAINED, log)
       log(f"{ot.name} trained teacher and students: ({time.perf_counter() - t0:.0f} s)")
       combined_out = combined(teacher_ot, {s: models[s][0] for s in STUDENTS}, points, canvas,
                               seed, repeats=3 if sizes == "tiny" else 5, log=log,
@@ -213,25 +224,33 @@ def with_combined_ratio(results: dict) -> dict:
               combined_calls_ratio=ratios[best]["calls_ratio"], combined_task=best)
 
 
-ONLY = (cdlm.NAME,)  # the students `--only` trains (or loads) and measures again
+ORDER_POLICY = "order_policy"
+# What `--only` computes again on the trained teacher: a student (trained or loaded), or
+# sudoku4's learned order (the policy trained again); each with the methods it writes.
+ONLY = {cdlm.NAME: (cdlm.NAME,), ORDER_POLICY: (ORDER_POLICY, "order_policy_untrained")}
 
 
 def update(path: str, names: Sequence[str], *, workdir: str | None,
            student_steps: int | None = None, log=print) -> dict:
-  """The file's results with the students `names` of its first task (points, model records,
-  combined variants) computed again, AUP and equal calls recomputed, the rest kept. The
-  teacher in `workdir`/<task> must be the file's: its threshold-0.9 point is measured again
-  to the bit."""
+  """The file's results with `names` (`ONLY`) of its first task on the trained teacher
+  computed again (a student: its points, model record and combined variants; the learned
+  order: its points), AUP and equal calls recomputed, the rest kept. The teacher in
+  `workdir`/<task> must be the file's: its threshold-0.9 point is measured again to the
+  bit."""
   if set(names) - set(ONLY):
-    raise ValueError(f"--only={','.join(names)}: not students it computes again ({ONLY}).")
+    raise ValueError(f"--only={','.join(names)}: not what it computes again ({sorted(ONLY)}).")
   started, results = time.perf_counter(), files.read_json(path)
   cfg = results["config"]
   task, temperature = cfg["task"], trained_models.setting(cfg["task"]).temperature
+  if ORDER_POLICY in names and (task, temperature) != ("sudoku4", 0.0):
+    raise ValueError(f"--only={ORDER_POLICY}: the learned order is trained on sudoku4 at "
+                     f"temperature 0; {path}'s first task is {task!r} at {temperature}.")
+  students = [n for n in names if n in STUDENTS]
   ot = {t.name: t for t in bench.oracle_tasks("full")}[task]
   canvas, seed = bench.canvas_of(ot, cfg["rows"], cfg["seed"]), cfg["seed"]
   with tempfile.TemporaryDirectory() as tmp:
     models = trained_models.train_models(
-        os.path.join(workdir or tmp, task), task, seed=seed, students=names, log=log,
+        os.path.join(workdir or tmp, task), task, seed=seed, students=students, log=log,
         prompt_length=ot.prompt_length, generated=ot.generated,
         teacher_steps=results["models"]["teacher"]["steps"], student_steps=student_steps)
     teacher_ot = with_model(ot, models["teacher"][0])
@@ -242,16 +261,21 @@ def update(path: str, names: Sequence[str], *, workdir: str | None,
         and p["knobs"] == again["knobs"]] != [(again["accuracy"], again["mean_forwards"])]:
       raise ValueError(f"the teacher in {workdir} is not the one {path} was measured on "
                        "(its threshold-0.9 point differs); regenerate the whole file.")
-    points = [p for p in results["points"] if p["method"] not in names or p["task"] != task]
-    for name in names:
+    replaced = {m for name in names for m in ONLY[name]}
+    points = [p for p in results["points"] if not (
+        p["task"] == task and p["teacher"] == TRAINED and p["method"] in replaced)]
+    for name in students:
       points += student_points(ot, models[name][0], name, canvas, seed, cfg["sizes"],
                                temperature)
       results["models"][name] = models[name][1]
-    results["combined"] = combined(
-        teacher_ot, {s: models[s][0] for s in names}, points, canvas, seed,
-        repeats=results["combined"]["repeats"], thresholds=results["combined"]["thresholds"],
-        labels=("exact", "blocks"), previous=results["combined"], temperature=temperature,
-        log=log)
+    if ORDER_POLICY in names:
+      points += order_points(teacher_ot, canvas, seed, cfg["sizes"], TRAINED, log)
+    if students:
+      results["combined"] = combined(
+          teacher_ot, {s: models[s][0] for s in students}, points, canvas, seed,
+          repeats=results["combined"]["repeats"], thresholds=results["combined"]["thresholds"],
+          labels=("exact", "blocks"), previous=results["combined"], temperature=temperature,
+          log=log)
   results.update(points=points, aup=frontier.aup_by_method(points),
                  equal_calls=frontier.equal_calls(points, ORACLE),
                  updated={"only": list(names), "seconds": time.perf_counter() - started})
@@ -367,8 +391,8 @@ def main(argv: Sequence[str] | None = None, log=print) -> dict:
   parser.add_argument("--workdir", default=None, help="where the teachers and students train, "
                       "<workdir>/<task>/<model> (finished runs there are loaded); default a "
                       "temporary folder")
-  parser.add_argument("--only", default=None, help="comma-separated students to train (or "
-                      f"load) and measure again ({', '.join(ONLY)}) into --out, the rest kept "
+  parser.add_argument("--only", default=None, help="comma-separated parts to compute again "
+                      f"on the trained teacher ({', '.join(ONLY)}) into --out, the rest kept "
                       "as the file has it; the teacher (in --workdir) must be the file's")
   args = parser.parse_args(argv)
   if args.rows < 2:
@@ -379,12 +403,12 @@ def main(argv: Sequence[str] | None = None, log=print) -> dict:
     results = update(args.out, args.only.split(","), workdir=args.workdir,
                      student_steps=args.student_steps, log=log)
   for task in [] if args.only else args.task.split(","):
-    results = merged(files.read_json(args.out) if os.path.exists(args.out) else None,
-                     run(task=task, temperatures=temperatures, rows=args.rows,
-                         train_rows=args.train_rows, epochs=args.epochs, seed=args.seed,
-                         sizes=args.sizes, teacher_steps=args.teacher_steps,
-                         student_steps=args.student_steps,
-                         student_prompts=args.student_prompts, workdir=args.workdir, log=log))
+    one = run(task=task, temperatures=temperatures, rows=args.rows, train_rows=args.train_rows,
+              epochs=args.epochs, seed=args.seed, sizes=args.sizes,
+              teacher_steps=args.teacher_steps, student_steps=args.student_steps,
+              student_prompts=args.student_prompts, workdir=args.workdir, log=log)
+    # the file as it is now (not as it was when this task started): other runs' writes kept
+    results = merged(files.read_json(args.out) if os.path.exists(args.out) else None, one)
     report.write_json(args.out, results)  # each task's results kept as soon as they exist
   summary(results, log)
   report.write_json(args.out, results)

@@ -35,7 +35,8 @@ def test_a_tiny_run_writes_the_schema(tmp_path):
           ("learned_commit", True)}
   # UPO's learned order and its untrained start: on sudoku4's oracle at temperature 0.
   assert by_teacher["oracle"] == free | {("order_policy", True), ("order_policy_untrained", False)}
-  assert by_teacher["trained"] == free | {("dparallel", True), ("d3llm", True), ("cdlm", True)}
+  assert by_teacher["trained"] == free | {("dparallel", True), ("d3llm", True), ("cdlm", True),
+                                          ("order_policy", True), ("order_policy_untrained", False)}
   assert set(written["models"]) == {"teacher", "dparallel", "d3llm", "cdlm"}
   cdlm_points = [p for p in written["points"] if p["method"] == "cdlm"]
   assert all(p["knobs"]["block_length"] == 8 and p["knobs"]["kv_cache"] == "exact"
@@ -45,7 +46,8 @@ def test_a_tiny_run_writes_the_schema(tmp_path):
   assert written["filters"]["oracle 0.0"]["params"] == 2 * 16 * 32 + 32 + 16
   assert set(written["aup"]["sudoku4"]) == {"oracle", "trained"}
   trained_rows = [r for r in written["equal_calls"] if r["teacher"] == "trained"]
-  assert len(trained_rows) == 2 + 3 * 2  # the filter's 2 points, each student's 2
+  # the filter's 2 points, each student's 2, the learned order's 2 (tiny: K = 2; tau 1, 0)
+  assert len(trained_rows) == 2 + 3 * 2 + 2
   assert all("to_exact" in r or r["training_free"] is None for r in trained_rows)
   combined = written["combined"]
   assert combined["student"] in ("dparallel", "d3llm")
@@ -59,15 +61,18 @@ def test_a_tiny_run_writes_the_schema(tmp_path):
     assert written["combined_calls_ratio"] == combined["calls_ratio"]
   assert results["points"] == written["points"]
   assert (tmp_path / "acc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  # --only=cdlm: the same student loaded again gives the same points (their timings aside),
-  # the rest kept.
-  again = accelerators.main(["--only", "cdlm", "--student_steps", "2", "--workdir",
-                             str(tmp_path / "runs"), "--out", str(out)], log=lambda *a: None)
-  untimed = lambda points: [{k: v for k, v in p.items() if k != "seconds"} for p in points]
+  # --only=cdlm,order_policy: the same student loaded again and the policy trained again on
+  # the same teacher give the same points (their timings aside; the policy's replaced ones
+  # now after the student's), the rest kept.
+  again = accelerators.main(["--only", "cdlm,order_policy", "--student_steps", "2",
+                             "--workdir", str(tmp_path / "runs"), "--out", str(out)],
+                            log=lambda *a: None)
+  untimed = lambda points: sorted(json.dumps({k: v for k, v in p.items() if k != "seconds"},
+                                             sort_keys=True) for p in points)
   assert untimed(again["points"]) == untimed(written["points"])
-  assert again["updated"]["only"] == ["cdlm"] and "exact_cache" in again["combined"]
+  assert again["updated"]["only"] == ["cdlm", "order_policy"] and "exact_cache" in again["combined"]
   assert again["models"]["teacher"] == written["models"]["teacher"]
-  with pytest.raises(ValueError, match="not students it computes"):
+  with pytest.raises(ValueError, match="not what it computes again"):
     accelerators.main(["--only", "d3llm", "--out", str(out)], log=lambda *a: None)
 
 
