@@ -4,7 +4,7 @@ one by a marker, or shuffle them), each at its exact oracle's sizes.
 
   python train.py --config=configs/oracle_task_teacher.py:list_shuffle --workdir=/tmp/t
 
-The argument after the colon names the task (default permutation). A 2-layer, 0.1M-parameter
+The argument after the colon names the task (default permutation). A 2-layer, 0.13M-parameter
 Transformer, NELBO, 2,000 steps of 128 rows: a couple of minutes of CPU.
 `python -m mdjax.bench.accelerators --task=list_shuffle` trains it (seed 0), distills it
 into students and measures them beside the task's exact oracle (docs/accelerators.md).
