@@ -12,8 +12,9 @@ POOL_SAMPLER at temperature 1; greedy decoding would write one text, the referen
 low-confidence remasking mostly spaces); `judge`, duo.py's causal judge. Then each model
 draws `samples` prompt-less 64-character samples per point of `points` (row i from
 fold_in(key(SEED), i)): K steps of the fixed-step samplers (FIXED) for K in SAMPLE_STEPS, and
-sweeps of the adaptive ones' knobs (ADAPTIVE), the teacher also with its pool sampler (POOL,
-what the students learn from) and the references' (REFERENCE_POOL), scored as
+sweeps of the adaptive ones' knobs (ADAPTIVE), the teacher also with FIXED at the COOLER
+temperatures, its pool sampler (POOL, what the students learn from) and the references'
+(REFERENCE_POOL), scored as
 `mdjax.bench.noise_text` scores them: gen-ppl per character and each sample's unigram entropy
 (nats), ± standard errors over the samples, and the mean denoiser calls per sample. Also each model's validation NELBO, the held-out text's row, and per student row its
 gen-ppl minus the teacher's best (lowest gen-ppl) training-free row within its budget (K, or
@@ -50,6 +51,10 @@ FIXED = (("ancestral", "ancestral", {}), ("confidence", "confidence", {}))
 # With K as their bound they would write most of the canvas at the last step.
 ADAPTIVE = (("entropy_bounded", "entropy_bounded", "gamma", (1.0, 4.0, 16.0, 64.0)),
             ("threshold", "confidence", "threshold", (0.9, 0.8, 0.7, 0.3, 0.2)))
+# The teacher's fixed-step samplers also at these temperatures: what sharpening alone buys
+# it (the students' samples are sharper than the text). No candidates for its best: a lower
+# temperature lowers gen-ppl down to a degenerate text.
+COOLER = (0.9, 0.8)
 # The teacher's sampler of the students' data (distill.teacher_spec at temperature 1, as many
 # steps as positions): its own law, MD4's ancestral sampler. The references' LLaDA
 # low-confidence remasking (the drawn token's probability, one position a step) writes the
@@ -71,6 +76,13 @@ def points(sample_steps=SAMPLE_STEPS, length: int = 64) -> list[tuple]:
          for k in sample_steps]
   return out + [(label, family, {knob: value}, length, True)
                 for label, family, knob, values in ADAPTIVE for value in values]
+
+
+def cooler_points(sample_steps=SAMPLE_STEPS) -> list[tuple]:
+  """`points`' form of the teacher's FIXED samplers at the COOLER temperatures (labels
+  '<label>_t<temperature>')."""
+  return [(f"{label}_t{t}", family, {**knobs, "temperature": t}, k, False)
+          for t in COOLER for label, family, knobs in FIXED for k in sample_steps]
 
 
 def teacher_config(steps: int = TEACHER_STEPS):
@@ -142,11 +154,12 @@ def budget(row: dict) -> float:
 def differences(rows: list[dict]) -> list[dict]:
   """Per student row: its gen-ppl minus the teacher's best training-free row within its
   budget (the lowest gen-ppl among the teacher's rows whose `budget` is at most the
-  student's, POOLS left out; None where there is none), se sqrt(se_s^2 + se_t^2)
+  student's, POOLS and the COOLER rows left out; None where there is none), se sqrt(se_s^2 + se_t^2)
   (independent samples), z the difference in standard errors; beside it the difference to
   the teacher with the same sampler and knobs."""
   pools = {label for label, _, _ in POOLS}
-  teacher = [r for r in rows if r["process"] == "teacher" and r["sampler"] not in pools]
+  teacher = [r for r in rows if r["process"] == "teacher" and r["sampler"] not in pools
+             and "temperature" not in r["knobs"]]
   out = []
   for s in rows:
     if s["process"] not in STUDENTS:
@@ -194,7 +207,8 @@ def run(workdir: str, num_samples: int = NUM_SAMPLES, teacher_steps: int = TEACH
   nelbo, judge, judge_row, reference = duo.judged(models, paths["judge"], configs["judge"], log)
   rows = []
   for name, model in models.items():
-    extra = [pool + (task.length, False) for pool in POOLS] if name == "teacher" else []
+    extra = (cooler_points(sample_steps) + [pool + (task.length, False) for pool in POOLS]
+             if name == "teacher" else [])
     for label, family, knobs, steps, adaptive in points(sample_steps, task.length) + extra:
       rows.append(sampled_row(name, model, judge, label, family, knobs, steps, num_samples,
                               task.length, adaptive))
@@ -214,6 +228,8 @@ def run(workdir: str, num_samples: int = NUM_SAMPLES, teacher_steps: int = TEACH
                    "adaptive": [{"label": label, "family": family, "knob": knob,
                                  "values": list(values)}
                                 for label, family, knob, values in ADAPTIVE],
+                   "cooler": {"temperatures": list(COOLER), "samplers": "fixed, teacher only",
+                              "labels": "<label>_t<temperature>"},
                    "pool": {"label": POOL[0], "family": POOL[1], "knobs": POOL[2],
                             "teacher_sampler": POOL_SAMPLER, "steps": task.length},
                    "reference_pool": {"label": REFERENCE_POOL[0], "family": REFERENCE_POOL[1],
@@ -237,7 +253,7 @@ def run(workdir: str, num_samples: int = NUM_SAMPLES, teacher_steps: int = TEACH
                "steps the canvas, stop by their knob); _se: standard errors over the "
                "samples (judge fixed); "
                "bits_per_char of a model: its validation NELBO; differences: a student's "
-               "row minus the teacher's lowest gen-ppl row (pools left out) whose budget "
+               "row minus the teacher's lowest gen-ppl row (pools and cooler rows left out) whose budget "
                "(K, or the mean calls of an adaptive row) is at most the student's, se "
                "sqrt(se_s^2 + se_t^2), z the difference in standard errors; train_seconds: "
                "the run's training clock, this_run_*: this call's (0 for a reused run)"}

@@ -42,6 +42,7 @@ def test_differences_are_to_the_teachers_lowest_gen_ppl_within_the_budget():
           _row("teacher", "a", 8, 6.0, 1.0), _row("teacher", "b", 8, 7.0, 1.0),
           _row("teacher", "e", 64, 5.0, 1.0, calls=9.0, adaptive=True),
           _row("teacher", "pool", 64, 1.0, 1.0), _row("teacher", "reference_pool", 64, 1.0, 1.0),
+          dict(_row("teacher", "a_t0.8", 4, 0.5, 1.0), knobs={"temperature": 0.8}),
           _row("dparallel", "a", 4, 7.0, 1.0), _row("d3llm", "b", 8, 9.0, 2.0),
           _row("d3llm", "e", 64, 4.0, 1.0, calls=3.5, adaptive=True),
           _row("dparallel", "e", 64, 4.0, 1.0, calls=9.5, adaptive=True)]
@@ -62,7 +63,8 @@ def test_differences_are_to_the_teachers_lowest_gen_ppl_within_the_budget():
   # An adaptive student row at 3.5 calls: no teacher row within it.
   assert third["budget"] == 3.5 and third["teacher_sampler"] is None
   assert "gen_ppl_diff" not in third and third["same_sampler_gen_ppl_diff"] == -1.0
-  # At 9.5 calls the teacher's adaptive row (9 calls) is the best; its pools are no candidates.
+  # At 9.5 calls the teacher's adaptive row (9 calls) is the best; its pools and its cooler
+  # rows are no candidates.
   assert (fourth["teacher_sampler"], fourth["teacher_calls"]) == ("e", 9.0)
   assert fourth["gen_ppl_diff"] == pytest.approx(-1.0)
 
@@ -117,3 +119,13 @@ def test_judged_gives_each_models_nelbo_the_judge_and_the_held_out_row(trained):
   assert judge_row["steps"] == 30 and judge_row["workdir"] == str(root / "causal")
   assert reference == noise_text.reference_row(model.task, judge, windows)
   assert lines[0].startswith("a ") and lines[-2] == noise_text.TABLE_HEADER
+
+
+def test_the_cooler_rows_are_the_teachers_fixed_samplers_at_lower_temperatures():
+  points = distill_text.cooler_points((4, 8))
+  assert len(points) == len(distill_text.COOLER) * len(distill_text.FIXED) * 2
+  label, family, knobs, steps, adaptive = points[0]
+  assert (label, family, knobs, steps, adaptive) == (
+      f"ancestral_t{distill_text.COOLER[0]}", "ancestral",
+      {"temperature": distill_text.COOLER[0]}, 4, False)
+  assert {p[2]["temperature"] for p in points} == set(distill_text.COOLER)
