@@ -167,3 +167,13 @@ def test_every_setting_trains_its_teacher_on_the_oracle_tasks_sizes():
                                    tiny["permutation"].task)
   with pytest.raises(ValueError, match="task='sudoku4' must be one of"):
     accelerator_models.config_modules({"t": "oracle_task_teacher"})["t"].get_config("sudoku4")
+
+
+def test_only_refuses_what_it_cannot_compute_before_any_work(tmp_path):
+  path = tmp_path / "acc.json"
+  path.write_text(json.dumps({"config": {"task": "scan_and_add"}}))
+  with pytest.raises(ValueError, match=r"--only=d3llm: not what it computes again"):
+    accelerators.update(str(path), ["d3llm"], workdir=None)
+  # the learned order is sudoku4's (greedy); a file led by ScanAndAdd (temperature 1) is refused
+  with pytest.raises(ValueError, match=r"order_policy.*sudoku4 at temperature 0.*'scan_and_add'"):
+    accelerators.update(str(path), ["order_policy"], workdir=None)
