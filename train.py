@@ -126,6 +126,10 @@ def _command_line_error(argv: list[str], check_fields: bool = True) -> str | Non
     return None
   try:
     config = flags.FLAGS["config"].parser.parse(path)  # the loader --config itself uses
+  except ValueError as e:  # the file refused its argument (--config=configs/NAME.py:ARG)
+    while e.__context__ is not None:  # ml_collections re-raises it with its traceback as text
+      e = e.__context__
+    return f"--config={path!r}: {e}"
   except Exception:  # an error inside the file: its own traceback tells more
     return None
   for parts, arg in overrides:

@@ -257,6 +257,10 @@ def test_train_cli_names_a_misspelt_field_and_a_missing_config(tmp_path):
       "train.py: error: --config='configs/shakespeare-bpe.py' is not a file; did you mean "
       "--config=configs/shakespeare_bpe.py? the configs: configs/a2d_block.py, "
       "configs/a2d_masked.py, configs/corpus.py,"), proc.stderr
+  proc = run("--config=configs/oracle_task_teacher.py:sudoku4")  # an argument the file refuses
+  assert proc.returncode == 2 and proc.stderr == (
+      "train.py: error: --config='configs/oracle_task_teacher.py:sudoku4': task='sudoku4' must "
+      "be one of ('permutation', 'list_copy', 'list_replace', 'list_shuffle').\n"), proc.stderr
   assert not os.path.exists(tmp_path / "run")
 
 
