@@ -59,7 +59,8 @@ from mdjax.train.config_checks import ConfigError
 NAMES = ("dparallel", "d3llm")
 TEACHER_SAMPLERS = ("confidence", "ancestral")  # distill.teacher_sampler: default first
 COMMON = dict(teacher=None, prompt_length=0, num_prompts=3200, temperature=0.0,
-              teacher_sampler=TEACHER_SAMPLERS[0], teacher_block_length=None, entropy_temperature=0.5, entropy_weight=2.0)
+              teacher_sampler=TEACHER_SAMPLERS[0], teacher_block_length=None,
+              entropy_temperature=0.5, entropy_weight=2.0)
 DEFAULTS = {
     "dparallel": dict(COMMON, block_length=None, mask_ratio=dparallel.MASK_RATIO,
                       eps=dparallel.EPS),

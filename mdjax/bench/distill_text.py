@@ -14,11 +14,12 @@ draws `samples` prompt-less 64-character samples per point of `points` (row i fr
 fold_in(key(SEED), i)): K steps of the fixed-step samplers (FIXED) for K in SAMPLE_STEPS, and
 sweeps of the adaptive ones' knobs (ADAPTIVE), the teacher also with FIXED at the COOLER
 temperatures, its pool sampler (POOL, what the students learn from) and the references'
-(REFERENCE_POOL), scored as
-`mdjax.bench.noise_text` scores them: gen-ppl per character and each sample's unigram entropy
-(nats), ± standard errors over the samples, and the mean denoiser calls per sample. Also each model's validation NELBO, the held-out text's row, and per student row its
-gen-ppl minus the teacher's best (lowest gen-ppl) training-free row within its budget (K, or
-an adaptive row's mean calls), with its standard error. Written to `out` (JSON), seeds fixed.
+(REFERENCE_POOL), scored as `mdjax.bench.noise_text` scores them: gen-ppl per character
+and each sample's unigram entropy (nats), ± standard errors over the samples, and the mean
+denoiser calls per sample. Also each model's validation NELBO, the held-out text's row, and
+per student row its gen-ppl minus the teacher's best (lowest gen-ppl) training-free row
+within its budget (K, or an adaptive row's mean calls), with its standard error. Written to
+`out` (JSON), seeds fixed.
 """
 
 from __future__ import annotations
@@ -253,9 +254,9 @@ def run(workdir: str, num_samples: int = NUM_SAMPLES, teacher_steps: int = TEACH
                "steps the canvas, stop by their knob); _se: standard errors over the "
                "samples (judge fixed); "
                "bits_per_char of a model: its validation NELBO; differences: a student's "
-               "row minus the teacher's lowest gen-ppl row (pools and cooler rows left out) whose budget "
-               "(K, or the mean calls of an adaptive row) is at most the student's, se "
-               "sqrt(se_s^2 + se_t^2), z the difference in standard errors; train_seconds: "
+               "row minus the teacher's lowest gen-ppl row (pools and cooler rows left "
+               "out) whose budget (K, or the mean calls of an adaptive row) is at most "
+               "the student's, se sqrt(se_s^2 + se_t^2), z the difference in standard errors; train_seconds: "
                "the run's training clock, this_run_*: this call's (0 for a reused run)"}
 
 
