@@ -257,7 +257,8 @@ def run(workdir: str, num_samples: int = NUM_SAMPLES, teacher_steps: int = TEACH
                "row minus the teacher's lowest gen-ppl row (pools and cooler rows left "
                "out) whose budget (K, or the mean calls of an adaptive row) is at most "
                "the student's, se sqrt(se_s^2 + se_t^2), z the difference in standard "
-               "errors; train_seconds: the run's training clock, this_run_*: this call's (0 for a reused run)"}
+               "errors; train_seconds: the run's training clock, this_run_*: this call's "
+               "(0 for a reused run)"}
 
 
 def main(argv=None) -> None:
